@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m atom_kv.bench {transfer,connector,proxy,e2e} ...``."""

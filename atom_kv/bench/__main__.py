@@ -1,0 +1,36 @@
+"""``python -m atom_kv.bench <suite> [options]``.
+
+Each suite is a module ``atom_kv.bench.<suite>`` exposing
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit status).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUITES = {
+    "transfer": "raw backend read throughput (tcp, cma) against memcpy and socket ceilings",
+    "connector": "connector transfer GB/s, handshake latency and per-request CPU overhead",
+    "proxy": "proxy-added latency and throughput in front of fake engines",
+    "e2e": "TTFT and tokens/s, P/D versus colocated, with the reference engine",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m atom_kv.bench", description=__doc__)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="suite", required=True, metavar="{" + ",".join(SUITES) + "}")
+    for name, help_text in SUITES.items():
+        module = importlib.import_module(f"atom_kv.bench.{name}")
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(f"atom_kv.bench.{args.suite}")
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The hooks an engine calls: one method per hook, one docstring each.
+
+Shaped after vLLM's ``KVConnectorBase_V1``, split in two objects:
+
+- :class:`SchedulerHooks` lives in the engine's scheduler (one per engine).
+- :class:`WorkerHooks` lives in each TP rank's model runner.
+
+Between them the engine moves a :class:`ConnectorMetadata` (scheduler ->
+every worker, once per step) and :class:`KVConnectorOutput` (every worker ->
+an aggregator -> scheduler, once per step).
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional, Sequence, Union
+
+from atom_kv.engine_hooks.types import ConnectorMetadata, KVConnectorOutput, SchedulerEvents
+
+__all__ = ["SchedulerHooks", "WorkerHooks", "KVCacheLayer"]
+
+#: One layer's cache: ``(k, v)`` tensors shaped ``[num_blocks, kv_heads, block_size, head_dim]``
+#: (this rank's heads), or one MLA latent tensor ``[num_blocks, block_size, latent_dim]``.
+KVCacheLayer = Union[tuple[Any, Any], Any]
+
+
+class SchedulerHooks(abc.ABC):
+    """Scheduler-side connector: owns per-request transfer state, leases and
+    timeouts. Called only from the engine's scheduler thread."""
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(
+        self, request_id: str, num_prompt_tokens: int, kv_transfer_params: Optional[dict]
+    ) -> tuple[int, bool]:
+        """How many prompt tokens will arrive from a remote engine, and whether
+        they load asynchronously (the request then waits for remote KV)."""
+
+    @abc.abstractmethod
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Blocks were allocated for the request; remember where its remote KV goes."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """Per-step metadata for every worker; resets the step's pending work."""
+
+    @abc.abstractmethod
+    def update_connector_output(self, output: KVConnectorOutput, now: Optional[float] = None) -> SchedulerEvents:
+        """Ingest the finished sets aggregated over all ranks (empty is fine),
+        expire leases and load timeouts, and say what the engine must do.
+        Call once per engine step, and at least every second when idle."""
+
+    @abc.abstractmethod
+    def request_finished(
+        self, request_id: str, block_ids: Sequence[int], *, aborted: bool = False
+    ) -> tuple[bool, Optional[dict]]:
+        """The request finished (or was aborted). Returns ``(delay_free, kv_transfer_params)``:
+        when ``delay_free`` the engine keeps the blocks until a later
+        ``SchedulerEvents.free`` names the request; the params go in the response."""
+
+    def has_pending(self) -> bool:
+        """True while any transfer or lease is outstanding (the engine keeps ticking)."""
+        return False
+
+    def close(self) -> None:
+        """Release what the scheduler side holds."""
+
+
+class WorkerHooks(abc.ABC):
+    """Model-runner-side connector for one TP rank: owns the rank's transfer
+    backend, handshake server and client, and in-flight reads."""
+
+    @abc.abstractmethod
+    def register_kv_caches(self, kv_caches: Sequence[KVCacheLayer]) -> None:
+        """Register this rank's KV cache tensors, one entry per layer, block-major."""
+
+    @abc.abstractmethod
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        """Start this step's reads and bookkeeping; never blocks on the network."""
+
+    @abc.abstractmethod
+    def get_finished(self) -> KVConnectorOutput:
+        """Transfers that finished on this rank since the last call."""
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative transfer statistics for metrics (bytes, seconds, ranges, retries, failures)."""
+        return {}
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop threads, close sockets, release the backend. Idempotent."""

@@ -1,0 +1,73 @@
+"""Transfer backends: one-sided reads of registered memory from a peer.
+
+Backends are imported lazily by :func:`create_backend`, so ``import atom_kv``
+never fails because an optional backend (MORI-IO) cannot load here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Optional
+
+from atom_kv.transfer.base import (
+    MAX_REGION_BYTES,
+    BackendUnavailable,
+    ChunkedRegion,
+    ReadHandle,
+    ReadOp,
+    TransferBackend,
+    TransferError,
+    chunk_sizes,
+    merge_ops,
+    split_pair,
+)
+
+if TYPE_CHECKING:
+    from atom_kv.config import KVTransferConfig
+
+__all__ = [
+    "BACKENDS",
+    "MAX_REGION_BYTES",
+    "BackendUnavailable",
+    "ChunkedRegion",
+    "ReadHandle",
+    "ReadOp",
+    "TransferBackend",
+    "TransferError",
+    "chunk_sizes",
+    "create_backend",
+    "merge_ops",
+    "split_pair",
+]
+
+#: backend name -> "module:class"
+BACKENDS = {
+    "tcp": "atom_kv.transfer.tcp:TcpBackend",
+    "cma": "atom_kv.transfer.cma:CmaBackend",
+    "auto": "atom_kv.transfer.auto:AutoBackend",
+    "moriio": "atom_kv.transfer.moriio:MoriIOBackend",
+}
+
+
+def create_backend(
+    name: str,
+    config: Optional["KVTransferConfig"] = None,
+    *,
+    host: str = "127.0.0.1",
+    key: Optional[str] = None,
+) -> TransferBackend:
+    """Build the backend called ``name`` (see :data:`BACKENDS`).
+
+    ``host`` is the address peers use to reach this process; ``key`` a
+    process-unique name (engine id + ranks) used by backends that need one.
+    Raises :class:`BackendUnavailable` with a one-line reason when the backend
+    cannot run here.
+    """
+    try:
+        target = BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown transfer backend {name!r}; allowed: {', '.join(sorted(BACKENDS))}") from None
+    module_name, cls_name = target.split(":")
+    module = importlib.import_module(module_name)
+    cls = getattr(module, cls_name)
+    return cls(config, host=host, key=key)

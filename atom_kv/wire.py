@@ -1,0 +1,210 @@
+"""Every message atom-kv puts on a ZeroMQ socket, as msgspec Structs.
+
+Each message family has one encoder/decoder pair. Decoding anything that is
+not a well-formed message of that family raises :class:`WireError` (and only
+that), so a receive loop can ``except WireError``, count it and carry on.
+
+Every message carries ``v`` (protocol version). The registration ping keeps
+ATOM's msgpack map layout exactly (``type``/``role``/``index``/...), so ATOM's
+proxy accepts our engines and our proxy accepts ATOM's; ``v``, ``engine_id``
+and ``auth_token`` are extra keys older peers ignore.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import msgspec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "WireError",
+    "RegisterPing",
+    "HelloPing",
+    "CompatInfo",
+    "RegionInfo",
+    "HandshakeRequest",
+    "HandshakeReply",
+    "DoneReading",
+    "ReadRange",
+    "ReadRequest",
+    "ReadReply",
+    "encode",
+    "decode_registration",
+    "decode_handshake_msg",
+    "decode_handshake_reply",
+    "decode_read_request",
+    "decode_read_reply",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class WireError(ValueError):
+    """Bytes that are not a valid message of the expected family."""
+
+
+# --------------------------------------------------------------------------
+# Discovery: engine rank 0 (DEALER) -> proxy (ROUTER)
+# --------------------------------------------------------------------------
+class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=True):
+    """ATOM's registration ping. ``role`` is "P" (prefill) or "D" (decode)."""
+
+    role: Literal["P", "D"]
+    index: str
+    request_address: str
+    handshake_port: int
+    dp_size: int = 1
+    tp_size: int = 1
+    transfer_mode: str = "read"
+    v: int = PROTOCOL_VERSION
+    engine_id: Optional[str] = None
+    auth_token: Optional[str] = None
+    model: Optional[str] = None
+
+
+class HelloPing(msgspec.Struct, tag_field="type", tag="HELLO", kw_only=True):
+    """ATOM's initial hello; carries nothing we use and is ignored."""
+
+
+_Registration = Union[RegisterPing, HelloPing]
+
+
+# --------------------------------------------------------------------------
+# Handshake port: consumer worker (DEALER) -> producer worker (ROUTER)
+# --------------------------------------------------------------------------
+class CompatInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """What two engines must agree on before a block byte is trusted."""
+
+    model_id: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int  # total across all TP ranks
+    head_dim: int
+    block_size: int
+    is_mla: bool = False
+
+
+class RegionInfo(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
+    """One registered KV tensor of a rank, as the peer needs to address it.
+
+    ``layer`` and ``kind`` ("k", "v" or "latent") name the tensor;
+    ``region_ids`` are the backend's chunk ids, each ``chunk_bytes`` long
+    except possibly the last; ``block_bytes`` is the bytes of one block of
+    this rank's slice; ``num_blocks`` the tensor's block count.
+    """
+
+    layer: int
+    kind: str
+    region_ids: list[int]
+    chunk_bytes: int
+    block_bytes: int
+    num_blocks: int
+
+
+class HandshakeRequest(msgspec.Struct, tag_field="t", tag="hs", kw_only=True):
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    compat: CompatInfo
+    backend: str
+    host: str = ""
+    auth_token: Optional[str] = None
+    v: int = PROTOCOL_VERSION
+
+
+class HandshakeReply(msgspec.Struct, tag_field="t", tag="hs_ok", kw_only=True):
+    ok: bool
+    error: str = ""
+    engine_id: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    compat: Optional[CompatInfo] = None
+    backend: str = ""
+    host: str = ""
+    descriptor: bytes = b""
+    regions: list[RegionInfo] = []
+    v: int = PROTOCOL_VERSION
+
+
+class DoneReading(msgspec.Struct, tag_field="t", tag="done", kw_only=True):
+    """Consumer rank ``tp_rank`` of ``tp_size`` finished (or gave up) reading."""
+
+    transfer_id: str
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    ok: bool = True
+    auth_token: Optional[str] = None
+    v: int = PROTOCOL_VERSION
+
+
+_HandshakeMsg = Union[HandshakeRequest, DoneReading]
+
+
+# --------------------------------------------------------------------------
+# tcp backend read protocol
+# --------------------------------------------------------------------------
+class ReadRange(msgspec.Struct, array_like=True, frozen=True):
+    region: int
+    offset: int
+    size: int
+
+
+class ReadRequest(msgspec.Struct, tag_field="t", tag="rd", kw_only=True, array_like=True):
+    req_id: int
+    ranges: list[ReadRange]
+    auth_token: Optional[str] = None
+    v: int = PROTOCOL_VERSION
+
+
+class ReadReply(msgspec.Struct, tag_field="t", tag="rd_ok", kw_only=True, array_like=True):
+    req_id: int
+    ok: bool
+    total: int = 0
+    error: str = ""
+    v: int = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------
+# One encoder, one decoder per family.
+# --------------------------------------------------------------------------
+_encoder = msgspec.msgpack.Encoder()
+_registration_decoder = msgspec.msgpack.Decoder(_Registration)
+_handshake_decoder = msgspec.msgpack.Decoder(_HandshakeMsg)
+_handshake_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+_read_request_decoder = msgspec.msgpack.Decoder(ReadRequest)
+_read_reply_decoder = msgspec.msgpack.Decoder(ReadReply)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """msgpack-encode any message of this module."""
+    return _encoder.encode(msg)
+
+
+def _decoding(decoder: msgspec.msgpack.Decoder, data: bytes, family: str):
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireError(f"bad {family} message ({len(data)} bytes): {exc}") from None
+
+
+def decode_registration(data: bytes) -> _Registration:
+    return _decoding(_registration_decoder, data, "registration")
+
+
+def decode_handshake_msg(data: bytes) -> _HandshakeMsg:
+    return _decoding(_handshake_decoder, data, "handshake")
+
+
+def decode_handshake_reply(data: bytes) -> HandshakeReply:
+    return _decoding(_handshake_reply_decoder, data, "handshake reply")
+
+
+def decode_read_request(data: bytes) -> ReadRequest:
+    return _decoding(_read_request_decoder, data, "read request")
+
+
+def decode_read_reply(data: bytes) -> ReadReply:
+    return _decoding(_read_reply_decoder, data, "read reply")
