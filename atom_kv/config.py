@@ -128,7 +128,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 "(allowed: 'kv_producer', 'kv_consumer')"
             )
         try:
-            return msgspec.convert(data, cls, strict=False)
+            return msgspec.convert(data, cls)
         except ConfigError:
             raise
         except msgspec.ValidationError as exc:

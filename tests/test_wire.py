@@ -1,0 +1,113 @@
+"""Wire messages: ATOM-compatible layout, versions, and garbage handling."""
+
+from __future__ import annotations
+
+import os
+
+import msgpack
+import pytest
+
+from atom_kv import wire
+from atom_kv.wire import (
+    CompatInfo,
+    DoneReading,
+    HandshakeReply,
+    HandshakeRequest,
+    HelloPing,
+    ReadRange,
+    ReadReply,
+    ReadRequest,
+    RegisterPing,
+    WireError,
+)
+
+
+def test_registration_ping_has_atoms_keys():
+    ping = RegisterPing(
+        role="P", index="0", request_address="http://127.0.0.1:8000/v1/completions", handshake_port=6301, tp_size=2
+    )
+    raw = msgpack.unpackb(wire.encode(ping))
+    for key, value in {
+        "type": "register",
+        "role": "P",
+        "index": "0",
+        "request_address": "http://127.0.0.1:8000/v1/completions",
+        "handshake_port": 6301,
+        "dp_size": 1,
+        "tp_size": 2,
+        "transfer_mode": "read",
+        "v": wire.PROTOCOL_VERSION,
+    }.items():
+        assert raw[key] == value
+
+
+def test_atom_ping_from_plain_msgpack_decodes_with_extra_keys():
+    raw = msgpack.packb(
+        {
+            "type": "register",
+            "role": "D",
+            "index": "3",
+            "request_address": "http://10.1.1.1:9000/v1/completions",
+            "handshake_port": 7000,
+            "dp_size": 2,
+            "tp_size": 8,
+            "transfer_mode": "read",
+            "something_new": [1, 2],
+        }
+    )
+    msg = wire.decode_registration(raw)
+    assert isinstance(msg, RegisterPing)
+    assert (msg.role, msg.dp_size, msg.tp_size) == ("D", 2, 8)
+
+
+def test_hello_is_its_own_type():
+    assert isinstance(wire.decode_registration(msgpack.packb({"type": "HELLO"})), HelloPing)
+
+
+def test_handshake_family_round_trip():
+    compat = CompatInfo(model_id="m", dtype="float16", num_layers=2, num_kv_heads=4, head_dim=16, block_size=16)
+    req = HandshakeRequest(engine_id="e", tp_rank=1, tp_size=2, compat=compat, backend="tcp", auth_token="t")
+    done = DoneReading(transfer_id="x", engine_id="e", tp_rank=0, tp_size=1)
+    assert wire.decode_handshake_msg(wire.encode(req)) == req
+    assert wire.decode_handshake_msg(wire.encode(done)) == done
+    reply = HandshakeReply(ok=True, compat=compat, descriptor=b"\x00\x01")
+    assert wire.decode_handshake_reply(wire.encode(reply)) == reply
+
+
+def test_read_family_round_trip():
+    req = ReadRequest(req_id=7, ranges=[ReadRange(0, 4096, 8192)])
+    assert wire.decode_read_request(wire.encode(req)) == req
+    rep = ReadReply(req_id=7, ok=False, error="out of range")
+    assert wire.decode_read_reply(wire.encode(rep)) == rep
+
+
+@pytest.mark.parametrize(
+    "decode",
+    [
+        wire.decode_registration,
+        wire.decode_handshake_msg,
+        wire.decode_handshake_reply,
+        wire.decode_read_request,
+        wire.decode_read_reply,
+    ],
+)
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"",
+        b"\xc1",
+        os.urandom(64),
+        msgpack.packb({"type": "register", "role": "X"}),
+        msgpack.packb({"t": "hs", "engine_id": 5}),
+        msgpack.packb([1, 2, 3]),
+    ],
+)
+def test_garbage_raises_only_wire_error(decode, junk):
+    with pytest.raises(WireError):
+        decode(junk)
+
+
+def test_wrong_family_is_rejected():
+    done = wire.encode(DoneReading(transfer_id="x", engine_id="e", tp_rank=0, tp_size=1))
+    with pytest.raises(WireError):
+        wire.decode_registration(done)
