@@ -35,6 +35,23 @@ __all__ = [
     "decode_handshake_reply",
     "decode_read_request",
     "decode_read_reply",
+    "TcpHello",
+    "TcpHelloReply",
+    "TcpDescriptor",
+    "RegionSpan",
+    "CmaDescriptor",
+    "CmaGrantRequest",
+    "CmaGrantReply",
+    "AutoDescriptor",
+    "decode_tcp_hello",
+    "decode_tcp_hello_reply",
+    "decode_tcp_descriptor",
+    "decode_cma_descriptor",
+    "decode_cma_grant_request",
+    "decode_cma_grant_reply",
+    "decode_auto_descriptor",
+    "MoriIODescriptor",
+    "decode_moriio_descriptor",
 ]
 
 PROTOCOL_VERSION = 1
@@ -153,10 +170,15 @@ class ReadRange(msgspec.Struct, array_like=True, frozen=True):
 
 
 class ReadRequest(msgspec.Struct, tag_field="t", tag="rd", kw_only=True, array_like=True):
+    """``ranges`` to send back in order. ``packed`` (when non-empty) carries
+    the same thing in bulk: little-endian uint64 ``(region, offset, size)``
+    triples, used instead of ``ranges``."""
+
     req_id: int
     ranges: list[ReadRange]
     auth_token: Optional[str] = None
     v: int = PROTOCOL_VERSION
+    packed: bytes = b""
 
 
 class ReadReply(msgspec.Struct, tag_field="t", tag="rd_ok", kw_only=True, array_like=True):
@@ -164,6 +186,94 @@ class ReadReply(msgspec.Struct, tag_field="t", tag="rd_ok", kw_only=True, array_
     ok: bool
     total: int = 0
     error: str = ""
+    v: int = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------
+# moriio backend descriptor (carried opaquely in HandshakeReply.descriptor)
+# --------------------------------------------------------------------------
+class MoriIODescriptor(msgspec.Struct, tag_field="t", tag="mori", kw_only=True, array_like=True):
+    """One MORI-IO engine's reachability: its packed ``EngineDesc`` and one
+    packed ``MemoryDesc`` plus byte size per registered region (index = region id)."""
+
+    key: str
+    engine: bytes
+    transport: str
+    memories: list[bytes]
+    sizes: list[int]
+    v: int = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------
+# tcp backend: connection hello and descriptor
+# --------------------------------------------------------------------------
+class TcpHello(msgspec.Struct, tag_field="t", tag="tcp_hello", kw_only=True):
+    """First frame on a tcp backend connection: who reads, with which token."""
+
+    key: str = ""
+    auth_token: Optional[str] = None
+    v: int = PROTOCOL_VERSION
+
+
+class TcpHelloReply(msgspec.Struct, tag_field="t", tag="tcp_hello_ok", kw_only=True):
+    ok: bool
+    error: str = ""
+    v: int = PROTOCOL_VERSION
+
+
+class TcpDescriptor(msgspec.Struct, tag_field="t", tag="tcp_desc", kw_only=True):
+    """What a reader needs to reach a tcp backend's read server."""
+
+    host: str
+    port: int
+    key: str = ""
+    host_id: str = ""
+    v: int = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------
+# cma backend: descriptor and the control endpoint that grants access
+# --------------------------------------------------------------------------
+class RegionSpan(msgspec.Struct, array_like=True, frozen=True):
+    """One registered region of a process: id, virtual address, size."""
+
+    region: int
+    addr: int
+    size: int
+
+
+class CmaDescriptor(msgspec.Struct, tag_field="t", tag="cma_desc", kw_only=True):
+    """Where the cma control endpoint of a process is (same host only)."""
+
+    pid: int
+    host_id: str
+    ctl_host: str
+    ctl_port: int
+    key: str = ""
+    v: int = PROTOCOL_VERSION
+
+
+class CmaGrantRequest(msgspec.Struct, tag_field="t", tag="cma_grant", kw_only=True):
+    pid: int
+    key: str = ""
+    auth_token: Optional[str] = None
+    v: int = PROTOCOL_VERSION
+
+
+class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=True):
+    ok: bool
+    error: str = ""
+    pid: int = 0
+    regions: list[RegionSpan] = []
+    v: int = PROTOCOL_VERSION
+
+
+class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=True):
+    """Both descriptors of an auto backend; ``cma`` is empty when unusable."""
+
+    host_id: str
+    tcp: bytes
+    cma: bytes = b""
     v: int = PROTOCOL_VERSION
 
 
@@ -176,6 +286,14 @@ _handshake_decoder = msgspec.msgpack.Decoder(_HandshakeMsg)
 _handshake_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
 _read_request_decoder = msgspec.msgpack.Decoder(ReadRequest)
 _read_reply_decoder = msgspec.msgpack.Decoder(ReadReply)
+_tcp_hello_decoder = msgspec.msgpack.Decoder(TcpHello)
+_tcp_hello_reply_decoder = msgspec.msgpack.Decoder(TcpHelloReply)
+_tcp_descriptor_decoder = msgspec.msgpack.Decoder(TcpDescriptor)
+_cma_descriptor_decoder = msgspec.msgpack.Decoder(CmaDescriptor)
+_cma_grant_request_decoder = msgspec.msgpack.Decoder(CmaGrantRequest)
+_cma_grant_reply_decoder = msgspec.msgpack.Decoder(CmaGrantReply)
+_auto_descriptor_decoder = msgspec.msgpack.Decoder(AutoDescriptor)
+_moriio_descriptor_decoder = msgspec.msgpack.Decoder(MoriIODescriptor)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -208,3 +326,35 @@ def decode_read_request(data: bytes) -> ReadRequest:
 
 def decode_read_reply(data: bytes) -> ReadReply:
     return _decoding(_read_reply_decoder, data, "read reply")
+
+
+def decode_moriio_descriptor(data: bytes) -> MoriIODescriptor:
+    return _decoding(_moriio_descriptor_decoder, data, "moriio descriptor")
+
+
+def decode_tcp_hello(data: bytes) -> TcpHello:
+    return _decoding(_tcp_hello_decoder, data, "tcp hello")
+
+
+def decode_tcp_hello_reply(data: bytes) -> TcpHelloReply:
+    return _decoding(_tcp_hello_reply_decoder, data, "tcp hello reply")
+
+
+def decode_tcp_descriptor(data: bytes) -> TcpDescriptor:
+    return _decoding(_tcp_descriptor_decoder, data, "tcp descriptor")
+
+
+def decode_cma_descriptor(data: bytes) -> CmaDescriptor:
+    return _decoding(_cma_descriptor_decoder, data, "cma descriptor")
+
+
+def decode_cma_grant_request(data: bytes) -> CmaGrantRequest:
+    return _decoding(_cma_grant_request_decoder, data, "cma grant request")
+
+
+def decode_cma_grant_reply(data: bytes) -> CmaGrantReply:
+    return _decoding(_cma_grant_reply_decoder, data, "cma grant reply")
+
+
+def decode_auto_descriptor(data: bytes) -> AutoDescriptor:
+    return _decoding(_auto_descriptor_decoder, data, "auto descriptor")

@@ -23,9 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m atom_kv.bench", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="suite", required=True, metavar="{" + ",".join(SUITES) + "}")
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = next((a for a in argv if a in SUITES), None)
     for name, help_text in SUITES.items():
-        module = importlib.import_module(f"atom_kv.bench.{name}")
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            # Import only the suite being run: one suite's heavy or broken
+            # imports never affect another.
+            importlib.import_module(f"atom_kv.bench.{name}").add_arguments(sub_parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module = importlib.import_module(f"atom_kv.bench.{args.suite}")

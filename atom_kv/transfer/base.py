@@ -64,12 +64,24 @@ class ReadHandle:
 
     Backends call :meth:`_finish` exactly once (later calls are ignored), from
     any thread. ``error`` is ``None`` on success, else a one-line reason.
+
+    *Finished* is not the same as *settled*: a handle failed by its deadline
+    finishes at once, but a backend worker may still be inside one syscall
+    writing into the destination. :meth:`wait_settled` returns once no
+    backend thread will touch the destination memory again; only then may the
+    caller hand those blocks to anybody else. Backends that track their
+    in-flight I/O call :meth:`_track_io` at creation and :meth:`_settle` when
+    the last worker let go; for the others, finishing settles.
     """
 
-    __slots__ = ("_event", "_lock", "error", "nbytes", "num_ranges", "started", "finished")
+    __slots__ = (
+        "_event", "_settled", "_tracked", "_lock", "error", "nbytes", "num_ranges", "started", "finished",
+    )
 
     def __init__(self, nbytes: int = 0, num_ranges: int = 0) -> None:
         self._event = threading.Event()
+        self._settled = threading.Event()
+        self._tracked = False
         self._lock = threading.Lock()
         self.error: Optional[str] = None
         self.nbytes = nbytes
@@ -83,6 +95,13 @@ class ReadHandle:
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Block until finished or ``timeout`` seconds pass; True if finished."""
         return self._event.wait(timeout)
+
+    def settled(self) -> bool:
+        return self._settled.is_set()
+
+    def wait_settled(self, timeout: Optional[float] = None) -> bool:
+        """Block until no backend thread will write the destination again."""
+        return self._settled.wait(timeout)
 
     @property
     def ok(self) -> bool:
@@ -101,7 +120,17 @@ class ReadHandle:
             self.error = error
             self.finished = time.monotonic()
             self._event.set()
+            if not self._tracked:
+                self._settled.set()
             return True
+
+    def _track_io(self) -> None:
+        """Called by a backend before any I/O: settling is then explicit."""
+        self._tracked = True
+
+    def _settle(self) -> None:
+        """The backend's last worker for this handle has let go of its memory."""
+        self._settled.set()
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("ok" if self.error is None else f"error={self.error!r}")
@@ -114,6 +143,10 @@ class TransferBackend(abc.ABC):
 
     #: short name: "tcp", "cma", "moriio"
     name: str = ""
+
+    #: largest region :meth:`register_memory` creates; tests lower it on an
+    #: instance to exercise chunk boundaries with small buffers.
+    max_region_bytes: int = MAX_REGION_BYTES
 
     @abc.abstractmethod
     def register_memory(self, ptr: int, size: int, *, align: int = 1) -> list[int]:

@@ -1,0 +1,267 @@
+"""Raw backend read throughput: ``python -m atom_kv.bench transfer``.
+
+Two processes on 127.0.0.1: this one reads ``--total-mb`` of a buffer the
+spawned serving process registered, in ``--block-kb`` blocks (contiguous, or
+with ``--scattered`` a random permutation on both sides so nothing merges),
+verifies every byte, and prints GB/s (10^9 bytes/s) next to two ceilings
+measured in the same run: numpy memcpy of the same size and one plain
+loopback TCP stream (``sendall`` into ``recv_into``) between two processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+BACKEND_CHOICES = ("tcp", "cma", "auto", "moriio")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=BACKEND_CHOICES, default="tcp")
+    parser.add_argument("--total-mb", type=int, default=256, help="bytes read per measurement, in MiB")
+    parser.add_argument("--block-kb", default="4,16,64,256,1024", help="comma-separated block sizes in KiB")
+    parser.add_argument("--scattered", action="store_true", help="read blocks in a random permutation (no merging)")
+    parser.add_argument("--repeat", type=int, default=3, help="measurements per block size (best and median reported)")
+    parser.add_argument("--streams", type=int, default=None, help="tcp_streams for the tcp backend (default: config default)")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="per-read timeout")
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+# --------------------------------------------------------------------------
+# serving process
+# --------------------------------------------------------------------------
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    """A writable buffer of pseudo-random bytes both processes can regenerate."""
+    out = np.empty(nbytes, dtype=np.uint8)
+    out[:] = np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
+    return out
+
+
+def _socket_pusher(lsock: socket.socket, buf: np.ndarray, stop: threading.Event) -> None:
+    """Send the whole buffer once per accepted connection (the socket ceiling)."""
+    view = memoryview(buf)
+    lsock.settimeout(1.0)
+    while not stop.is_set():
+        try:
+            conn, _ = lsock.accept()
+        except (TimeoutError, OSError):
+            continue
+        with conn:
+            conn.settimeout(60)
+            try:
+                conn.sendall(view)
+            except OSError as exc:
+                log.warning("socket ceiling: send failed: %s", exc)
+
+
+def _serve(backend_name: str, config: dict[str, Any], nbytes: int, align: int, seed: int, conn: Any) -> None:
+    from atom_kv.config import KVTransferConfig
+    from atom_kv.transfer import create_backend
+
+    try:
+        cfg = KVTransferConfig.from_dict({"kv_role": "kv_producer", **config})
+        backend = create_backend(backend_name, cfg, host="127.0.0.1", key=f"bench-serve-{os.getpid()}")
+        buf = pattern(nbytes, seed)
+        ids = backend.register_memory(buf.ctypes.data, nbytes, align=align)
+        desc = backend.export_descriptor()
+    except Exception as exc:  # reported to the parent as one line
+        conn.send(("error", f"{type(exc).__name__}: {exc}", [], 0))
+        return
+    lsock = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    pusher = threading.Thread(target=_socket_pusher, args=(lsock, buf, stop), name="bench-socket-pusher", daemon=True)
+    pusher.start()
+    conn.send(("ready", desc, ids, lsock.getsockname()[1]))
+    while True:
+        if conn.poll(1.0):
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg == "stop":
+                break
+    stop.set()
+    pusher.join(5)
+    lsock.close()
+    backend.close()
+
+
+# --------------------------------------------------------------------------
+# measurements
+# --------------------------------------------------------------------------
+def memcpy_gbps(dst: np.ndarray, src: np.ndarray) -> float:
+    t = time.perf_counter()
+    np.copyto(dst, src)
+    return dst.nbytes / (time.perf_counter() - t) / 1e9
+
+
+def socket_gbps(port: int, dst: np.ndarray) -> float:
+    view = memoryview(dst)
+    n = dst.nbytes
+    t = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        got = 0
+        while got < n:
+            k = s.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError("socket ceiling: sender closed early")
+            got += k
+    return n / (time.perf_counter() - t) / 1e9
+
+
+def build_ops(nblocks: int, block: int, chunk: int, ids: list[int], local_ids: list[int],
+              scattered: bool, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ops array, local block order, remote block order): local block
+    ``lperm[i]`` receives remote block ``rperm[i]``."""
+    if scattered:
+        rng = np.random.default_rng(seed)
+        lperm, rperm = rng.permutation(nblocks), rng.permutation(nblocks)
+    else:
+        lperm = rperm = np.arange(nblocks)
+    loff = lperm.astype(np.int64) * block
+    roff = rperm.astype(np.int64) * block
+    ops = np.empty((nblocks, 5), dtype=np.int64)
+    ops[:, 0] = np.asarray(local_ids, dtype=np.int64)[loff // chunk]
+    ops[:, 1] = loff % chunk
+    ops[:, 2] = np.asarray(ids, dtype=np.int64)[roff // chunk]
+    ops[:, 3] = roff % chunk
+    ops[:, 4] = block
+    return ops, lperm, rperm
+
+
+def run(args: argparse.Namespace) -> int:
+    from atom_kv.config import KVTransferConfig
+    from atom_kv.transfer import BackendUnavailable, TransferError, chunk_sizes, create_backend
+
+    try:
+        blocks_kb = [int(x) for x in str(args.block_kb).split(",") if x.strip()]
+    except ValueError:
+        print(f"transfer bench: --block-kb must be comma-separated integers, got {args.block_kb!r}", file=sys.stderr)
+        return 2
+    nbytes = args.total_mb << 20
+    if not blocks_kb or any(b <= 0 or nbytes % (b << 10) for b in blocks_kb):
+        print("transfer bench: every --block-kb must be positive and divide --total-mb", file=sys.stderr)
+        return 2
+    config: dict[str, Any] = {"transfer_timeout_s": args.timeout_s}
+    if args.streams is not None:
+        config["tcp_streams"] = args.streams
+    cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", **config})
+    try:
+        backend = create_backend(args.backend, cfg, host="127.0.0.1", key=f"bench-read-{os.getpid()}")
+        if args.backend == "cma":
+            from atom_kv.transfer.cma import cma_unavailable_reason
+
+            reason = cma_unavailable_reason()
+            if reason:
+                raise BackendUnavailable(reason)
+    except (BackendUnavailable, ImportError) as exc:
+        print(f"transfer bench: backend {args.backend!r} unavailable: {exc}", file=sys.stderr)
+        return 2
+
+    align = max(blocks_kb) << 10
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    seed = 20260101
+    proc = ctx.Process(target=_serve, args=(args.backend, config, nbytes, align, seed, child), name="bench-serve", daemon=True)
+    proc.start()
+    child.close()
+    failures = 0
+    try:
+        if not parent.poll(120):
+            print("transfer bench: serving process did not start", file=sys.stderr)
+            return 1
+        status, desc, ids, sock_port = parent.recv()
+        if status != "ready":
+            print(f"transfer bench: serving process failed: {desc}", file=sys.stderr)
+            return 2 if "Unavailable" in desc else 1
+        src = pattern(nbytes, seed)
+        dst = np.zeros(nbytes, dtype=np.uint8)
+        local_ids = backend.register_memory(dst.ctypes.data, nbytes, align=align)
+        chunk = chunk_sizes(nbytes, align, backend.max_region_bytes)[0]
+        try:
+            peer = backend.add_peer(desc)
+        except TransferError as exc:
+            print(f"transfer bench: cannot add peer: {exc}", file=sys.stderr)
+            return 1
+        for block_kb in blocks_kb:
+            failures += _measure(args, backend, peer, src, dst, ids, local_ids, chunk, block_kb, sock_port, seed)
+    finally:
+        backend.close()
+        try:
+            parent.send("stop")
+        except OSError:
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    return 1 if failures else 0
+
+
+def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray, dst: np.ndarray,
+             ids: list[int], local_ids: list[int], chunk: int, block_kb: int, sock_port: int, seed: int) -> int:
+    block = block_kb << 10
+    nblocks = src.nbytes // block
+    ops, lperm, rperm = build_ops(nblocks, block, chunk, ids, local_ids, args.scattered, seed + block_kb)
+    rates, mem, sock = [], [], []
+    verified = True
+    error: Optional[str] = None
+    for _ in range(max(1, args.repeat)):
+        mem.append(memcpy_gbps(dst, src))
+        sock.append(socket_gbps(sock_port, dst))
+        dst.fill(0)
+        t = time.perf_counter()
+        h = backend.read(peer, ops, timeout_s=args.timeout_s)
+        finished = h.wait(args.timeout_s + 5)
+        elapsed = time.perf_counter() - t
+        if not finished or h.error:
+            error = h.error or "read did not finish"
+            verified = False
+            break
+        rates.append(src.nbytes / elapsed / 1e9)
+        got = dst.reshape(nblocks, block)[lperm]
+        want = src.reshape(nblocks, block)[rperm]
+        if not np.array_equal(got, want):
+            verified = False
+            error = "bytes read differ from the source"
+            break
+    row = {
+        "backend": args.backend,
+        "block_kb": block_kb,
+        "scattered": bool(args.scattered),
+        "total_mb": args.total_mb,
+        "gbps": round(max(rates), 3) if rates else 0.0,
+        "gbps_median": round(statistics.median(rates), 3) if rates else 0.0,
+        "verified": verified,
+        "memcpy_gbps": round(max(mem), 3),
+        "socket_gbps": round(max(sock), 3),
+        "repeats": len(rates),
+    }
+    if error:
+        row["error"] = error
+    if args.json:
+        print(json.dumps(row), flush=True)
+    else:
+        pct_mem = 100 * row["gbps"] / row["memcpy_gbps"] if row["memcpy_gbps"] else 0
+        pct_sock = 100 * row["gbps"] / row["socket_gbps"] if row["socket_gbps"] else 0
+        print(
+            f"{row['backend']:>6} block {block_kb:>5} KiB {'scattered' if args.scattered else 'contiguous':>10}: "
+            f"{row['gbps']:7.3f} GB/s (median {row['gbps_median']:.3f})  memcpy {row['memcpy_gbps']:.3f} "
+            f"({pct_mem:.0f}%)  socket {row['socket_gbps']:.3f} ({pct_sock:.0f}%)  verified={verified}"
+            + (f"  error: {error}" if error else ""),
+            flush=True,
+        )
+    return 0 if verified else 1

@@ -1,0 +1,173 @@
+"""Registered-region bookkeeping and bulk (numpy) op handling shared by the
+tcp and cma backends: region tables, op arrays, vectorised merge and bounds
+checks, and the default-config fallback."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+
+from atom_kv.transfer.base import MAX_REGION_BYTES, chunk_sizes
+
+if TYPE_CHECKING:
+    from atom_kv.config import KVTransferConfig
+
+__all__ = [
+    "RegionTable",
+    "as_op_array",
+    "merge_op_array",
+    "out_of_bounds",
+    "resolve_config",
+    "split_large",
+]
+
+#: columns of an op array, same order as :class:`ReadOp`
+LOCAL_REGION, LOCAL_OFFSET, REMOTE_REGION, REMOTE_OFFSET, SIZE = range(5)
+
+
+def resolve_config(config: Optional["KVTransferConfig"]) -> "KVTransferConfig":
+    """The given config, or the defaults when running without one."""
+    if config is not None:
+        return config
+    from atom_kv.config import KVTransferConfig
+
+    return KVTransferConfig(kv_role="kv_producer")
+
+
+class RegionTable:
+    """Registered regions of this process: id -> (address, size), plus a
+    writable memoryview per region. Ids are dense, starting at 0."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.addrs = np.zeros(0, dtype=np.uint64)
+        self.sizes = np.zeros(0, dtype=np.uint64)
+        self._views: list[memoryview] = []
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def add(self, ptr: int, size: int, align: int, limit: int = MAX_REGION_BYTES) -> list[int]:
+        """Register ``size`` bytes at ``ptr`` as chunks; returns the new ids."""
+        if not isinstance(ptr, int) or ptr <= 0:
+            raise ValueError(f"register_memory: ptr must be a positive address, got {ptr!r}")
+        sizes = chunk_sizes(size, align, limit)
+        with self._lock:
+            first = len(self._views)
+            addrs = []
+            off = 0
+            for n in sizes:
+                addrs.append(ptr + off)
+                self._views.append(memoryview((ctypes.c_char * n).from_address(ptr + off)).cast("B"))
+                off += n
+            self.addrs = np.concatenate([self.addrs, np.asarray(addrs, dtype=np.uint64)])
+            self.sizes = np.concatenate([self.sizes, np.asarray(sizes, dtype=np.uint64)])
+            return list(range(first, first + len(sizes)))
+
+    def view(self, region: int) -> memoryview:
+        return self._views[region]
+
+    def views(self, regions: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> list[memoryview]:
+        """Memoryviews of ``[offset, offset+size)`` in each region, in order
+        (ranges must already be bounds-checked)."""
+        starts = offsets.tolist()
+        ends = (offsets + sizes).tolist()
+        if len(regions) and bool((regions == regions[0]).all()):
+            mv = self._views[int(regions[0])]
+            return [mv[a:b] for a, b in zip(starts, ends)]
+        vl = self._views
+        return [vl[r][a:b] for r, a, b in zip(regions.tolist(), starts, ends)]
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        with self._lock:
+            return [(i, int(a), int(s)) for i, (a, s) in enumerate(zip(self.addrs, self.sizes))]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._views = []
+            self.addrs = np.zeros(0, dtype=np.uint64)
+            self.sizes = np.zeros(0, dtype=np.uint64)
+
+
+def as_op_array(ops: Any) -> np.ndarray:
+    """``ops`` (a sequence of :class:`ReadOp` or an ``(n, 5)`` integer array
+    with the ReadOp columns) as a C-contiguous int64 array of shape (n, 5)."""
+    if isinstance(ops, np.ndarray):
+        arr = np.ascontiguousarray(ops, dtype=np.int64)
+    else:
+        arr = np.array(ops, dtype=np.int64) if len(ops) else np.zeros((0, 5), dtype=np.int64)
+    if arr.ndim != 2 or arr.shape[1] != 5:
+        raise ValueError(f"read ops must be ReadOp tuples or an (n, 5) array, got shape {arr.shape}")
+    return arr
+
+
+def merge_op_array(arr: np.ndarray) -> np.ndarray:
+    """Vectorised :func:`merge_ops`: drop empty ops, sort, merge ops that are
+    contiguous on both sides. Same result as ``merge_ops`` (as an array)."""
+    arr = arr[arr[:, SIZE] > 0]
+    if len(arr) <= 1:
+        return arr.copy()
+    arr = arr[_sort_order(arr)]
+    prev, nxt = arr[:-1], arr[1:]
+    joins = (
+        (prev[:, LOCAL_REGION] == nxt[:, LOCAL_REGION])
+        & (prev[:, REMOTE_REGION] == nxt[:, REMOTE_REGION])
+        & (prev[:, LOCAL_OFFSET] + prev[:, SIZE] == nxt[:, LOCAL_OFFSET])
+        & (prev[:, REMOTE_OFFSET] + prev[:, SIZE] == nxt[:, REMOTE_OFFSET])
+    )
+    if not joins.any():
+        return arr
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    out = arr[starts].copy()
+    out[:, SIZE] = np.add.reduceat(arr[:, SIZE], starts)
+    return out
+
+
+def _sort_order(arr: np.ndarray) -> np.ndarray:
+    """Stable order by (remote region, local region, remote offset, local offset)."""
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo >= 0 and hi < (1 << 31):
+        # pack two 31-bit columns per key: 2 sort keys instead of 4
+        regions = (arr[:, REMOTE_REGION] << 32) | arr[:, LOCAL_REGION]
+        offsets = (arr[:, REMOTE_OFFSET] << 32) | arr[:, LOCAL_OFFSET]
+        if bool((regions == regions[0]).all()):
+            if bool((offsets[1:] >= offsets[:-1]).all()):
+                return np.arange(len(arr))
+            return np.argsort(offsets, kind="stable")
+        return np.lexsort((offsets, regions))
+    return np.lexsort((arr[:, LOCAL_OFFSET], arr[:, REMOTE_OFFSET], arr[:, LOCAL_REGION], arr[:, REMOTE_REGION]))
+
+
+def out_of_bounds(regions: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, table_sizes: np.ndarray) -> Optional[int]:
+    """Index of the first range not inside its region (or with a negative or
+    unknown field), else None. All inputs are int64 arrays except
+    ``table_sizes`` (uint64 region sizes)."""
+    n_regions = len(table_sizes)
+    bad = (regions < 0) | (regions >= n_regions) | (offsets < 0) | (sizes <= 0)
+    safe_regions = np.where(bad, 0, regions)
+    limit = table_sizes.astype(np.int64)[safe_regions] if n_regions else np.zeros(len(regions), np.int64)
+    bad |= offsets + sizes > limit
+    bad |= offsets + sizes < offsets  # overflow
+    if bad.any():
+        return int(np.flatnonzero(bad)[0])
+    return None
+
+
+def split_large(arr: np.ndarray, piece: int) -> np.ndarray:
+    """Split every op larger than ``piece`` bytes into ``piece``-sized ops."""
+    if len(arr) == 0 or int(arr[:, SIZE].max()) <= piece:
+        return arr
+    counts = (arr[:, SIZE] + piece - 1) // piece
+    rep = np.repeat(np.arange(len(arr)), counts)
+    out = arr[rep].copy()
+    first = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    within = np.arange(len(out)) - np.repeat(first, counts)
+    shift = within * piece
+    out[:, LOCAL_OFFSET] += shift
+    out[:, REMOTE_OFFSET] += shift
+    out[:, SIZE] = np.minimum(arr[rep, SIZE] - shift, piece)
+    return out
+

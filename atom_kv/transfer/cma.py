@@ -1,0 +1,274 @@
+"""``cma`` backend: same-host reads with ``process_vm_readv`` (cross memory
+attach), zero copies beyond the kernel's single one.
+
+The serving process allows itself to be read (``PR_SET_PTRACER``) when it
+registers memory and runs a small control endpoint that hands the region
+table to readers presenting the ``auth_token``. The reading side bounds-checks
+every range against that table and issues up to IOV_MAX ranges per syscall
+from two named worker threads that split big reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import numpy as np
+
+from atom_kv import wire
+from atom_kv.transfer._cma_control import CmaControlServer, request_grant
+from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
+from atom_kv.transfer._deadlines import DeadlineWatch
+from atom_kv.transfer._hostid import host_identity
+from atom_kv.transfer._regions import RegionTable, as_op_array, merge_op_array, out_of_bounds, resolve_config, split_large
+from atom_kv.transfer._tcp_peer import ReadState
+from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
+
+if TYPE_CHECKING:
+    from atom_kv.config import KVTransferConfig
+
+__all__ = ["CmaBackend", "cma_unavailable_reason"]
+
+log = logging.getLogger(__name__)
+
+#: reads at least this big are split across the worker threads
+SPLIT_BYTES = 4 << 20
+
+
+@dataclass
+class _CmaPeer:
+    peer_id: str
+    pid: int
+    addrs: np.ndarray  # uint64, by region id
+    sizes: np.ndarray  # uint64, by region id (0 = not granted)
+
+
+@dataclass
+class _Job:
+    state: ReadState
+    pid: int
+    local: np.ndarray
+    remote: np.ndarray
+    sizes: np.ndarray
+
+
+class CmaBackend(TransferBackend):
+    """Owns registered regions, the control endpoint, granted peers and the
+    reader threads of one process's cma endpoint."""
+
+    name = "cma"
+
+    def __init__(self, config: Optional["KVTransferConfig"] = None, *, host: str = "127.0.0.1", key: Optional[str] = None) -> None:
+        cfg = resolve_config(config)
+        self._sys = CmaSys()
+        self._host = host
+        self._key = key or f"cma-{os.getpid()}-{id(self):x}"
+        self._token = cfg.auth_token
+        self._ctl_timeout = cfg.handshake_timeout_s
+        self._regions = RegionTable()
+        self._lock = threading.Lock()
+        self._ctl: Optional[CmaControlServer] = None
+        self._peers: dict[str, _CmaPeer] = {}
+        self._peer_seq = itertools.count(1)
+        self._read_seq = itertools.count(1)
+        self._ptracer_done = False
+        self._closed = False
+        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._watch: Optional[DeadlineWatch] = None
+        self._nthreads = max(1, min(2, os.cpu_count() or 1))
+
+    # -- serving side ---------------------------------------------------
+    def _control(self) -> CmaControlServer:
+        with self._lock:
+            self._check_open()
+            if self._ctl is None:
+                self._ctl = CmaControlServer(
+                    self._host, self._token, self._ctl_timeout, self._regions.spans, f"cma control {self._key}"
+                )
+            return self._ctl
+
+    def register_memory(self, ptr: int, size: int, *, align: int = 1) -> list[int]:
+        self._check_open()
+        if not self._ptracer_done:
+            note = self._sys.allow_any_tracer()
+            self._ptracer_done = True
+            if note:
+                log.info("cma %s: %s", self._key, note)
+        ids = self._regions.add(ptr, size, align, self.max_region_bytes)
+        self._control()
+        log.info("cma %s: registered %d bytes at 0x%x as regions %s", self._key, size, ptr, ids)
+        return ids
+
+    def export_descriptor(self) -> bytes:
+        ctl = self._control()
+        return wire.encode(
+            wire.CmaDescriptor(pid=os.getpid(), host_id=host_identity(), ctl_host=ctl.host, ctl_port=ctl.port, key=self._key)
+        )
+
+    # -- reading side ---------------------------------------------------
+    def add_peer(self, descriptor: bytes) -> str:
+        self._check_open()
+        try:
+            desc = wire.decode_cma_descriptor(descriptor)
+        except wire.WireError as exc:
+            log.warning("cma %s: bad peer descriptor: %s", self._key, exc)
+            raise TransferError(f"cma: bad peer descriptor: {exc}") from None
+        if desc.host_id != host_identity():
+            raise TransferError(
+                f"cma: peer {desc.key or desc.pid} is on another host (or pid namespace); use backend 'tcp' instead"
+            )
+        grant = request_grant(desc, self._key, self._token, self._ctl_timeout)
+        if not grant.ok:
+            raise TransferError(grant.error)
+        if grant.pid != desc.pid:
+            raise TransferError(f"cma: control endpoint answered for pid {grant.pid}, descriptor says {desc.pid}")
+        n = max((s.region for s in grant.regions), default=-1) + 1
+        addrs = np.zeros(n, dtype=np.uint64)
+        sizes = np.zeros(n, dtype=np.uint64)
+        for s in grant.regions:
+            addrs[s.region] = s.addr
+            sizes[s.region] = s.size
+        if grant.regions:
+            self._probe(desc.pid, grant.regions[0].addr)
+        peer_id = f"cma:{desc.key or desc.pid}#{next(self._peer_seq)}"
+        with self._lock:
+            self._check_open()
+            self._peers[peer_id] = _CmaPeer(peer_id, desc.pid, addrs, sizes)
+        log.info("cma %s: added peer %s (pid %d, %d regions)", self._key, peer_id, desc.pid, n)
+        return peer_id
+
+    def _probe(self, pid: int, addr: int) -> None:
+        """Read one byte so that a kernel refusal surfaces at add_peer."""
+        dst = np.zeros(1, dtype=np.uint8)
+        try:
+            self._sys.read(pid, np.array([dst.ctypes.data], np.uint64), np.array([addr], np.uint64), np.ones(1, np.uint64))
+        except PeerGone as exc:
+            raise TransferError(str(exc)) from None
+
+    def remove_peer(self, peer_id: str) -> None:
+        with self._lock:
+            self._peers.pop(peer_id, None)
+
+    def read(self, peer_id: str, ops: Sequence[ReadOp] | Any, *, timeout_s: float) -> ReadHandle:
+        """Start reading; ``ops`` may also be an (n, 5) int array with the
+        :class:`ReadOp` columns (the fast path for many ranges)."""
+        rid = next(self._read_seq)
+        what = f"cma read {rid}"
+        table = merge_op_array(as_op_array(ops))
+        nbytes = int(table[:, 4].sum()) if len(table) else 0
+        handle = ReadHandle(nbytes=nbytes, num_ranges=len(table))
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            closed = self._closed
+        if closed or peer is None:
+            handle._finish(f"{what}: " + ("backend is closed" if closed else f"unknown peer {peer_id!r}"))
+            return handle
+        if len(table) == 0:
+            handle._finish(None)
+            return handle
+        bad = out_of_bounds(table[:, 0], table[:, 1], table[:, 4], self._regions.sizes)
+        if bad is not None:
+            lr, lo, _, _, sz = (int(x) for x in table[bad])
+            handle._finish(f"{what}: local range (region {lr}, offset {lo}, size {sz}) is outside the registered regions")
+            return handle
+        bad = out_of_bounds(table[:, 2], table[:, 3], table[:, 4], peer.sizes)
+        if bad is not None:
+            _, _, rr, ro, sz = (int(x) for x in table[bad])
+            log.warning("%s from %s: refused out-of-range remote range", what, peer_id)
+            handle._finish(
+                f"{what}: cma: range (region {rr}, offset {ro}, size {sz}) is outside the peer's registered regions"
+            )
+            return handle
+        parts = self._nthreads if nbytes >= SPLIT_BYTES else 1
+        pieces = [table]
+        if parts > 1:
+            table = split_large(table, -(-nbytes // parts))
+            ends = np.cumsum(table[:, 4])
+            cuts = np.searchsorted(ends, [nbytes * k // parts for k in range(1, parts)], side="left") + 1
+            pieces = [p for p in np.split(table, cuts) if len(p)]
+        state = ReadState(handle, rid, len(pieces))
+        self._start_workers()
+        self._deadlines().watch(handle, timeout_s, f"{what} from {peer_id}")
+        laddr, raddr = self._regions.addrs, peer.addrs
+        for p in pieces:
+            local = laddr[p[:, 0]] + p[:, 1].astype(np.uint64)
+            remote = raddr[p[:, 2]] + p[:, 3].astype(np.uint64)
+            self._jobs.put(_Job(state, peer.pid, local, remote, p[:, 4].astype(np.uint64)))
+        return handle
+
+    def _start_workers(self) -> None:
+        with self._lock:
+            if self._threads or self._closed:
+                return
+            self._threads = [
+                threading.Thread(target=self._worker, name=f"atomkv-cma-read-{self._key}-{i}", daemon=True)
+                for i in range(self._nthreads)
+            ]
+            for t in self._threads:
+                t.start()
+
+    def _worker(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            state = job.state
+            if state.handle.done():
+                state.job_skipped()
+                continue
+            if self._closed:
+                state.job_done(f"cma read {state.rid}: backend closed")
+                continue
+            try:
+                self._sys.read(job.pid, job.local, job.remote, job.sizes, state.handle.done)
+            except TransferError as exc:  # includes PeerGone and BackendUnavailable (EPERM)
+                state.job_done(f"cma read {state.rid}: {exc}")
+            except Exception as exc:  # a bug must fail the read, not the worker
+                log.exception("cma read %d: unexpected error", state.rid)
+                state.job_done(f"cma read {state.rid}: internal error: {exc!r}")
+            else:
+                state.job_done(None)
+
+    def _deadlines(self) -> DeadlineWatch:
+        with self._lock:
+            if self._watch is None:
+                self._watch = DeadlineWatch(f"atomkv-cma-deadline-{self._key}")
+            return self._watch
+
+    # -- lifecycle ------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("cma: backend is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ctl, self._ctl = self._ctl, None
+            threads, self._threads = self._threads, []
+            watch, self._watch = self._watch, None
+            self._peers.clear()
+        for _ in threads:
+            self._jobs.put(None)
+        for t in threads:
+            t.join(timeout=5)
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.state.job_done(f"cma read {job.state.rid}: backend closed")
+        if ctl is not None:
+            ctl.close()
+        if watch is not None:
+            watch.close()
+        self._regions.clear()
+        log.info("cma %s: closed", self._key)

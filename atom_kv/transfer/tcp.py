@@ -1,0 +1,192 @@
+"""``tcp`` backend: one-sided reads of registered memory over plain sockets.
+
+The serving side (:class:`~atom_kv.transfer._tcp_server.TcpReadServer`) sends
+straight from registered memory with ``sendmsg``; the reading side
+(:class:`~atom_kv.transfer._tcp_peer.TcpPeer`) receives straight into the
+destination with ``recvmsg_into``, over ``tcp_streams`` parallel connections.
+Works between any two hosts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import numpy as np
+
+from atom_kv import wire
+from atom_kv.transfer._deadlines import DeadlineWatch
+from atom_kv.transfer._hostid import host_identity
+from atom_kv.transfer._regions import (
+    RegionTable,
+    as_op_array,
+    merge_op_array,
+    out_of_bounds,
+    resolve_config,
+    split_large,
+)
+from atom_kv.transfer._tcp_peer import Job, ReadState, TcpPeer
+from atom_kv.transfer._tcp_server import TcpReadServer
+from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
+
+if TYPE_CHECKING:
+    from atom_kv.config import KVTransferConfig
+
+__all__ = ["TcpBackend"]
+
+log = logging.getLogger(__name__)
+
+#: bytes and ranges per request (one job); big reads are split across streams
+MAX_JOB_BYTES = 16 << 20
+MIN_JOB_BYTES = 256 << 10
+MAX_JOB_RANGES = 8192
+
+
+def plan_jobs(table: np.ndarray, streams: int) -> list[np.ndarray]:
+    """Cut a merged op table into request-sized batches, so that the work
+    spreads over ``streams`` connections."""
+    total = int(table[:, 4].sum())
+    target = min(MAX_JOB_BYTES, max(MIN_JOB_BYTES, -(-total // streams)))
+    table = split_large(table, target)
+    ends = np.cumsum(table[:, 4])
+    job_of = (ends - 1) // target
+    cuts = np.flatnonzero(np.diff(job_of)) + 1
+    jobs = []
+    for piece in np.split(table, cuts):
+        for i in range(0, len(piece), MAX_JOB_RANGES):
+            jobs.append(piece[i : i + MAX_JOB_RANGES])
+    return jobs
+
+
+class TcpBackend(TransferBackend):
+    """Owns this process's registered regions, its read server (started on
+    first registration or export) and one :class:`TcpPeer` per added peer."""
+
+    name = "tcp"
+
+    def __init__(self, config: Optional["KVTransferConfig"] = None, *, host: str = "127.0.0.1", key: Optional[str] = None) -> None:
+        cfg = resolve_config(config)
+        self._host = host
+        self._key = key or f"tcp-{os.getpid()}-{id(self):x}"
+        self._token = cfg.auth_token
+        self._streams = cfg.tcp_streams
+        self._connect_timeout = cfg.handshake_timeout_s
+        self._io_timeout = cfg.transfer_timeout_s
+        self._regions = RegionTable()
+        self._lock = threading.Lock()
+        self._server: Optional[TcpReadServer] = None
+        self._peers: dict[str, TcpPeer] = {}
+        self._peer_seq = itertools.count(1)
+        self._read_seq = itertools.count(1)
+        self._watch: Optional[DeadlineWatch] = None
+        self._closed = False
+
+    # -- serving side ---------------------------------------------------
+    @property
+    def server(self) -> TcpReadServer:
+        with self._lock:
+            self._check_open()
+            if self._server is None:
+                self._server = TcpReadServer(
+                    self._regions, self._host, self._token, self._io_timeout, f"tcp server {self._key}"
+                )
+            return self._server
+
+    def register_memory(self, ptr: int, size: int, *, align: int = 1) -> list[int]:
+        self._check_open()
+        ids = self._regions.add(ptr, size, align, self.max_region_bytes)
+        _ = self.server
+        log.info("tcp %s: registered %d bytes at 0x%x as regions %s", self._key, size, ptr, ids)
+        return ids
+
+    def export_descriptor(self) -> bytes:
+        srv = self.server
+        return wire.encode(wire.TcpDescriptor(host=srv.host, port=srv.port, key=self._key, host_id=host_identity()))
+
+    # -- reading side ---------------------------------------------------
+    def add_peer(self, descriptor: bytes) -> str:
+        self._check_open()
+        try:
+            desc = wire.decode_tcp_descriptor(descriptor)
+        except wire.WireError as exc:
+            log.warning("tcp %s: bad peer descriptor: %s", self._key, exc)
+            raise TransferError(f"tcp: bad peer descriptor: {exc}") from None
+        peer_id = f"tcp:{desc.key or desc.host}:{desc.port}#{next(self._peer_seq)}"
+        peer = TcpPeer(
+            peer_id, desc, self._regions, key=self._key, auth_token=self._token, streams=self._streams,
+            connect_timeout_s=self._connect_timeout, io_timeout_s=self._io_timeout,
+        )
+        with self._lock:
+            if self._closed:
+                peer.close()
+                raise TransferError("tcp: backend is closed")
+            self._peers[peer_id] = peer
+        log.info("tcp %s: added peer %s", self._key, peer_id)
+        return peer_id
+
+    def remove_peer(self, peer_id: str) -> None:
+        with self._lock:
+            peer = self._peers.pop(peer_id, None)
+        if peer is not None:
+            peer.close()
+
+    def read(self, peer_id: str, ops: Sequence[ReadOp] | Any, *, timeout_s: float) -> ReadHandle:
+        """Start reading; ``ops`` may also be an (n, 5) int array with the
+        :class:`ReadOp` columns (the fast path for many ranges)."""
+        rid = next(self._read_seq)
+        table = merge_op_array(as_op_array(ops))
+        nbytes = int(table[:, 4].sum()) if len(table) else 0
+        handle = ReadHandle(nbytes=nbytes, num_ranges=len(table))
+        with self._lock:
+            peer = self._peers.get(peer_id)
+            closed = self._closed
+        if closed or peer is None:
+            handle._finish(f"tcp read {rid}: " + ("backend is closed" if closed else f"unknown peer {peer_id!r}"))
+            return handle
+        if len(table) == 0:
+            handle._finish(None)
+            return handle
+        bad = out_of_bounds(table[:, 0], table[:, 1], table[:, 4], self._regions.sizes)
+        if bad is not None:
+            lr, lo, _, _, sz = (int(x) for x in table[bad])
+            handle._finish(f"tcp read {rid}: local range (region {lr}, offset {lo}, size {sz}) is outside the registered regions")
+            return handle
+        jobs = plan_jobs(table, peer.streams)
+        state = ReadState(handle, rid, len(jobs))
+        self._deadlines().watch(handle, timeout_s, f"tcp read {rid} from {peer_id}")
+        deadline = handle.started + timeout_s
+        for piece in jobs:
+            peer.submit(Job(state, piece, deadline))
+        return handle
+
+    def _deadlines(self) -> DeadlineWatch:
+        with self._lock:
+            if self._watch is None:
+                self._watch = DeadlineWatch(f"atomkv-tcp-deadline-{self._key}")
+            return self._watch
+
+    # -- lifecycle ------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("tcp: backend is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            peers = list(self._peers.values())
+            self._peers.clear()
+            server, self._server = self._server, None
+            watch, self._watch = self._watch, None
+        for peer in peers:
+            peer.close()
+        if server is not None:
+            server.close()
+        if watch is not None:
+            watch.close()
+        self._regions.clear()
+        log.info("tcp %s: closed", self._key)

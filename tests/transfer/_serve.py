@@ -1,0 +1,105 @@
+"""A serving process for the transfer tests: builds a backend from a
+``BackendSpec`` (by name), registers a buffer filled with a known pattern and
+hands its descriptor back over a pipe, then serves until told to stop or
+killed."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+SEED = 1234
+
+
+def pattern(size: int, seed: int = SEED) -> np.ndarray:
+    """The bytes the serving process registers (the reader regenerates them)."""
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _serve(spec_name: str, config: dict[str, Any], size: int, align: int, region_limit: int, conn: Any) -> None:
+    try:
+        from tests.transfer.backends import by_name
+
+        spec = by_name(spec_name)
+        spec.run_setup()
+        from atom_kv.config import KVTransferConfig
+        from atom_kv.transfer import create_backend
+
+        cfg = KVTransferConfig.from_dict({"kv_role": "kv_producer", **spec.config, **config})
+        backend = create_backend(spec.backend, cfg, host="127.0.0.1", key=f"serve-{spec_name}-{os.getpid()}")
+        buf = pattern(size)
+        backend.max_region_bytes = region_limit
+        ids = backend.register_memory(buf.ctypes.data, buf.nbytes, align=align)
+        conn.send(("ready", backend.export_descriptor(), ids, os.getpid()))
+    except Exception as exc:  # reported to the test, which fails with it
+        conn.send(("error", f"{type(exc).__name__}: {exc}", [], os.getpid()))
+        return
+    while True:
+        if conn.poll(1.0):
+            try:
+                msg = conn.recv()
+            except EOFError:
+                break
+            if msg == "stop":
+                break
+    backend.close()
+    conn.send(("stopped", b"", [], os.getpid()))
+
+
+class ServerProc:
+    """A spawned serving process and what it exported."""
+
+    def __init__(
+        self, spec_name: str, *, size: int, align: int, region_limit: int, config: Optional[dict[str, Any]] = None
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_serve, args=(spec_name, config or {}, size, align, region_limit, child),
+            name=f"serve-{spec_name}", daemon=True,
+        )
+        self.proc.start()
+        child.close()
+        if not self._conn.poll(60):
+            self.kill()
+            raise RuntimeError(f"serving process for {spec_name} did not start within 60 s")
+        status, desc, ids, pid = self._conn.recv()
+        if status != "ready":
+            self.kill()
+            raise RuntimeError(f"serving process for {spec_name} failed: {desc}")
+        self.descriptor: bytes = desc
+        self.region_ids: list[int] = ids
+        self.pid: int = pid
+        self.size = size
+
+    def pause(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._conn.send("stop")
+                deadline = time.monotonic() + 10
+                while self.proc.is_alive() and time.monotonic() < deadline:
+                    self.proc.join(0.5)
+            except (BrokenPipeError, OSError):
+                pass
+        self.kill()
+        self._conn.close()

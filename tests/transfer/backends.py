@@ -1,0 +1,91 @@
+"""Registry of backends the transfer contract suite (test_contract.py) runs.
+
+To add a backend, append one ``BackendSpec`` to ``SPECS`` below:
+
+* ``name``      - the pytest id (e.g. "moriio-fake");
+* ``backend``   - the name passed to ``atom_kv.transfer.create_backend``;
+* ``setup``     - optional "module:function" (no arguments) run first in BOTH
+                  the test process and the spawned serving process, e.g. to
+                  put a fake library on ``sys.path``; must be importable from
+                  the repo root (``tests.transfer...``);
+* ``skip_reason`` - optional "module:function" returning ``None`` when the
+                  backend can run here, else a one-line reason to skip
+                  (only for genuine hardware/library absence);
+* ``config``    - extra ``KVTransferConfig`` keys for both sides;
+* ``supports_auth`` - whether the backend enforces ``auth_token``.
+
+The suite lowers ``TransferBackend.max_region_bytes`` on both sides (to get
+many small chunks) before ``register_memory``; a backend must honour it.
+
+Specs are plain data (picklable): the serving process receives the spec name
+and looks it up here again, so an entry needs no other code in the suite.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """How to build one backend in the test process and in a serving process."""
+
+    name: str
+    backend: str
+    setup: Optional[str] = None
+    skip_reason: Optional[str] = None
+    config: dict[str, Any] = field(default_factory=dict)
+    supports_auth: bool = True
+
+    def run_setup(self) -> None:
+        if self.setup:
+            _resolve(self.setup)()
+
+    def reason_to_skip(self) -> Optional[str]:
+        if not self.skip_reason:
+            return None
+        self.run_setup()
+        return _resolve(self.skip_reason)()
+
+
+def _resolve(target: str) -> Callable[[], Any]:
+    module_name, func_name = target.split(":")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def cma_skip_reason() -> Optional[str]:
+    """None when process_vm_readv works on this kernel, else why not."""
+    from atom_kv.transfer.cma import cma_unavailable_reason
+
+    return cma_unavailable_reason()
+
+
+SPECS: list[BackendSpec] = [
+    BackendSpec(name="tcp", backend="tcp"),
+    BackendSpec(name="cma", backend="cma", skip_reason="tests.transfer.backends:cma_skip_reason"),
+    BackendSpec(name="auto", backend="auto"),
+    # moriio-fake / moriio entries are appended below this line.
+    # MORI-IO reads are one-sided (RDMA): there is no serving code to check a token.
+    BackendSpec(
+        name="moriio-fake",
+        backend="moriio",
+        setup="tests.transfer.fake_mori:use_fake",  # FAKE mori.io: host memory, no RDMA
+        supports_auth=False,
+    ),
+    BackendSpec(
+        name="moriio",
+        backend="moriio",
+        setup="tests.transfer.fake_mori:use_real",
+        skip_reason="tests.transfer.fake_mori:real_moriio_skip_reason",
+        supports_auth=False,
+    ),
+]
+
+
+def by_name(name: str) -> BackendSpec:
+    for spec in SPECS:
+        if spec.name == name:
+            return spec
+    raise KeyError(f"no backend spec named {name!r}")

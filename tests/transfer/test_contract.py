@@ -1,0 +1,267 @@
+"""The contract every transfer backend must meet, run against a real serving
+process per backend listed in ``tests/transfer/backends.py``."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+
+from atom_kv.config import KVTransferConfig
+from atom_kv.transfer import ChunkedRegion, ReadOp, TransferBackend, TransferError, create_backend, split_pair
+from tests.transfer._serve import ServerProc, pattern
+from tests.transfer.backends import SPECS, BackendSpec
+
+BLOCK = 4096
+SIZE = 1 << 20  # 256 blocks
+REMOTE_LIMIT = 64 * 1024  # remote chunks of 16 blocks
+LOCAL_LIMIT = 48 * 1024  # local chunks of 12 blocks: boundaries differ on both sides
+TIMEOUT = 2.0
+
+
+@pytest.fixture(params=SPECS, ids=[s.name for s in SPECS], scope="module")
+def spec(request: pytest.FixtureRequest) -> BackendSpec:
+    spec: BackendSpec = request.param
+    reason = spec.reason_to_skip()
+    if reason:
+        pytest.skip(reason)
+    spec.run_setup()
+    return spec
+
+
+def _config(spec: BackendSpec, **extra: Any) -> KVTransferConfig:
+    return KVTransferConfig.from_dict(
+        {
+            "kv_role": "kv_consumer",
+            "handshake_timeout_s": TIMEOUT,
+            "transfer_timeout_s": TIMEOUT,
+            **spec.config,
+            **extra,
+        }
+    )
+
+
+def _start(spec: BackendSpec, **config: Any) -> ServerProc:
+    return ServerProc(
+        spec.name, size=SIZE, align=BLOCK, region_limit=REMOTE_LIMIT,
+        config={"transfer_timeout_s": TIMEOUT, "handshake_timeout_s": TIMEOUT, **config},
+    )
+
+
+@pytest.fixture(scope="module")
+def server(spec: BackendSpec) -> Iterator[ServerProc]:
+    srv = _start(spec)
+    yield srv
+    srv.stop()
+
+
+class Reader:
+    """The reading side in this process: backend, destination buffer, chunk maps."""
+
+    def __init__(self, spec: BackendSpec, srv: ServerProc, **config: Any) -> None:
+        self.backend: TransferBackend = create_backend(spec.backend, _config(spec, **config), key=f"reader-{spec.name}")
+        self.backend.max_region_bytes = LOCAL_LIMIT
+        self.dst = np.zeros(SIZE, dtype=np.uint8)
+        ids = self.backend.register_memory(self.dst.ctypes.data, SIZE, align=BLOCK)
+        self.local = ChunkedRegion(tuple(ids), LOCAL_LIMIT, SIZE)
+        self.remote = ChunkedRegion(tuple(srv.region_ids), REMOTE_LIMIT, srv.size)
+        self.src = pattern(SIZE)
+        self.peer = ""
+
+    def connect(self, srv: ServerProc) -> str:
+        self.peer = self.backend.add_peer(srv.descriptor)
+        return self.peer
+
+    def block_ops(self, pairs: list[tuple[int, int]], nblocks: int = 1) -> list[ReadOp]:
+        """Ops copying remote block run ``rb`` to local block ``lb`` for each pair."""
+        ops: list[ReadOp] = []
+        for lb, rb in pairs:
+            ops += split_pair(self.local, lb * BLOCK, self.remote, rb * BLOCK, nblocks * BLOCK)
+        return ops
+
+    def read_ok(self, ops: list[ReadOp]) -> None:
+        h = self.backend.read(self.peer, ops, timeout_s=TIMEOUT)
+        assert h.wait(TIMEOUT + 3), "read handle never finished"
+        assert h.error is None, h.error
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+@pytest.fixture
+def reader(spec: BackendSpec, server: ServerProc) -> Iterator[Reader]:
+    r = Reader(spec, server)
+    r.connect(server)
+    yield r
+    r.close()
+
+
+def test_registration_chunks_and_descriptor(server: ServerProc, reader: Reader) -> None:
+    # the serving process chunked 1 MiB at a 64 KiB limit, we at 48 KiB
+    assert server.region_ids == list(range(SIZE // REMOTE_LIMIT))
+    assert list(reader.local.region_ids) == list(range(-(-SIZE // LOCAL_LIMIT)))
+    assert isinstance(server.descriptor, bytes) and server.descriptor
+    assert reader.peer
+
+
+def test_contiguous_read_spans_chunks(reader: Reader) -> None:
+    reader.read_ok(reader.block_ops([(0, 0)], nblocks=SIZE // BLOCK))
+    assert np.array_equal(reader.dst, reader.src)
+
+
+def test_unaligned_range_across_chunk_boundaries(reader: Reader) -> None:
+    # 100 KiB starting 1 KiB before a remote chunk boundary, to a local offset
+    # that crosses two local boundaries
+    ops = split_pair(reader.local, 40 * 1024 + 17, reader.remote, REMOTE_LIMIT - 1024, 100 * 1024)
+    assert len({op.remote_region for op in ops}) >= 2 and len({op.local_region for op in ops}) >= 2
+    reader.read_ok(ops)
+    lo, ro = 40 * 1024 + 17, REMOTE_LIMIT - 1024
+    assert np.array_equal(reader.dst[lo : lo + 100 * 1024], reader.src[ro : ro + 100 * 1024])
+
+
+def test_scattered_blocks(reader: Reader) -> None:
+    n = SIZE // BLOCK
+    perm = np.random.default_rng(7).permutation(n)
+    reader.read_ok(reader.block_ops([(lb, int(rb)) for lb, rb in enumerate(perm)]))
+    got = reader.dst.reshape(n, BLOCK)
+    want = reader.src.reshape(n, BLOCK)[perm]
+    assert np.array_equal(got, want)
+
+
+def test_many_reads_in_flight(reader: Reader) -> None:
+    n = SIZE // BLOCK
+    perm = np.random.default_rng(11).permutation(n)
+    handles = [
+        reader.backend.read(reader.peer, reader.block_ops([(lb, int(perm[lb]))]), timeout_s=TIMEOUT) for lb in range(n)
+    ]
+    for h in handles:
+        assert h.wait(TIMEOUT + 3)
+        assert h.error is None, h.error
+    assert np.array_equal(reader.dst.reshape(n, BLOCK), reader.src.reshape(n, BLOCK)[perm])
+
+
+def test_array_ops_fast_path(reader: Reader) -> None:
+    ops = np.array(reader.block_ops([(i, i) for i in range(0, 64, 2)]), dtype=np.int64)
+    reader.read_ok(ops)  # type: ignore[arg-type]
+    for i in range(0, 64, 2):
+        assert np.array_equal(reader.dst[i * BLOCK : (i + 1) * BLOCK], reader.src[i * BLOCK : (i + 1) * BLOCK])
+
+
+def test_out_of_range_rejected_then_server_keeps_serving(reader: Reader) -> None:
+    last = reader.remote.region_ids[-1]
+    bad = [
+        ReadOp(0, 0, last, REMOTE_LIMIT - BLOCK, 2 * BLOCK),  # runs past the region end
+        ReadOp(0, 0, last + 5, 0, BLOCK),  # region that does not exist
+        ReadOp(0, 0, 0, 1 << 40, BLOCK),  # far outside
+    ]
+    for op in bad:
+        reader.dst[:BLOCK] = 0
+        h = reader.backend.read(reader.peer, [op], timeout_s=TIMEOUT)
+        assert h.wait(TIMEOUT + 3)
+        assert h.error is not None and "outside" in h.error, h.error
+        assert not reader.dst[:BLOCK].any(), "rejected read wrote into the destination"
+    # a good read right after, on the same peer
+    reader.read_ok(reader.block_ops([(3, 9)]))
+    assert np.array_equal(reader.dst[3 * BLOCK : 4 * BLOCK], reader.src[9 * BLOCK : 10 * BLOCK])
+    # and a bad read mixed into a batch fails the batch as a whole
+    h = reader.backend.read(reader.peer, reader.block_ops([(0, 0)]) + [bad[0]], timeout_s=TIMEOUT)
+    assert h.wait(TIMEOUT + 3) and h.error is not None
+
+
+def test_local_out_of_range_fails_handle(reader: Reader) -> None:
+    h = reader.backend.read(reader.peer, [ReadOp(99, 0, 0, 0, BLOCK)], timeout_s=TIMEOUT)
+    assert h.wait(TIMEOUT) and h.error is not None and "local" in h.error
+
+
+def test_auth_token(spec: BackendSpec) -> None:
+    if not spec.supports_auth:
+        pytest.skip(f"{spec.name} does not enforce auth_token")
+    srv = _start(spec, auth_token="s3cret")
+    try:
+        for token in ("wrong", None):
+            r = Reader(spec, srv, auth_token=token)
+            try:
+                with pytest.raises(TransferError, match="auth_token"):
+                    r.connect(srv)
+            finally:
+                r.close()
+        good = Reader(spec, srv, auth_token="s3cret")
+        try:
+            good.connect(srv)
+            good.read_ok(good.block_ops([(0, 5)]))
+            assert np.array_equal(good.dst[:BLOCK], good.src[5 * BLOCK : 6 * BLOCK])
+        finally:
+            good.close()
+    finally:
+        srv.stop()
+
+
+def test_peer_killed_and_stalled(spec: BackendSpec) -> None:
+    srv = _start(spec)
+    r = Reader(spec, srv)
+    try:
+        r.connect(srv)
+        r.read_ok(r.block_ops([(0, 0)], nblocks=16))
+        # a stalled peer: whatever the backend does, the handle finishes in time
+        srv.pause()
+        t0 = time.monotonic()
+        h = r.backend.read(r.peer, r.block_ops([(0, 0)], nblocks=SIZE // BLOCK), timeout_s=TIMEOUT)
+        assert h.wait(TIMEOUT + 3), "read from a stopped peer hung"
+        assert time.monotonic() - t0 < TIMEOUT + 3
+        srv.resume()
+        # finished is not enough to reuse the blocks: the backend must also
+        # let go of the destination (no late writes into reused blocks)
+        assert h.wait_settled(TIMEOUT + 5), f"handle never settled after its deadline: {h}"
+        # killed mid-transfer: a stream of reads, the peer dies under them
+        n = SIZE // BLOCK
+        handles = [r.backend.read(r.peer, r.block_ops([(0, 0)], nblocks=n), timeout_s=TIMEOUT) for _ in range(8)]
+        srv.kill()
+        handles += [r.backend.read(r.peer, r.block_ops([(0, 0)], nblocks=n), timeout_s=TIMEOUT) for _ in range(3)]
+        t0 = time.monotonic()
+        for h in handles:
+            assert h.wait(TIMEOUT + 3), f"handle hung after the peer died: {h}"
+        assert time.monotonic() - t0 < TIMEOUT + 3
+        for h in handles[-3:]:
+            assert h.error is not None, "a read issued after the peer died succeeded"
+        for h in handles:
+            assert h.wait_settled(TIMEOUT + 3), f"handle never settled after the peer died: {h}"
+    finally:
+        r.close()
+        srv.kill()
+
+
+def _atomkv_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("atomkv-")}
+
+
+def _open_fds() -> set[int]:
+    return {int(fd) for fd in os.listdir("/proc/self/fd")}
+
+
+def test_close_releases_sockets_and_threads(spec: BackendSpec, server: ServerProc) -> None:
+    threads_before = _atomkv_threads()
+    fds_before = _open_fds()
+    r = Reader(spec, server)
+    r.connect(server)
+    r.read_ok(r.block_ops([(0, 0)], nblocks=64))
+    # a second reader in this process reads from the first one, so the first
+    # also serves a live connection when it closes
+    other = Reader(spec, server)
+    other.connect(server)
+    other.peer = other.backend.add_peer(r.backend.export_descriptor())
+    r.dst[:] = 7
+    other.read_ok([ReadOp(other.local.region_ids[0], 0, r.local.region_ids[0], 0, BLOCK)])
+    assert (other.dst[:BLOCK] == 7).all()
+    assert _atomkv_threads() - threads_before, "backend runs no named threads"
+    r.close()
+    r.close()  # idempotent
+    other.close()
+    assert _atomkv_threads() - threads_before == set()
+    leaked = _open_fds() - fds_before
+    assert not leaked, f"file descriptors left open: {sorted(leaked)}"
+    h = r.backend.read(r.peer, r.block_ops([(0, 0)]), timeout_s=TIMEOUT)
+    assert h.wait(1) and h.error is not None
