@@ -1,0 +1,66 @@
+"""Request rewrites for the two legs (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from atom_kv.proxy.registry import Instance
+
+
+def prefill_request(body: dict[str, Any], decode: Instance, decode_rank: int) -> dict[str, Any]:
+    """The prefill leg: one token, no streaming, and where the KV will be read from."""
+    req = dict(body)
+    req["stream"] = False
+    req.pop("stream_options", None)
+    req["max_tokens"] = 1
+    if "max_completion_tokens" in req:
+        req["max_completion_tokens"] = 1
+    min_tokens = req.get("min_tokens")
+    if isinstance(min_tokens, int) and min_tokens > 1:
+        req["min_tokens"] = 1
+    client_kv = body.get("kv_transfer_params")
+    kv: dict[str, Any] = dict(client_kv) if isinstance(client_kv, dict) else {}
+    kv.update(
+        do_remote_decode=True,
+        do_remote_prefill=False,
+        remote_engine_id=decode.engine_id,
+        remote_block_ids=None,
+        remote_host=decode.host,
+        remote_port=decode.http_port,
+        remote_handshake_port=decode.handshake_port,
+        remote_tp_size=decode.tp_size,
+        remote_dp_size=decode.dp_size,
+        remote_dp_rank=decode_rank,
+    )
+    if decode.notify_port is not None:
+        kv["remote_notify_port"] = decode.notify_port
+    req["kv_transfer_params"] = kv
+    return req
+
+
+def decode_request(
+    body: dict[str, Any], prefill_kv: dict[str, Any], prefill: Instance, prefill_rank: int
+) -> dict[str, Any]:
+    """The decode leg: the original request plus every key the prefill returned."""
+    req = dict(body)
+    client_kv = body.get("kv_transfer_params")
+    kv: dict[str, Any] = dict(client_kv) if isinstance(client_kv, dict) else {}
+    kv.update(prefill_kv)
+    kv["do_remote_prefill"] = True
+    kv["do_remote_decode"] = False
+    kv.setdefault("remote_tp_size", prefill_kv.get("tp_size", prefill.tp_size))
+    kv.setdefault("remote_dp_rank", prefill_kv.get("dp_rank", prefill_rank))
+    kv.setdefault("remote_dp_size", prefill.dp_size)
+    kv.setdefault("remote_host", prefill.host)
+    kv.setdefault("remote_handshake_port", prefill.handshake_port)
+    req["kv_transfer_params"] = kv
+    return req
+
+
+def wants_stream(body: dict[str, Any]) -> bool:
+    return body.get("stream") is True
+
+
+def wants_stream_usage(body: dict[str, Any]) -> bool:
+    opts = body.get("stream_options")
+    return isinstance(opts, dict) and bool(opts.get("include_usage"))
