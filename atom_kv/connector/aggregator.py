@@ -1,0 +1,110 @@
+"""Combine the per-rank finished sets into "finished on every rank".
+
+Rules (one :class:`KVOutputAggregator` per engine, fed once per step):
+
+- an id is emitted once every one of the ``world_size`` ranks reported it;
+  a rank reporting the same id twice counts once;
+- a failure on any rank wins: once every rank reported the id as finished
+  *or* failed, it is emitted in ``failed_recving`` (with the first reason)
+  and not in ``finished_recving``. Waiting for all ranks (rather than failing
+  on the first report) guarantees no rank is still writing into the request's
+  blocks when the scheduler frees them;
+- reports after an id was emitted are ignored; the memory of emitted ids is
+  bounded (the oldest are forgotten past ``max_remembered``), and so is the
+  set of partially reported ids (the oldest partial entries are dropped with a
+  warning past ``max_pending``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+from atom_kv.engine_hooks.types import KVConnectorOutput
+
+__all__ = ["KVOutputAggregator"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Tracker:
+    """Per-family (sending or receiving) bookkeeping of partial reports."""
+
+    __slots__ = ("world_size", "pending", "reasons", "emitted", "max_remembered", "max_pending", "name")
+
+    def __init__(self, name: str, world_size: int, max_remembered: int, max_pending: int) -> None:
+        self.name = name
+        self.world_size = world_size
+        self.pending: OrderedDict[str, set[int]] = OrderedDict()
+        self.reasons: dict[str, str] = {}
+        self.emitted: OrderedDict[str, None] = OrderedDict()
+        self.max_remembered = max_remembered
+        self.max_pending = max_pending
+
+    def report(self, rank: int, req_id: str, reason: Optional[str]) -> Optional[tuple[str, Optional[str]]]:
+        """Record one rank's report; returns ``(id, failure reason or None)`` when complete."""
+        if req_id in self.emitted:
+            return None
+        ranks = self.pending.get(req_id)
+        if ranks is None:
+            ranks = self.pending[req_id] = set()
+            if len(self.pending) > self.max_pending:
+                old, _ = self.pending.popitem(last=False)
+                self.reasons.pop(old, None)
+                logger.warning("aggregator: dropping incomplete %s report for %s (too many pending)", self.name, old)
+        ranks.add(rank)
+        if reason is not None and req_id not in self.reasons:
+            self.reasons[req_id] = f"rank {rank}: {reason}" if self.world_size > 1 else reason
+        if len(ranks) < self.world_size:
+            return None
+        del self.pending[req_id]
+        self.emitted[req_id] = None
+        if len(self.emitted) > self.max_remembered:
+            self.emitted.popitem(last=False)
+        return req_id, self.reasons.pop(req_id, None)
+
+
+class KVOutputAggregator:
+    """Owns the partial finished/failed reports of all TP ranks of one engine."""
+
+    def __init__(self, world_size: int, *, max_remembered: int = 65536, max_pending: int = 65536) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self._send = _Tracker("sending", world_size, max_remembered, max_pending)
+        self._recv = _Tracker("receiving", world_size, max_remembered, max_pending)
+
+    def aggregate(self, outputs: Sequence[Optional[KVConnectorOutput]]) -> KVConnectorOutput:
+        """Fold one step's outputs (index = rank; ``None`` = nothing from that rank)."""
+        if len(outputs) > self.world_size:
+            raise ValueError(f"got {len(outputs)} outputs for a world of {self.world_size} ranks")
+        sending: list[str] = []
+        recving: list[str] = []
+        failed: dict[str, str] = {}
+        for rank, out in enumerate(outputs):
+            if out is None:
+                continue
+            for tid in out.finished_sending:
+                done = self._send.report(rank, tid, None)
+                if done is not None:
+                    sending.append(tid)
+            for rid in out.finished_recving:
+                self._collect(self._recv.report(rank, rid, None), recving, failed)
+            for rid, reason in out.failed_recving.items():
+                self._collect(self._recv.report(rank, rid, reason or "load failed"), recving, failed)
+        return KVConnectorOutput(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    @staticmethod
+    def _collect(done: Optional[tuple[str, Optional[str]]], recving: list[str], failed: dict[str, str]) -> None:
+        if done is None:
+            return
+        rid, reason = done
+        if reason is None:
+            recving.append(rid)
+        else:
+            failed[rid] = reason
+
+    def pending_count(self) -> int:
+        """Ids some but not all ranks reported (for tests and metrics)."""
+        return len(self._send.pending) + len(self._recv.pending)

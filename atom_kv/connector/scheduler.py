@@ -1,0 +1,385 @@
+"""Scheduler-side connector: which requests need remote KV, per-step
+metadata, producer leases (delayed frees) and consumer load timeouts.
+
+State machine per request (all transitions happen on the scheduler thread):
+
+Producer (``kv_producer``)::
+
+    get_num_new_matched_tokens(do_remote_decode) -> transfer id assigned
+    request_finished -> lease(blocks, deadline = now + abort_timeout_s)
+    finished_sending(tid) | deadline -> SchedulerEvents.free (once), metadata.released
+
+Consumer (``kv_consumer``)::
+
+    get_num_new_matched_tokens(do_remote_prefill) -> matched
+    update_state_after_alloc -> queued (LoadSpec in the next metadata)
+    build_connector_meta -> loading (deadline = now + load budget)
+    finished_recving -> ready | failed_recving / deadline -> failed or recompute
+    abort while loading -> cancelled (metadata.cancelled) -> free once every
+        rank reported (or the load deadline passed)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from atom_kv.config import KVTransferConfig
+from atom_kv.engine_hooks.interface import SchedulerHooks
+from atom_kv.engine_hooks.types import (
+    ConnectorMetadata,
+    KVConnectorOutput,
+    LoadSpec,
+    SchedulerEvents,
+    SendSpec,
+)
+
+__all__ = ["ConnectorScheduler", "load_budget_s"]
+
+logger = logging.getLogger(__name__)
+
+#: Extra seconds the scheduler waits past a worker's own load budget, so a
+#: worker always gives up (and stops writing into the blocks) before the
+#: scheduler tells the engine to free them.
+SCHEDULER_SLACK_S = 2.0
+
+_QUEUED, _LOADING, _CANCELLED = "queued", "loading", "cancelled"
+
+
+def load_budget_s(config: KVTransferConfig) -> float:
+    """Longest a worker spends on one load: handshake plus every read attempt and backoff."""
+    attempts = config.transfer_retries + 1
+    backoff = sum(config.transfer_retry_backoff_ms * (2**i) for i in range(config.transfer_retries)) / 1000.0
+    return config.handshake_timeout_s + attempts * config.transfer_timeout_s + backoff
+
+
+@dataclass
+class _Lease:
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    deadline: float
+
+
+@dataclass
+class _Load:
+    request_id: str
+    spec: LoadSpec
+    state: str = _QUEUED
+    deadline: float = 0.0
+    started: float = 0.0
+
+
+@dataclass(order=True)
+class _Timer:
+    deadline: float
+    seq: int
+    kind: str = field(compare=False)
+    key: str = field(compare=False)
+
+
+class ConnectorScheduler(SchedulerHooks):
+    """Owns per-request transfer state, producer leases and load timeouts for one engine."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        *,
+        engine_id: str,
+        host: str,
+        tp_size: int,
+        dp_rank: int = 0,
+        block_size: int,
+    ) -> None:
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.config = config
+        self.engine_id = engine_id
+        self.host = host
+        self.tp_size = tp_size
+        self.dp_rank = dp_rank
+        self.block_size = block_size
+        self._budget = load_budget_s(config) + SCHEDULER_SLACK_S
+        # producer
+        self._decode_tids: dict[str, str] = {}
+        self._leases: dict[str, _Lease] = {}
+        self._lease_by_req: dict[str, str] = {}
+        self._early_done: dict[str, None] = {}
+        self._pending_sends: list[SendSpec] = []
+        self._released: list[str] = []
+        # consumer
+        self._matched: dict[str, dict] = {}
+        self._loads: dict[str, _Load] = {}
+        self._pending_loads: dict[str, LoadSpec] = {}
+        self._cancelled_out: list[str] = []
+        self._failed_now: dict[str, str] = {}
+        # timers (lazy deletion: a timer fires only if its state still matches)
+        self._timers: list[_Timer] = []
+        self._seq = itertools.count()
+
+    # ------------------------------------------------------------------
+    # admission
+    # ------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request_id: str, num_prompt_tokens: int, kv_transfer_params: Optional[dict]
+    ) -> tuple[int, bool]:
+        params = kv_transfer_params or {}
+        if self.config.is_producer:
+            if params.get("do_remote_decode") and request_id not in self._decode_tids:
+                self._decode_tids[request_id] = f"{self.engine_id}-{request_id}"
+            return 0, False
+        if not params.get("do_remote_prefill") or num_prompt_tokens <= 0:
+            return 0, False
+        if request_id in self._loads:
+            return num_prompt_tokens, True
+        error = _check_consumer_params(params)
+        if error:
+            logger.warning("request %s: ignoring kv_transfer_params (%s); prefilling locally", request_id, error)
+            return 0, False
+        self._matched[request_id] = dict(params, _num_prompt_tokens=num_prompt_tokens)
+        return num_prompt_tokens, True
+
+    def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        params = self._matched.pop(request_id, None)
+        if params is None:
+            return
+        if num_external_tokens <= 0:
+            return
+        remote_blocks = [int(b) for b in params["remote_block_ids"]]
+        spec = LoadSpec(
+            request_id=request_id,
+            transfer_id=str(params["transfer_id"]),
+            block_ids=[int(b) for b in block_ids[: len(remote_blocks)]],
+            remote_block_ids=remote_blocks,
+            num_tokens=int(params["_num_prompt_tokens"]),
+            remote_engine_id=str(params["remote_engine_id"]),
+            remote_host=str(params["remote_host"]),
+            remote_handshake_port=int(params.get("remote_handshake_port") or params["remote_port"]),
+            remote_tp_size=int(params.get("remote_tp_size") or params.get("tp_size") or 1),
+            remote_dp_rank=int(params.get("remote_dp_rank") or params.get("dp_rank") or 0),
+        )
+        self._loads[request_id] = _Load(request_id, spec)
+        if len(block_ids) < len(remote_blocks):
+            self._failed_now[request_id] = (
+                f"allocated {len(block_ids)} blocks but the producer sent {len(remote_blocks)}"
+            )
+            return
+        self._pending_loads[request_id] = spec
+
+    # ------------------------------------------------------------------
+    # per step
+    # ------------------------------------------------------------------
+    def build_connector_meta(self) -> ConnectorMetadata:
+        now = time.monotonic()
+        loads = list(self._pending_loads.values())
+        for spec in loads:
+            load = self._loads[spec.request_id]
+            load.state = _LOADING
+            load.started = now
+            load.deadline = now + self._budget
+            self._add_timer(load.deadline, "load", spec.request_id)
+            logger.debug("request %s: loading %d blocks of %s", spec.request_id, len(spec.block_ids), spec.transfer_id)
+        meta = ConnectorMetadata(
+            loads=loads,
+            sends=self._pending_sends,
+            released=self._released,
+            cancelled=self._cancelled_out,
+        )
+        self._pending_loads = {}
+        self._pending_sends = []
+        self._released = []
+        self._cancelled_out = []
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput, now: Optional[float] = None) -> SchedulerEvents:
+        now = time.monotonic() if now is None else now
+        events = SchedulerEvents()
+        for tid in output.finished_sending:
+            if tid in self._leases:
+                self._free_lease(tid, events, "all consumer ranks finished reading")
+            else:
+                # reported before request_finished created the lease (or late): remember a bounded few
+                self._early_done[tid] = None
+                if len(self._early_done) > 4096:
+                    del self._early_done[next(iter(self._early_done))]
+        for rid in output.finished_recving:
+            load = self._loads.get(rid)
+            if load is None or load.state == _QUEUED:
+                continue
+            del self._loads[rid]
+            if load.state == _CANCELLED:
+                events.free.append(rid)
+                logger.info("request %s: aborted load drained; freeing its blocks", rid)
+            else:
+                events.ready.append(rid)
+                logger.debug("request %s: remote KV loaded in %.3f s", rid, now - load.started)
+        for rid, reason in output.failed_recving.items():
+            load = self._loads.get(rid)
+            if load is None or load.state == _QUEUED:
+                continue
+            del self._loads[rid]
+            if load.state == _CANCELLED:
+                events.free.append(rid)
+                logger.info("request %s: aborted load drained (%s); freeing its blocks", rid, reason)
+            else:
+                self._apply_policy(rid, reason, events)
+        for rid, reason in self._failed_now.items():
+            if self._loads.pop(rid, None) is not None:
+                self._apply_policy(rid, reason, events)
+        self._failed_now.clear()
+        self._expire(now, events)
+        return events
+
+    def _expire(self, now: float, events: SchedulerEvents) -> None:
+        while self._timers and self._timers[0].deadline <= now:
+            timer = heapq.heappop(self._timers)
+            if timer.kind == "lease":
+                lease = self._leases.get(timer.key)
+                if lease is not None and lease.deadline == timer.deadline:
+                    logger.warning(
+                        "request %s: lease on %d blocks of transfer %s expired after %.1f s without all "
+                        "consumers reading; freeing them",
+                        lease.request_id, len(lease.block_ids), lease.transfer_id, self.config.abort_timeout_s,
+                    )
+                    self._free_lease(lease.transfer_id, events, None)
+                continue
+            load = self._loads.get(timer.key)
+            if load is None or load.deadline != timer.deadline:
+                continue
+            del self._loads[timer.key]
+            self._cancelled_out.append(timer.key)
+            if load.state == _CANCELLED:
+                logger.warning("request %s: aborted load never drained; freeing its blocks after timeout", timer.key)
+                events.free.append(timer.key)
+            else:
+                self._apply_policy(
+                    timer.key,
+                    f"timed out after {now - load.started:.1f} s waiting for remote KV of transfer "
+                    f"{load.spec.transfer_id} from {load.spec.remote_host}:{load.spec.remote_handshake_port}",
+                    events,
+                )
+
+    def _apply_policy(self, rid: str, reason: str, events: SchedulerEvents) -> None:
+        if self.config.load_failure_policy == "recompute":
+            logger.warning("request %s: remote KV load failed (%s); recomputing the prefill locally", rid, reason)
+            events.recompute.append(rid)
+        else:
+            logger.warning("request %s: remote KV load failed: %s", rid, reason)
+            events.failed[rid] = f"remote KV load failed: {reason}"
+
+    def _free_lease(self, tid: str, events: SchedulerEvents, why: Optional[str]) -> None:
+        lease = self._leases.pop(tid)
+        self._lease_by_req.pop(lease.request_id, None)
+        events.free.append(lease.request_id)
+        self._released.append(tid)
+        if why:
+            logger.debug("request %s: freeing %d blocks of transfer %s (%s)", lease.request_id, len(lease.block_ids), tid, why)
+
+    def _add_timer(self, deadline: float, kind: str, key: str) -> None:
+        heapq.heappush(self._timers, _Timer(deadline, next(self._seq), kind, key))
+
+    # ------------------------------------------------------------------
+    # end of a request
+    # ------------------------------------------------------------------
+    def request_finished(
+        self, request_id: str, block_ids: Sequence[int], *, aborted: bool = False
+    ) -> tuple[bool, Optional[dict]]:
+        if self.config.is_producer:
+            return self._producer_finished(request_id, block_ids, aborted)
+        return self._consumer_finished(request_id, aborted)
+
+    def _producer_finished(self, rid: str, block_ids: Sequence[int], aborted: bool) -> tuple[bool, Optional[dict]]:
+        if rid in self._lease_by_req:
+            return True, None  # already leased; the consumer may be reading
+        tid = self._decode_tids.pop(rid, None)
+        if tid is None or aborted:
+            return False, None
+        blocks = [int(b) for b in block_ids]
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": blocks,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.host,
+            "remote_port": self.config.handshake_port,
+            "remote_handshake_port": self.config.handshake_port,
+            "remote_tp_size": self.tp_size,
+            "remote_dp_rank": self.dp_rank,
+            "tp_size": self.tp_size,
+            "dp_rank": self.dp_rank,
+            "transfer_id": tid,
+        }
+        if not blocks:
+            return False, params
+        deadline = time.monotonic() + self.config.abort_timeout_s
+        self._leases[tid] = _Lease(rid, tid, blocks, deadline)
+        self._lease_by_req[rid] = tid
+        self._pending_sends.append(SendSpec(transfer_id=tid, block_ids=blocks))
+        self._add_timer(deadline, "lease", tid)
+        if self._early_done.pop(tid, "absent") is None:
+            self._leases[tid].deadline = 0.0  # already read: free on the next update
+            self._add_timer(0.0, "lease", tid)
+        logger.debug("request %s: holding %d blocks for transfer %s", rid, len(blocks), tid)
+        return True, params
+
+    def _consumer_finished(self, rid: str, aborted: bool) -> tuple[bool, Optional[dict]]:
+        self._matched.pop(rid, None)
+        load = self._loads.get(rid)
+        if load is None:
+            return False, None
+        if load.state == _QUEUED:
+            del self._loads[rid]
+            self._pending_loads.pop(rid, None)
+            self._failed_now.pop(rid, None)
+            logger.info("request %s: aborted before its load started", rid)
+            return False, None
+        if load.state == _LOADING:
+            load.state = _CANCELLED
+            self._cancelled_out.append(rid)
+            logger.info("request %s: %s while loading remote KV; blocks held until every rank stops",
+                        rid, "aborted" if aborted else "finished")
+        return True, None
+
+    # ------------------------------------------------------------------
+    def has_pending(self) -> bool:
+        return bool(self._leases or self._loads or self._pending_sends or self._released or self._cancelled_out)
+
+    def num_leases(self) -> int:
+        return len(self._leases)
+
+    def num_loads(self) -> int:
+        return len(self._loads)
+
+    def close(self) -> None:
+        if self._leases or self._loads:
+            logger.info("scheduler hooks closing with %d leases and %d loads outstanding",
+                        len(self._leases), len(self._loads))
+        self._leases.clear()
+        self._lease_by_req.clear()
+        self._loads.clear()
+        self._pending_loads.clear()
+        self._matched.clear()
+        self._timers.clear()
+
+
+def _check_consumer_params(params: dict) -> Optional[str]:
+    """One-line reason the params can't drive a load, or None."""
+    blocks = params.get("remote_block_ids")
+    if not isinstance(blocks, list) or not blocks or not all(isinstance(b, int) and b >= 0 for b in blocks):
+        return "`remote_block_ids` must be a non-empty list of block numbers"
+    for key in ("remote_engine_id", "remote_host", "transfer_id"):
+        if not params.get(key):
+            return f"missing `{key}`"
+    port = params.get("remote_handshake_port") or params.get("remote_port")
+    if not isinstance(port, int) or not 0 < port < 65536:
+        return "`remote_handshake_port` must be a TCP port"
+    tp = params.get("remote_tp_size") or params.get("tp_size") or 1
+    if not isinstance(tp, int) or tp < 1:
+        return "`remote_tp_size` must be a positive integer"
+    return None

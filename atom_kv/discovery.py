@@ -1,0 +1,139 @@
+"""The engine's registration pinger: rank 0 tells every proxy it exists.
+
+Every ``ping_interval_s`` it sends ATOM's registration ping
+(:class:`~atom_kv.wire.RegisterPing`) from a DEALER socket to each proxy's
+ROUTER. ZeroMQ reconnects on its own, so a proxy that starts late or
+restarts picks the engine up at the next ping; a small send high-water mark
+and non-blocking sends mean pings never pile up or block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Literal, Optional
+
+import zmq
+
+from atom_kv import wire
+from atom_kv.config import KVTransferConfig
+from atom_kv.wire import RegisterPing
+
+__all__ = ["RegistrationPinger", "build_registration_pinger", "parse_proxy_address"]
+
+logger = logging.getLogger(__name__)
+
+
+def parse_proxy_address(address: str, default_port: int) -> tuple[str, int]:
+    """``"host"``, ``"host:port"``, ``"tcp://host:port"`` or ``"[v6]:port"`` -> ``(host, port)``."""
+    text = address.strip()
+    if text.startswith("tcp://"):
+        text = text[len("tcp://"):]
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:
+        host, port_text = text, ""
+    if not host:
+        raise ValueError(f"proxy address {address!r} has no host")
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"proxy address {address!r}: port must be 1..65535")
+    return host, int(port_text)
+
+
+class RegistrationPinger:
+    """Owns the DEALER sockets to the proxies and the thread that pings them."""
+
+    def __init__(self, ping: RegisterPing, proxies: list[tuple[str, int]], interval_s: float) -> None:
+        self.ping = ping
+        self.proxies = proxies
+        self.interval_s = interval_s
+        self.sent = 0
+        self.dropped = 0
+        self._payload = wire.encode(ping)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def start(self) -> "RegistrationPinger":
+        if self._thread is None and not self._closed and self.proxies:
+            self._thread = threading.Thread(target=self._run, name=f"atom-kv-pinger-{self.ping.role}{self.ping.index}",
+                                            daemon=True)
+            self._thread.start()
+            logger.info("registering %s engine %s with %s every %.1f s", self.ping.role, self.ping.engine_id,
+                        ", ".join(f"{h}:{p}" for h, p in self.proxies), self.interval_s)
+        return self
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        socks = []
+        try:
+            for host, port in self.proxies:
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 2)
+                sock.setsockopt(zmq.SNDTIMEO, 0)
+                sock.setsockopt(zmq.RCVHWM, 16)
+                sock.connect(f"tcp://{host}:{port}")
+                socks.append((host, port, sock))
+            while not self._stop.is_set():
+                for host, port, sock in socks:
+                    try:
+                        sock.send(self._payload, zmq.NOBLOCK)
+                        self.sent += 1
+                    except zmq.Again:
+                        self.dropped += 1
+                        logger.debug("proxy %s:%d not reachable yet; ping dropped", host, port)
+                    # proxies don't answer, but drain anything they send so nothing accumulates
+                    while sock.poll(0, zmq.POLLIN):
+                        sock.recv_multipart(zmq.NOBLOCK)
+                self._stop.wait(self.interval_s)
+        except zmq.ZMQError as exc:
+            logger.error("registration pinger stopped: %s", exc)
+        finally:
+            for _, _, sock in socks:
+                sock.close(0)
+            ctx.term()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+
+def build_registration_pinger(
+    config: KVTransferConfig,
+    *,
+    role: Literal["P", "D"],
+    index: str,
+    http_host: str,
+    http_port: int,
+    tp_size: int,
+    dp_size: int = 1,
+    engine_id: str,
+    model: Optional[str] = None,
+) -> RegistrationPinger:
+    """A pinger for every address in ``config.proxy_ip`` (call ``.start()``; no proxies: a no-op)."""
+    if role not in ("P", "D"):
+        raise ValueError(f"role must be 'P' or 'D', got {role!r}")
+    proxies = [parse_proxy_address(a, config.proxy_ping_port) for a in config.proxy_addresses]
+    ping = RegisterPing(
+        role=role,
+        index=str(index),
+        request_address=f"http://{http_host}:{http_port}/v1/completions",
+        handshake_port=config.handshake_port,
+        dp_size=dp_size,
+        tp_size=tp_size,
+        transfer_mode="read",
+        engine_id=engine_id,
+        auth_token=config.auth_token,
+        model=model,
+    )
+    return RegistrationPinger(ping, proxies, config.ping_interval_s)

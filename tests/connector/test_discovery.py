@@ -1,0 +1,111 @@
+import random
+import socket
+import time
+
+import pytest
+import zmq
+
+from atom_kv import wire
+from atom_kv.discovery import build_registration_pinger, parse_proxy_address
+from tests.conftest import free_port
+from tests.connector.kvutil import config
+
+
+def non_ephemeral_port() -> int:
+    """A free port below the kernel's ephemeral range: a DEALER that keeps dialing a
+    closed ephemeral port can self-connect (source port == destination port) and
+    occupy it, so a proxy that starts late could not bind it."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randint(max(1024, low - 12000), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _recv_ping(ctx: zmq.Context, port: int, timeout_ms: int = 5000) -> tuple[wire.RegisterPing, zmq.Socket]:
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    for attempt in range(50):  # a just-closed ROUTER releases its port asynchronously
+        try:
+            router.bind(f"tcp://127.0.0.1:{port}")
+            break
+        except zmq.ZMQError:
+            if attempt == 49:
+                raise
+            time.sleep(0.05)
+    assert router.poll(timeout_ms), "no registration ping arrived"
+    frames = router.recv_multipart()
+    return wire.decode_registration(frames[-1]), router
+
+
+def test_pings_reach_a_proxy_started_late_and_restarted():
+    port = non_ephemeral_port()
+    cfg = config("kv_producer", 6400, proxy_ip=f"127.0.0.1:{port}", ping_interval_s=0.1, auth_token="s3cret")
+    pinger = build_registration_pinger(cfg, role="P", index="0", http_host="127.0.0.1", http_port=8100,
+                                       tp_size=2, engine_id="P-1", model="tiny")
+    ctx = zmq.Context()
+    try:
+        pinger.start()
+        ping, router = _recv_ping(ctx, port)  # the proxy came up after the pinger
+        assert ping == wire.RegisterPing(role="P", index="0", request_address="http://127.0.0.1:8100/v1/completions",
+                                         handshake_port=6400, dp_size=1, tp_size=2, transfer_mode="read",
+                                         engine_id="P-1", auth_token="s3cret", model="tiny")
+        router.close(0)  # proxy restarts
+        ping2, router = _recv_ping(ctx, port)
+        assert ping2.engine_id == "P-1"
+        router.close(0)
+        assert pinger.sent >= 2
+    finally:
+        pinger.close()
+        pinger.close()
+        ctx.destroy(linger=0)
+    assert not pinger._thread.is_alive()
+
+
+def test_atom_map_layout_on_the_wire():
+    import msgpack
+
+    port = free_port()
+    cfg = config("kv_consumer", 6500, proxy_ip=f"127.0.0.1:{port}", ping_interval_s=0.1)
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    pinger = build_registration_pinger(cfg, role="D", index="3", http_host="10.1.1.1", http_port=9000,
+                                       tp_size=1, dp_size=2, engine_id="D-3").start()
+    try:
+        assert router.poll(5000)
+        raw = msgpack.unpackb(router.recv_multipart()[-1])
+        assert raw["type"] == "register" and raw["role"] == "D" and raw["index"] == "3"
+        assert raw["request_address"] == "http://10.1.1.1:9000/v1/completions"
+        assert (raw["handshake_port"], raw["dp_size"], raw["tp_size"], raw["transfer_mode"]) == (6500, 2, 1, "read")
+    finally:
+        pinger.close()
+        router.close(0)
+        ctx.destroy(linger=0)
+
+
+def test_no_proxy_means_no_thread():
+    pinger = build_registration_pinger(config("kv_producer", 6400), role="P", index="0", http_host="h",
+                                       http_port=1, tp_size=1, engine_id="e").start()
+    assert pinger._thread is None
+    pinger.close()
+
+
+def test_parse_proxy_address():
+    assert parse_proxy_address("10.0.0.1", 36367) == ("10.0.0.1", 36367)
+    assert parse_proxy_address("10.0.0.1:4000", 36367) == ("10.0.0.1", 4000)
+    assert parse_proxy_address("tcp://h:5", 1) == ("h", 5)
+    assert parse_proxy_address("[::1]:7", 1) == ("::1", 7)
+    with pytest.raises(ValueError, match="port"):
+        parse_proxy_address("h:x", 1)
