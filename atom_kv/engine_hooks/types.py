@@ -7,7 +7,7 @@ TP worker, and picklable.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+
 
 import msgspec
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from atom_kv.transfer.base import MAX_REGION_BYTES, chunk_sizes
+from atom_kv.transfer.base import MAX_REGION_BYTES, ReadHandle, chunk_sizes
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
@@ -171,3 +171,27 @@ def split_large(arr: np.ndarray, piece: int) -> np.ndarray:
     out[:, SIZE] = np.minimum(arr[rep, SIZE] - shift, piece)
     return out
 
+
+
+def begin_read(
+    what: str, ops: Any, local_sizes: np.ndarray, *, refusal: Optional[str]
+) -> tuple[ReadHandle, Optional[np.ndarray]]:
+    """The prologue every host-memory backend's ``read()`` shares: normalise
+    and merge ``ops``, make the handle, and finish it at once when ``refusal``
+    is set (closed backend, unknown peer), when there is nothing to read, or
+    when a local range is outside our registered regions. Returns the merged
+    ``(n, 5)`` table, or ``None`` when the handle is already finished."""
+    table = merge_op_array(as_op_array(ops))
+    handle = ReadHandle(nbytes=int(table[:, 4].sum()) if len(table) else 0, num_ranges=len(table))
+    if refusal is not None:
+        handle._finish(f"{what}: {refusal}")
+        return handle, None
+    if len(table) == 0:
+        handle._finish(None)
+        return handle, None
+    bad = out_of_bounds(table[:, 0], table[:, 1], table[:, 4], local_sizes)
+    if bad is not None:
+        lr, lo, _, _, sz = (int(x) for x in table[bad])
+        handle._finish(f"{what}: local range (region {lr}, offset {lo}, size {sz}) is outside the registered regions")
+        return handle, None
+    return handle, table

@@ -25,7 +25,7 @@ from atom_kv.transfer._cma_control import CmaControlServer, request_grant
 from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
 from atom_kv.transfer._deadlines import DeadlineWatch
 from atom_kv.transfer._hostid import host_identity
-from atom_kv.transfer._regions import RegionTable, as_op_array, merge_op_array, out_of_bounds, resolve_config, split_large
+from atom_kv.transfer._regions import RegionTable, begin_read, out_of_bounds, resolve_config, split_large
 from atom_kv.transfer._tcp_peer import ReadState
 from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
 
@@ -160,23 +160,14 @@ class CmaBackend(TransferBackend):
         :class:`ReadOp` columns (the fast path for many ranges)."""
         rid = next(self._read_seq)
         what = f"cma read {rid}"
-        table = merge_op_array(as_op_array(ops))
-        nbytes = int(table[:, 4].sum()) if len(table) else 0
-        handle = ReadHandle(nbytes=nbytes, num_ranges=len(table))
         with self._lock:
             peer = self._peers.get(peer_id)
             closed = self._closed
-        if closed or peer is None:
-            handle._finish(f"{what}: " + ("backend is closed" if closed else f"unknown peer {peer_id!r}"))
+        refusal = "backend is closed" if closed else (f"unknown peer {peer_id!r}" if peer is None else None)
+        handle, table = begin_read(what, ops, self._regions.sizes, refusal=refusal)
+        if table is None:
             return handle
-        if len(table) == 0:
-            handle._finish(None)
-            return handle
-        bad = out_of_bounds(table[:, 0], table[:, 1], table[:, 4], self._regions.sizes)
-        if bad is not None:
-            lr, lo, _, _, sz = (int(x) for x in table[bad])
-            handle._finish(f"{what}: local range (region {lr}, offset {lo}, size {sz}) is outside the registered regions")
-            return handle
+        nbytes = handle.nbytes
         bad = out_of_bounds(table[:, 2], table[:, 3], table[:, 4], peer.sizes)
         if bad is not None:
             _, _, rr, ro, sz = (int(x) for x in table[bad])

@@ -20,14 +20,7 @@ import numpy as np
 from atom_kv import wire
 from atom_kv.transfer._deadlines import DeadlineWatch
 from atom_kv.transfer._hostid import host_identity
-from atom_kv.transfer._regions import (
-    RegionTable,
-    as_op_array,
-    merge_op_array,
-    out_of_bounds,
-    resolve_config,
-    split_large,
-)
+from atom_kv.transfer._regions import RegionTable, begin_read, resolve_config, split_large
 from atom_kv.transfer._tcp_peer import Job, ReadState, TcpPeer
 from atom_kv.transfer._tcp_server import TcpReadServer
 from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
@@ -137,22 +130,12 @@ class TcpBackend(TransferBackend):
         """Start reading; ``ops`` may also be an (n, 5) int array with the
         :class:`ReadOp` columns (the fast path for many ranges)."""
         rid = next(self._read_seq)
-        table = merge_op_array(as_op_array(ops))
-        nbytes = int(table[:, 4].sum()) if len(table) else 0
-        handle = ReadHandle(nbytes=nbytes, num_ranges=len(table))
         with self._lock:
             peer = self._peers.get(peer_id)
             closed = self._closed
-        if closed or peer is None:
-            handle._finish(f"tcp read {rid}: " + ("backend is closed" if closed else f"unknown peer {peer_id!r}"))
-            return handle
-        if len(table) == 0:
-            handle._finish(None)
-            return handle
-        bad = out_of_bounds(table[:, 0], table[:, 1], table[:, 4], self._regions.sizes)
-        if bad is not None:
-            lr, lo, _, _, sz = (int(x) for x in table[bad])
-            handle._finish(f"tcp read {rid}: local range (region {lr}, offset {lo}, size {sz}) is outside the registered regions")
+        refusal = "backend is closed" if closed else (f"unknown peer {peer_id!r}" if peer is None else None)
+        handle, table = begin_read(f"tcp read {rid}", ops, self._regions.sizes, refusal=refusal)
+        if table is None:
             return handle
         jobs = plan_jobs(table, peer.streams)
         state = ReadState(handle, rid, len(jobs))
