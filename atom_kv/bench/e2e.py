@@ -1,0 +1,139 @@
+"""``python -m atom_kv.bench e2e``: TTFT and tokens/s, P/D versus colocated, with the reference engine.
+
+Starts a proxy, a prefill and a decode engine and a colocated engine on
+127.0.0.1, then for prompts of 512, 2k and 8k bytes measures (streaming,
+greedy, sequential requests) the time to first token, decode tokens/s, the KV
+bytes the decode engine read and the share of the P/D TTFT spent moving KV
+(from the decode engine's transfer stats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import urllib.request
+from typing import Any
+
+from atom_kv.demo.cluster import Cluster, EngineSpec, scrape_metrics
+
+_TEXT = ("Prefill computes the prompt's keys and values once; decode reads them block by block and "
+         "generates one token per step. ")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default="512,2048,8192", help="prompt sizes in bytes (comma separated)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--backend", default="auto", choices=["auto", "tcp", "cma"])
+    parser.add_argument("--tp-prefill", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--tp-decode", type=int, default=1, choices=[1, 2])
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+
+
+def _prompt(size: int, salt: int) -> str:
+    text = f"[{salt}] " + _TEXT * (size // len(_TEXT) + 1)
+    return text[:size]
+
+
+def _stream(url: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+    """Returns (ttft_s, total_s, tokens)."""
+    body = json.dumps({"model": "atom-kv-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    ttft = None
+    tokens = 0
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            text = "".join(c.get("text") or "" for c in event.get("choices", []))
+            if text:
+                ttft = ttft if ttft is not None else time.perf_counter() - start
+                tokens += len(text.encode())  # one byte per generated token
+    total = time.perf_counter() - start
+    if ttft is None:
+        raise RuntimeError("no tokens streamed")
+    return ttft, total, tokens
+
+
+def _transfer(url: str) -> tuple[float, float]:
+    m = scrape_metrics(url + "/metrics")
+    b = sum(v for k, v in m.items() if k.startswith("atom_kv_transfer_bytes{"))
+    s = max([v for k, v in m.items() if k.startswith("atom_kv_transfer_seconds{")] or [0.0])
+    return b, s
+
+
+def _measure(cluster: Cluster, size: int, args: argparse.Namespace) -> dict[str, Any]:
+    d_url = cluster.engine_url(cluster.index_of("D"))
+    co_url = cluster.engine_url(cluster.index_of("colocated"))
+    pd: list[tuple[float, float, int, float, float]] = []
+    co: list[tuple[float, float, int]] = []
+    for rep in range(args.repeats):
+        prompt = _prompt(size, rep)
+        b0, s0 = _transfer(d_url)
+        ttft, total, n = _stream(cluster.proxy_url, prompt, args.max_tokens)
+        b1, s1 = _transfer(d_url)
+        pd.append((ttft, total, n, b1 - b0, s1 - s0))
+        co.append(_stream(co_url, prompt, args.max_tokens))
+
+    def tps(samples: list) -> float:
+        rates = [(s[2] - 1) / (s[1] - s[0]) for s in samples if s[1] > s[0] and s[2] > 1]
+        return statistics.mean(rates) if rates else 0.0
+
+    pd_ttft = statistics.mean(s[0] for s in pd)
+    kv_bytes = statistics.mean(s[3] for s in pd)
+    kv_seconds = statistics.mean(s[4] for s in pd)
+    return {
+        "prompt_bytes": size,
+        "pd_ttft_ms": pd_ttft * 1e3,
+        "colocated_ttft_ms": statistics.mean(s[0] for s in co) * 1e3,
+        "pd_tokens_per_s": tps(pd),
+        "colocated_tokens_per_s": tps(co),
+        "kv_mib": kv_bytes / 2**20,
+        "kv_transfer_ms": kv_seconds * 1e3,
+        "kv_gb_per_s": kv_bytes / kv_seconds / 1e9 if kv_seconds > 0 else 0.0,
+        "kv_share_of_ttft": kv_seconds / pd_ttft if pd_ttft > 0 else 0.0,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+    blocks = (max(sizes) + args.max_tokens + 64) // 16 + 64
+    extra = ["--max-model-len", str(max(sizes) + args.max_tokens + 64), "--max-num-batched-tokens",
+             str(max(sizes) + 64)]
+    cluster = Cluster([
+        EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=blocks, extra_args=extra),
+        EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=blocks, extra_args=extra),
+        EngineSpec("colocated", num_blocks=blocks, extra_args=extra),
+    ], heartbeat_timeout=10.0)
+    try:
+        cluster.start(timeout=120)
+        _stream(cluster.proxy_url, "warm up", 4)
+        _stream(cluster.engine_url(cluster.index_of("colocated")), "warm up", 4)
+        results = [_measure(cluster, size, args) for size in sizes]
+    finally:
+        cluster.close()
+    doc = {"suite": "e2e", "backend": args.backend, "tp_prefill": args.tp_prefill, "tp_decode": args.tp_decode,
+           "max_tokens": args.max_tokens, "repeats": args.repeats, "results": results}
+    if args.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"e2e: backend={args.backend} P TP={args.tp_prefill} D TP={args.tp_decode}, {args.max_tokens} tokens, "
+          f"mean of {args.repeats} sequential streamed requests")
+    head = (f"{'bytes':>6} {'TTFT P/D':>10} {'TTFT colo':>10} {'tok/s P/D':>10} {'tok/s colo':>10} "
+            f"{'KV MiB':>7} {'KV ms':>7} {'GB/s':>6} {'KV/TTFT':>8}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(f"{r['prompt_bytes']:>6} {r['pd_ttft_ms']:>8.0f}ms {r['colocated_ttft_ms']:>8.0f}ms "
+              f"{r['pd_tokens_per_s']:>10.1f} {r['colocated_tokens_per_s']:>10.1f} {r['kv_mib']:>7.2f} "
+              f"{r['kv_transfer_ms']:>7.1f} {r['kv_gb_per_s']:>6.2f} {r['kv_share_of_ttft'] * 100:>7.1f}%")
+    return 0

@@ -1,0 +1,144 @@
+"""``python -m atom_kv.reference --host H --port P [--tp N] [--kv-transfer-config JSON] ...``
+
+Starts the reference engine: a colocated engine without a config, a prefill
+(``kv_producer``) or decode (``kv_consumer``) engine with one. With
+``proxy_ip`` in the config, it registers with the proxy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Optional
+
+from atom_kv.config import ConfigError, parse_kv_transfer_config
+
+log = logging.getLogger("atom_kv.reference")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m atom_kv.reference", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on (and to advertise for KV reads)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (must divide the 2 KV heads)")
+    p.add_argument("--kv-transfer-config", default=None, help="JSON; see docs/configuration.md")
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks per rank")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-model-len", type=int, default=10240, help="prompt + generated tokens per request")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="prefill tokens per step (soft)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--model-id", default="atom-kv-tiny", help="served model name (also checked in KV handshakes)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds for TP ranks to start")
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds a TP rank may take for one step before the engine gives up on it")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds in-flight HTTP requests get to finish on shutdown")
+    p.add_argument("--instance-index", default=None, help="index to register with the proxy (default: the port)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+async def _serve(args: argparse.Namespace, engine, router, pinger) -> int:
+    from aiohttp import web
+
+    from atom_kv.reference.server import OpenAIServer
+
+    server = OpenAIServer(engine, router, default_max_tokens=args.default_max_tokens)
+    stop = asyncio.Event()
+    exit_code = 0
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def on_fatal(message: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        loop.call_soon_threadsafe(stop.set)
+
+    engine.on_fatal = on_fatal
+    if engine.fatal:
+        return 1
+    runner = web.AppRunner(server.app, access_log=None, handle_signals=False,
+                           shutdown_timeout=args.shutdown_timeout)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    try:
+        await site.start()
+        log.info("serving %s on http://%s:%d (%s)", args.model_id, args.host, args.port, engine.role)
+        if pinger is not None:  # register only once requests can be served
+            pinger.start()
+        await stop.wait()
+    finally:
+        if pinger is not None:
+            pinger.close()
+        await runner.cleanup()
+    return exit_code
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        kv_config = parse_kv_transfer_config(args.kv_transfer_config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for flag in ("startup_timeout", "step_timeout", "shutdown_timeout"):
+        if not getattr(args, flag) > 0:
+            print(f"error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
+            return 2
+    for flag in ("tp", "num_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+                 "num_layers", "threads"):
+        if getattr(args, flag) < 1:
+            print(f"error: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if 2 % args.tp:
+        print(f"error: --tp {args.tp} must divide the model's 2 KV heads (use 1 or 2)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from atom_kv.reference.engine import EngineArgs, EngineCore
+    from atom_kv.reference.server import OutputRouter
+
+    router = OutputRouter()
+    engine = EngineCore(
+        EngineArgs(model_id=args.model_id, seed=args.seed, num_layers=args.num_layers, tp=args.tp,
+                   num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                   max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                   host=args.host, threads=args.threads, startup_timeout_s=args.startup_timeout,
+                   step_timeout_s=args.step_timeout),
+        kv_config, router.deliver,
+    )
+    pinger = None
+    if kv_config is not None and kv_config.proxy_addresses:
+        from atom_kv import engine_hooks
+
+        try:
+            pinger = engine_hooks.build_registration_pinger(
+                kv_config, role="P" if kv_config.is_producer else "D",
+                index=args.instance_index or str(args.port), http_host=args.host, http_port=args.port,
+                tp_size=args.tp, dp_size=1, engine_id=engine.engine_id, model=args.model_id,
+            )
+        except ValueError as exc:
+            print(f"error: kv-transfer-config: `proxy_ip`: {exc}", file=sys.stderr)
+            return 2
+    try:
+        engine.start()
+        return asyncio.run(_serve(args, engine, router, pinger))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # startup failures (ports in use, worker crash) in one line
+        log.error("engine failed: %s", exc)
+        return 1
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The engine core: scheduler + executor + connector hooks, driven by one loop thread.
+
+The HTTP side calls :meth:`EngineCore.submit` / :meth:`EngineCore.abort` from
+any thread; the loop thread owns every piece of scheduling state and reports
+progress through the ``on_output`` callback. Connector hooks are reached only
+through ``atom_kv.engine_hooks``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from atom_kv.config import KVTransferConfig
+from atom_kv.reference.model_config import ModelConfig
+from atom_kv.reference.request import Request, RequestError, RequestOutput
+from atom_kv.reference.rank_io import RankSpec
+from atom_kv.reference.sampling import Sampler
+from atom_kv.reference.scheduler import Scheduler
+from atom_kv.reference.tp import WorkerFailure, create_executor
+
+__all__ = ["EngineArgs", "EngineCore"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings (the CLI's flags)."""
+
+    model_id: str = "atom-kv-tiny"
+    seed: int = 0
+    num_layers: int = 4
+    tp: int = 1
+    num_blocks: int = 1024
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_model_len: int = 10240
+    max_num_batched_tokens: int = 8192
+    host: str = "127.0.0.1"
+    threads: int = 1
+    idle_tick_s: float = 0.1
+    step_timeout_s: float = 300.0
+    startup_timeout_s: float = 120.0
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(seed=self.seed, num_layers=self.num_layers)
+
+
+class EngineCore:
+    """Owns the :class:`Scheduler`, the TP executor, the scheduler hooks and the loop thread."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        kv_config: Optional[KVTransferConfig],
+        on_output: Callable[[RequestOutput], None],
+        on_fatal: Optional[Callable[[str], None]] = None,
+    ) -> None:
+        self.args = args
+        self.kv_config = kv_config
+        self.engine_id = (kv_config.engine_id if kv_config and kv_config.engine_id else None) or uuid.uuid4().hex[:16]
+        self._on_output = on_output
+        self.on_fatal = on_fatal
+        self._commands: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._executor: Any = None
+        self._hooks: Any = None
+        self._aggregator: Any = None
+        self._sampler = Sampler()
+        self._requests: dict[str, Request] = {}
+        self.fatal: Optional[str] = None
+        self.worker_stats: list[dict[str, float]] = []
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_ok": 0,
+                         "requests_failed": 0, "requests_aborted": 0, "steps": 0}
+        self.scheduler = Scheduler(
+            num_blocks=args.num_blocks,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def role(self) -> str:
+        if self.kv_config is None:
+            return "colocated"
+        return "producer" if self.kv_config.is_producer else "consumer"
+
+    def start(self) -> None:
+        """Build the ranks (blocking: TP>1 waits for every rank to load), then start the loop thread."""
+        a = self.args
+        cfg_json = self.kv_config.to_json() if self.kv_config else None
+        specs = [
+            RankSpec(model=a.model_config(), model_id=a.model_id, num_blocks=a.num_blocks,
+                     block_size=a.block_size, tp_rank=r, tp_size=a.tp, engine_id=self.engine_id,
+                     host=a.host, kv_config_json=cfg_json)
+            for r in range(a.tp)
+        ]
+        self._executor = create_executor(specs, threads=a.threads, startup_timeout_s=a.startup_timeout_s,
+                                         step_timeout_s=a.step_timeout_s)
+        if self.kv_config is not None:
+            from atom_kv import engine_hooks
+
+            self._hooks = engine_hooks.build_scheduler_hooks(
+                self.kv_config, engine_id=self.engine_id, host=a.host, tp_size=a.tp, dp_rank=0,
+                block_size=a.block_size,
+            )
+            self._aggregator = engine_hooks.KVOutputAggregator(a.tp)
+            self.scheduler.hooks = self._hooks
+        self._thread = threading.Thread(target=self._loop, name="atom-kv-engine-core", daemon=True)
+        self._thread.start()
+        log.info("engine %s (%s, tp=%d) started", self.engine_id, self.role, a.tp)
+
+    def close(self) -> None:
+        """Stop the loop, the hooks and the workers. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._commands.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(10.0)
+        if self._hooks is not None:
+            self._hooks.close()
+        if self._executor is not None:
+            self._executor.close()
+
+    # ------------------------------------------------------------------ API (any thread)
+    def submit(self, req: Request) -> None:
+        """Queue ``req``; raises :class:`RequestError` if it can never run here."""
+        if self.fatal:
+            raise RequestError(f"engine is shutting down: {self.fatal}", status=503)
+        vocab = self.args.model_config().vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_ids):
+            raise RequestError(f"prompt token ids must be in 0..{vocab - 1}", param="prompt")
+        self.scheduler.check(req)
+        self._commands.put(("add", req))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "kv_total": s.blocks.num_blocks,
+            "kv_free": s.blocks.num_free,
+            "kv_held": sum(len(b) for b in list(s.held.values())),
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "waiting_remote": len(s.waiting_remote),
+        }
+
+    # ------------------------------------------------------------------ loop thread
+    def _connector_pending(self) -> bool:
+        return self._hooks is not None and (self._hooks.has_pending() or bool(self.scheduler.waiting_remote))
+
+    def _loop(self) -> None:
+        last_tick = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if self.scheduler.has_work():
+                    timeout = 0.0
+                elif self._connector_pending():
+                    timeout = max(0.0, self.args.idle_tick_s - (time.monotonic() - last_tick))
+                else:
+                    timeout = 1.0
+                self._drain_commands(timeout)
+                if self._stop.is_set():
+                    break
+                due = time.monotonic() - last_tick >= self.args.idle_tick_s
+                if self.scheduler.has_work() or (due and self._connector_pending()):
+                    self._step()
+                    last_tick = time.monotonic()
+        except WorkerFailure as exc:
+            self._die(str(exc))
+        except Exception as exc:  # a bug in the loop must not leave clients hanging
+            log.exception("engine loop crashed")
+            self._die(f"engine loop crashed: {exc}")
+
+    def _drain_commands(self, timeout: float) -> None:
+        try:
+            cmd = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, cmd: tuple[str, Any]) -> None:
+        kind, payload = cmd
+        if kind == "add":
+            req: Request = payload
+            self._requests[req.request_id] = req
+            self.scheduler.add(req)
+            log.debug("request %s queued (%d prompt tokens)", req.request_id, req.num_prompt)
+        elif kind == "abort":
+            if self._requests.pop(payload, None) is not None and self.scheduler.abort(payload):
+                self.counters["requests_aborted"] += 1
+                self._sampler.forget(payload)
+                log.info("request %s aborted", payload)
+
+    def _step(self) -> None:
+        sched_out = self.scheduler.schedule()
+        meta = self._hooks.build_connector_meta() if self._hooks is not None else None
+        chunks = [(c.token_ids, c.start_pos, c.block_ids) for c in sched_out.chunks]
+        results = self._executor.execute(chunks, meta)
+        now = time.monotonic()
+        self.counters["steps"] += 1
+        sampled: dict[str, int] = {}
+        logits = results[0].logits
+        for i, c in enumerate(sched_out.chunks):
+            req = self._requests.get(c.request_id)
+            if req is None or logits is None:
+                continue
+            self.counters["prompt_tokens"] += max(0, min(len(c.token_ids), req.num_prompt - c.start_pos))
+            sampled[c.request_id] = self._sampler.sample(c.request_id, logits[i], req.temperature, req.seed)
+        outputs = self.scheduler.update_from_output(sampled, now)
+        self.counters["generation_tokens"] += len(sampled)
+        if self._hooks is not None:
+            agg = self._aggregator.aggregate([r.kv_output for r in results])
+            events = self._hooks.update_connector_output(agg)
+            outputs += self.scheduler.apply_events(events)
+        self.worker_stats = [r.stats for r in results]
+        for out in outputs:
+            if out.finished:
+                self._requests.pop(out.request_id, None)
+                self._sampler.forget(out.request_id)
+                self.counters["requests_failed" if out.error else "requests_ok"] += 1
+            self._on_output(out)
+
+    def _die(self, message: str) -> None:
+        self.fatal = message
+        log.error("engine %s stopping: %s", self.engine_id, message)
+        for out in self.scheduler.fail_all(message):
+            self._on_output(out)
+        if self.on_fatal is not None:
+            self.on_fatal(message)

@@ -1,0 +1,45 @@
+"""What crosses the boundary between the engine core and its TP ranks (picklable, torch-free).
+
+Keeping these out of ``runner`` lets the engine core of a TP>1 engine run
+without importing torch: only the rank processes load the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from atom_kv.engine_hooks import KVConnectorOutput
+from atom_kv.reference.model_config import ModelConfig
+
+__all__ = ["RankSpec", "StepResult", "ChunkTuple"]
+
+#: One step's work for the ranks: ``(token_ids, start_pos, block_ids)`` per sequence.
+ChunkTuple = tuple[list[int], int, list[int]]
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to build itself (sent to worker processes)."""
+
+    model: ModelConfig
+    model_id: str
+    num_blocks: int
+    block_size: int
+    tp_rank: int
+    tp_size: int
+    engine_id: str
+    host: str
+    kv_config_json: Optional[str] = None
+    dp_rank: int = 0
+
+
+@dataclass
+class StepResult:
+    """One rank's answer to a step: logits (rank 0 only), finished transfers, stats."""
+
+    logits: Optional[np.ndarray]
+    kv_output: KVConnectorOutput
+    stats: dict[str, float]

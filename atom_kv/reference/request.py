@@ -1,0 +1,69 @@
+"""A request's lifecycle inside the engine, and what the engine reports back about it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["RequestState", "Request", "RequestOutput", "RequestError"]
+
+
+class RequestError(Exception):
+    """A request the engine rejects; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, *, status: int = 400, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One generation request: prompt, sampling settings, blocks and progress."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    seed: Optional[int] = None
+    kv_transfer_params: Optional[dict] = None
+    state: RequestState = RequestState.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    num_external_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: Optional[float] = None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass
+class RequestOutput:
+    """What happened to a request in one engine step (sent to the HTTP side)."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    error_status: int = 500
+    kv_transfer_params: Optional[dict] = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0

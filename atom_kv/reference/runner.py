@@ -1,0 +1,81 @@
+"""One tensor-parallel rank: its model slice, its KV cache and its worker connector."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from atom_kv.engine_hooks import ConnectorMetadata, KVConnectorOutput
+from atom_kv.reference.kv_cache import PagedKVCache
+from atom_kv.reference.model import SeqChunk, TinyLlama
+from atom_kv.reference.rank_io import ChunkTuple, RankSpec, StepResult
+
+__all__ = ["ModelRunner"]
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns one rank's :class:`TinyLlama` slice, :class:`PagedKVCache` and ``WorkerHooks``."""
+
+    def __init__(self, spec: RankSpec, all_reduce: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+        self.spec = spec
+        cfg = spec.model
+        self.model = TinyLlama(cfg, tp_rank=spec.tp_rank, tp_size=spec.tp_size, all_reduce=all_reduce)
+        self.cache = PagedKVCache(
+            num_layers=cfg.num_layers,
+            num_blocks=spec.num_blocks,
+            kv_heads=cfg.num_kv_heads // spec.tp_size,
+            block_size=spec.block_size,
+            head_dim=cfg.head_dim,
+        )
+        self.hooks: Any = None
+        if spec.kv_config_json:
+            from atom_kv import engine_hooks
+            from atom_kv.config import KVTransferConfig
+            from atom_kv.wire import CompatInfo
+
+            config = KVTransferConfig.from_dict(__import__("json").loads(spec.kv_config_json))
+            compat = CompatInfo(
+                model_id=spec.model_id,
+                dtype="float32",
+                num_layers=cfg.num_layers,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                block_size=spec.block_size,
+                is_mla=False,
+            )
+            self.hooks = engine_hooks.build_worker_hooks(
+                config,
+                engine_id=spec.engine_id,
+                host=spec.host,
+                tp_rank=spec.tp_rank,
+                tp_size=spec.tp_size,
+                dp_rank=spec.dp_rank,
+                compat=compat,
+            )
+            self.hooks.register_kv_caches(self.cache.layers)
+        log.info(
+            "rank %d/%d ready: %d KV blocks of %d tokens (%.1f MiB)",
+            spec.tp_rank, spec.tp_size, spec.num_blocks, spec.block_size, self.cache.nbytes / 2**20,
+        )
+
+    def step(self, chunks: list[ChunkTuple], meta: Optional[ConnectorMetadata]) -> StepResult:
+        """Start this step's KV loads, run the forward, and report finished transfers."""
+        if self.hooks is not None and meta is not None:
+            self.hooks.start_load_kv(meta)
+        logits = None
+        if chunks:
+            out = self.model.forward([SeqChunk(list(t), s, list(b)) for t, s, b in chunks], self.cache)
+            if self.spec.tp_rank == 0:
+                logits = out.numpy()
+        if self.hooks is not None:
+            return StepResult(logits, self.hooks.get_finished(), dict(self.hooks.stats()))
+        return StepResult(logits, KVConnectorOutput(), {})
+
+    def close(self) -> None:
+        if self.hooks is not None:
+            self.hooks.close()
+            self.hooks = None

@@ -1,0 +1,37 @@
+"""Token sampling over the model's logits (greedy or seeded temperature sampling).
+
+Generation is restricted to printable ASCII plus newline, so generated text
+maps one to one onto generated token ids.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["Sampler"]
+
+_ALLOWED = np.array([10] + list(range(32, 127)), dtype=np.int64)
+
+
+class Sampler:
+    """Owns per-request random generators for ``temperature > 0``."""
+
+    def __init__(self) -> None:
+        self._rngs: dict[str, np.random.Generator] = {}
+
+    def sample(self, request_id: str, logits: np.ndarray, temperature: float, seed: Optional[int]) -> int:
+        allowed = logits[_ALLOWED].astype(np.float64)
+        if temperature <= 0:
+            return int(_ALLOWED[int(np.argmax(allowed))])
+        rng = self._rngs.get(request_id)
+        if rng is None:
+            rng = self._rngs[request_id] = np.random.default_rng(0 if seed is None else seed)
+        z = allowed / temperature
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        return int(_ALLOWED[int(rng.choice(len(p), p=p))])
+
+    def forget(self, request_id: str) -> None:
+        self._rngs.pop(request_id, None)

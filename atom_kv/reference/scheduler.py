@@ -1,0 +1,261 @@
+"""Continuous-batching scheduler: admission, block allocation, connector events.
+
+States: ``WAITING`` (no blocks yet) -> ``WAITING_FOR_REMOTE_KV`` (consumer:
+blocks allocated, remote KV loading) -> ``RUNNING`` (prefill, then one token
+per step) -> finished. A request reserves the blocks for its prompt plus
+``max_tokens`` when admitted, so a running request never stalls for blocks;
+when blocks run out, new requests wait in FIFO order. A request that could
+never fit is rejected up front. Blocks whose KV is lent to a remote reader
+(``delay_free``) stay allocated until the connector says they are free.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from atom_kv.engine_hooks import SchedulerEvents, SchedulerHooks
+from atom_kv.reference.block_manager import BlockManager
+from atom_kv.reference.request import Request, RequestError, RequestOutput, RequestState
+
+__all__ = ["Scheduler", "ScheduledChunk", "SchedulerOutput"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens of one request to compute this step."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+
+
+class Scheduler:
+    """Owns the request queues and the :class:`BlockManager`; calls the scheduler hooks."""
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        hooks: Optional[SchedulerHooks] = None,
+    ) -> None:
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.hooks = hooks
+        self.waiting: deque[Request] = deque()
+        self.waiting_remote: dict[str, Request] = {}
+        self.running: dict[str, Request] = {}
+        self.held: dict[str, list[int]] = {}  # lent to remote readers until a `free` event
+
+    # ------------------------------------------------------------------ intake
+    def check(self, req: Request) -> None:
+        """Raise :class:`RequestError` if the request can never run here."""
+        total = req.num_prompt + req.max_tokens
+        if req.num_prompt == 0:
+            raise RequestError("the prompt must not be empty", param="prompt")
+        if total > self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({req.num_prompt} in the messages, {req.max_tokens} in "
+                "the completion). Please reduce the length of the messages or completion.",
+                param="max_tokens",
+            )
+        need = self.blocks.blocks_for(total)
+        if need > self.blocks.num_blocks:
+            raise RequestError(
+                f"prompt needs {need} blocks ({req.num_prompt} prompt tokens + {req.max_tokens} "
+                f"max_tokens, block size {self.blocks.block_size}) but the engine has only "
+                f"{self.blocks.num_blocks}",
+                param="prompt",
+            )
+
+    def add(self, req: Request) -> None:
+        self.check(req)
+        req.state = RequestState.WAITING
+        self.waiting.append(req)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.waiting_remote) + len(self.running)
+
+    def has_work(self) -> bool:
+        """True if the next step would compute something or admit a request."""
+        return bool(self.running) or (bool(self.waiting) and self._can_admit_head())
+
+    def _can_admit_head(self) -> bool:
+        if len(self.running) + len(self.waiting_remote) >= self.max_num_seqs:
+            return False
+        head = self.waiting[0]
+        return self.blocks.can_allocate(self.blocks.blocks_for(head.num_prompt + head.max_tokens))
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> SchedulerOutput:
+        """Admit what fits, then return every running request's tokens for this step."""
+        budget = self.max_num_batched_tokens - len(self.running)
+        admitted = 0
+        while self.waiting and self._can_admit_head():
+            head = self.waiting[0]
+            if admitted and head.num_prompt > budget:
+                break  # this step already carries a prefill; the next one waits a step
+            self.waiting.popleft()
+            head.block_ids = self.blocks.allocate(self.blocks.blocks_for(head.num_prompt + head.max_tokens))
+            if self._start_remote_load(head):
+                continue
+            head.state = RequestState.RUNNING
+            self.running[head.request_id] = head
+            budget -= head.num_prompt
+            admitted += 1
+        out = SchedulerOutput()
+        for req in self.running.values():
+            ids = req.all_ids
+            out.chunks.append(
+                ScheduledChunk(req.request_id, ids[req.num_computed :], req.num_computed, req.block_ids)
+            )
+        return out
+
+    def _start_remote_load(self, req: Request) -> bool:
+        if self.hooks is None:
+            return False
+        n, is_async = self.hooks.get_num_new_matched_tokens(
+            req.request_id, req.num_prompt, req.kv_transfer_params
+        )
+        if n <= 0 or not is_async:
+            return False
+        req.num_external_tokens = n
+        self.hooks.update_state_after_alloc(req.request_id, self._prompt_blocks(req), n)
+        req.state = RequestState.WAITING_FOR_REMOTE_KV
+        self.waiting_remote[req.request_id] = req
+        log.debug("request %s waits for %d remote tokens", req.request_id, n)
+        return True
+
+    def _prompt_blocks(self, req: Request) -> list[int]:
+        return req.block_ids[: self.blocks.blocks_for(req.num_prompt)]
+
+    def update_from_output(self, sampled: dict[str, int], now: float) -> list[RequestOutput]:
+        """Record one sampled token per computed request; finish those at ``max_tokens``."""
+        outputs = []
+        for rid, token in sampled.items():
+            req = self.running.get(rid)
+            if req is None:
+                continue  # aborted during the step
+            req.num_computed = req.num_prompt + len(req.output_ids)
+            req.output_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            out = RequestOutput(
+                rid,
+                new_token_ids=[token],
+                num_prompt_tokens=req.num_prompt,
+                num_output_tokens=len(req.output_ids),
+            )
+            if len(req.output_ids) >= req.max_tokens:
+                out.finished = True
+                out.finish_reason = "length"
+                out.kv_transfer_params = self._finish(req, aborted=False)
+            outputs.append(out)
+        return outputs
+
+    # ------------------------------------------------------------------ ending
+    def _finish(self, req: Request, *, aborted: bool) -> Optional[dict]:
+        """Remove ``req`` from every queue and free (or lend) its blocks."""
+        self.running.pop(req.request_id, None)
+        self.waiting_remote.pop(req.request_id, None)
+        req.state = RequestState.FINISHED
+        delay, params = False, None
+        if self.hooks is not None:
+            delay, params = self.hooks.request_finished(
+                req.request_id, self._prompt_blocks(req), aborted=aborted
+            )
+        if delay:
+            keep = self._prompt_blocks(req)
+            self.blocks.free(req.block_ids[len(keep) :])
+            self.held[req.request_id] = keep
+            log.debug("request %s: %d blocks held for remote readers", req.request_id, len(keep))
+        else:
+            self.blocks.free(req.block_ids)
+        req.block_ids = []
+        return params
+
+    def abort(self, request_id: str) -> bool:
+        """Abort wherever the request is; returns False if it is unknown (already done)."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.state = RequestState.FINISHED
+                if self.hooks is not None:
+                    self.hooks.request_finished(request_id, [], aborted=True)
+                return True
+        req = self.running.get(request_id) or self.waiting_remote.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, aborted=True)
+        return True
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every unfinished request with ``message`` (the engine is going down)."""
+        outs = []
+        for req in [*self.waiting, *self.waiting_remote.values(), *self.running.values()]:
+            outs.append(RequestOutput(req.request_id, finished=True, error=message, error_status=503))
+        self.waiting.clear()
+        self.waiting_remote.clear()
+        self.running.clear()
+        return outs
+
+    # ------------------------------------------------------------------ connector
+    def apply_events(self, events: SchedulerEvents) -> list[RequestOutput]:
+        outputs = []
+        for rid in events.ready:
+            req = self.waiting_remote.pop(rid, None)
+            if req is None:
+                continue
+            # All prompt KV is here; recompute only the last prompt token for the first logits.
+            req.num_computed = min(req.num_external_tokens, req.num_prompt - 1)
+            req.state = RequestState.RUNNING
+            self.running[rid] = req
+        for rid in events.recompute:
+            req = self.waiting_remote.pop(rid, None)
+            if req is None:
+                continue
+            log.warning("request %s: remote KV load failed; recomputing the prefill locally", rid)
+            req.num_computed = 0
+            req.state = RequestState.RUNNING
+            self.running[rid] = req
+        for rid, reason in events.failed.items():
+            req = self.waiting_remote.pop(rid, None) or self.running.pop(rid, None)
+            if req is None:
+                continue
+            log.warning("request %s: remote KV load failed: %s", rid, reason)
+            req.state = RequestState.FINISHED
+            self.blocks.free(req.block_ids)
+            req.block_ids = []
+            outputs.append(
+                RequestOutput(rid, finished=True, error=f"KV transfer failed: {reason}", error_status=502)
+            )
+        for rid in events.free:
+            blocks = self.held.pop(rid, None)
+            if blocks is None:
+                log.debug("free event for %s with no held blocks", rid)
+                continue
+            self.blocks.free(blocks)
+        return outputs
+
+    def release_all_held(self) -> None:
+        for blocks in self.held.values():
+            self.blocks.free(blocks)
+        self.held.clear()

@@ -1,0 +1,259 @@
+"""OpenAI-compatible HTTP front end (aiohttp) of the reference engine.
+
+The asyncio loop never touches the model: requests go to the
+:class:`EngineCore` loop thread, and outputs come back through an
+:class:`OutputRouter` (``call_soon_threadsafe`` into per-request queues).
+A client that disconnects gets its request aborted, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any, Optional
+
+from aiohttp import web
+
+from atom_kv.reference.engine import EngineCore
+from atom_kv.reference.metrics import EngineMetrics
+from atom_kv.reference.openai_protocol import (
+    GenerateParams,
+    chunk_body,
+    completion_body,
+    error_body,
+    now_s,
+    parse_request,
+    usage,
+)
+from atom_kv.reference.request import Request, RequestError, RequestOutput
+from atom_kv.reference.tokenizer import ByteTokenizer, IncrementalDetokenizer
+
+__all__ = ["OutputRouter", "OpenAIServer"]
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.5  # how often a waiting handler checks whether its client went away
+
+
+class OutputRouter:
+    """Hands engine outputs (from the loop thread) to per-request asyncio queues."""
+
+    def __init__(self) -> None:
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+
+    def register(self, rid: str) -> "asyncio.Queue[RequestOutput]":
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[rid] = q
+        return q
+
+    def unregister(self, rid: str) -> None:
+        self._queues.pop(rid, None)
+
+    def deliver(self, out: RequestOutput) -> None:
+        """Called from the engine thread."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._put, out)
+        except RuntimeError:  # loop closed while shutting down
+            pass
+
+    def _put(self, out: RequestOutput) -> None:
+        q = self._queues.get(out.request_id)
+        if q is not None:
+            q.put_nowait(out)
+
+
+def _json(body: Any, status: int = 200, headers: Optional[dict[str, str]] = None) -> web.Response:
+    return web.Response(text=json.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def _error(message: str, status: int, param: Optional[str] = None,
+           headers: Optional[dict[str, str]] = None) -> web.Response:
+    return _json(error_body(message, status, param), status=status, headers=headers)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class OpenAIServer:
+    """Owns the aiohttp application: OpenAI routes, ``/health`` and ``/metrics``."""
+
+    def __init__(self, engine: EngineCore, router: OutputRouter, *, default_max_tokens: int = 16) -> None:
+        self.engine = engine
+        self.router = router
+        self.tokenizer = ByteTokenizer()
+        self.model_id = engine.args.model_id
+        self.default_max_tokens = default_max_tokens
+        self.metrics = EngineMetrics(engine)
+        self.app = web.Application(client_max_size=64 * 2**20)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/metrics", self.metrics_handler)
+        self.app.on_startup.append(self._on_startup)
+
+    async def _on_startup(self, app: web.Application) -> None:
+        self.router.loop = asyncio.get_running_loop()
+
+    # ------------------------------------------------------------------ simple routes
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [{
+            "id": self.model_id, "object": "model", "created": now_s(), "owned_by": "atom-kv",
+            "root": self.model_id, "max_model_len": self.engine.args.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        snap = self.engine.snapshot()
+        body = {
+            "status": "error" if self.engine.fatal else "ok",
+            "role": self.engine.role,
+            "engine_id": self.engine.engine_id,
+            "tp_size": self.engine.args.tp,
+            "kv_blocks": {"total": snap["kv_total"], "free": snap["kv_free"], "held": snap["kv_held"]},
+            "requests": {"running": snap["running"], "waiting": snap["waiting"],
+                         "waiting_remote_kv": snap["waiting_remote"]},
+        }
+        if self.engine.fatal:
+            body["error"] = self.engine.fatal
+        return _json(body, status=503 if self.engine.fatal else 200)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    # ------------------------------------------------------------------ generation
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        client_rid = request.headers.get("X-Request-Id")
+        suffix = uuid.uuid4().hex[:12]
+        rid = f"{client_rid}-{suffix}" if client_rid else f"{'chatcmpl' if chat else 'cmpl'}-{suffix}"
+        headers = {"X-Request-Id": client_rid or rid}
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error("request body is not valid JSON", 400, headers=headers)
+        try:
+            params = parse_request(body, self.tokenizer, chat=chat, default_max_tokens=self.default_max_tokens)
+        except RequestError as exc:
+            return _error(exc.message, exc.status, exc.param, headers=headers)
+        req = Request(request_id=rid, prompt_ids=params.prompt_ids, max_tokens=params.max_tokens,
+                      temperature=params.temperature, seed=params.seed,
+                      kv_transfer_params=params.kv_transfer_params)
+        queue = self.router.register(rid)
+        finished = False
+        try:
+            try:
+                self.engine.submit(req)
+            except RequestError as exc:
+                finished = True
+                log.info("request %s rejected: %s", rid, exc.message)
+                return _error(exc.message, exc.status, exc.param, headers=headers)
+            log.debug("request %s: %d prompt tokens, max_tokens %d, stream=%s", rid, len(params.prompt_ids),
+                      params.max_tokens, params.stream)
+            if params.stream:
+                resp, finished = await self._stream(request, queue, rid, params, chat, headers)
+                return resp
+            resp, finished = await self._collect(request, queue, rid, params, chat, headers)
+            return resp
+        except _ClientGone:
+            log.info("request %s: client disconnected", rid)
+            return web.Response(status=499)  # nobody reads it
+        finally:
+            self.router.unregister(rid)
+            if not finished:
+                self.engine.abort(rid)
+
+    async def _next(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]") -> RequestOutput:
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), _POLL_S)
+            except asyncio.TimeoutError:
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    raise _ClientGone() from None
+
+    async def _collect(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", rid: str,
+                       params: GenerateParams, chat: bool, headers: dict[str, str]) -> tuple[web.Response, bool]:
+        token_ids: list[int] = []
+        while True:
+            out = await self._next(request, queue)
+            if out.error:
+                return _error(out.error, out.error_status, headers=headers), True
+            token_ids += out.new_token_ids
+            if out.finished:
+                body = completion_body(
+                    rid=rid, model=self.model_id, chat=chat, text=self.tokenizer.decode(token_ids),
+                    finish_reason=out.finish_reason, prompt_tokens=len(params.prompt_ids),
+                    completion_tokens=len(token_ids), created=now_s(), kv_transfer_params=out.kv_transfer_params)
+                return _json(body, headers=headers), True
+
+    async def _stream(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", rid: str,
+                      params: GenerateParams, chat: bool,
+                      headers: dict[str, str]) -> tuple[web.StreamResponse, bool]:
+        created = now_s()
+        out = await self._next(request, queue)
+        if out.error:  # failed before the first token: a plain HTTP error
+            return _error(out.error, out.error_status, headers=headers), True
+        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(obj: Any) -> None:
+            try:
+                await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            except (ConnectionResetError, ConnectionError) as exc:
+                raise _ClientGone() from exc
+
+        try:
+            await self._stream_body(resp, queue, request, out, rid, params, chat, created, send)
+        except _ClientGone:
+            log.info("request %s: client disconnected mid-stream", rid)
+            return resp, False
+        return resp, True
+
+    async def _stream_body(self, resp: web.StreamResponse, queue: "asyncio.Queue[RequestOutput]",
+                           request: web.Request, out: RequestOutput, rid: str, params: GenerateParams,
+                           chat: bool, created: int, send: Any) -> None:
+        detok = IncrementalDetokenizer()
+        n_out = 0
+        if chat:
+            await send(chunk_body(rid=rid, model=self.model_id, chat=True, created=created, text="", finish_reason=None,
+                                  role=True))
+        while True:
+            if out.error:
+                await send(error_body(out.error, out.error_status))
+                break
+            n_out += len(out.new_token_ids)
+            text = "".join(detok.push(t) for t in out.new_token_ids)
+            if out.finished:
+                text += detok.flush()
+            if text:
+                await send(chunk_body(rid=rid, model=self.model_id, chat=chat, created=created, text=text,
+                                      finish_reason=None))
+            if out.finished:
+                final = chunk_body(rid=rid, model=self.model_id, chat=chat, created=created,
+                                   text=None if chat else "", finish_reason=out.finish_reason)
+                if out.kv_transfer_params is not None:
+                    final["kv_transfer_params"] = out.kv_transfer_params
+                await send(final)
+                if params.include_usage:
+                    await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": created, "model": self.model_id, "choices": [],
+                                "usage": usage(len(params.prompt_ids), n_out)})
+                break
+            out = await self._next(request, queue)
+        try:
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            pass

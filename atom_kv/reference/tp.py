@@ -1,0 +1,236 @@
+"""Executors that run a step on every tensor-parallel rank.
+
+- :class:`LocalExecutor`: TP=1, rank 0 in the engine process.
+- :class:`ProcessExecutor`: TP>1, every rank in its own worker process
+  (``torch.distributed`` with gloo on 127.0.0.1), driven over pipes. The
+  engine process never joins a collective, so a dead or stuck worker shows up
+  as a bounded wait that fails (:class:`WorkerFailure`) instead of a hang.
+  Ranks are forked from a fork server (started by this process; it exits when
+  this process does). Each rank dies with its parent (``PR_SET_PDEATHSIG``)
+  and also exits when the engine process is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any, Optional
+
+from atom_kv.engine_hooks import ConnectorMetadata
+from atom_kv.reference.rank_io import ChunkTuple, RankSpec, StepResult
+
+__all__ = ["WorkerFailure", "LocalExecutor", "ProcessExecutor", "create_executor"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailure(RuntimeError):
+    """A TP worker died, failed or did not answer in time; the engine must stop."""
+
+
+class LocalExecutor:
+    """Runs the single rank in this process."""
+
+    def __init__(self, spec: RankSpec, threads: int) -> None:
+        import torch
+
+        torch.set_num_threads(threads)
+        from atom_kv.reference.runner import ModelRunner
+
+        self._runner: Optional[ModelRunner] = ModelRunner(spec)
+
+    def execute(self, chunks: list[ChunkTuple], meta: Optional[ConnectorMetadata]) -> list[StepResult]:
+        if self._runner is None:
+            raise WorkerFailure("executor is closed")
+        return [self._runner.step(chunks, meta)]
+
+    def close(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _engine_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _worker_main(spec: RankSpec, conn: Connection, dist_port: int, threads: int, parent_pid: int,
+                 log_level: int, collective_timeout_s: float) -> None:
+    """Entry point of a TP worker process."""
+    _die_with_parent()
+    # The engine decides when a rank stops (a "stop" message, then SIGKILL); a Ctrl-C or a
+    # SIGTERM sent to the whole process group must not kill a rank in the middle of a step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp{spec.tp_rank} %(name)s: %(message)s")
+    runner = None
+    try:
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        from atom_kv.reference.runner import ModelRunner
+
+        torch.set_num_threads(threads)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{dist_port}",
+            rank=spec.tp_rank,
+            world_size=spec.tp_size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
+        runner = ModelRunner(spec, all_reduce=lambda t: dist.all_reduce(t))
+        conn.send(("ready", None))
+        while True:
+            if not conn.poll(1.0):
+                if not _engine_alive(parent_pid):
+                    break
+                continue
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, chunks, meta = msg
+            conn.send(("ok", runner.step(chunks, meta)))
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass
+    except BaseException:  # report any failure to the engine, then exit
+        try:
+            conn.send(("error", traceback.format_exc(limit=8)))
+        except OSError:
+            pass
+    finally:
+        if runner is not None:
+            runner.close()
+
+
+class ProcessExecutor:
+    """Drives ``tp_size`` worker processes; every wait is bounded by ``step_timeout_s``."""
+
+    def __init__(self, specs: list[RankSpec], *, threads: int, startup_timeout_s: float,
+                 step_timeout_s: float) -> None:
+        self._step_timeout_s = step_timeout_s
+        # A fork server that has imported torch once forks every rank cheaply; the engine
+        # process itself never imports torch for TP > 1.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "atom_kv.reference.runner"])
+        port = _free_port()
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self._closed = False
+        self._broken: Optional[str] = None
+        level = logging.getLogger().getEffectiveLevel()
+        for spec in specs:
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(spec, child_conn, port, threads, os.getpid(), level, step_timeout_s),
+                name=f"atom-kv-tp{spec.tp_rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()
+            self._procs.append(proc)
+            self._conns.append(parent_conn)
+        try:
+            self._gather(startup_timeout_s, "start")
+        except BaseException:
+            self.close()
+            raise
+
+    def _gather(self, timeout_s: float, what: str) -> list[Any]:
+        results: list[Any] = [None] * len(self._conns)
+        pending = set(range(len(self._conns)))
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._fail(f"TP workers {sorted(pending)} did not {what} within {timeout_s:.0f} s")
+            waitables: list[Any] = []
+            for i in pending:
+                waitables += [self._conns[i], self._procs[i].sentinel]
+            ready = wait(waitables, timeout=remaining)
+            for i in list(pending):
+                conn = self._conns[i]
+                if conn in ready or conn.poll(0):
+                    try:
+                        kind, payload = conn.recv()
+                    except (EOFError, OSError):
+                        raise self._fail(f"TP worker {i} closed its pipe (exit code {self._procs[i].exitcode})")
+                    if kind == "error":
+                        raise self._fail(f"TP worker {i} failed: {payload.strip().splitlines()[-1]}")
+                    results[i] = payload
+                    pending.discard(i)
+                elif self._procs[i].sentinel in ready:
+                    self._procs[i].join(0.1)
+                    raise self._fail(f"TP worker {i} died (exit code {self._procs[i].exitcode})")
+        return results
+
+    def _fail(self, message: str) -> WorkerFailure:
+        self._broken = message
+        log.error("%s", message)
+        return WorkerFailure(message)
+
+    def execute(self, chunks: list[ChunkTuple], meta: Optional[ConnectorMetadata]) -> list[StepResult]:
+        if self._broken or self._closed:
+            raise WorkerFailure(self._broken or "executor is closed")
+        for i, conn in enumerate(self._conns):
+            try:
+                conn.send(("step", chunks, meta))
+            except OSError:
+                raise self._fail(f"TP worker {i} is gone (exit code {self._procs[i].exitcode})")
+        return self._gather(self._step_timeout_s, "answer a step")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for conn in self._conns:
+            conn.close()
+
+
+def create_executor(specs: list[RankSpec], *, threads: int, startup_timeout_s: float = 120.0,
+                    step_timeout_s: float = 300.0) -> "LocalExecutor | ProcessExecutor":
+    if len(specs) == 1:
+        return LocalExecutor(specs[0], threads)
+    return ProcessExecutor(specs, threads=threads, startup_timeout_s=startup_timeout_s,
+                           step_timeout_s=step_timeout_s)
