@@ -44,7 +44,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     host: str = "127.0.0.1"
     threads: int = 1
-    idle_tick_s: float = 0.1
+    idle_tick_s: float = 0.1      # slowest connector poll while transfers are outstanding
+    fast_tick_s: float = 0.002    # first poll after a load starts or a transfer event arrives
     step_timeout_s: float = 300.0
     startup_timeout_s: float = 120.0
 
@@ -164,22 +165,33 @@ class EngineCore:
         return self._hooks is not None and (self._hooks.has_pending() or bool(self.scheduler.waiting_remote))
 
     def _loop(self) -> None:
+        # While transfers are outstanding and nothing else runs, poll the
+        # connector on a backoff: fast right after a load starts or an event
+        # arrives (loads usually finish in milliseconds), then doubling up to
+        # idle_tick_s. The waits block on the command queue, so new requests
+        # still wake the loop at once.
         last_tick = time.monotonic()
+        tick = self.args.fast_tick_s
         try:
             while not self._stop.is_set():
                 if self.scheduler.has_work():
                     timeout = 0.0
                 elif self._connector_pending():
-                    timeout = max(0.0, self.args.idle_tick_s - (time.monotonic() - last_tick))
+                    timeout = max(0.0, tick - (time.monotonic() - last_tick))
                 else:
                     timeout = 1.0
                 self._drain_commands(timeout)
                 if self._stop.is_set():
                     break
-                due = time.monotonic() - last_tick >= self.args.idle_tick_s
-                if self.scheduler.has_work() or (due and self._connector_pending()):
-                    self._step()
+                busy = self.scheduler.has_work()
+                due = time.monotonic() - last_tick >= tick
+                if busy or (due and self._connector_pending()):
+                    progressed = self._step()
                     last_tick = time.monotonic()
+                    if busy or progressed:
+                        tick = self.args.fast_tick_s
+                    else:
+                        tick = min(tick * 2, self.args.idle_tick_s)
         except WorkerFailure as exc:
             self._die(str(exc))
         except Exception as exc:  # a bug in the loop must not leave clients hanging
@@ -211,7 +223,8 @@ class EngineCore:
                 self._sampler.forget(payload)
                 log.info("request %s aborted", payload)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Run one engine step; True if the connector reported any transfer event."""
         sched_out = self.scheduler.schedule()
         meta = self._hooks.build_connector_meta() if self._hooks is not None else None
         chunks = [(c.token_ids, c.start_pos, c.block_ids) for c in sched_out.chunks]
@@ -228,9 +241,11 @@ class EngineCore:
             sampled[c.request_id] = self._sampler.sample(c.request_id, logits[i], req.temperature, req.seed)
         outputs = self.scheduler.update_from_output(sampled, now)
         self.counters["generation_tokens"] += len(sampled)
+        progressed = False
         if self._hooks is not None:
             agg = self._aggregator.aggregate([r.kv_output for r in results])
             events = self._hooks.update_connector_output(agg)
+            progressed = not (agg.is_empty() and events.is_empty())
             outputs += self.scheduler.apply_events(events)
         self.worker_stats = [r.stats for r in results]
         for out in outputs:
@@ -239,6 +254,7 @@ class EngineCore:
                 self._sampler.forget(out.request_id)
                 self.counters["requests_failed" if out.error else "requests_ok"] += 1
             self._on_output(out)
+        return progressed
 
     def _die(self, message: str) -> None:
         self.fatal = message
