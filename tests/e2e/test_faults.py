@@ -159,3 +159,25 @@ def test_bad_config_json_is_reported_without_traceback():
     proc = subprocess.run([sys.executable, "-m", "atom_kv.reference", "--kv-transfer-config", "{nope"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_moriio_unavailable_fails_engine_start_with_one_line():
+    """Selecting MORI-IO on a machine without it: exit non-zero, one line saying what is missing."""
+    try:
+        import mori.io  # noqa: F401
+    except Exception:
+        pass
+    else:  # pragma: no cover - only on a ROCm machine
+        pytest.skip("mori.io imports here; the unavailability path cannot be exercised")
+    config = f'{{"kv_role": "kv_producer", "backend": "moriio", "handshake_port": {free_port()}}}'
+    proc = subprocess.run(
+        [sys.executable, "-m", "atom_kv.reference", "--host", "127.0.0.1", "--port", str(free_port()),
+         "--kv-transfer-config", config],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    output = (proc.stdout + proc.stderr).strip().splitlines()
+    assert len(output) == 1, output
+    assert "MORI-IO unavailable: No module named 'mori'" in output[0]
+    assert '"backend": "tcp"' in output[0]  # and it names the way out
+    assert "Traceback" not in proc.stderr
