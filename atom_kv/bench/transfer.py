@@ -37,6 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=3, help="measurements per block size (best and median reported)")
     parser.add_argument("--streams", type=int, default=None, help="tcp_streams for the tcp backend (default: config default)")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per-read timeout")
+    parser.add_argument(
+        "--kv-transfer-config", default=None, metavar="JSON",
+        help="extra --kv-transfer-config keys for both processes, e.g. MORI-IO tuning "
+        "'{\"qp_per_transfer\": 4, \"moriio_backend\": \"xgmi\"}' (kv_role is set by the bench, "
+        "--backend picks the backend, --streams and --timeout-s override their keys)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
@@ -50,7 +56,7 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
     return out
 
 
-def _socket_pusher(lsock: socket.socket, buf: np.ndarray, stop: threading.Event) -> None:
+def _socket_pusher(lsock: socket.socket, buf: np.ndarray, stop: threading.Event, timeout_s: float) -> None:
     """Send the whole buffer once per accepted connection (the socket ceiling)."""
     view = memoryview(buf)
     lsock.settimeout(1.0)
@@ -60,7 +66,7 @@ def _socket_pusher(lsock: socket.socket, buf: np.ndarray, stop: threading.Event)
         except (TimeoutError, OSError):
             continue
         with conn:
-            conn.settimeout(60)
+            conn.settimeout(timeout_s)
             try:
                 conn.sendall(view)
             except OSError as exc:
@@ -82,7 +88,9 @@ def _serve(backend_name: str, config: dict[str, Any], nbytes: int, align: int, s
         return
     lsock = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
-    pusher = threading.Thread(target=_socket_pusher, args=(lsock, buf, stop), name="bench-socket-pusher", daemon=True)
+    pusher = threading.Thread(
+        target=_socket_pusher, args=(lsock, buf, stop, cfg.transfer_timeout_s), name="bench-socket-pusher", daemon=True
+    )
     pusher.start()
     conn.send(("ready", desc, ids, lsock.getsockname()[1]))
     while True:
@@ -108,11 +116,11 @@ def memcpy_gbps(dst: np.ndarray, src: np.ndarray) -> float:
     return dst.nbytes / (time.perf_counter() - t) / 1e9
 
 
-def socket_gbps(port: int, dst: np.ndarray) -> float:
+def socket_gbps(port: int, dst: np.ndarray, timeout_s: float) -> float:
     view = memoryview(dst)
     n = dst.nbytes
     t = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
         got = 0
         while got < n:
             k = s.recv_into(view[got:])
@@ -142,8 +150,34 @@ def build_ops(nblocks: int, block: int, chunk: int, ids: list[int], local_ids: l
     return ops, lperm, rperm
 
 
+def bench_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``KVTransferConfig`` keys (without ``kv_role``) both processes use.
+
+    Raises :class:`~atom_kv.config.ConfigError` (one line naming the key) for
+    a bad ``--kv-transfer-config``."""
+    from atom_kv.config import ConfigError, KVTransferConfig
+
+    extra: Any = {}
+    text = args.kv_transfer_config
+    if text is not None and text.strip():
+        try:
+            extra = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"kv-transfer-config: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+            ) from None
+        if not isinstance(extra, dict):
+            KVTransferConfig.from_dict(extra)  # raises the one-line "expected a JSON object"
+        extra = {k: v for k, v in extra.items() if k != "kv_role"}
+    config: dict[str, Any] = {**extra, "transfer_timeout_s": args.timeout_s}
+    if args.streams is not None:
+        config["tcp_streams"] = args.streams
+    KVTransferConfig.from_dict({"kv_role": "kv_consumer", **config})  # validate before spawning
+    return config
+
+
 def run(args: argparse.Namespace) -> int:
-    from atom_kv.config import KVTransferConfig
+    from atom_kv.config import ConfigError, KVTransferConfig
     from atom_kv.transfer import BackendUnavailable, TransferError, chunk_sizes, create_backend
 
     try:
@@ -155,9 +189,11 @@ def run(args: argparse.Namespace) -> int:
     if not blocks_kb or any(b <= 0 or nbytes % (b << 10) for b in blocks_kb):
         print("transfer bench: every --block-kb must be positive and divide --total-mb", file=sys.stderr)
         return 2
-    config: dict[str, Any] = {"transfer_timeout_s": args.timeout_s}
-    if args.streams is not None:
-        config["tcp_streams"] = args.streams
+    try:
+        config = bench_config(args)
+    except ConfigError as exc:
+        print(f"transfer bench: {exc}", file=sys.stderr)
+        return 2
     cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", **config})
     try:
         backend = create_backend(args.backend, cfg, host="127.0.0.1", key=f"bench-read-{os.getpid()}")
@@ -221,7 +257,7 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
     error: Optional[str] = None
     for _ in range(max(1, args.repeat)):
         mem.append(memcpy_gbps(dst, src))
-        sock.append(socket_gbps(sock_port, dst))
+        sock.append(socket_gbps(sock_port, dst, args.timeout_s))
         dst.fill(0)
         t = time.perf_counter()
         h = backend.read(peer, ops, timeout_s=args.timeout_s)

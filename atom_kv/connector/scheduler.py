@@ -38,13 +38,14 @@ from atom_kv.engine_hooks.types import (
     SendSpec,
 )
 
-__all__ = ["ConnectorScheduler", "load_budget_s"]
+__all__ = ["ConnectorScheduler", "load_backstop_s", "load_budget_s"]
 
 logger = logging.getLogger(__name__)
 
-#: Extra seconds the scheduler waits past a worker's own load budget, so a
-#: worker always gives up (and stops writing into the blocks) before the
-#: scheduler tells the engine to free them.
+#: Extra seconds the scheduler waits past a worker's own load budget (and
+#: the time its last failed read may take to settle), so a worker always
+#: gives up and stops writing into the blocks before the scheduler tells the
+#: engine to free them.
 SCHEDULER_SLACK_S = 2.0
 
 _QUEUED, _LOADING, _CANCELLED = "queued", "loading", "cancelled"
@@ -55,6 +56,13 @@ def load_budget_s(config: KVTransferConfig) -> float:
     attempts = config.transfer_retries + 1
     backoff = sum(config.transfer_retry_backoff_ms * (2**i) for i in range(config.transfer_retries)) / 1000.0
     return config.handshake_timeout_s + attempts * config.transfer_timeout_s + backoff
+
+
+def load_backstop_s(config: KVTransferConfig) -> float:
+    """How long the scheduler waits for a load no rank reported: the workers' budget, plus one
+    ``transfer_timeout_s`` for a read failed at its deadline to settle (backends stop writing
+    within their I/O timeout), plus slack."""
+    return load_budget_s(config) + config.transfer_timeout_s + SCHEDULER_SLACK_S
 
 
 @dataclass
@@ -105,7 +113,7 @@ class ConnectorScheduler(SchedulerHooks):
         self.tp_size = tp_size
         self.dp_rank = dp_rank
         self.block_size = block_size
-        self._budget = load_budget_s(config) + SCHEDULER_SLACK_S
+        self._budget = load_backstop_s(config)
         # producer
         self._decode_tids: dict[str, str] = {}
         self._leases: dict[str, _Lease] = {}

@@ -7,6 +7,7 @@ so nothing is orphaned even when a test or the demo fails half way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,11 +17,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 __all__ = [
     "free_port",
@@ -68,6 +70,26 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = _REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM (main thread only) and re-deliver them when the block ends.
+
+    A Ctrl-C landing inside ``Popen`` after the fork (or before the caller
+    records the new process) would leave a child nobody stops."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    old = {s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        if caught:
+            signal.raise_signal(caught[0])
 
 
 class ManagedProcess:
@@ -154,7 +176,7 @@ def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "co
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
 
 
@@ -237,15 +259,17 @@ class Cluster:
         try:
             if self.with_proxy:
                 self.proxy_port, self.discovery_port = free_port(), free_port()
-                self.proxy = ManagedProcess("proxy", [
-                    sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.proxy_port),
-                    "--discovery-host", "127.0.0.1", "--discovery-port", str(self.discovery_port),
-                    "--heartbeat-timeout", str(self.heartbeat_timeout), *self.proxy_args], self.log_dir)
+                with _interrupts_held():
+                    self.proxy = ManagedProcess("proxy", [
+                        sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.proxy_port),
+                        "--discovery-host", "127.0.0.1", "--discovery-port", str(self.discovery_port),
+                        "--heartbeat-timeout", str(self.heartbeat_timeout), *self.proxy_args], self.log_dir)
             self.ports = [free_port() for _ in self.specs]
             for i, spec in enumerate(self.specs):
                 argv = self.engine_argv(i)
                 self._argvs.append(argv)
-                self.engines.append(ManagedProcess(f"engine{i}-{spec.role}", argv, self.log_dir))
+                with _interrupts_held():
+                    self.engines.append(ManagedProcess(f"engine{i}-{spec.role}", argv, self.log_dir))
             for i in range(len(self.specs)):
                 self.wait_engine(i, timeout)
             if self.with_proxy:
@@ -257,7 +281,8 @@ class Cluster:
 
     def restart_engine(self, i: int, timeout: float = 90.0) -> None:
         """Start engine ``i`` again with the same command line (after a kill)."""
-        self.engines[i] = ManagedProcess(f"engine{i}-{self.specs[i].role}-restart", self._argvs[i], self.log_dir)
+        with _interrupts_held():
+            self.engines[i] = ManagedProcess(f"engine{i}-{self.specs[i].role}-restart", self._argvs[i], self.log_dir)
         self.wait_engine(i, timeout)
 
     def wait_engine(self, i: int, timeout: float) -> None:

@@ -78,13 +78,18 @@ def to_registration(msg: RegisterPing | _MoriioPing) -> Registration:
     """Normalise either ping format; raises :class:`WireError` on bad addresses."""
     if isinstance(msg, RegisterPing):
         _check_sizes(msg.dp_size, msg.tp_size)
-        parts = urlsplit(msg.request_address)
+        try:
+            parts = urlsplit(msg.request_address)
+        except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+            raise WireError(f"request_address: {exc}: {msg.request_address!r}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise WireError(f"request_address: not an http URL: {msg.request_address!r}")
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             raise WireError(f"request_address: bad port in {msg.request_address!r}") from None
+        if not 0 <= msg.handshake_port < 65536:
+            raise WireError(f"handshake_port: port out of range: {msg.handshake_port}")
         return Registration(
             role=msg.role, base_url=f"{parts.scheme}://{parts.netloc}", host=parts.hostname, http_port=port,
             handshake_port=msg.handshake_port, dp_size=msg.dp_size, tp_size=msg.tp_size, index=msg.index,
@@ -236,7 +241,7 @@ class DiscoveryListener:
             if not hmac.compare_digest(token.encode(), self.registration_token.encode()):
                 self._refuse("auth", who, "missing or wrong registration token")
                 return
-        if msg.transfer_mode != REQUIRED_TRANSFER_MODE:
+        if msg.transfer_mode.lower() != REQUIRED_TRANSFER_MODE:  # vLLM MoRIIO sends "READ", ATOM "read"
             self._refuse(
                 "transfer_mode", who,
                 f"transfer_mode {msg.transfer_mode!r} is not supported (expected {REQUIRED_TRANSFER_MODE!r})",

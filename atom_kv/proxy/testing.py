@@ -142,8 +142,8 @@ class FakeEngine:
             auth_token=token, model=self.model,
         ))
 
-    def moriio_ping(self, *, transfer_mode: str = "read", notify_port: int = 41000) -> bytes:
-        """vLLM MoRIIO's registration ping for this engine."""
+    def moriio_ping(self, *, transfer_mode: str = "READ", notify_port: int = 41000) -> bytes:
+        """vLLM MoRIIO's registration ping for this engine (it spells the mode "READ"/"WRITE")."""
         return msgspec.msgpack.encode({
             "type": self.role, "http_address": f"127.0.0.1:{self.port}",
             "zmq_address": f"host:127.0.0.1,handshake:{self.handshake_port},notify:{notify_port}",

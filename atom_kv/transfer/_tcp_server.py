@@ -139,7 +139,12 @@ class TcpReadServer:
                 return
             table = np.frombuffer(req.packed, dtype="<u8").reshape(-1, 3).astype(np.int64)
         else:
-            table = np.array([(r.region, r.offset, r.size) for r in req.ranges], dtype=np.int64).reshape(-1, 3)
+            try:
+                table = np.array([(r.region, r.offset, r.size) for r in req.ranges], dtype=np.int64).reshape(-1, 3)
+            except OverflowError:  # msgpack ints reach 2**64 - 1 and down to -2**63
+                self.rejected_ranges += 1
+                self._refuse(conn, rid, who, "a range field does not fit in a signed 64-bit integer")
+                return
         if len(table) > MAX_RANGES_PER_REQUEST:
             self._refuse(conn, rid, who, f"{len(table)} ranges in one request (limit {MAX_RANGES_PER_REQUEST})")
             return

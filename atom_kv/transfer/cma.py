@@ -128,7 +128,9 @@ class CmaBackend(TransferBackend):
             raise TransferError(grant.error)
         if grant.pid != desc.pid:
             raise TransferError(f"cma: control endpoint answered for pid {grant.pid}, descriptor says {desc.pid}")
-        n = max((s.region for s in grant.regions), default=-1) + 1
+        n = len(grant.regions)
+        if any(not 0 <= s.region < n or s.size < 0 or s.addr < 0 for s in grant.regions):
+            raise TransferError(f"cma: peer {desc.key or desc.pid} sent an invalid region table (ids must be 0..{n - 1})")
         addrs = np.zeros(n, dtype=np.uint64)
         sizes = np.zeros(n, dtype=np.uint64)
         for s in grant.regions:

@@ -86,3 +86,32 @@ def test_garbage_on_the_handshake_port_is_counted_and_survived():
         ctx.destroy(linger=0)
         pw.close()
         dw.close()
+
+
+def test_close_stops_every_named_thread_and_is_idempotent():
+    import threading
+
+    before = set(threading.enumerate())
+    port = free_port()
+    P, pw, _ = producer_engine(port)
+    D, dw, _ = consumer_engine(port)
+    closed = False
+    try:
+        params = P.prefill("r1", 40)
+        D.admit("d1", 40, params)
+        run_until([P, D], lambda: "d1" in D.ready and "r1" in P.freed)
+        started = [t for t in threading.enumerate() if t not in before]
+        names = sorted(t.name for t in started)
+        assert any(n.startswith("atom-kv-hs-server") for n in names), names
+        assert any(n.startswith("atom-kv-read") for n in names) and any(n.startswith("atom-kv-notify") for n in names)
+        assert not [n for n in names if n.startswith("Thread-")], names  # every thread is named
+        pw.close()
+        dw.close()
+        closed = True
+        dw.close()  # idempotent
+        pw.close()
+        assert [t.name for t in started if t.is_alive()] == []
+    finally:
+        if not closed:
+            pw.close()
+            dw.close()

@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from atom_kv.connector.scheduler import ConnectorScheduler, load_budget_s
+from atom_kv.connector.scheduler import ConnectorScheduler, load_backstop_s, load_budget_s
 from atom_kv.engine_hooks.types import KVConnectorOutput as Out
 from tests.connector.kvutil import config
 
@@ -142,10 +142,23 @@ def test_load_timeout_applies_policy_and_cancels_workers(policy):
     s.build_connector_meta()
     budget = load_budget_s(s.config)
     assert s.update_connector_output(Out(), later(budget)).is_empty()
-    ev = s.update_connector_output(Out(), later(budget + 3))
+    ev = s.update_connector_output(Out(), later(load_backstop_s(s.config) + 1))
     assert (ev.recompute == ["d1"]) if policy == "recompute" else ("timed out" in ev.failed["d1"])
     assert s.build_connector_meta().cancelled == ["d1"]
     assert s.update_connector_output(Out(finished_recving=["d1"]), later(999)).is_empty()
+
+
+def test_load_timeout_waits_for_a_failed_read_to_settle():
+    """A worker's last read may end at its budget and then take up to one
+    transfer_timeout_s to stop writing (a stalled socket); the scheduler must
+    not hand the blocks back before that."""
+    s = consumer(transfer_timeout_s=10.0)
+    s.get_num_new_matched_tokens("d1", 40, params())
+    s.update_state_after_alloc("d1", [1, 2, 3], 40)
+    s.build_connector_meta()
+    worker_done_by = load_budget_s(s.config) + s.config.transfer_timeout_s
+    assert s.update_connector_output(Out(), later(worker_done_by + 1)).is_empty()
+    assert "timed out" in s.update_connector_output(Out(), later(worker_done_by + 3)).failed["d1"]
 
 
 def test_too_few_allocated_blocks_fails_clearly():
@@ -196,8 +209,7 @@ def test_abort_mid_read_frees_after_bounded_timeout_if_ranks_never_report():
     s.update_state_after_alloc("d1", [1, 2, 3], 40)
     s.build_connector_meta()
     s.request_finished("d1", [1, 2, 3], aborted=True)
-    budget = load_budget_s(s.config)
-    ev = s.update_connector_output(Out(), later(budget + 3))
+    ev = s.update_connector_output(Out(), later(load_backstop_s(s.config) + 1))
     assert ev.free == ["d1"] and not ev.failed and not ev.recompute
     assert s.update_connector_output(Out(), later(999)).is_empty()
     assert not s.has_pending() or s.build_connector_meta().cancelled

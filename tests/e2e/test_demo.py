@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -39,3 +41,36 @@ def test_demo_runs_and_cleans_up():
     log_dir = re.search(r"\(logs: (\S+)\)", proc.stdout).group(1)
     assert os.listdir(log_dir)  # the proxy and engines did write there
     assert _processes_writing_into(log_dir) == []
+
+
+def test_ctrl_c_during_startup_leaves_no_process_behind(tmp_path):
+    """SIGINT while the engines are still starting: exit 130, every child stopped."""
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "atom_kv.demo", "--num-prompts", "1"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        # the demo, its proxy and its three engines hold their log files open
+        while len(_processes_writing_into(str(tmp_path))) < 5:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out + err
+    assert "interrupted" in err and "Traceback" not in err
+    survivors = _processes_writing_into(str(tmp_path))
+    assert survivors == [], [open(f"/proc/{pid}/cmdline").read().replace("\0", " ") for pid in survivors]
+
+
+def test_startup_failure_exits_with_one_line_and_leaves_no_process_behind(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "atom_kv.demo", "--num-prompts", "1", "--startup-timeout", "0.5"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == ["error: timed out after 0.5 s waiting for engine0-P /health"]
+    assert os.listdir(tmp_path)  # it did start processes
+    assert _processes_writing_into(str(tmp_path)) == []

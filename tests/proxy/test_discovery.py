@@ -45,6 +45,7 @@ async def test_moriio_ping_registers(make_proxy, make_engine):
     proxy = make_proxy()
     p = await make_engine("P", handshake_port=7001)
     d = await make_engine("D", handshake_port=7002, tp_size=2)
+    assert msgspec.msgpack.decode(p.moriio_ping())["transfer_mode"] == "READ"  # vLLM's spelling
     await register(proxy, p, d, fmt="moriio")
     (pi,) = proxy.registry.live("P")
     (di,) = proxy.registry.live("D")
@@ -100,6 +101,10 @@ async def test_garbage_is_counted_and_survived(make_proxy, make_engine):
                                 "handshake_port": "not-an-int"}),
         msgspec.msgpack.encode({"type": "register", "role": "D", "index": "0", "request_address": "ftp://a",
                                 "handshake_port": 1}),
+        msgspec.msgpack.encode({"type": "register", "role": "D", "index": "0", "request_address": "http://a:1",
+                                "handshake_port": 70000}),
+        msgspec.msgpack.encode({"type": "register", "role": "D", "index": "0", "request_address": "http://[::1/v1",
+                                "handshake_port": 1}),
         msgspec.msgpack.encode({"type": "whatever"}),
         b"",
     ]
@@ -115,7 +120,7 @@ async def test_transfer_mode_mismatch_refused(make_proxy, make_engine):
     p = await make_engine("P")
     d = await make_engine("D")
     await asyncio.to_thread(send_pings, proxy.discovery_endpoint,
-                            [p.register_ping(transfer_mode="write"), p.moriio_ping(transfer_mode="write")])
+                            [p.register_ping(transfer_mode="write"), p.moriio_ping(transfer_mode="WRITE")])
     await register(proxy, d)
     assert await _wait(lambda: _count(proxy, "atom_kv_proxy_rejected_registrations_total",
                                       reason="transfer_mode") == 2)

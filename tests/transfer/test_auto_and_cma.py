@@ -69,6 +69,20 @@ def test_cma_refuses_peer_on_other_host() -> None:
 
 
 @needs_cma
+@pytest.mark.parametrize("region", [-1, 1, 10**12])
+def test_cma_rejects_a_malformed_grant(monkeypatch: pytest.MonkeyPatch, region: int) -> None:
+    import atom_kv.transfer.cma as cma
+
+    with create_backend("cma", _cfg()) as a, create_backend("cma", _cfg()) as b:
+        buf = np.zeros(4096, dtype=np.uint8)
+        a.register_memory(buf.ctypes.data, 4096)
+        bad = wire.CmaGrantReply(ok=True, pid=os.getpid(), regions=[wire.RegionSpan(region, buf.ctypes.data, 4096)])
+        monkeypatch.setattr(cma, "request_grant", lambda *args: bad)
+        with pytest.raises(TransferError, match="invalid region table"):
+            b.add_peer(a.export_descriptor())
+
+
+@needs_cma
 def test_auto_uses_cma_on_this_host_and_tcp_otherwise() -> None:
     src = np.arange(1 << 16, dtype=np.uint32).view(np.uint8)
     dst = np.zeros_like(src)

@@ -58,3 +58,59 @@ def test_bench_unavailable_backend_exits_2(monkeypatch: pytest.MonkeyPatch, caps
     assert bench.run(parser.parse_args(["--backend", "moriio", "--total-mb", "1", "--block-kb", "64"])) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no such hardware here" in err
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_kv_transfer_config_passthrough_reaches_the_backend(monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import atom_kv.transfer
+
+    seen = []
+    real = atom_kv.transfer.create_backend
+
+    def recording(name, config=None, **kw):
+        seen.append((name, config))
+        return real(name, config, **kw)
+
+    monkeypatch.setattr(atom_kv.transfer, "create_backend", recording)
+    args = _args("--backend", "tcp", "--total-mb", "1", "--block-kb", "64", "--repeat", "1", "--json",
+                 "--timeout-s", "7", "--kv-transfer-config",
+                 '{"kv_role": "kv_producer", "auth_token": "s3cret", "tcp_streams": 2, "qp_per_transfer": 4}')
+    assert bench.bench_config(args) == {"auth_token": "s3cret", "tcp_streams": 2, "qp_per_transfer": 4,
+                                        "transfer_timeout_s": 7.0}
+    assert bench.run(args) == 0
+    (name, cfg), = seen
+    assert name == "tcp" and cfg.kv_role == "kv_consumer"
+    assert (cfg.auth_token, cfg.tcp_streams, cfg.qp_per_transfer, cfg.transfer_timeout_s) == ("s3cret", 2, 4, 7.0)
+    assert json.loads(capsys.readouterr().out.strip())["verified"] is True
+
+
+@pytest.mark.parametrize("text,words", [
+    ('{"qp_per_transfr": 4}', ["`qp_per_transfr`", "did you mean `qp_per_transfer`?"]),
+    ('{"qp_per_transfer": "four"}', ["`qp_per_transfer`", "an integer"]),
+    ('{"qp_per_transfer": ', ["invalid JSON"]),
+    ("[4]", ["expected a JSON object"]),
+])
+def test_bad_kv_transfer_config_is_one_line_exit_2(text: str, words: list[str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_args("--backend", "moriio", "--total-mb", "1", "--kv-transfer-config", text)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("transfer bench: kv-transfer-config: ")
+    assert all(w in err for w in words), err
+
+
+def test_moriio_backend_with_mori_keys_is_accepted_and_unavailable_here(capsys: pytest.CaptureFixture[str]) -> None:
+    from atom_kv.transfer.moriio_probe import unavailable_reason
+
+    if unavailable_reason() is None:
+        pytest.skip("MORI-IO is usable on this machine; the unavailable path cannot be exercised")
+    args = _args("--backend", "moriio", "--total-mb", "1", "--block-kb", "64",
+                 "--kv-transfer-config", '{"qp_per_transfer": 2, "post_batch_size": 8, "moriio_backend": "rdma"}')
+    assert bench.run(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "MORI-IO unavailable" in err

@@ -101,6 +101,21 @@ def test_legacy_ranges_list_is_served(served) -> None:
         assert reply.ok and bytes(recv_exact(s, 7)) == buf[32 * 1024 + 5 : 32 * 1024 + 12].tobytes()
 
 
+def test_legacy_ranges_beyond_int64_are_refused_and_survived(served) -> None:
+    be, buf, desc = served
+    with _connect(desc) as s:
+        assert wire.decode_tcp_hello_reply(recv_frame(s)).ok
+        for i, rng in enumerate([wire.ReadRange(2**64 - 1, 0, 1), wire.ReadRange(0, 2**63, 1)]):
+            s.sendall(frame(wire.encode(wire.ReadRequest(req_id=i, ranges=[rng]))))
+            reply = wire.decode_read_reply(recv_frame(s))
+            assert not reply.ok and reply.req_id == i and "64-bit" in reply.error
+        req = wire.ReadRequest(req_id=9, ranges=[wire.ReadRange(0, 3, 4)])
+        s.sendall(frame(wire.encode(req)))
+        reply = wire.decode_read_reply(recv_frame(s))
+        assert reply.ok and bytes(recv_exact(s, 4)) == buf[3:7].tobytes()
+    assert be.server.rejected_ranges == 2
+
+
 def test_bad_hello_frame(served) -> None:
     be, _, desc = served
     with socket.create_connection((desc.host, desc.port), timeout=2) as s:

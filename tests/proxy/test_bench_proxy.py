@@ -1,0 +1,26 @@
+"""Smoke test of ``python -m atom_kv.bench proxy`` (output shape, no errors) on a
+tiny run; no latency or throughput is asserted here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_bench_proxy_prints_one_json_result_without_errors():
+    out = subprocess.run(
+        [sys.executable, "-m", "atom_kv.bench", "proxy", "--json", "--latency-requests", "10",
+         "--duration", "0.3", "--concurrency", "4", "--tokens", "4"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.strip()]
+    row = json.loads(line)
+    assert row["tokens"] == 4 and row["c1_errors"] == 0
+    assert row["c1_proxy_p50_ms"] > 0 and row["c1_direct_p50_ms"] > 0
+    (tp,) = row["throughput"]
+    assert tp["concurrency"] == 4 and tp["errors"] == 0 and tp["requests"] > 0 and tp["req_per_s"] > 0
