@@ -148,6 +148,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:  # e.g. an openai client error mid-run: one line, processes already stopped
+        print(f"error: {type(exc).__name__}: {exc} (engine logs are in the directory printed above)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
