@@ -26,6 +26,7 @@ __all__ = [
     "HandshakeRequest",
     "HandshakeReply",
     "DoneReading",
+    "DoneAck",
     "ReadRange",
     "ReadRequest",
     "ReadReply",
@@ -33,6 +34,7 @@ __all__ = [
     "decode_registration",
     "decode_handshake_msg",
     "decode_handshake_reply",
+    "decode_done_ack",
     "decode_read_request",
     "decode_read_reply",
     "TcpHello",
@@ -154,6 +156,20 @@ class DoneReading(msgspec.Struct, tag_field="t", tag="done", kw_only=True):
     tp_size: int
     ok: bool = True
     auth_token: Optional[str] = None
+    #: ask the producer rank to answer with a :class:`DoneAck` (older peers ignore it)
+    want_ack: bool = False
+    v: int = PROTOCOL_VERSION
+
+
+class DoneAck(msgspec.Struct, tag_field="t", tag="done_ack", kw_only=True):
+    """Producer rank ``tp_rank``'s answer to a ``DoneReading(want_ack=True)``:
+    ``valid`` is False when it had already released the transfer's blocks
+    (they may hold another request's KV), with the reason."""
+
+    transfer_id: str
+    tp_rank: int
+    valid: bool
+    reason: str = ""
     v: int = PROTOCOL_VERSION
 
 
@@ -284,6 +300,7 @@ _encoder = msgspec.msgpack.Encoder()
 _registration_decoder = msgspec.msgpack.Decoder(_Registration)
 _handshake_decoder = msgspec.msgpack.Decoder(_HandshakeMsg)
 _handshake_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+_done_ack_decoder = msgspec.msgpack.Decoder(DoneAck)
 _read_request_decoder = msgspec.msgpack.Decoder(ReadRequest)
 _read_reply_decoder = msgspec.msgpack.Decoder(ReadReply)
 _tcp_hello_decoder = msgspec.msgpack.Decoder(TcpHello)
@@ -318,6 +335,10 @@ def decode_handshake_msg(data: bytes) -> _HandshakeMsg:
 
 def decode_handshake_reply(data: bytes) -> HandshakeReply:
     return _decoding(_handshake_reply_decoder, data, "handshake reply")
+
+
+def decode_done_ack(data: bytes) -> DoneAck:
+    return _decoding(_done_ack_decoder, data, "done ack")
 
 
 def decode_read_request(data: bytes) -> ReadRequest:

@@ -142,3 +142,33 @@ def test_every_message_carries_a_version():
         if cls is HelloPing:  # ATOM's empty hello: ignored on receipt, never versioned by ATOM
             continue
         assert "v" in cls.__struct_fields__, cls.__name__
+
+
+def test_done_ack_round_trip_and_want_ack_default():
+    ack = wire.DoneAck(transfer_id="P-1", tp_rank=1, valid=False, reason="released")
+    assert wire.decode_done_ack(wire.encode(ack)) == ack
+    ok = wire.DoneAck(transfer_id="P-2", tp_rank=0, valid=True)
+    back = wire.decode_done_ack(wire.encode(ok))
+    assert back.valid and back.reason == "" and back.v == wire.PROTOCOL_VERSION
+    # an old peer's DoneReading (no want_ack key) decodes with want_ack=False
+    old = msgpack.packb({"t": "done", "transfer_id": "x", "engine_id": "e", "tp_rank": 0, "tp_size": 1})
+    assert wire.decode_handshake_msg(old).want_ack is False
+    asking = DoneReading(transfer_id="x", engine_id="e", tp_rank=0, tp_size=1, want_ack=True)
+    assert wire.decode_handshake_msg(wire.encode(asking)).want_ack is True
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        b"",
+        b"\xc1",
+        os.urandom(64),
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"t": "done_ack", "transfer_id": "x", "tp_rank": 0}),  # no verdict
+        msgpack.packb({"t": "done_ack", "transfer_id": "x", "tp_rank": "0", "valid": True}),
+        msgpack.packb({"t": "done", "transfer_id": "x", "engine_id": "e", "tp_rank": 0, "tp_size": 1}),
+    ],
+)
+def test_done_ack_garbage_raises_only_wire_error(junk):
+    with pytest.raises(WireError):
+        wire.decode_done_ack(junk)

@@ -3,7 +3,9 @@ consumer's one-shot handshake request, and the done-reading notifier.
 
 The server answers :class:`~atom_kv.wire.HandshakeRequest` with a
 :class:`~atom_kv.wire.HandshakeReply` (backend descriptor, region list,
-compat info) and hands :class:`~atom_kv.wire.DoneReading` to a callback.
+compat info) and hands :class:`~atom_kv.wire.DoneReading` to a callback;
+when the callback returns a :class:`~atom_kv.wire.DoneAck` (the consumer asked
+for one with ``want_ack``), it goes back to the sender on the same identity.
 Anything else on the port is logged, counted and dropped.
 """
 
@@ -20,13 +22,14 @@ import zmq
 
 from atom_kv import wire
 from atom_kv.connector.stats import TransferStats
-from atom_kv.wire import CompatInfo, DoneReading, HandshakeReply, HandshakeRequest, WireError
+from atom_kv.wire import CompatInfo, DoneAck, DoneReading, HandshakeReply, HandshakeRequest, WireError
 
 __all__ = [
     "HandshakeError",
     "HandshakeRejected",
     "HandshakeServer",
     "DoneNotifier",
+    "DoneAckClient",
     "compat_mismatch",
     "request_handshake",
     "MAX_MESSAGE_BYTES",
@@ -74,7 +77,7 @@ class HandshakeServer:
         port: int,
         auth_token: Optional[str],
         responder: Callable[[HandshakeRequest], HandshakeReply],
-        on_done: Callable[[DoneReading], None],
+        on_done: Callable[[DoneReading], Optional[DoneAck]],
         stats: TransferStats,
         name: str,
     ) -> None:
@@ -143,7 +146,12 @@ class HandshakeServer:
                 self._bad(f"done-reading for transfer {msg.transfer_id}: rank {msg.tp_rank} of {msg.tp_size}")
                 return
             self._stats.add(done_received=1)
-            self._on_done(msg)
+            ack = self._on_done(msg)
+            if ack is not None:
+                try:
+                    self._sock.send_multipart([identity, wire.encode(ack)], zmq.NOBLOCK)
+                except zmq.ZMQError as exc:
+                    logger.warning("handshake server: done ack for transfer %s dropped: %s", msg.transfer_id, exc)
             return
         if self._auth is not None and msg.auth_token != self._auth:
             self._stats.add(bad_messages=1)
@@ -262,3 +270,100 @@ class DoneNotifier:
         self._queue.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+
+
+class DoneAckClient:
+    """Owns one thread's DEALER sockets (one per producer rank, LRU-bounded)
+    for done-reading confirmations. Only the thread that uses it may call it."""
+
+    def __init__(self, ctx: zmq.Context, *, stats: TransferStats, max_sockets: int = 64) -> None:
+        self._ctx = ctx
+        self._stats = stats
+        self._max = max_sockets
+        self._socks: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
+
+    def _socket(self, host: str, port: int) -> zmq.Socket:
+        key = (host, port)
+        sock = self._socks.get(key)
+        if sock is not None:
+            self._socks.move_to_end(key)
+            return sock
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, 1024)
+        sock.connect(f"tcp://{host}:{port}")
+        self._socks[key] = sock
+        if len(self._socks) > self._max:
+            _, old = self._socks.popitem(last=False)
+            old.close(0)
+        return sock
+
+    def _drop(self, host: str, port: int) -> None:
+        sock = self._socks.pop((host, port), None)
+        if sock is not None:
+            sock.close(0)
+
+    def confirm(
+        self,
+        targets: dict[int, tuple[str, int]],
+        msg: DoneReading,
+        timeout_s: float,
+        stop: threading.Event,
+    ) -> Optional[str]:
+        """Send ``msg`` (``want_ack=True``) to every producer rank in ``targets``
+        (rank -> host, port) and wait up to ``timeout_s`` for each one's
+        :class:`DoneAck`. Returns None when every rank confirmed the read as
+        valid, else the reason the read cannot be trusted."""
+        data = wire.encode(msg)
+        waiting: dict[zmq.Socket, tuple[int, str, int]] = {}
+        poller = zmq.Poller()
+        for rank, (host, port) in targets.items():
+            try:
+                sock = self._socket(host, port)
+                sock.send(data, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                self._drop(host, port)
+                return f"cannot ask producer rank {rank} at {host}:{port} to confirm the read: {exc}"
+            self._stats.add(done_sent=1)
+            waiting[sock] = (rank, host, port)
+            poller.register(sock, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                rank, host, port = next(iter(waiting.values()))
+                for _, h, p in list(waiting.values()):
+                    self._drop(h, p)  # a late ack must not linger in a reused socket
+                return f"no confirmation from producer rank {rank} at {host}:{port} within {timeout_s:g} s"
+            if stop.is_set():
+                return "connector closing"
+            for sock, _ in poller.poll(min(left, 0.25) * 1000):
+                rank, host, port = waiting[sock]
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                except zmq.ZMQError as exc:
+                    self._drop(host, port)
+                    return f"no confirmation from producer rank {rank} at {host}:{port}: {exc}"
+                try:
+                    ack = wire.decode_done_ack(frames[-1])
+                except WireError as exc:
+                    self._stats.add(bad_messages=1)
+                    logger.warning("done ack from %s:%d for transfer %s: %s", host, port, msg.transfer_id, exc)
+                    self._drop(host, port)
+                    return f"bad confirmation from producer rank {rank} at {host}:{port}: {exc}"
+                if ack.transfer_id != msg.transfer_id or ack.tp_rank != rank:
+                    logger.debug("ignoring a stale done ack for transfer %s from %s:%d", ack.transfer_id, host, port)
+                    continue
+                if not ack.valid:
+                    return ack.reason or f"producer rank {rank} at {host}:{port} no longer holds transfer {ack.transfer_id}"
+                poller.unregister(sock)
+                del waiting[sock]
+        return None
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(0)
+        self._socks.clear()

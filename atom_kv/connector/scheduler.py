@@ -8,13 +8,17 @@ Producer (``kv_producer``)::
     get_num_new_matched_tokens(do_remote_decode) -> transfer id assigned
     request_finished -> lease(blocks, deadline = now + abort_timeout_s)
     finished_sending(tid) | deadline -> SchedulerEvents.free (once), metadata.released
+        (the workers record released ids and tell a consumer that reads one
+        afterwards that its read is invalid: its load fails)
 
 Consumer (``kv_consumer``)::
 
     get_num_new_matched_tokens(do_remote_prefill) -> matched
     update_state_after_alloc -> queued (LoadSpec in the next metadata)
     build_connector_meta -> loading (deadline = now + load budget)
-    finished_recving -> ready | failed_recving / deadline -> failed or recompute
+    finished_recving (reads done and confirmed by every producer rank read
+        from) -> ready | failed_recving (incl. the producer's lease expired
+        first, or no confirmation) / deadline -> failed or recompute
     abort while loading -> cancelled (metadata.cancelled) -> free once every
         rank reported (or the load deadline passed)
 """
@@ -61,8 +65,9 @@ def load_budget_s(config: KVTransferConfig) -> float:
 def load_backstop_s(config: KVTransferConfig) -> float:
     """How long the scheduler waits for a load no rank reported: the workers' budget, plus one
     ``transfer_timeout_s`` for a read failed at its deadline to settle (backends stop writing
-    within their I/O timeout), plus slack."""
-    return load_budget_s(config) + config.transfer_timeout_s + SCHEDULER_SLACK_S
+    within their I/O timeout), plus one ``handshake_timeout_s`` for the producer's confirmation
+    of a finished read, plus slack."""
+    return load_budget_s(config) + config.transfer_timeout_s + config.handshake_timeout_s + SCHEDULER_SLACK_S
 
 
 @dataclass

@@ -1,11 +1,20 @@
 """Worker-side connector for one TP rank.
 
-Producer ranks register their KV tensors, serve handshakes and count
-done-reading notices. Consumer ranks handshake in the background (cached per
-remote engine x rank), read every layer's blocks (their head slice) from the
-producer ranks holding them, retry transient failures, drop peers that keep
-failing, notify every producer rank when done, and report through
-:meth:`ConnectorWorker.get_finished`.
+Producer ranks register their KV tensors, serve handshakes, count
+done-reading notices and remember which transfers the scheduler released
+(``ConnectorMetadata.released``, learnt in ``start_load_kv`` before the step's
+forward can overwrite those blocks). Consumer ranks handshake in the background
+(cached per remote engine x rank), read every layer's blocks (their head slice)
+from the producer ranks holding them, retry transient failures, drop peers that
+keep failing, and notify every producer rank when done.
+
+A successful load is only reported once every producer rank it read from
+confirmed, with a :class:`~atom_kv.wire.DoneAck`, that it had not released the
+transfer before the done-reading arrived: if the producer's lease expired
+(``abort_timeout_s``) first, its blocks may have been reused and hold another
+request's KV, so the load is reported failed instead (``load_failure_policy``
+then applies). No confirmation within ``handshake_timeout_s`` fails it too.
+Results go out through :meth:`ConnectorWorker.get_finished`.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import zmq
 
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.handshake import (
+    DoneAckClient,
     DoneNotifier,
     HandshakeError,
     HandshakeRejected,
@@ -45,7 +55,7 @@ from atom_kv.connector.stats import TransferStats
 from atom_kv.engine_hooks.interface import KVCacheLayer, WorkerHooks
 from atom_kv.engine_hooks.types import ConnectorMetadata, KVConnectorOutput, LoadSpec
 from atom_kv.transfer import ChunkedRegion, ReadHandle, TransferBackend, chunk_sizes, create_backend
-from atom_kv.wire import CompatInfo, DoneReading, HandshakeReply, HandshakeRequest, RegionInfo
+from atom_kv.wire import CompatInfo, DoneAck, DoneReading, HandshakeReply, HandshakeRequest, RegionInfo
 
 __all__ = ["ConnectorWorker"]
 
@@ -55,6 +65,7 @@ _PeerKey = tuple[str, str, int]
 _ARRAY_OP_BACKENDS = frozenset({"tcp", "cma", "auto", "moriio"})
 _ARRAY_MIN_OPS = 512
 _MAX_PARTIAL_DONE = 65536  # (remote engine id, host, port)
+_MAX_RELEASED = 65536
 
 
 @dataclass
@@ -71,6 +82,7 @@ class _LoadState:
     spec: LoadSpec
     received: float
     pending: set[int]
+    read_ranks: frozenset[int] = frozenset()
     error: Optional[str] = None
     cancelled: bool = False
 
@@ -124,9 +136,12 @@ class ConnectorWorker(WorkerHooks):
         self._failed_recv: dict[str, str] = {}
         self._peers: dict[_PeerKey, cf.Future] = {}
         self._peer_failures: dict[_PeerKey, int] = {}
+        self._tls = threading.local()  # each read thread's DoneAckClient
+        self._ack_clients: list[DoneAckClient] = []
         # producer
         self._done: dict[str, _DoneState] = {}
         self._completed: OrderedDict[str, None] = OrderedDict()
+        self._released: OrderedDict[str, None] = OrderedDict()  # transfers whose blocks the scheduler freed
         self._finished_send: list[str] = []
 
         self.backend = backend or create_backend(
@@ -230,7 +245,25 @@ class ConnectorWorker(WorkerHooks):
             return HandshakeReply(ok=False, error=error, **base)
         return HandshakeReply(ok=True, descriptor=self.backend.export_descriptor(), regions=regions, **base)
 
-    def _on_done_reading(self, msg: DoneReading) -> None:
+    def _on_done_reading(self, msg: DoneReading) -> Optional[DoneAck]:
+        ack: Optional[DoneAck] = None
+        if msg.want_ack and msg.ok:
+            # checked under the lock that start_load_kv marks releases under
+            with self._lock:
+                released = msg.transfer_id in self._released
+            if released:
+                why = (f"producer released transfer {msg.transfer_id} before the read was confirmed "
+                       f"(lease expired after abort_timeout_s)")
+                logger.warning("%s: consumer %s rank %d read transfer %s after its lease expired; "
+                               "telling it the read is invalid", self._name, msg.engine_id, msg.tp_rank,
+                               msg.transfer_id)
+                ack = DoneAck(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, valid=False, reason=why)
+            else:
+                ack = DoneAck(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, valid=True)
+        self._count_done(msg)
+        return ack
+
+    def _count_done(self, msg: DoneReading) -> None:
         with self._lock:
             if msg.transfer_id in self._completed:
                 return
@@ -262,6 +295,9 @@ class ConnectorWorker(WorkerHooks):
             for tid in metadata.released:
                 self._done.pop(tid, None)
                 self._remember_completed(tid)
+                self._released[tid] = None
+                if len(self._released) > _MAX_RELEASED:
+                    self._released.popitem(last=False)
             for rid in metadata.cancelled:
                 st = self._loads.get(rid)
                 if st is not None:
@@ -288,7 +324,8 @@ class ConnectorWorker(WorkerHooks):
                 self._failed_recv[rid] = str(exc)
             self._notify_done(spec, ok=False)
             return
-        st = _LoadState(spec, now, {o.remote_rank for o in overlaps})
+        ranks = {o.remote_rank for o in overlaps}
+        st = _LoadState(spec, now, set(ranks), frozenset(ranks))
         with self._lock:
             if rid in self._loads:
                 logger.warning("%s: request %s is already loading; ignoring the duplicate", self._name, rid)
@@ -323,6 +360,12 @@ class ConnectorWorker(WorkerHooks):
                 raise HandshakeRejected(f"handshake with {host}:{port} refused: {reply.error}")
             if reply.compat is not None and (err := compat_mismatch(self.compat, reply.compat)):
                 raise HandshakeRejected(f"handshake with {host}:{port}: {err}")
+            if key[0] and reply.engine_id and reply.engine_id != key[0]:
+                # a restarted producer: the KV this transfer names is gone
+                raise HandshakeRejected(
+                    f"{host}:{port} is now engine {reply.engine_id}, not {key[0]} that prefilled this "
+                    "request (the prefill engine restarted; its KV is gone)"
+                )
             if reply.tp_size != remote_tp or reply.tp_rank != remote_rank:
                 raise HandshakeRejected(
                     f"{host}:{port} is TP rank {reply.tp_rank} of {reply.tp_size}, "
@@ -478,22 +521,56 @@ class ConnectorWorker(WorkerHooks):
                 st.error = error
             if st.pending:
                 return
+            error = st.error
+        if error is None:
+            # the last read of this load (a read thread): the blocks only count
+            # once every producer rank read from confirms it still held them
+            error = self._confirm_reads(st)
+        with self._lock:
             self._loads.pop(rid, None)
-            if st.error is None:
+            if error is None:
                 self._finished_recv.append(rid)
             else:
-                self._failed_recv[rid] = st.error
-        if st.error is not None:
+                self._failed_recv[rid] = error
+        if error is not None:
             logger.warning("%s: request %s: load of transfer %s failed: %s",
-                           self._name, rid, st.spec.transfer_id, st.error)
-        self._notify_done(st.spec, ok=st.error is None)
+                           self._name, rid, st.spec.transfer_id, error)
+        if st.error is not None:
+            self._notify_done(st.spec, ok=False)
 
-    def _notify_done(self, spec: LoadSpec, *, ok: bool) -> None:
+    def _confirm_reads(self, st: _LoadState) -> Optional[str]:
+        """Send ``DoneReading(want_ack)`` to the producer ranks read from (a
+        plain notice to the others) and wait for their acks; the reason the
+        load cannot be trusted, or None."""
+        spec = st.spec
+        self._notify_done(spec, ok=True, skip=st.read_ranks)
+        client: Optional[DoneAckClient] = getattr(self._tls, "ack_client", None)
+        if client is None:
+            client = self._tls.ack_client = DoneAckClient(self._ctx, stats=self.stats_)
+            with self._lock:
+                self._ack_clients.append(client)
+        targets = {
+            r: (spec.remote_host,
+                handshake_port(spec.remote_handshake_port, spec.remote_dp_rank, spec.remote_tp_size, r))
+            for r in sorted(st.read_ranks)
+        }
+        msg = DoneReading(transfer_id=spec.transfer_id, engine_id=self.engine_id, tp_rank=self.tp_rank,
+                          tp_size=self.tp_size, ok=True, auth_token=self.config.auth_token, want_ack=True)
+        try:
+            return client.confirm(targets, msg, self.config.handshake_timeout_s, self._stop)
+        except Exception as exc:  # never lose a load to a bug: fail it clearly
+            logger.exception("%s: request %s: confirming transfer %s crashed", self._name, spec.request_id,
+                             spec.transfer_id)
+            return f"internal error while confirming the read: {exc}"
+
+    def _notify_done(self, spec: LoadSpec, *, ok: bool, skip: frozenset[int] = frozenset()) -> None:
         if self._notifier is None:
             return
         msg = DoneReading(transfer_id=spec.transfer_id, engine_id=self.engine_id, tp_rank=self.tp_rank,
                           tp_size=self.tp_size, ok=ok, auth_token=self.config.auth_token)
         for p in range(spec.remote_tp_size):
+            if p in skip:
+                continue
             port = handshake_port(spec.remote_handshake_port, spec.remote_dp_rank, spec.remote_tp_size, p)
             self._notifier.send(spec.remote_host, port, msg)
 
@@ -532,6 +609,10 @@ class ConnectorWorker(WorkerHooks):
             logger.warning("%s: closing the transfer backend failed: %s", self._name, exc)
         if self._read_pool is not None:
             self._read_pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            clients, self._ack_clients = self._ack_clients, []
+        for client in clients:  # their threads have ended with the read pool
+            client.close()
         if self._notifier is not None:
             self._notifier.close()
         self._ctx.destroy(linger=0)

@@ -75,7 +75,13 @@ class WorkerHooks(abc.ABC):
 
     @abc.abstractmethod
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
-        """Start this step's reads and bookkeeping; never blocks on the network."""
+        """Start this step's reads and bookkeeping; never blocks on the network.
+
+        Engines must call it on every rank before each step's forward: the
+        producer learns here (``metadata.released``) which transfers' blocks
+        the scheduler freed, before a forward can overwrite them, and only
+        confirms consumer reads of transfers it has not released.
+        """
 
     @abc.abstractmethod
     def get_finished(self) -> KVConnectorOutput:

@@ -156,7 +156,8 @@ def test_load_timeout_waits_for_a_failed_read_to_settle():
     s.get_num_new_matched_tokens("d1", 40, params())
     s.update_state_after_alloc("d1", [1, 2, 3], 40)
     s.build_connector_meta()
-    worker_done_by = load_budget_s(s.config) + s.config.transfer_timeout_s
+    # ... and a finished read may then wait handshake_timeout_s for the producer's confirmation
+    worker_done_by = load_budget_s(s.config) + s.config.transfer_timeout_s + s.config.handshake_timeout_s
     assert s.update_connector_output(Out(), later(worker_done_by + 1)).is_empty()
     assert "timed out" in s.update_connector_output(Out(), later(worker_done_by + 3)).failed["d1"]
 
