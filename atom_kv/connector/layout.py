@@ -133,6 +133,8 @@ class ReadPlanner:
                       for lt, rt, size, le, re in self._pairs] if self.single else []
         # columns of _fast as int64 vectors, for plan_array
         self._cols = np.array(self._fast, dtype=np.int64).reshape(-1, 7).T if self.single else None
+        # the same columns shaped (pairs, 1), ready to broadcast against runs
+        self._colv = tuple(c[:, None] for c in self._cols) if self._cols is not None else ()
 
     def plan(self, runs: Sequence[tuple[int, int, int]]) -> list[ReadOp]:
         """The :class:`ReadOp` list for ``runs``; raises :class:`LayoutError` for out-of-range blocks."""
@@ -163,13 +165,28 @@ class ReadPlanner:
             return np.array(self.plan(runs), dtype=np.int64).reshape(-1, 5)
         r = np.asarray(runs, dtype=np.int64).reshape(-1, 3)
         lb, rb, n = r[:, 0], r[:, 1], r[:, 2]
-        if len(r) and (lb.min() < 0 or (lb + n).max() > self._local_blocks):
-            raise LayoutError(f"a local block is outside this rank's {self._local_blocks} blocks")
-        if len(r) and (rb.min() < 0 or (rb + n).max() > self._remote_blocks):
-            raise LayoutError(f"a remote block is outside the producer's {self._remote_blocks} blocks")
-        lid, lbb, rid, rbb, size, le, re = (c[:, None] for c in self._cols)
+        if len(r) <= 16:  # a few runs: plain Python is cheaper than numpy reductions
+            for a_lb, a_rb, a_n in runs:
+                if a_lb < 0 or a_lb + a_n > self._local_blocks:
+                    raise LayoutError(f"a local block is outside this rank's {self._local_blocks} blocks")
+                if a_rb < 0 or a_rb + a_n > self._remote_blocks:
+                    raise LayoutError(f"a remote block is outside the producer's {self._remote_blocks} blocks")
+        else:
+            if lb.min() < 0 or (lb + n).max() > self._local_blocks:
+                raise LayoutError(f"a local block is outside this rank's {self._local_blocks} blocks")
+            if rb.min() < 0 or (rb + n).max() > self._remote_blocks:
+                raise LayoutError(f"a remote block is outside the producer's {self._remote_blocks} blocks")
+        lid, lbb, rid, rbb, size, le, re = self._colv
         if self.full:
-            cols = (lid + 0 * lb, lb * lbb, rid + 0 * rb, rb * rbb, n * size)
+            # the common case (whole heads, one region per tensor): fill the
+            # (pairs, runs, 5) table in place, pair-major like plan()
+            out = np.empty((len(self._pairs), len(r), 5), dtype=np.int64)
+            out[:, :, 0] = lid
+            np.multiply(lbb, lb, out=out[:, :, 1])
+            out[:, :, 2] = rid
+            np.multiply(rbb, rb, out=out[:, :, 3])
+            np.multiply(size, n, out=out[:, :, 4])
+            return out.reshape(-1, 5)
         else:
             # expand runs into single blocks
             starts = np.repeat(np.cumsum(n) - n, n)

@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 _PeerKey = tuple[str, str, int]
 _ARRAY_OP_BACKENDS = frozenset({"tcp", "cma", "auto", "moriio"})
-_ARRAY_MIN_OPS = 512
+_ARRAY_MIN_OPS = 32  # from here an op array is cheaper end to end (planning + the backend's conversion)
 _MAX_PARTIAL_DONE = 65536  # (remote engine id, host, port)
 _MAX_RELEASED = 65536
 
