@@ -206,25 +206,17 @@ def request_handshake(
         sock.close(0)
 
 
-class DoneNotifier:
-    """Owns the DEALER sockets that carry done-reading notices to producer
-    ranks, and the one thread that uses them (sockets are single-threaded)."""
+class DealerCache:
+    """Owns connected DEALER sockets keyed by (host, port), least recently used
+    first out past ``max_sockets``. Single-threaded, like the sockets."""
 
-    def __init__(self, ctx: zmq.Context, *, name: str, stats: TransferStats, max_sockets: int = 256) -> None:
+    def __init__(self, ctx: zmq.Context, max_sockets: int, options: dict[int, int]) -> None:
         self._ctx = ctx
-        self._stats = stats
-        self._queue: "queue.Queue[Optional[tuple[str, int, bytes]]]" = queue.Queue()
-        self._socks: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
         self._max = max_sockets
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._closed = False
-        self._thread.start()
+        self._options = options
+        self._socks: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
 
-    def send(self, host: str, port: int, msg: DoneReading) -> None:
-        if not self._closed:
-            self._queue.put((host, port, wire.encode(msg)))
-
-    def _socket(self, host: str, port: int) -> zmq.Socket:
+    def get(self, host: str, port: int) -> zmq.Socket:
         key = (host, port)
         sock = self._socks.get(key)
         if sock is not None:
@@ -232,14 +224,41 @@ class DoneNotifier:
             return sock
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 4096)
-        sock.setsockopt(zmq.SNDTIMEO, 0)
+        for option, value in self._options.items():
+            sock.setsockopt(option, value)
         sock.connect(f"tcp://{host}:{port}")
         self._socks[key] = sock
         if len(self._socks) > self._max:
             _, old = self._socks.popitem(last=False)
             old.close(0)
         return sock
+
+    def drop(self, host: str, port: int) -> None:
+        sock = self._socks.pop((host, port), None)
+        if sock is not None:
+            sock.close(0)
+
+    def close(self, linger_ms: int = 0) -> None:
+        for sock in self._socks.values():
+            sock.close(linger=linger_ms)
+        self._socks.clear()
+
+
+class DoneNotifier:
+    """Owns the DEALER sockets that carry done-reading notices to producer
+    ranks, and the one thread that uses them (sockets are single-threaded)."""
+
+    def __init__(self, ctx: zmq.Context, *, name: str, stats: TransferStats, max_sockets: int = 256) -> None:
+        self._stats = stats
+        self._queue: "queue.Queue[Optional[tuple[str, int, bytes]]]" = queue.Queue()
+        self._socks = DealerCache(ctx, max_sockets, {zmq.SNDHWM: 4096, zmq.SNDTIMEO: 0})
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def send(self, host: str, port: int, msg: DoneReading) -> None:
+        if not self._closed:
+            self._queue.put((host, port, wire.encode(msg)))
 
     def _run(self) -> None:
         try:
@@ -254,14 +273,12 @@ class DoneNotifier:
                     break
                 host, port, data = item
                 try:
-                    self._socket(host, port).send(data, zmq.NOBLOCK)
+                    self._socks.get(host, port).send(data, zmq.NOBLOCK)
                     self._stats.add(done_sent=1)
                 except zmq.ZMQError as exc:
                     logger.warning("done-reading notice to %s:%d dropped: %s", host, port, exc)
         finally:
-            for sock in self._socks.values():
-                sock.close(linger=_CLOSE_LINGER_MS)  # let queued notices go out, briefly
-            self._socks.clear()
+            self._socks.close(linger_ms=_CLOSE_LINGER_MS)  # let queued notices go out, briefly
 
     def close(self) -> None:
         if self._closed:
@@ -277,32 +294,14 @@ class DoneAckClient:
     for done-reading confirmations. Only the thread that uses it may call it."""
 
     def __init__(self, ctx: zmq.Context, *, stats: TransferStats, max_sockets: int = 64) -> None:
-        self._ctx = ctx
         self._stats = stats
-        self._max = max_sockets
-        self._socks: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
+        self._socks = DealerCache(ctx, max_sockets, {zmq.MAXMSGSIZE: MAX_MESSAGE_BYTES, zmq.SNDHWM: 1024})
 
     def _socket(self, host: str, port: int) -> zmq.Socket:
-        key = (host, port)
-        sock = self._socks.get(key)
-        if sock is not None:
-            self._socks.move_to_end(key)
-            return sock
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        sock.setsockopt(zmq.SNDHWM, 1024)
-        sock.connect(f"tcp://{host}:{port}")
-        self._socks[key] = sock
-        if len(self._socks) > self._max:
-            _, old = self._socks.popitem(last=False)
-            old.close(0)
-        return sock
+        return self._socks.get(host, port)
 
     def _drop(self, host: str, port: int) -> None:
-        sock = self._socks.pop((host, port), None)
-        if sock is not None:
-            sock.close(0)
+        self._socks.drop(host, port)
 
     def confirm(
         self,
@@ -364,6 +363,4 @@ class DoneAckClient:
         return None
 
     def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close(0)
-        self._socks.clear()
+        self._socks.close()
