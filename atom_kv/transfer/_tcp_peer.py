@@ -53,6 +53,36 @@ class ReadState:
         self.job_done(None)
 
 
+def drain_jobs(jobs: "queue.Queue", run, *, closed, what: str, closed_reason: str = "backend closed",
+               on_crash=None) -> None:
+    """The body of a read worker thread, shared by the host-memory backends.
+
+    Takes jobs (anything with ``.state``, a :class:`ReadState`) until ``None``
+    and makes every job report to its state exactly once — whether it ran
+    (``run(job)`` returns an error string or ``None``), was skipped because its
+    handle already finished, was refused because ``closed()``, or crashed —
+    which is what lets the handle settle."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        state = job.state
+        if state.handle.done():
+            state.job_skipped()
+            continue
+        if closed():
+            state.job_done(f"{what} {state.rid}: {closed_reason}")
+            continue
+        try:
+            error = run(job)
+        except Exception as exc:  # a bug must fail the read, not the worker
+            log.exception("%s %d: unexpected error", what, state.rid)
+            if on_crash is not None:
+                on_crash()
+            error = f"{what} {state.rid}: internal error: {exc!r}"
+        state.job_done(error)
+
+
 @dataclass
 class Job:
     """A batch of ranges read with one request: ``table`` is (n, 5) int64
@@ -137,24 +167,8 @@ class TcpPeer:
             return self._req_seq
 
     def _worker(self, idx: int) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            state = job.state
-            if state.handle.done():
-                state.job_skipped()
-                continue
-            if self._closed:
-                state.job_done(f"tcp read {state.rid}: peer {self.peer_id} removed")
-                continue
-            try:
-                error = self._run_job(idx, job)
-            except Exception as exc:  # a bug must fail the read, not the worker
-                log.exception("tcp read %d: unexpected error", state.rid)
-                self._drop(idx)
-                error = f"tcp read {state.rid}: internal error: {exc!r}"
-            state.job_done(error)
+        drain_jobs(self._jobs, lambda job: self._run_job(idx, job), closed=lambda: self._closed,
+                   what="tcp read", closed_reason=f"peer {self.peer_id} removed", on_crash=lambda: self._drop(idx))
 
     def _run_job(self, idx: int, job: Job) -> Optional[str]:
         state = job.state

@@ -26,7 +26,7 @@ from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
 from atom_kv.transfer._deadlines import DeadlineWatch
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._regions import RegionTable, begin_read, out_of_bounds, resolve_config, split_large
-from atom_kv.transfer._tcp_peer import ReadState
+from atom_kv.transfer._tcp_peer import ReadState, drain_jobs
 from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
 
 if TYPE_CHECKING:
@@ -207,26 +207,14 @@ class CmaBackend(TransferBackend):
                 t.start()
 
     def _worker(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            state = job.state
-            if state.handle.done():
-                state.job_skipped()
-                continue
-            if self._closed:
-                state.job_done(f"cma read {state.rid}: backend closed")
-                continue
-            try:
-                self._sys.read(job.pid, job.local, job.remote, job.sizes, state.handle.done)
-            except TransferError as exc:  # includes PeerGone and BackendUnavailable (EPERM)
-                state.job_done(f"cma read {state.rid}: {exc}")
-            except Exception as exc:  # a bug must fail the read, not the worker
-                log.exception("cma read %d: unexpected error", state.rid)
-                state.job_done(f"cma read {state.rid}: internal error: {exc!r}")
-            else:
-                state.job_done(None)
+        drain_jobs(self._jobs, self._run_job, closed=lambda: self._closed, what="cma read")
+
+    def _run_job(self, job: "_Job") -> Optional[str]:
+        try:
+            self._sys.read(job.pid, job.local, job.remote, job.sizes, job.state.handle.done)
+        except TransferError as exc:  # includes PeerGone and BackendUnavailable (EPERM)
+            return f"cma read {job.state.rid}: {exc}"
+        return None
 
     def _deadlines(self) -> DeadlineWatch:
         with self._lock:
