@@ -134,7 +134,7 @@ class HandshakeServer:
             self._bad(f"expected 1 payload frame, got {len(payloads)}")
             return
         try:
-            msg = wire.decode_handshake_msg(payloads[0])
+            msg = wire.decode(payloads[0], wire.HandshakeMessage)
         except WireError as exc:
             self._bad(str(exc))
             return
@@ -197,7 +197,7 @@ def request_handshake(
             if sock.poll(min(left, 0.25) * 1000, zmq.POLLIN):
                 frames = sock.recv_multipart()
                 try:
-                    return wire.decode_handshake_reply(frames[-1])
+                    return wire.decode(frames[-1], wire.HandshakeReply)
                 except WireError as exc:
                     raise HandshakeError(f"bad handshake reply from {host}:{port}: {exc}") from None
     except zmq.ZMQError as exc:
@@ -347,7 +347,7 @@ class DoneAckClient:
                     self._drop(host, port)
                     return f"no confirmation from producer rank {rank} at {host}:{port}: {exc}"
                 try:
-                    ack = wire.decode_done_ack(frames[-1])
+                    ack = wire.decode(frames[-1], wire.DoneAck)
                 except WireError as exc:
                     self._stats.add(bad_messages=1)
                     logger.warning("done ack from %s:%d for transfer %s: %s", host, port, msg.transfer_id, exc)

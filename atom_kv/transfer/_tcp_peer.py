@@ -145,7 +145,7 @@ class TcpPeer:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(frame(wire.encode(wire.TcpHello(key=self._key, auth_token=self._token))))
-            reply = wire.decode_tcp_hello_reply(recv_frame(sock, deadline))
+            reply = wire.decode(recv_frame(sock, deadline), wire.TcpHelloReply)
         except wire.WireError as exc:
             sock.close()
             log.warning("tcp: peer %s sent a bad hello reply: %s", where, exc)
@@ -187,7 +187,7 @@ class TcpPeer:
         try:
             sock.settimeout(self._io_timeout)
             sock.sendall(frame(wire.encode(wire.ReadRequest(req_id=req_id, ranges=[], packed=packed))))
-            reply = wire.decode_read_reply(recv_frame(sock, job.deadline))
+            reply = wire.decode(recv_frame(sock, job.deadline), wire.ReadReply)
             if not reply.ok:
                 return f"{what}: {reply.error}"
             sizes = table[:, 4]

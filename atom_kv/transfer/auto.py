@@ -71,7 +71,7 @@ class AutoBackend(TransferBackend):
         if self._closed:
             raise TransferError("auto: backend is closed")
         try:
-            desc = wire.decode_auto_descriptor(descriptor)
+            desc = wire.decode(descriptor, wire.AutoDescriptor)
         except wire.WireError as exc:
             log.warning("auto: bad peer descriptor: %s", exc)
             raise TransferError(f"auto: bad peer descriptor: {exc}") from None

@@ -115,7 +115,7 @@ class CmaBackend(TransferBackend):
     def add_peer(self, descriptor: bytes) -> str:
         self._check_open()
         try:
-            desc = wire.decode_cma_descriptor(descriptor)
+            desc = wire.decode(descriptor, wire.CmaDescriptor)
         except wire.WireError as exc:
             log.warning("cma %s: bad peer descriptor: %s", self._key, exc)
             raise TransferError(f"cma: bad peer descriptor: {exc}") from None

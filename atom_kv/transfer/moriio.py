@@ -201,7 +201,7 @@ class MoriIOBackend(TransferBackend):
 
     def add_peer(self, descriptor: bytes) -> str:
         try:
-            msg = wire.decode_moriio_descriptor(descriptor)
+            msg = wire.decode(descriptor, wire.MoriIODescriptor)
         except wire.WireError as exc:
             raise TransferError(f"not a MORI-IO peer descriptor: {exc}") from None
         if msg.transport != self.transport:

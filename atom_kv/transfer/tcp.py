@@ -103,7 +103,7 @@ class TcpBackend(TransferBackend):
     def add_peer(self, descriptor: bytes) -> str:
         self._check_open()
         try:
-            desc = wire.decode_tcp_descriptor(descriptor)
+            desc = wire.decode(descriptor, wire.TcpDescriptor)
         except wire.WireError as exc:
             log.warning("tcp %s: bad peer descriptor: %s", self._key, exc)
             raise TransferError(f"tcp: bad peer descriptor: {exc}") from None
