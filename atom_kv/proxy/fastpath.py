@@ -35,12 +35,24 @@ ASGIApp = Callable[[dict, Receive, Send], Awaitable[None]]
 
 
 class _Exchange:
-    """Per-request flag shared by the handler and the disconnect watcher."""
+    """Per-request flags shared by the handler and the disconnect watcher."""
 
-    __slots__ = ("response_complete",)
+    __slots__ = ("response_complete", "client_gone")
 
     def __init__(self) -> None:
         self.response_complete = False
+        self.client_gone = False
+
+
+class _BodyTimeout(Exception):
+    """The request body did not arrive within ``body_timeout``."""
+
+
+def _uncancel(task: asyncio.Task) -> None:
+    """Withdraw a cancellation this module requested itself (Python 3.11+ keeps a count)."""
+    uncancel = getattr(task, "uncancel", None)
+    if uncancel is not None:
+        uncancel()
 
 
 def valid_request_id(value: str | None) -> str:
@@ -94,9 +106,11 @@ class CompletionsASGI:
             await self._send_error(send, ProxyError(405, f"method {scope['method']} not allowed on {scope['path']}"),
                                    request_id, record)
             return
+        me = asyncio.current_task()
+        assert me is not None
         try:
-            raw = await asyncio.wait_for(self._read_body(receive), self.body_timeout)
-        except asyncio.TimeoutError:
+            raw = await self._read_body_in_time(receive, me)
+        except _BodyTimeout:
             await self._send_error(send, ProxyError(408, f"request body not received within {self.body_timeout:g}s"),
                                    request_id, record, close=True)
             return
@@ -106,18 +120,37 @@ class CompletionsASGI:
         if raw is None:  # the client left while sending
             record.client_gone()
             return
+        # the request runs in this task; a watcher cancels it if the client goes away first
         exchange = _Exchange()
-        handler = asyncio.ensure_future(self._handle(scope, raw, send, request_id, record, exchange))
-        watcher = asyncio.ensure_future(self._wait_disconnect(receive, exchange))
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, exchange, me))
         try:
-            done, _ = await asyncio.wait((handler, watcher), return_when=asyncio.FIRST_COMPLETED)
+            await self._handle(scope, raw, send, request_id, record, exchange)
+        except asyncio.CancelledError:
+            if not exchange.client_gone:
+                raise
+            _uncancel(me)  # our own cancellation: the request is over, the server's task is not
         finally:
-            for task in (handler, watcher):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(handler, watcher, return_exceptions=True)
-        if handler in done and not handler.cancelled() and handler.exception() is not None:
-            raise handler.exception()  # type: ignore[misc]
+            watcher.cancel()
+
+    async def _read_body_in_time(self, receive: Receive, me: asyncio.Task) -> bytes | None:
+        """The body, or :class:`_BodyTimeout` after ``body_timeout`` (a timer, not a task per request)."""
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            me.cancel()
+
+        timer = asyncio.get_running_loop().call_later(self.body_timeout, expire)
+        try:
+            return await self._read_body(receive)
+        except asyncio.CancelledError:
+            if not expired:
+                raise
+            _uncancel(me)
+            raise _BodyTimeout() from None
+        finally:
+            timer.cancel()
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         body = bytearray()
@@ -132,13 +165,13 @@ class CompletionsASGI:
                 return bytes(body)
 
     @staticmethod
-    async def _wait_disconnect(receive: Receive, exchange: _Exchange) -> None:
-        """Returns when the client goes away before the response is complete."""
+    async def _watch_disconnect(receive: Receive, exchange: _Exchange, request_task: asyncio.Task) -> None:
+        """Cancels the request's task when the client goes away before the response is complete."""
         while (await receive())["type"] != "http.disconnect":
             pass
-        if exchange.response_complete:
-            # the server reports the finished exchange as a disconnect: not a client abort
-            await asyncio.get_running_loop().create_future()
+        if not exchange.response_complete:  # the server also reports a finished exchange as a disconnect
+            exchange.client_gone = True
+            request_task.cancel()
 
     @staticmethod
     async def _send_body(send: Send, status: int, content_type: str, body: bytes, request_id: str,
@@ -166,11 +199,13 @@ class CompletionsASGI:
             body = parse_body(raw)
             result = await self.relay.relay(path, body, request_id, _header(scope, b"authorization"))
         except ProxyError as err:
+            exchange.response_complete = True
             await self._send_error(send, err, request_id, record)
             return
         except UpstreamResponseError as up:
             record.finish(up.status)
             logger.info("[%s] %s -> upstream %d passed through", request_id, path, up.status)
+            exchange.response_complete = True
             await self._send_body(send, up.status, up.content_type, up.body, request_id)
             return
         except asyncio.CancelledError:
@@ -179,11 +214,13 @@ class CompletionsASGI:
             raise
         except Exception as exc:
             logger.exception("[%s] internal error relaying %s", request_id, path)
+            exchange.response_complete = True
             await self._send_error(send, ProxyError(500, f"internal proxy error: {type(exc).__name__}"),
                                    request_id, record)
             return
         if result.stream is None:
             record.finish(result.status)
+            exchange.response_complete = True
             await self._send_body(send, result.status, result.content_type, result.body or b"", request_id)
             return
         await self._send_stream(send, result, request_id, record, exchange)
@@ -198,7 +235,7 @@ class CompletionsASGI:
                 (b"cache-control", b"no-cache"),
                 (b"x-request-id", request_id.encode("latin-1")),
             ]})
-            async for event in stream:  # one write per event: the client sees the engine's timing
+            async for event in stream:  # as the events arrive (see DecodeStream): the client sees the engine's timing
                 record.first_byte()
                 ended = stream.complete  # the stream's end closes our response at once
                 exchange.response_complete = ended
@@ -206,8 +243,8 @@ class CompletionsASGI:
                 if ended:
                     record.finish(result.status)
             if not exchange.response_complete:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
                 exchange.response_complete = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
             record.finish(result.status)
         except asyncio.CancelledError:
             record.client_gone()

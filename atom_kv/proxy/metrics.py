@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -68,6 +69,14 @@ class ProxyMetrics:
             self.instances.labels(role)
             self.evictions.labels(role)
             self.marked_down.labels(role)
+        self._children: dict[tuple[str, ...], Any] = {}  # labelled children, looked up once (hot path)
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        key = (str(id(metric)), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def render(self, counts: dict[str, int]) -> bytes:
         for role, n in counts.items():
@@ -92,7 +101,7 @@ class RequestRecord:
     def first_byte(self) -> None:
         if not self._first_byte:
             self._first_byte = True
-            self._metrics.ttfb.labels(self.endpoint).observe(time.perf_counter() - self.t0)
+            self._metrics.child(self._metrics.ttfb, self.endpoint).observe(time.perf_counter() - self.t0)
 
     def finish(self, status: int) -> None:
         """The response is complete (or failed with ``status`` before it started)."""
@@ -100,8 +109,9 @@ class RequestRecord:
             return
         self._done = True
         self.first_byte()
-        self._metrics.requests.labels(self.endpoint, str(status)).inc()
-        self._metrics.duration.labels(self.endpoint).observe(time.perf_counter() - self.t0)
+        m = self._metrics
+        m.child(m.requests, self.endpoint, str(status)).inc()
+        m.child(m.duration, self.endpoint).observe(time.perf_counter() - self.t0)
 
     def client_gone(self) -> None:
         """The client disconnected before the response was complete."""
@@ -109,4 +119,4 @@ class RequestRecord:
             return
         self._done = True
         self._metrics.client_disconnects.inc()
-        self._metrics.requests.labels(self.endpoint, str(CLIENT_CLOSED)).inc()
+        self._metrics.child(self._metrics.requests, self.endpoint, str(CLIENT_CLOSED)).inc()

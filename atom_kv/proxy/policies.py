@@ -65,8 +65,9 @@ def token_id_prompt_lengths(body: dict[str, Any]) -> list[int] | None:
     return None
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """len(text)/4 for text prompts, the list length for token-id prompts (at least 1)."""
+def estimate_prompt_tokens(body: dict[str, Any], text: str | None = None) -> int:
+    """len(text)/4 for text prompts, the list length for token-id prompts (at least 1).
+    ``text`` is :func:`prompt_text` of ``body`` when the caller already has it."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) for t in prompt):
@@ -78,7 +79,7 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
             elif isinstance(item, str):
                 total += len(item) // 4
         return max(1, total)
-    return max(1, len(prompt_text(body)) // 4)
+    return max(1, len(prompt_text(body) if text is None else text) // 4)
 
 
 class Policy(ABC):

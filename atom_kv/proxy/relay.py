@@ -166,7 +166,7 @@ class Relay:
         """Run one completion request; raises ProxyError / UpstreamResponseError for error replies."""
         max_tokens = requested_max_tokens(body)  # before anything is spent
         text = prompt_text(body)
-        tokens = estimate_prompt_tokens(body)
+        tokens = estimate_prompt_tokens(body, text)
         req = _Request(path, body, request_id, auth, RouteContext(text, tokens), max_tokens)
         exclude: dict[str, set[tuple[str, str]]] = {"P": set(), "D": set()}
         last_error: ProxyError | None = None

@@ -81,6 +81,26 @@ class EventFramer:
             events = [_patch_event(e, self.prompt_tokens) for e in events]
         return events
 
+    def feed_writes(self, chunk: bytes, split_max: int) -> list[tuple[bytes, bool]]:
+        """The whole events in ``chunk`` grouped into writes: one per event when at most
+        ``split_max`` arrived together, else one write for all. Each write comes with
+        whether it ends the stream (its last event is ``[DONE]``)."""
+        data = self._pending + chunk if self._pending else chunk
+        if b"\r" in data or (self.prompt_tokens is not None and b'"usage"' in data):
+            self._pending = b""
+            events = self.feed(data)
+            if len(events) <= split_max:
+                return [(e, e == DONE_EVENT) for e in events]
+            return [(b"".join(events), events[-1] == DONE_EVENT)] if events else []
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._pending = data
+            return []
+        complete, self._pending = data[: cut + 2], data[cut + 2:]
+        if complete.count(b"\n\n") <= split_max:
+            return [(e + b"\n\n", e + b"\n\n" == DONE_EVENT) for e in complete[:-2].split(b"\n\n")]
+        return [(complete, complete == DONE_EVENT or complete.endswith(b"\n\n" + DONE_EVENT))]
+
     def flush(self) -> bytes:
         """Whatever is left when the stream ends (an unterminated last event), patched too."""
         rest, self._pending = self._pending, b""

@@ -106,13 +106,7 @@ class DecodeStream:
         except BaseException:
             await self.aclose()
             raise
-        events = self._framer.feed(chunk)
-        if not events:
-            return
-        if len(events) <= self._split_max:
-            self._ready.extend((e, e == DONE_EVENT) for e in events)
-        else:
-            self._ready.append((b"".join(events), events[-1] == DONE_EVENT))
+        self._ready.extend(self._framer.feed_writes(chunk, self._split_max))
 
     def _fail(self, status: int, message: str, ok_close: bool) -> None:
         self._ready.append((sse_error_event(status, message), True))

@@ -147,6 +147,16 @@ def test_event_framer_handles_events_split_across_chunks():
             framer = EventFramer(prompt_tokens=7)
             out = framer.feed(stream[:a]) + framer.feed(stream[a:b]) + framer.feed(stream[b:])
             assert out == expected and framer.flush() == b"", (a, b)
+    # grouped into writes: one per event up to split_max, else one for all
+    for split_max in (0, 2, 3):
+        for cut in range(1, len(stream)):
+            framer = EventFramer(prompt_tokens=7 if split_max == 2 else None)
+            writes = framer.feed_writes(stream[:cut], split_max) + framer.feed_writes(stream[cut:], split_max)
+            want = expected if split_max == 2 else events
+            assert b"".join(w for w, _ in writes) == b"".join(want) and writes[-1][1], (split_max, cut)
+            assert [ends for _, ends in writes].count(True) == 1
+    assert [w for w, _ in EventFramer().feed_writes(stream, 3)] == events  # one write per event
+    assert EventFramer().feed_writes(stream, 2) == [(stream, True)]  # a backlog: one write
     # CRLF framing and an unterminated tail
     framer = EventFramer()
     assert framer.feed(b"data: 1\r\n\r\ndata: 2\n\ndata: 3") == [b"data: 1\r\n\r\n", b"data: 2\n\n"]
