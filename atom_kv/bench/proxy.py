@@ -44,6 +44,7 @@ from atom_kv.proxy.settings import POLICIES
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEERS = ("vllm-router",)
 HIT_RATE_POLICIES = ("round_robin", "prefix_hash", "cache_aware")
+HIT_RATE_CACHE_BLOCKS = 400  # per prefill engine: room for about two active conversations
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hit-rate", action="store_true",
                         help="also measure prefix-cache hit rates of the prefill policies on a multi-turn workload")
     parser.add_argument("--sessions", type=int, default=32, help="--hit-rate: conversations")
-    parser.add_argument("--turns", type=int, default=6, help="--hit-rate: turns per conversation")
+    parser.add_argument("--turns", type=int, default=8, help="--hit-rate: turns per conversation")
     parser.add_argument("--prefill-engines", type=int, default=4, help="--hit-rate: prefill engines")
     parser.add_argument("--startup-timeout", type=float, default=20.0)
     parser.add_argument("--baseline", action="store_true",
@@ -370,14 +371,14 @@ def _conversations(sessions: int, turns: int, seed: int = 7) -> list[list[str]]:
     """Each conversation: a system prompt shared by a group of conversations, then turns that
     append a user message and the previous answer (the prompt grows: multi-turn chat)."""
     rng = random.Random(seed)
-    systems = [f"System prompt {g}: you are a helpful assistant for team {g}. " * 20 for g in range(4)]
+    words = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda")
+    systems = [" ".join(rng.choice(words) for _ in range(80)) for _ in range(4)]  # ~0.5 KB each, all different
     out = []
     for s in range(sessions):
         history = systems[s % len(systems)]
         prompts = []
         for t in range(turns):
-            history += f"\nuser {s}: " + " ".join(rng.choice(("alpha", "beta", "gamma", "delta", "epsilon"))
-                                                  for _ in range(30))
+            history += f"\nuser {s}: " + " ".join(rng.choice(words) for _ in range(80))
             prompts.append(history)
             history += "\nassistant:" + " t0 t1 t2 t3 t4 t5 t6 t7"
         out.append(prompts)
@@ -430,10 +431,10 @@ async def _hit_rate_one(args: argparse.Namespace, target: Target, prefills: list
 def _hit_rates(args: argparse.Namespace, log: Any, with_peer: bool) -> dict[str, Any]:
     engines, prefills, decodes = _fake_engines(
         log, "--prefills", str(args.prefill_engines), "--decodes", "2", "--tokens", "8",
-        "--prefill-delay", "0.001", "--prefix-cache-blocks", "3000")
+        "--prefill-delay", "0.001", "--prefix-cache-blocks", str(HIT_RATE_CACHE_BLOCKS))
     conversations = _conversations(args.sessions, args.turns)
     out: dict[str, Any] = {"prefill_engines": args.prefill_engines, "sessions": args.sessions, "turns": args.turns,
-                           "cache_blocks_per_engine": 3000, "policies": {}}
+                           "cache_blocks_per_engine": HIT_RATE_CACHE_BLOCKS, "policies": {}}
     try:
         runs = [("atom-kv " + p, _start_ours, p) for p in HIT_RATE_POLICIES]
         if with_peer:
