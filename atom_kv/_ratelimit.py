@@ -96,8 +96,8 @@ class RateLimitedLog:
             bucket.logged += 1
             bucket.last_message = message
         if summary is not None:
-            self.logger.log(self.level, "%s", summary)
-        self.logger.log(self.level, "%s", message)
+            self.logger.log(self.level, "%s", summary, stacklevel=2)
+        self.logger.log(self.level, "%s", message, stacklevel=2)  # attributed to the caller
         return True
 
     def _take_summary(self, key: str, bucket: _Bucket, now: float) -> str | None:

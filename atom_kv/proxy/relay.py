@@ -125,6 +125,8 @@ class Relay:
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.settings.connect_timeout),
                 cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's upstream cookies to another
+                # bytes pass through untouched: no compression negotiated, none undone
+                auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"),
             )
 
     async def close(self) -> None:
