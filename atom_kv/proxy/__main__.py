@@ -24,6 +24,7 @@ import errno
 import logging
 import sys
 from dataclasses import replace
+from typing import Any, Callable, Coroutine
 
 from hypercorn.utils import LifespanFailureError
 
@@ -176,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "backlog goes out in one write (default %(default)s)")
     g.add_argument("--max-upstream-connections", type=_nonneg_int, default=d.max_upstream_connections,
                    help="pooled upstream connections, 0 = unlimited (default %(default)s)")
+    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                   help="event loop: uvloop when installed (auto), or asyncio's own (default %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -202,6 +205,19 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     )
 
 
+def _loop_runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """``asyncio.run`` or ``uvloop.run`` (``auto``: uvloop when it is installed)."""
+    if loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if loop == "uvloop":
+                raise ValueError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        else:
+            return uvloop.run
+    return asyncio.run
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -211,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if not settings.discovery and not (settings.static_prefill and settings.static_decode):
         parser.error("--no-discovery needs at least one --prefill and one --decode")
+    try:
+        run = _loop_runner(args.loop)
+    except ValueError as exc:
+        print(f"atom-kv-proxy: {exc}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sock = listen_socket(settings.host, settings.port, settings.backlog)
@@ -221,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = replace(settings, port=sock.getsockname()[1])
     app = create_app(settings)
     try:
-        asyncio.run(serve_until_signalled(app, settings, sock))
+        run(serve_until_signalled(app, settings, sock))
     except LifespanFailureError as exc:
         # the proxy's own start-up failed (e.g. the discovery port is taken): one line, no traceback
         message = str(exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 import subprocess
 import sys
@@ -142,6 +143,10 @@ def test_bad_cli_input_is_one_line():
     assert res.returncode == 2 and "--prefill" in last and "http URL" in last
     res = _run("--no-discovery", "--decode", "http://127.0.0.1:9")
     assert res.returncode == 2 and "needs at least one --prefill" in res.stderr
+    if importlib.util.find_spec("uvloop") is None:
+        res = _run("--loop", "uvloop", "--port", "0", "--discovery-port", "0")
+        assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == (
+            "atom-kv-proxy: --loop uvloop: uvloop is not installed (pip install uvloop)")
 
 
 def test_ports_in_use_are_one_clear_line():
