@@ -278,3 +278,11 @@ async def test_per_pool_policies_end_to_end(make_proxy, make_engine):
         history += " assistant: t0 t1"
     assert sorted(len(p.received) for p in ps) == [0, 0, 6]
     assert [len(d.received) for d in ds] == [2, 2, 2]
+
+
+def test_make_policy_knows_every_name_and_gives_each_pool_its_own_object():
+    for name in POLICIES:
+        a, b = make_policy(name), make_policy(name)
+        assert a is not b and type(a) is type(b)
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fastest")
