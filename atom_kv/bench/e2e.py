@@ -16,7 +16,8 @@ import time
 import urllib.request
 from typing import Any
 
-from atom_kv.demo.cluster import Cluster, EngineSpec, scrape_metrics
+from atom_kv.testing.cluster import Cluster, EngineSpec
+from atom_kv.testing.web import scrape_metrics
 
 _TEXT = ("Prefill computes the prompt's keys and values once; decode reads them block by block and "
          "generates one token per step. ")

@@ -10,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from atom_kv.demo.cluster import Cluster, EngineSpec, http_json, scrape_metrics, wait_until
+from atom_kv.testing.cluster import Cluster, EngineSpec
+from atom_kv.testing.polling import wait_until
+from atom_kv.testing.web import http_json, scrape_metrics
 from tests.e2e.helpers import PROMPTS, generate, get_json
 
 

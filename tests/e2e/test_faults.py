@@ -13,7 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from atom_kv.demo.cluster import Cluster, EngineSpec, free_port, http_json, wait_until
+from atom_kv.testing.cluster import Cluster, EngineSpec
+from atom_kv.testing.polling import wait_until
+from atom_kv.testing.ports import free_port
+from atom_kv.testing.web import http_json
 from tests.e2e.helpers import PROMPTS, generate, get_json
 
 ABORT_TIMEOUT_S = 2.0
