@@ -1,6 +1,7 @@
 # Two entry points: `make demo` (the main job) and `make test`.
 # Both build .venv from scratch if needed, installing the CPU torch pin first
-# so the package's torch range is already satisfied.
+# so the `reference` extra's torch range is already satisfied (a bare torch
+# requirement would pull the CUDA build).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[reference,test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
