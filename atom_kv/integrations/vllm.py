@@ -166,7 +166,11 @@ def parse_settings(vllm_config: VllmConfig) -> tuple[KVTransferConfig, Optional[
             "set it once, as vLLM's kv_role"
         )
     extra["kv_role"] = role
-    return KVTransferConfig.from_dict(extra), host
+    config = KVTransferConfig.from_dict(extra)
+    if "load_failure_policy" in extra:
+        logger.warning("kv_connector_extra_config: `load_failure_policy` is ignored under vLLM; vLLM's own "
+                       "kv_load_failure_policy (%s) decides what a failed load does", vkv.kv_load_failure_policy)
+    return config, host
 
 
 def attention_spec(kv_cache_config: KVCacheConfig) -> FullAttentionSpec:
@@ -316,6 +320,23 @@ def _place(vllm_config: VllmConfig, config: KVTransferConfig, host: Optional[str
     return _Place(engine_id=str(config.engine_id or vkv.engine_id), host=host, tp_size=pc.tensor_parallel_size,
                   dp_rank=int(getattr(pc, "data_parallel_index", pc.data_parallel_rank)),
                   dp_size=pc.data_parallel_size)
+
+
+def _log_with_vllm() -> None:
+    """Show atom-kv's own log lines (handshakes, failed loads, transfer summaries) in vLLM's log.
+
+    vLLM configures only its ``vllm`` logger; without this, atom-kv's INFO lines
+    would be dropped in vLLM's processes. Done once per process, and only when
+    nobody configured the ``atom_kv`` logger.
+    """
+    ours = logging.getLogger("atom_kv")
+    if ours.handlers:
+        return
+    theirs = logging.getLogger("vllm")
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
 
 
 def _tp_rank(vllm_config: VllmConfig, tp_size: int) -> int:
@@ -521,6 +542,7 @@ class AtomKVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_with_vllm()
         config, host = parse_settings(vllm_config)
         place = _place(vllm_config, config, host)
         self.config = config
