@@ -49,9 +49,8 @@ from vllm.v1.request import RequestStatus
 
 from atom_kv import engine_hooks
 from atom_kv.config import ConfigError, KVTransferConfig
-from atom_kv.engine_hooks import ConnectorMetadata, KVConnectorOutput
+from atom_kv.engine_hooks import CompatInfo, ConnectorMetadata, KVConnectorOutput
 from atom_kv.integrations.vllm_ledger import RankLedger, SchedulerLedger
-from atom_kv.wire import CompatInfo
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -387,8 +386,8 @@ class _SchedulerSide:
             return 0, False
         if self.ledger.loaded_before(rid):
             return 0, False  # one remote load per request: after a preemption it recomputes locally
-        extra = {"num_computed_tokens": num_computed_tokens} if num_computed_tokens else {}
-        count, is_async = self.hooks.get_num_new_matched_tokens(rid, request.num_prompt_tokens, params, **extra)
+        count, is_async = self.hooks.get_num_new_matched_tokens(rid, request.num_prompt_tokens, params,
+                                                                num_computed_tokens=num_computed_tokens)
         if count <= 0:
             return 0, False
         self._local_hits[rid] = num_computed_tokens

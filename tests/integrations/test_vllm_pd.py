@@ -4,8 +4,6 @@ cma reads between CPU KV caches, every byte checked, every block given back."""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable here; `make test-engines` runs these tests "
@@ -57,13 +55,14 @@ class Pair:
     """A producer and a consumer engine; closes both."""
 
     def __init__(self, model_dir, backend: str = "tcp", *, p_tp: int = 1, d_tp: int = 1,
-                 policy: str = "fail", p_overrides: dict | None = None) -> None:
+                 policy: str = "fail", p_overrides: dict | None = None, async_scheduling: bool = True) -> None:
         self.P = VllmEngine(make_vllm_config(model_dir, "kv_producer",
                                              extra(backend, port_range(p_tp), **(p_overrides or {})),
-                                             tp_size=p_tp), NUM_BLOCKS)
+                                             tp_size=p_tp, async_scheduling=async_scheduling), NUM_BLOCKS)
         try:
             self.D = VllmEngine(make_vllm_config(model_dir, "kv_consumer", extra(backend, port_range(d_tp)),
-                                                 tp_size=d_tp, failure_policy=policy), NUM_BLOCKS)
+                                                 tp_size=d_tp, failure_policy=policy,
+                                                 async_scheduling=async_scheduling), NUM_BLOCKS)
         except BaseException:
             self.P.close()
             raise
@@ -129,6 +128,9 @@ def decode(pair: Pair, drid: str, prompt: list[int], params: dict, *, max_tokens
             if drid in result.finished_recving:
                 seen["recv_step"] = True
                 seen["invalid"] = set(result.invalid_block_ids)
+                if drid in D.scheduler.requests:
+                    seen["blocks"] = D.blocks_of(drid)
+                    seen["bytes"] = D.block_bytes(seen["blocks"])
                 if verify_load and not result.invalid_block_ids:
                     n = len(params["remote_block_ids"])
                     got = D.block_bytes(D.blocks_of(drid)[:n])
@@ -146,9 +148,11 @@ def decode(pair: Pair, drid: str, prompt: list[int], params: dict, *, max_tokens
     return seen
 
 
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_whole_life_prefill_hold_load_decode_free(pair_factory, backend):
-    pair = pair_factory(backend)
+def test_whole_life_prefill_hold_load_decode_free(pair_factory, backend, scheduling):
+    pair = pair_factory(backend, async_scheduling=scheduling == "async")
+    assert type(pair.D.scheduler).__name__ == ("AsyncScheduler" if scheduling == "async" else "Scheduler")
     P, D = pair.P, pair.D
     prompt = prompt_of(1, 45)  # 3 blocks, the last one partial
     params = pair.prefill("p-1", prompt)
@@ -206,43 +210,35 @@ def test_mixed_tensor_parallel_sizes(pair_factory, p_tp, d_tp):
     run_until([pair.P, pair.D], lambda: empty(pair.P) and empty(pair.D))
 
 
-def _hooks_take_local_hits() -> bool:
-    from atom_kv.engine_hooks import SchedulerHooks
-
-    return "num_computed_tokens" in inspect.signature(SchedulerHooks.get_num_new_matched_tokens).parameters
-
-
-@pytest.mark.skipif(not _hooks_take_local_hits(),
-                    reason="needs SchedulerHooks.get_num_new_matched_tokens(..., num_computed_tokens) (core refactor)")
 def test_local_prefix_hit_reads_only_the_uncached_blocks(pair_factory):
     pair = pair_factory("tcp")
     P, D = pair.P, pair.D
     first = prompt_of(4, 40)
-    params = pair.prefill("p-4a", first)
-    decode(pair, "d-4a", first, params, max_tokens=1)
-    cached = D.blocks_of("d-4a")[:2] if "d-4a" in D.scheduler.requests else None
+    decode(pair, "d-4a", first, pair.prefill("p-4a", first), max_tokens=1)
     run_until([P, D], lambda: "d-4a" not in D.scheduler.requests)
-    # the two full blocks of the first prompt stay in D's prefix cache; mark them
+    # the first prompt's two full blocks stay in D's prefix cache: a second prompt sharing them hits locally
     second = first[:32] + prompt_of(5, 20)
     D.add(make_request("probe", second, max_tokens=1, kv_transfer_params=None))
     hit = D.scheduler.kv_cache_manager.get_computed_blocks(D.scheduler.requests["probe"])
     D.abort("probe")
     cached = [b.block_id for b in hit[0].blocks[0]]
     assert len(cached) == 2, "the test needs a two-block local prefix hit"
-    D.fill_blocks(cached, SENTINEL)
+    D.fill_blocks(cached, SENTINEL)  # what D holds locally; a load must not touch it
 
-    params2 = pair.prefill("p-4b", second)
-    seen = decode(pair, "d-4b", second, params2, verify_load=False)
-    assert seen.get("recv_step") and not seen["invalid"]
-    blocks = D.blocks_of("d-4b") if "d-4b" in D.scheduler.requests else None
-    assert seen["finish"] == 1
-    # the locally cached blocks were not overwritten; the others hold the producer's bytes
-    run_until([P, D], lambda: "d-4b" not in D.scheduler.requests)
-    assert blocks is None or blocks[:2] == cached
-    for layer in D.block_bytes(cached):
-        assert bool((layer == SENTINEL).all()), "a locally cached block was overwritten by the load"
-    n = len(params2["remote_block_ids"])
+    params = pair.prefill("p-4b", second)
+    assert len(params["remote_block_ids"]) == 4
+    seen = decode(pair, "d-4b", second, params, verify_load=False)
+    assert seen.get("recv_step") and not seen["invalid"] and seen["finish"] == 1
+    assert seen["blocks"][:2] == cached
+    want = pair.snapshots[params["transfer_id"]]
+    for got, producer in zip(seen["bytes"], want):
+        assert bool((got[:2] == SENTINEL).all()), "a locally cached block was overwritten by the load"
+        assert got[2:4].equal(producer[2:4]), "an uncached block differs from the producer's"
+    # only the two uncached blocks crossed the wire, and D computed just the last prompt token
+    page = 2 * 16 * 2 * BLOCK * 4
+    assert sum(s.get("bytes", 0) for s in seen["stats"]) == 2 * page * (LAYERS + LAYERS % 2)
     assert D.computed["d-4b"][0] == (len(second) - 1, 1)
+    run_until([P, D], lambda: empty(P) and empty(D))
 
 
 def test_abort_while_loading_holds_blocks_until_every_rank_stopped(pair_factory):

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -63,12 +64,14 @@ def write_tiny_model(folder: Path) -> Path:
 
 
 def make_vllm_config(model_dir: Path, role: str, extra: dict[str, Any], *, tp_size: int = 1,
-                     failure_policy: str = "fail", max_batched_tokens: int = 512) -> VllmConfig:
-    """A real VllmConfig whose kv_transfer_config names our module."""
+                     failure_policy: str = "fail", max_batched_tokens: int = 512,
+                     async_scheduling: bool = True) -> VllmConfig:
+    """A real VllmConfig whose kv_transfer_config names our module (async scheduling: vLLM's default)."""
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
                         seed=0)
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched_tokens, max_model_len=1024,
-                            enable_chunked_prefill=True, is_encoder_decoder=False)
+                            enable_chunked_prefill=True, is_encoder_decoder=False,
+                            async_scheduling=async_scheduling)
     cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     kv = KVTransferConfig(kv_connector="AtomKVConnector", kv_connector_module_path="atom_kv.integrations.vllm",
                           kv_role=role, kv_connector_extra_config=dict(extra),
@@ -125,7 +128,8 @@ class StepResult:
 
 
 class VllmEngine:
-    """One engine: vLLM's Scheduler (scheduler-side connector inside) and ``tp_size`` worker-side connectors."""
+    """One engine: vLLM's scheduler (``AsyncScheduler`` when the config asks for async scheduling, as
+    ``vllm serve`` does by default; the scheduler-side connector inside) and ``tp_size`` worker-side connectors."""
 
     def __init__(self, vllm_config: VllmConfig, num_blocks: int = 64) -> None:
         self.vllm_config = vllm_config
@@ -133,7 +137,8 @@ class VllmEngine:
         self.num_blocks = num_blocks
         self.kv_cache_config = make_kv_cache_config(vllm_config, num_blocks)
         vllm_config.cache_config.num_gpu_blocks = num_blocks
-        self.scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,
+        scheduler_cls = AsyncScheduler if vllm_config.scheduler_config.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(vllm_config=vllm_config, kv_cache_config=self.kv_cache_config, log_stats=True,
                                    structured_output_manager=StructuredOutputManager(vllm_config),
                                    block_size=BLOCK)
         self.ranks: list[Rank] = []
