@@ -163,3 +163,25 @@ def test_registered_layers_reach_the_hooks_as_pairs(model_dir):
         assert hooks.compat.num_kv_heads == 2 and hooks.compat.block_size == BLOCK and not hooks.compat.is_mla
     finally:
         connector.shutdown()
+
+
+def test_mla_caches_register_one_latent_tensor_per_layer(model_dir):
+    """MLA layers keep one latent row per token (replicated over TP ranks): registered as such."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, MLAAttentionSpec
+
+    config = make_vllm_config(model_dir, "kv_producer", base())
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    page = spec.page_size_bytes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=32, kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+        kv_cache_tensors=[KVCacheTensor(size=page * 32 * 3, layers=names, layer_stride=page * 32, block_stride=page)])
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    try:
+        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+        assert list(next(iter(caches.values())).shape) == [32, 1, BLOCK, 64]
+        connector.register_kv_caches(caches)
+        compat = connector.worker_side.hooks.compat
+        assert compat.is_mla and compat.num_layers == 3 and compat.head_dim == 64 and compat.num_kv_heads == 1
+    finally:
+        connector.shutdown()
