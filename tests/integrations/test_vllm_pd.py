@@ -68,9 +68,10 @@ class Pair:
             raise
         self.snapshots: dict[str, list] = {}
 
-    def prefill(self, rid: str, prompt: list[int]) -> dict:
+    def prefill(self, rid: str, prompt: list[int], **params) -> dict:
         """Run the prefill leg; returns the kv_transfer_params the decode leg gets (and snapshots its blocks)."""
-        self.P.add(make_request(rid, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+        self.P.add(make_request(rid, prompt, max_tokens=1,
+                                kv_transfer_params={"do_remote_decode": True, **params}))
         found: dict = {}
 
         def on_step(engine, result):
@@ -324,3 +325,15 @@ def test_load_the_hooks_refuse_is_still_reported_by_every_rank(pair_factory, pol
     assert seen.get("recv_step") and seen["invalid"]
     assert seen["finish"] == finish
     run_until([D], lambda: empty(D))
+
+
+def test_a_transfer_id_minted_by_the_router_names_both_legs(pair_factory):
+    """Routers that mint one transfer_id per request (atom-kv's proxy, vLLM's MoRIIO proxy) see it kept."""
+    pair = pair_factory("tcp")
+    prompt = prompt_of(12, 24)
+    params = pair.prefill("p-12", prompt, transfer_id="router-0001", do_remote_prefill=False,
+                          remote_engine_id=None, remote_block_ids=None, remote_host=None, remote_port=None)
+    assert params["transfer_id"] == "router-0001"
+    seen = decode(pair, "d-12", prompt, params)
+    assert seen["bytes_equal"] and seen["finish"] == 1
+    run_until([pair.P, pair.D], lambda: empty(pair.P) and empty(pair.D))
