@@ -12,6 +12,8 @@ in :mod:`atom_kv.connector` (which never imports this package).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector import ConnectorScheduler, KVOutputAggregator, create_worker
 from atom_kv.connector.base import KVCacheLayer, SchedulerHooks, WorkerHooks
@@ -66,9 +68,12 @@ def build_worker_hooks(
     tp_size: int,
     dp_rank: int = 0,
     compat: CompatInfo,
+    bind_host: Optional[str] = None,
 ) -> WorkerHooks:
     """The worker-side connector of one TP rank, for ``config.kv_role``
-    (producers start their handshake server here)."""
+    (producers start their handshake server here, listening on ``bind_host``:
+    by default ``host``, the address other engines dial)."""
     return create_worker(
-        config, engine_id=engine_id, host=host, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, compat=compat
+        config, engine_id=engine_id, host=host, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, compat=compat,
+        bind_host=bind_host,
     )
