@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import multiprocessing as mp
-import socket
 import statistics
 import time
 from typing import Any
@@ -29,6 +28,7 @@ from atom_kv.connector.layout import TensorLayout, block_runs, head_overlaps, pl
 from atom_kv.connector.scheduler import ConnectorScheduler
 from atom_kv.connector.consumer import ConsumerWorker
 from atom_kv.connector.producer import ProducerWorker
+from atom_kv.testing.ports import free_port_range
 from atom_kv.transfer import ChunkedRegion, chunk_sizes, create_backend
 from atom_kv.wire import CompatInfo, HandshakeRequest
 
@@ -53,26 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt length for the CPU overhead figure (short: on a CPU-only host the data "
                              "copy shares the cores and caches with the hooks and inflates their CPU time)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
-
-
-def _free_base_port(n: int) -> int:
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            socks = []
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free port range on 127.0.0.1")
 
 
 def _caches(compat: CompatInfo, tp: int, num_blocks: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -244,7 +224,7 @@ def _run_tp(args: argparse.Namespace, tp: int) -> dict[str, Any]:
                         head_dim=args.head_dim, block_size=args.block_size)
     max_blocks = -(-max(args.tokens) // args.block_size)
     num_blocks = max(max_blocks, 2 * -(-args.overhead_tokens // args.block_size))
-    port = _free_base_port(tp)
+    port = free_port_range(tp)
     common = dict(backend=args.backend, handshake_port=port, transfer_timeout_s=120.0, handshake_timeout_s=10.0)
     pcfg = KVTransferConfig.from_dict(dict(common, kv_role="kv_producer"))
     ccfg = KVTransferConfig.from_dict(dict(common, kv_role="kv_consumer"))
