@@ -12,6 +12,7 @@ failed load under each policy, an abort during a load and a lease expiry.
 from __future__ import annotations
 
 import pickle
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -29,6 +30,7 @@ from atom.model_engine.sequence import Sequence  # noqa: E402
 from atom_kv.config import ConfigError  # noqa: E402
 from atom_kv.connector.cache_layouts import LayoutMismatch  # noqa: E402
 from atom_kv.integrations.atom.scheduler import AtomKVScheduler  # noqa: E402
+from atom_kv.integrations.atom.settings import require_completion_contract  # noqa: E402
 from atom_kv.integrations.atom.worker import AtomKVWorker  # noqa: E402
 from tests.integrations import atom_scenarios as sc  # noqa: E402
 from tests.integrations.atom_pd import atom_config  # noqa: E402
@@ -83,6 +85,18 @@ def test_a_bad_config_is_one_line_naming_the_key():
     with pytest.raises(ConfigError, match=r"^kv-transfer-config: unknown key `handshake_prot`; did you mean "
                                           r"`handshake_port`\?$"):
         AtomKVScheduler(cfg, block_manager=object())
+
+
+def test_an_atom_without_the_failed_load_contract_is_refused():
+    @dataclass
+    class FirstPDCommitOutput:  # ATOM 0c982ea92's KVConnectorOutput: no failed_recving
+        finished_sending: set = field(default_factory=set)
+        finished_recving: set = field(default_factory=set)
+        expected_finished_count: int = 0
+
+    with pytest.raises(RuntimeError, match="needs ATOM's failed-load contract"):
+        require_completion_contract(FirstPDCommitOutput)
+    require_completion_contract(KVConnectorOutput)
 
 
 def test_a_consumer_needs_the_schedulers_block_manager():

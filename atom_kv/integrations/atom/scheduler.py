@@ -50,7 +50,7 @@ from atom.model_engine.sequence import SequenceStatus
 from atom_kv import engine_hooks
 from atom_kv.engine_hooks.types import ConnectorMetadata, KVConnectorOutput
 from atom_kv.integrations.atom.metadata import AtomKVMetadata
-from atom_kv.integrations.atom.settings import AtomEngine, advertised_host
+from atom_kv.integrations.atom.settings import AtomEngine, advertised_host, require_completion_contract
 
 __all__ = ["AtomKVScheduler"]
 
@@ -70,6 +70,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
     is_offload = False
 
     def __init__(self, config: Any, *, host: Optional[str] = None, block_manager: Any = None) -> None:
+        require_completion_contract(AtomKVConnectorOutput)
         engine = AtomEngine.from_config(config)
         kv = engine.kv
         self.is_producer = kv.is_producer

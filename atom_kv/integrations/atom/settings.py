@@ -15,7 +15,10 @@ from typing import Any
 
 from atom_kv.config import ConfigError, KVTransferConfig
 
-__all__ = ["AtomEngine", "advertised_host"]
+__all__ = ["AtomEngine", "advertised_host", "require_completion_contract"]
+
+#: The ATOM commit this adapter was written and tested against.
+ATOM_COMMIT_READ = "ffdf3bb5d"
 
 
 @dataclass(frozen=True)
@@ -61,3 +64,21 @@ def advertised_host() -> str:
     except ImportError:
         return os.environ.get("ATOM_HOST_IP") or "127.0.0.1"
     return get_ip()
+
+
+def require_completion_contract(output_type: Any) -> None:
+    """Refuse an ATOM whose connector contract cannot report a failed load.
+
+    ATOM main's ``KVConnectorOutput`` has ``failed_recving`` and its scheduler
+    calls ``process_completions``: that is where a failed load, an expired
+    lease or a drained abort reaches ATOM. ATOM's first P/D commit (0c982ea92)
+    has neither, so a failed load would park its request forever and leases
+    could never expire; atom-kv does not run there rather than leak blocks.
+    """
+    fields = getattr(output_type, "__dataclass_fields__", {})
+    if "failed_recving" not in fields:
+        raise RuntimeError(
+            "atom_kv needs ATOM's failed-load contract (KVConnectorOutput.failed_recving and the scheduler's "
+            f"process_completions, ATOM main as of {ATOM_COMMIT_READ}); this ATOM has neither (its first P/D "
+            "commit 0c982ea92 or similar), so failed loads could not end and leases could not expire"
+        )

@@ -20,7 +20,7 @@ from atom.kv_transfer.disaggregation.types import KVConnectorOutput as AtomKVCon
 from atom_kv import engine_hooks
 from atom_kv.engine_hooks import WorkerHooks
 from atom_kv.integrations.atom.caches import AtomCaches, describe_atom_caches
-from atom_kv.integrations.atom.settings import AtomEngine, advertised_host
+from atom_kv.integrations.atom.settings import AtomEngine, advertised_host, require_completion_contract
 
 __all__ = ["AtomKVWorker"]
 
@@ -36,6 +36,7 @@ class AtomKVWorker(KVConnectorBase):
 
     def __init__(self, config: Any, *, tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
                  dp_rank: Optional[int] = None, host: Optional[str] = None) -> None:
+        require_completion_contract(AtomKVConnectorOutput)
         engine = AtomEngine.from_config(config)
         if tp_rank is None or tp_size is None or dp_rank is None:
             groups = _aiter_ranks()
