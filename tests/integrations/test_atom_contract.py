@@ -167,3 +167,35 @@ def test_unsupported_caches_are_refused_in_one_line():
     with pytest.raises(LayoutMismatch, match="per-request state outside the paged KV blocks"):
         worker.register_kv_caches(_caches((4, 2, 2, 16, 8), (4, 2, 2, 16, 8)), Regions(), num_blocks=4)
     worker.close()
+
+
+def test_registers_with_the_proxy_once_atoms_http_server_listens():
+    import socket
+
+    import msgpack
+    import zmq
+
+    from tests.conftest import free_port
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    discovery = router.bind_to_random_port("tcp://127.0.0.1")
+    http_port = free_port()
+    cfg = atom_config("kv_producer", tp=2, block_size=16, num_blocks=8, port=1, backend="tcp",
+                      proxy_ip=f"127.0.0.1:{discovery}", http_port=http_port, ping_interval_s=0.2)
+    sched = AtomKVScheduler(cfg, host="127.0.0.1")
+    http = socket.socket()
+    try:
+        assert not router.poll(1000), "registered before ATOM's HTTP server listens"
+        http.bind(("127.0.0.1", http_port))
+        http.listen()
+        assert router.poll(5000), "no registration after ATOM's HTTP server started listening"
+        ping = msgpack.unpackb(router.recv_multipart()[-1])
+        assert ping["type"] == "register" and ping["role"] == "P" and ping["tp_size"] == 2
+        assert ping["request_address"] == f"http://127.0.0.1:{http_port}/v1/completions"
+        assert ping["engine_id"] == sched.engine_id
+    finally:
+        sched.close()
+        http.close()
+        router.close(0)
+        ctx.term()
