@@ -301,8 +301,8 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
 
 
 def _merged(first: ConnectorMetadata, then: ConnectorMetadata) -> ConnectorMetadata:
-    return ConnectorMetadata(loads=first.loads + then.loads, sends=first.sends + then.sends,
-                             released=first.released + then.released, cancelled=first.cancelled + then.cancelled)
+    """Two steps' metadata as one (every field is a list of things to do)."""
+    return ConnectorMetadata(**{f: getattr(first, f) + getattr(then, f) for f in ConnectorMetadata.__struct_fields__})
 
 
 def _decode_leg_params(seq: Any, params: dict) -> dict:
