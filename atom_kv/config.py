@@ -1,27 +1,188 @@
-"""The schema of ``--kv-transfer-config '<json>'`` and its validation.
+"""The schema of ``--kv-transfer-config '<json>'``, its validation, and the
+constrained field types the rest of the package shares.
 
 Every bad input becomes one :class:`ConfigError` whose message is a single
 line naming the key and saying what is allowed. Use :func:`parse_kv_transfer_config`
 for JSON text and :meth:`KVTransferConfig.from_dict` for a mapping.
+
+Ranges live in the types (``Annotated[int, msgspec.Meta(ge=..., le=...)]``,
+declared once below); msgspec checks them, and :func:`convert_fields` turns a
+failure into a line naming the key by converting the fields one at a time.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import json
-import math
-from typing import Any, Literal, Optional
+import sys
+import types
+from typing import Annotated, Any, Literal, Mapping, Optional, Union, get_args, get_origin
 
 import msgspec
 
-__all__ = ["ConfigError", "KVTransferConfig", "parse_kv_transfer_config"]
+__all__ = [
+    "MAX_PORT",
+    "ConfigError",
+    "FieldError",
+    "KVTransferConfig",
+    "NonEmptyStr",
+    "NonNegativeFloat",
+    "NonNegativeInt",
+    "PeerPort",
+    "Port",
+    "PositiveInt",
+    "PositiveSeconds",
+    "convert_fields",
+    "describe_type",
+    "is_port",
+    "parse_kv_transfer_config",
+]
+
+# --------------------------------------------------------------------------
+# Constrained types: the one place each range is written down. The
+# description is what an error message says is allowed.
+# --------------------------------------------------------------------------
+MAX_PORT = 65535
+_MAX_FLOAT = sys.float_info.max  # an upper bound keeps inf out (nan fails every bound)
+
+#: a port to listen on; 0 lets the OS pick
+Port = Annotated[int, msgspec.Meta(ge=0, le=MAX_PORT, description=f"a TCP port in 0..{MAX_PORT}")]
+#: a port to connect to
+PeerPort = Annotated[int, msgspec.Meta(ge=1, le=MAX_PORT, description=f"a TCP port in 1..{MAX_PORT}")]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_FLOAT, description="a positive number of seconds")]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0, le=_MAX_FLOAT, description=">= 0")]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0, description=">= 0")]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, description=">= 1")]
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")]
+
+_POST_BATCH_DEFAULT = -1
+_POST_BATCH_SIZE = f"{_POST_BATCH_DEFAULT} (library default) or >= 1"
+PostBatchSize = Annotated[int, msgspec.Meta(ge=_POST_BATCH_DEFAULT, description=_POST_BATCH_SIZE)]
 
 KVRole = Literal["kv_producer", "kv_consumer"]
 BackendName = Literal["auto", "tcp", "cma", "moriio"]
 LoadFailurePolicy = Literal["fail", "recompute"]
 PollCqMode = Literal["polling", "event"]
+MoriIOTransport = Literal["rdma", "xgmi"]
 
 
+def is_port(value: Any, *, allow_zero: bool = True) -> bool:
+    """True when ``value`` is an int in 0..65535 (1..65535 without ``allow_zero``)."""
+    try:
+        msgspec.convert(value, Port if allow_zero else PeerPort)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------
+# Field-by-field conversion: msgspec validates, we name the key.
+# --------------------------------------------------------------------------
+class FieldError(ValueError):
+    """One field of a mapping failed validation; ``key`` names it and the
+    message says what is allowed: "`key` must be <allowed>, got <value>"."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+def describe_type(tp: Any) -> str:
+    """What values of type ``tp`` look like, in words ("an integer or null")."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return describe_type(get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        words = " or ".join(describe_type(a) for a in args if a is not type(None))
+        return f"{words} or null" if type(None) in args else words
+    if origin is Literal:
+        return "one of " + ", ".join(repr(v) for v in get_args(tp))
+    return _TYPE_WORDS.get(origin or tp, getattr(tp, "__name__", str(tp)))
+
+
+_TYPE_WORDS: dict[Any, str] = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true or false",
+    type(None): "null",
+    list: "a list",
+    dict: "an object",
+}
+
+
+def _constraint_words(tp: Any) -> Optional[str]:
+    """The ``Meta(description=...)`` of the first constrained part of ``tp``."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        for meta in get_args(tp)[1:]:
+            if isinstance(meta, msgspec.Meta) and meta.description:
+                return meta.description
+        return _constraint_words(get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        return next((w for a in get_args(tp) if (w := _constraint_words(a))), None)
+    return None
+
+
+def _unconstrained(tp: Any) -> Any:
+    """``tp`` with every ``Annotated`` constraint removed (same shape)."""
+    origin = get_origin(tp)
+    if origin is Annotated:
+        return _unconstrained(get_args(tp)[0])
+    if origin in (Union, types.UnionType):
+        return Union[tuple(_unconstrained(a) for a in get_args(tp))]
+    if origin is list:
+        return list[_unconstrained(get_args(tp)[0])]  # type: ignore[misc]
+    return tp
+
+
+class _Field(msgspec.Struct, frozen=True):
+    type: Any
+    bare: Any
+    type_words: str
+    range_words: str
+
+
+@functools.lru_cache(maxsize=None)
+def _fields_of(cls: type) -> dict[str, _Field]:
+    out = {}
+    for f in msgspec.structs.fields(cls):
+        words = describe_type(f.type)
+        out[f.name] = _Field(f.type, _unconstrained(f.type), words, _constraint_words(f.type) or words)
+    return out
+
+
+def convert_fields(data: Mapping[str, Any], cls: type) -> dict[str, Any]:
+    """``data``'s values for the fields of Struct ``cls``, each converted by
+    msgspec to its declared (constrained) type; other keys are left out.
+
+    Raises :class:`FieldError` for the first key whose value has the wrong
+    type ("`key` must be an integer, got '7'") or, when all types are right,
+    the first one out of range ("`key` must be a TCP port in 0..65535, got 70000",
+    showing the value as converted).
+    """
+    fields = _fields_of(cls)
+    known = [(key, value, fields[key]) for key, value in data.items() if key in fields]
+    for key, value, field in known:
+        try:
+            msgspec.convert(value, field.bare)
+        except msgspec.ValidationError:
+            raise FieldError(key, f"`{key}` must be {field.type_words}, got {value!r}") from None
+    out: dict[str, Any] = {}
+    for key, value, field in known:
+        try:
+            out[key] = msgspec.convert(value, field.type)
+        except msgspec.ValidationError:
+            shown = msgspec.convert(value, field.bare)
+            raise FieldError(key, f"`{key}` must be {field.range_words}, got {shown!r}") from None
+    return out
+
+
+# --------------------------------------------------------------------------
+# The config
+# --------------------------------------------------------------------------
 class ConfigError(ValueError):
     """A ``--kv-transfer-config`` problem, phrased for the operator in one line."""
 
@@ -30,67 +191,51 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """Everything ``--kv-transfer-config`` can set; owns the defaults.
 
     The first group of keys is ATOM's (same names, same defaults) so an ATOM
-    launch line works unchanged; the second group is ours.
+    launch line works unchanged; the second group is ours. Constructing one
+    validates every field (:class:`ConfigError` naming the key).
     """
 
     # --- ATOM's keys -------------------------------------------------------
     kv_role: KVRole
     kv_connector: str = "atom_kv"
     proxy_ip: Optional[str] = None
-    proxy_ping_port: int = 36367
-    http_port: Optional[int] = None
-    handshake_port: int = 6301
-    qp_per_transfer: int = 1
-    num_worker_threads: int = 1
-    post_batch_size: int = -1
-    max_send_wr: int = 0
-    max_cqe_num: int = 0
-    max_msg_sge: int = 0
+    proxy_ping_port: Port = 36367
+    http_port: Optional[Port] = None
+    handshake_port: Port = 6301
+    qp_per_transfer: PositiveInt = 1
+    num_worker_threads: PositiveInt = 1
+    post_batch_size: PostBatchSize = _POST_BATCH_DEFAULT
+    max_send_wr: NonNegativeInt = 0
+    max_cqe_num: NonNegativeInt = 0
+    max_msg_sge: NonNegativeInt = 0
     enable_notification: bool = False
 
     # --- our keys ----------------------------------------------------------
     backend: BackendName = "auto"
     engine_id: Optional[str] = None
-    ping_interval_s: float = 3.0
-    handshake_timeout_s: float = 10.0
-    transfer_timeout_s: float = 30.0
-    abort_timeout_s: float = 120.0
+    ping_interval_s: PositiveSeconds = 3.0
+    handshake_timeout_s: PositiveSeconds = 10.0
+    transfer_timeout_s: PositiveSeconds = 30.0
+    abort_timeout_s: PositiveSeconds = 120.0
     load_failure_policy: LoadFailurePolicy = "fail"
-    transfer_retries: int = 2
-    transfer_retry_backoff_ms: float = 50.0
-    peer_failure_threshold: int = 3
+    transfer_retries: NonNegativeInt = 2
+    transfer_retry_backoff_ms: NonNegativeFloat = 50.0
+    peer_failure_threshold: PositiveInt = 3
     auth_token: Optional[str] = None
-    tcp_streams: int = 4
-    moriio_backend: Literal["rdma", "xgmi"] = "rdma"
+    tcp_streams: PositiveInt = 4
+    moriio_backend: MoriIOTransport = "rdma"
     poll_cq_mode: PollCqMode = "polling"
 
     def __post_init__(self) -> None:
-        for key in _POSITIVE_FLOATS:
-            value = getattr(self, key)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(
-                    f"`{key}` must be a positive number of seconds, got {value!r}"
-                )
-        if self.transfer_retry_backoff_ms < 0 or not math.isfinite(self.transfer_retry_backoff_ms):
-            raise ConfigError(
-                "`transfer_retry_backoff_ms` must be >= 0, "
-                f"got {self.transfer_retry_backoff_ms!r}"
-            )
-        for key, low in _INT_MINIMUMS.items():
-            value = getattr(self, key)
-            if value < low:
-                raise ConfigError(f"`{key}` must be >= {low}, got {value!r}")
-        for key in ("proxy_ping_port", "handshake_port", "http_port"):
-            value = getattr(self, key)
-            if value is not None and not 0 <= value <= 65535:
-                raise ConfigError(
-                    f"`{key}` must be a TCP port in 0..65535, got {value!r}"
-                )
-        if self.post_batch_size == 0 or self.post_batch_size < -1:
-            raise ConfigError(
-                "`post_batch_size` must be -1 (library default) or >= 1, "
-                f"got {self.post_batch_size!r}"
-            )
+        names = self.__struct_fields__
+        try:
+            values = convert_fields({name: getattr(self, name) for name in names}, type(self))
+        except FieldError as exc:
+            raise ConfigError(str(exc)) from None
+        for name, value in values.items():
+            setattr(self, name, value)  # e.g. an int given for a float key becomes a float
+        if self.post_batch_size == 0:  # the one rule a range cannot say
+            raise ConfigError(f"`post_batch_size` must be {_POST_BATCH_SIZE}, got 0")
 
     # --- helpers -----------------------------------------------------------
     @property
@@ -128,61 +273,15 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 "(allowed: 'kv_producer', 'kv_consumer')"
             )
         try:
-            return msgspec.convert(data, cls)
-        except ConfigError:
-            raise
-        except msgspec.ValidationError as exc:
-            raise ConfigError(_explain(exc, data)) from None
+            return cls(**data)
+        except ConfigError as exc:
+            raise ConfigError(f"kv-transfer-config: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
-
-
-_POSITIVE_FLOATS = ("ping_interval_s", "handshake_timeout_s", "transfer_timeout_s", "abort_timeout_s")
-_INT_MINIMUMS = {
-    "transfer_retries": 0,
-    "peer_failure_threshold": 1,
-    "qp_per_transfer": 1,
-    "num_worker_threads": 1,
-    "max_send_wr": 0,
-    "max_cqe_num": 0,
-    "max_msg_sge": 0,
-    "tcp_streams": 1,
-}
-
-
-def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
-    """Turn msgspec's message into ours: name the key and what is allowed."""
-    text = str(exc)
-    key = None
-    if "- at `$." in text:
-        key = text.rsplit("- at `$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
-    if key is None:
-        return f"kv-transfer-config: {text}"
-    field_type = KVTransferConfig.__annotations__.get(key, "")
-    allowed = _allowed(str(field_type))
-    got = data.get(key)
-    return f"kv-transfer-config: `{key}` must be {allowed}, got {got!r}"
-
-
-def _allowed(annotation: str) -> str:
-    names = {
-        "KVRole": "one of 'kv_producer', 'kv_consumer'",
-        "BackendName": "one of 'auto', 'tcp', 'cma', 'moriio'",
-        "LoadFailurePolicy": "one of 'fail', 'recompute'",
-        "PollCqMode": "one of 'polling', 'event'",
-        "Literal['rdma', 'xgmi']": "one of 'rdma', 'xgmi'",
-        "Optional[str]": "a string or null",
-        "Optional[int]": "an integer or null",
-        "str": "a string",
-        "int": "an integer",
-        "float": "a number",
-        "bool": "true or false",
-    }
-    return names.get(annotation, annotation)
 
 
 def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:

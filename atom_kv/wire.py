@@ -1,8 +1,10 @@
-"""Every message atom-kv puts on a ZeroMQ socket, as msgspec Structs.
+"""Every message atom-kv puts on a ZeroMQ socket, and the ``kv_transfer_params``
+engines and proxies exchange over HTTP, as msgspec Structs.
 
-Each message family has one encoder/decoder pair. Decoding anything that is
-not a well-formed message of that family raises :class:`WireError` (and only
-that), so a receive loop can ``except WireError``, count it and carry on.
+:func:`encode` writes any message; ``decode(data, Type)`` reads one (decoders
+are built once per type and cached). Decoding anything that is not a
+well-formed message of that type raises :class:`WireError` (and only that),
+so a receive loop can ``except WireError``, count it and carry on.
 
 Every message carries ``v`` (protocol version). The registration ping keeps
 ATOM's msgpack map layout exactly (``type``/``role``/``index``/...), so ATOM's
@@ -12,51 +14,50 @@ and ``auth_token`` are extra keys older peers ignore.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+import functools
+from typing import Annotated, Any, Literal, Mapping, Optional, TypeVar, Union, get_args
 
 import msgspec
 
+from atom_kv.config import FieldError, NonEmptyStr, NonNegativeInt, PeerPort, PositiveInt, convert_fields
+
 __all__ = [
+    "MAX_TRANSFER_ID_CHARS",
     "PROTOCOL_VERSION",
-    "WireError",
-    "RegisterPing",
-    "HelloPing",
+    "AutoDescriptor",
+    "BlockIds",
+    "CmaDescriptor",
+    "CmaGrantReply",
+    "CmaGrantRequest",
     "CompatInfo",
-    "RegionInfo",
-    "HandshakeRequest",
-    "HandshakeReply",
-    "DoneReading",
     "DoneAck",
+    "DoneReading",
+    "HandshakeMessage",
+    "HandshakeReply",
+    "HandshakeRequest",
+    "HelloPing",
+    "KVTransferParams",
+    "MoriIODescriptor",
     "ReadRange",
-    "ReadRequest",
     "ReadReply",
-    "encode",
-    "decode_registration",
-    "decode_handshake_msg",
-    "decode_handshake_reply",
-    "decode_done_ack",
-    "decode_read_request",
-    "decode_read_reply",
+    "ReadRequest",
+    "RegionInfo",
+    "RegionSpan",
+    "RegisterPing",
+    "RegistrationMessage",
+    "TcpDescriptor",
     "TcpHello",
     "TcpHelloReply",
-    "TcpDescriptor",
-    "RegionSpan",
-    "CmaDescriptor",
-    "CmaGrantRequest",
-    "CmaGrantReply",
-    "AutoDescriptor",
-    "decode_tcp_hello",
-    "decode_tcp_hello_reply",
-    "decode_tcp_descriptor",
-    "decode_cma_descriptor",
-    "decode_cma_grant_request",
-    "decode_cma_grant_reply",
-    "decode_auto_descriptor",
-    "MoriIODescriptor",
-    "decode_moriio_descriptor",
+    "TransferId",
+    "WireError",
+    "adoptable_transfer_id",
+    "decode",
+    "encode",
 ]
 
 PROTOCOL_VERSION = 1
+
+T = TypeVar("T")
 
 
 class WireError(ValueError):
@@ -86,7 +87,8 @@ class HelloPing(msgspec.Struct, tag_field="type", tag="HELLO", kw_only=True):
     """ATOM's initial hello; carries nothing we use and is ignored."""
 
 
-_Registration = Union[RegisterPing, HelloPing]
+#: what arrives on a proxy's discovery port from an ATOM-style engine
+RegistrationMessage = Union[RegisterPing, HelloPing]
 
 
 # --------------------------------------------------------------------------
@@ -173,7 +175,8 @@ class DoneAck(msgspec.Struct, tag_field="t", tag="done_ack", kw_only=True):
     v: int = PROTOCOL_VERSION
 
 
-_HandshakeMsg = Union[HandshakeRequest, DoneReading]
+#: what arrives on a producer rank's handshake port
+HandshakeMessage = Union[HandshakeRequest, DoneReading]
 
 
 # --------------------------------------------------------------------------
@@ -294,23 +297,105 @@ class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=Tru
 
 
 # --------------------------------------------------------------------------
-# One encoder, one decoder per family.
+# kv_transfer_params: JSON between engines and proxy, inside completion
+# requests and responses (ATOM's keys)
+# --------------------------------------------------------------------------
+#: longest transfer id a producer adopts from a request
+MAX_TRANSFER_ID_CHARS = 128
+#: a transfer id a producer may adopt: 1..128 printable ASCII characters
+TransferId = Annotated[
+    str,
+    msgspec.Meta(min_length=1, max_length=MAX_TRANSFER_ID_CHARS, pattern=r"\A[\x20-\x7e]+\Z",
+                 description=f"1..{MAX_TRANSFER_ID_CHARS} printable ASCII characters"),
+]
+BlockIds = Annotated[list[NonNegativeInt], msgspec.Meta(min_length=1, description="a non-empty list of block numbers")]
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True):
+    """The ``kv_transfer_params`` of one completion request or response.
+
+    A prefill request carries ``do_remote_decode`` (and, from a proxy that
+    names transfers, ``transfer_id``); the prefill's response and the decode
+    request carry the producer's coordinates (``remote_*``, ``tp_size``,
+    ``dp_rank``, ``transfer_id``). Every key is optional here; unknown keys
+    are ignored (other routers add their own). :meth:`from_dict` validates.
+    """
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: Optional[NonEmptyStr] = None
+    remote_block_ids: Optional[BlockIds] = None
+    remote_host: Optional[NonEmptyStr] = None
+    remote_port: Optional[PeerPort] = None
+    remote_handshake_port: Optional[PeerPort] = None
+    remote_dp_size: Optional[PositiveInt] = None
+    remote_tp_size: Optional[PositiveInt] = None
+    remote_dp_rank: Optional[NonNegativeInt] = None
+    tp_size: Optional[PositiveInt] = None
+    dp_rank: Optional[NonNegativeInt] = None
+    transfer_id: Optional[NonEmptyStr] = None
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "KVTransferParams":
+        """Validate an engine request's ``kv_transfer_params`` (``None`` means none).
+
+        Raises :class:`~atom_kv.config.FieldError` with one line naming the
+        key and what it allows.
+        """
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise FieldError("kv_transfer_params",
+                             f"`kv_transfer_params` must be an object, got {type(data).__name__}")
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as exc:
+            convert_fields(data, cls)  # raises FieldError naming the key
+            raise FieldError("kv_transfer_params", f"`kv_transfer_params`: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The params as a JSON-ready dict, without the keys that are unset (None)."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+    # The producer's coordinates; ATOM-style senders may give only the
+    # unprefixed or the older key.
+    @property
+    def producer_handshake_port(self) -> Optional[int]:
+        return self.remote_handshake_port if self.remote_handshake_port is not None else self.remote_port
+
+    @property
+    def producer_tp_size(self) -> int:
+        return next((v for v in (self.remote_tp_size, self.tp_size) if v is not None), 1)
+
+    @property
+    def producer_dp_rank(self) -> int:
+        return next((v for v in (self.remote_dp_rank, self.dp_rank) if v is not None), 0)
+
+    def missing_for_load(self) -> Optional[str]:
+        """The first key a decode-side load needs but these params lack, or None."""
+        needed = {
+            "remote_block_ids": self.remote_block_ids,
+            "remote_engine_id": self.remote_engine_id,
+            "remote_host": self.remote_host,
+            "transfer_id": self.transfer_id,
+            "remote_handshake_port": self.producer_handshake_port,
+        }
+        return next((key for key, value in needed.items() if value is None), None)
+
+
+def adoptable_transfer_id(value: Any) -> Optional[str]:
+    """``value`` when a producer may use it as its transfer id (a
+    :data:`TransferId`), else None."""
+    try:
+        return msgspec.convert(value, TransferId)
+    except msgspec.ValidationError:
+        return None
+
+
+# --------------------------------------------------------------------------
+# One encoder; one decode() over cached decoders (msgspec's own style).
 # --------------------------------------------------------------------------
 _encoder = msgspec.msgpack.Encoder()
-_registration_decoder = msgspec.msgpack.Decoder(_Registration)
-_handshake_decoder = msgspec.msgpack.Decoder(_HandshakeMsg)
-_handshake_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
-_done_ack_decoder = msgspec.msgpack.Decoder(DoneAck)
-_read_request_decoder = msgspec.msgpack.Decoder(ReadRequest)
-_read_reply_decoder = msgspec.msgpack.Decoder(ReadReply)
-_tcp_hello_decoder = msgspec.msgpack.Decoder(TcpHello)
-_tcp_hello_reply_decoder = msgspec.msgpack.Decoder(TcpHelloReply)
-_tcp_descriptor_decoder = msgspec.msgpack.Decoder(TcpDescriptor)
-_cma_descriptor_decoder = msgspec.msgpack.Decoder(CmaDescriptor)
-_cma_grant_request_decoder = msgspec.msgpack.Decoder(CmaGrantRequest)
-_cma_grant_reply_decoder = msgspec.msgpack.Decoder(CmaGrantReply)
-_auto_descriptor_decoder = msgspec.msgpack.Decoder(AutoDescriptor)
-_moriio_descriptor_decoder = msgspec.msgpack.Decoder(MoriIODescriptor)
 
 
 def encode(msg: msgspec.Struct) -> bytes:
@@ -318,64 +403,26 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def _decoding(decoder: msgspec.msgpack.Decoder, data: bytes, family: str):
+@functools.lru_cache(maxsize=64)
+def _decoder(type_: Any) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(type_)
+
+
+def decode(data: bytes, type_: type[T]) -> T:
+    """Decode ``data`` as a message of ``type_`` (a Struct of this module, or
+    a union of tagged ones such as :data:`RegistrationMessage`).
+
+    Anything that is not a well-formed message of that type raises
+    :class:`WireError` (and only that), naming the type and the reason.
+    """
     try:
-        return decoder.decode(data)
+        return _decoder(type_).decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"bad {family} message ({len(data)} bytes): {exc}") from None
+        raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): {exc}") from None
 
 
-def decode_registration(data: bytes) -> _Registration:
-    return _decoding(_registration_decoder, data, "registration")
-
-
-def decode_handshake_msg(data: bytes) -> _HandshakeMsg:
-    return _decoding(_handshake_decoder, data, "handshake")
-
-
-def decode_handshake_reply(data: bytes) -> HandshakeReply:
-    return _decoding(_handshake_reply_decoder, data, "handshake reply")
-
-
-def decode_done_ack(data: bytes) -> DoneAck:
-    return _decoding(_done_ack_decoder, data, "done ack")
-
-
-def decode_read_request(data: bytes) -> ReadRequest:
-    return _decoding(_read_request_decoder, data, "read request")
-
-
-def decode_read_reply(data: bytes) -> ReadReply:
-    return _decoding(_read_reply_decoder, data, "read reply")
-
-
-def decode_moriio_descriptor(data: bytes) -> MoriIODescriptor:
-    return _decoding(_moriio_descriptor_decoder, data, "moriio descriptor")
-
-
-def decode_tcp_hello(data: bytes) -> TcpHello:
-    return _decoding(_tcp_hello_decoder, data, "tcp hello")
-
-
-def decode_tcp_hello_reply(data: bytes) -> TcpHelloReply:
-    return _decoding(_tcp_hello_reply_decoder, data, "tcp hello reply")
-
-
-def decode_tcp_descriptor(data: bytes) -> TcpDescriptor:
-    return _decoding(_tcp_descriptor_decoder, data, "tcp descriptor")
-
-
-def decode_cma_descriptor(data: bytes) -> CmaDescriptor:
-    return _decoding(_cma_descriptor_decoder, data, "cma descriptor")
-
-
-def decode_cma_grant_request(data: bytes) -> CmaGrantRequest:
-    return _decoding(_cma_grant_request_decoder, data, "cma grant request")
-
-
-def decode_cma_grant_reply(data: bytes) -> CmaGrantReply:
-    return _decoding(_cma_grant_reply_decoder, data, "cma grant reply")
-
-
-def decode_auto_descriptor(data: bytes) -> AutoDescriptor:
-    return _decoding(_auto_descriptor_decoder, data, "auto descriptor")
+def _type_name(type_: Any) -> str:
+    args = get_args(type_)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    return getattr(type_, "__name__", str(type_))

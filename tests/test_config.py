@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import json
+from typing import Literal, Optional
 
+import msgspec
 import pytest
 
-from atom_kv.config import ConfigError, KVTransferConfig, parse_kv_transfer_config
+from atom_kv.config import (
+    ConfigError,
+    FieldError,
+    KVTransferConfig,
+    NonEmptyStr,
+    PeerPort,
+    Port,
+    PositiveSeconds,
+    convert_fields,
+    describe_type,
+    is_port,
+    parse_kv_transfer_config,
+)
 
 
 def _err(text: str) -> str:
@@ -116,3 +130,73 @@ def test_out_of_range_ints(key, value):
 def test_direct_construction_validates():
     with pytest.raises(ConfigError):
         KVTransferConfig(kv_role="kv_producer", abort_timeout_s=-5)
+
+
+# --- messages the tests above do not cover --------------------------------------
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"post_batch_size": 0}, "`post_batch_size` must be -1 (library default) or >= 1, got 0"),
+        ({"post_batch_size": -5}, "`post_batch_size` must be -1 (library default) or >= 1, got -5"),
+        ({"http_port": "x"}, "`http_port` must be an integer or null, got 'x'"),
+        ({"http_port": 70000}, "`http_port` must be a TCP port in 0..65535, got 70000"),
+        ({"proxy_ping_port": -1}, "`proxy_ping_port` must be a TCP port in 0..65535, got -1"),
+        ({"moriio_backend": "ib"}, "`moriio_backend` must be one of 'rdma', 'xgmi', got 'ib'"),
+        ({"poll_cq_mode": "busy"}, "`poll_cq_mode` must be one of 'polling', 'event', got 'busy'"),
+        ({"transfer_retry_backoff_ms": -1}, "`transfer_retry_backoff_ms` must be >= 0, got -1.0"),
+        ({"abort_timeout_s": -1}, "`abort_timeout_s` must be a positive number of seconds, got -1.0"),
+        ({"max_send_wr": -3}, "`max_send_wr` must be >= 0, got -3"),
+        ({"qp_per_transfer": 0}, "`qp_per_transfer` must be >= 1, got 0"),
+        ({"kv_connector": None}, "`kv_connector` must be a string, got None"),
+        ({"enable_notification": 1}, "`enable_notification` must be true or false, got 1"),
+    ],
+)
+def test_exact_messages(body, message):
+    assert _err(json.dumps({"kv_role": "kv_producer", **body})) == f"kv-transfer-config: {message}"
+
+
+@pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_seconds_are_refused(text):
+    message = _err(f'{{"kv_role": "kv_producer", "ping_interval_s": {text}}}')
+    assert message.startswith("kv-transfer-config: `ping_interval_s` must be a positive number of seconds")
+
+
+def test_an_integer_for_a_seconds_key_becomes_a_float():
+    cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", "transfer_timeout_s": 5})
+    assert cfg.transfer_timeout_s == 5.0 and isinstance(cfg.transfer_timeout_s, float)
+
+
+def test_direct_construction_checks_types_too():
+    with pytest.raises(ConfigError, match="`handshake_port` must be an integer, got 'x'"):
+        KVTransferConfig(kv_role="kv_producer", handshake_port="x")
+
+
+# --- the shared constrained types -------------------------------------------------
+def test_port_types():
+    assert is_port(0) and is_port(65535) and not is_port(65536) and not is_port(-1)
+    assert not is_port(0, allow_zero=False) and is_port(1, allow_zero=False)
+    assert not is_port(True) and not is_port("80") and not is_port(80.0)
+    assert msgspec.convert(8080, PeerPort) == 8080
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert(0, PeerPort)
+
+
+def test_convert_fields_names_the_key_and_converts():
+    class Probe(msgspec.Struct, kw_only=True):
+        port: Port = 1
+        wait_s: Optional[PositiveSeconds] = None
+        name: NonEmptyStr = "x"
+
+    assert convert_fields({"port": 7, "wait_s": 2, "other": object()}, Probe) == {"port": 7, "wait_s": 2.0}
+    with pytest.raises(FieldError) as info:
+        convert_fields({"name": "", "port": 99999}, Probe)
+    assert info.value.key == "name" and str(info.value) == "`name` must be a non-empty string, got ''"
+    with pytest.raises(FieldError) as info:  # a wrong type is reported before any range
+        convert_fields({"port": 99999, "wait_s": "soon"}, Probe)
+    assert info.value.key == "wait_s" and str(info.value) == "`wait_s` must be a number or null, got 'soon'"
+
+
+def test_describe_type():
+    assert describe_type(Optional[Port]) == "an integer or null"
+    assert describe_type(Literal["b", "a"]) == "one of 'b', 'a'"  # declaration order
+    assert describe_type(list[int]) == "a list"

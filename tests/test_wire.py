@@ -55,47 +55,47 @@ def test_atom_ping_from_plain_msgpack_decodes_with_extra_keys():
             "something_new": [1, 2],
         }
     )
-    msg = wire.decode_registration(raw)
+    msg = wire.decode(raw, wire.RegistrationMessage)
     assert isinstance(msg, RegisterPing)
     assert (msg.role, msg.dp_size, msg.tp_size) == ("D", 2, 8)
 
 
 def test_hello_is_its_own_type():
-    assert isinstance(wire.decode_registration(msgpack.packb({"type": "HELLO"})), HelloPing)
+    assert isinstance(wire.decode(msgpack.packb({"type": "HELLO"}), wire.RegistrationMessage), HelloPing)
 
 
 def test_handshake_family_round_trip():
     compat = CompatInfo(model_id="m", dtype="float16", num_layers=2, num_kv_heads=4, head_dim=16, block_size=16)
     req = HandshakeRequest(engine_id="e", tp_rank=1, tp_size=2, compat=compat, backend="tcp", auth_token="t")
     done = DoneReading(transfer_id="x", engine_id="e", tp_rank=0, tp_size=1)
-    assert wire.decode_handshake_msg(wire.encode(req)) == req
-    assert wire.decode_handshake_msg(wire.encode(done)) == done
+    assert wire.decode(wire.encode(req), wire.HandshakeMessage) == req
+    assert wire.decode(wire.encode(done), wire.HandshakeMessage) == done
     reply = HandshakeReply(ok=True, compat=compat, descriptor=b"\x00\x01")
-    assert wire.decode_handshake_reply(wire.encode(reply)) == reply
+    assert wire.decode(wire.encode(reply), wire.HandshakeReply) == reply
 
 
 def test_read_family_round_trip():
     req = ReadRequest(req_id=7, ranges=[ReadRange(0, 4096, 8192)])
-    assert wire.decode_read_request(wire.encode(req)) == req
+    assert wire.decode(wire.encode(req), wire.ReadRequest) == req
     rep = ReadReply(req_id=7, ok=False, error="out of range")
-    assert wire.decode_read_reply(wire.encode(rep)) == rep
+    assert wire.decode(wire.encode(rep), wire.ReadReply) == rep
 
 
 @pytest.mark.parametrize(
-    "decode",
+    "message_type",
     [
-        wire.decode_registration,
-        wire.decode_handshake_msg,
-        wire.decode_handshake_reply,
-        wire.decode_read_request,
-        wire.decode_read_reply,
-        wire.decode_tcp_hello_reply,
-        wire.decode_tcp_descriptor,
-        wire.decode_cma_descriptor,
-        wire.decode_cma_grant_request,
-        wire.decode_cma_grant_reply,
-        wire.decode_auto_descriptor,
-        wire.decode_moriio_descriptor,
+        wire.RegistrationMessage,
+        wire.HandshakeMessage,
+        wire.HandshakeReply,
+        wire.ReadRequest,
+        wire.ReadReply,
+        wire.TcpHelloReply,
+        wire.TcpDescriptor,
+        wire.CmaDescriptor,
+        wire.CmaGrantRequest,
+        wire.CmaGrantReply,
+        wire.AutoDescriptor,
+        wire.MoriIODescriptor,
     ],
 )
 @pytest.mark.parametrize(
@@ -109,9 +109,9 @@ def test_read_family_round_trip():
         msgpack.packb([1, 2, 3]),
     ],
 )
-def test_garbage_raises_only_wire_error(decode, junk):
+def test_garbage_raises_only_wire_error(message_type, junk):
     with pytest.raises(WireError):
-        decode(junk)
+        wire.decode(junk, message_type)
 
 
 def test_tcp_hello_garbage_raises_only_wire_error():
@@ -120,13 +120,13 @@ def test_tcp_hello_garbage_raises_only_wire_error():
     # else, and any other tag, is a WireError
     for junk in (b"", b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb({"t": "hs"}), msgpack.packb({"key": 5})):
         with pytest.raises(WireError):
-            wire.decode_tcp_hello(junk)
+            wire.decode(junk, wire.TcpHello)
 
 
 def test_wrong_family_is_rejected():
     done = wire.encode(DoneReading(transfer_id="x", engine_id="e", tp_rank=0, tp_size=1))
     with pytest.raises(WireError):
-        wire.decode_registration(done)
+        wire.decode(done, wire.RegistrationMessage)
 
 
 def test_every_message_carries_a_version():
@@ -146,15 +146,15 @@ def test_every_message_carries_a_version():
 
 def test_done_ack_round_trip_and_want_ack_default():
     ack = wire.DoneAck(transfer_id="P-1", tp_rank=1, valid=False, reason="released")
-    assert wire.decode_done_ack(wire.encode(ack)) == ack
+    assert wire.decode(wire.encode(ack), wire.DoneAck) == ack
     ok = wire.DoneAck(transfer_id="P-2", tp_rank=0, valid=True)
-    back = wire.decode_done_ack(wire.encode(ok))
+    back = wire.decode(wire.encode(ok), wire.DoneAck)
     assert back.valid and back.reason == "" and back.v == wire.PROTOCOL_VERSION
     # an old peer's DoneReading (no want_ack key) decodes with want_ack=False
     old = msgpack.packb({"t": "done", "transfer_id": "x", "engine_id": "e", "tp_rank": 0, "tp_size": 1})
-    assert wire.decode_handshake_msg(old).want_ack is False
+    assert wire.decode(old, wire.HandshakeMessage).want_ack is False
     asking = DoneReading(transfer_id="x", engine_id="e", tp_rank=0, tp_size=1, want_ack=True)
-    assert wire.decode_handshake_msg(wire.encode(asking)).want_ack is True
+    assert wire.decode(wire.encode(asking), wire.HandshakeMessage).want_ack is True
 
 
 @pytest.mark.parametrize(
@@ -171,4 +171,68 @@ def test_done_ack_round_trip_and_want_ack_default():
 )
 def test_done_ack_garbage_raises_only_wire_error(junk):
     with pytest.raises(WireError):
-        wire.decode_done_ack(junk)
+        wire.decode(junk, wire.DoneAck)
+
+
+def test_decode_error_names_the_type_and_size():
+    with pytest.raises(WireError, match=r"^bad DoneAck message \(1 bytes\): "):
+        wire.decode(b"\xc1", wire.DoneAck)
+    with pytest.raises(WireError, match=r"^bad HandshakeRequest or DoneReading message \(0 bytes\)"):
+        wire.decode(b"", wire.HandshakeMessage)
+
+
+# --- kv_transfer_params -----------------------------------------------------------
+def _producer_params() -> dict:
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [4, 5],
+            "remote_engine_id": "P", "remote_host": "10.0.0.1", "remote_port": 7000,
+            "remote_handshake_port": 7000, "remote_tp_size": 2, "remote_dp_rank": 1, "tp_size": 2,
+            "dp_rank": 1, "transfer_id": "P-r1"}
+
+
+def test_params_round_trip_and_unknown_keys():
+    raw = dict(_producer_params(), some_router_key={"a": 1})
+    p = wire.KVTransferParams.from_dict(raw)
+    assert p.to_dict() == _producer_params()  # unset keys are left out, unknown ones dropped
+    assert wire.KVTransferParams.from_dict(None) == wire.KVTransferParams()
+    assert p.missing_for_load() is None
+
+
+def test_params_fall_back_to_atoms_unprefixed_keys():
+    p = wire.KVTransferParams.from_dict({"remote_port": 7001, "tp_size": 4, "dp_rank": 2})
+    assert (p.producer_handshake_port, p.producer_tp_size, p.producer_dp_rank) == (7001, 4, 2)
+    q = wire.KVTransferParams.from_dict({"remote_port": 7001, "remote_handshake_port": 7002, "remote_tp_size": 1,
+                                         "tp_size": 4})
+    assert (q.producer_handshake_port, q.producer_tp_size, q.producer_dp_rank) == (7002, 1, 0)
+
+
+def test_params_missing_for_load_names_the_first_missing_key():
+    order = ["remote_block_ids", "remote_engine_id", "remote_host", "transfer_id", "remote_handshake_port"]
+    for i, key in enumerate(order):
+        raw = {k: v for k, v in _producer_params().items() if k not in order[i:] and k != "remote_port"}
+        assert wire.KVTransferParams.from_dict(raw).missing_for_load() == key
+
+
+@pytest.mark.parametrize(
+    "raw,key",
+    [
+        ({"remote_port": 70000}, "remote_port"),
+        ({"remote_block_ids": "1,2"}, "remote_block_ids"),
+        ({"remote_tp_size": 0}, "remote_tp_size"),
+        ({"do_remote_decode": "yes"}, "do_remote_decode"),
+        ({"dp_rank": -1}, "dp_rank"),
+        ([1, 2], "kv_transfer_params"),
+    ],
+)
+def test_bad_params_name_the_key(raw, key):
+    from atom_kv.config import FieldError
+
+    with pytest.raises(FieldError) as info:
+        wire.KVTransferParams.from_dict(raw)
+    assert info.value.key == key and f"`{key}`" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_adoptable_transfer_ids():
+    assert wire.adoptable_transfer_id("cmpl-1f2e 3d") == "cmpl-1f2e 3d"
+    assert wire.adoptable_transfer_id("x" * wire.MAX_TRANSFER_ID_CHARS) is not None
+    for bad in ("x" * (wire.MAX_TRANSFER_ID_CHARS + 1), "", "line\n", "tab\t", "naïve", 7, None, b"id"):
+        assert wire.adoptable_transfer_id(bad) is None, bad

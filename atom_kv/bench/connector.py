@@ -27,7 +27,8 @@ from atom_kv.connector.aggregator import KVOutputAggregator
 from atom_kv.connector.handshake import handshake_port, request_handshake
 from atom_kv.connector.layout import TensorLayout, block_runs, head_overlaps, plan_reads
 from atom_kv.connector.scheduler import ConnectorScheduler
-from atom_kv.connector.worker import ConnectorWorker
+from atom_kv.connector.consumer import ConsumerWorker
+from atom_kv.connector.producer import ProducerWorker
 from atom_kv.transfer import ChunkedRegion, chunk_sizes, create_backend
 from atom_kv.wire import CompatInfo, HandshakeRequest
 
@@ -84,8 +85,8 @@ def _producer_main(conn: Any, cfg_dict: dict, compat_dict: dict, tp_rank: int, t
     try:
         cfg = KVTransferConfig.from_dict(cfg_dict)
         compat = CompatInfo(**compat_dict)
-        worker = ConnectorWorker(cfg, engine_id="bench-P", host="127.0.0.1", tp_rank=tp_rank, tp_size=tp,
-                                 compat=compat, bind_host="127.0.0.1")
+        worker = ProducerWorker(cfg, engine_id="bench-P", host="127.0.0.1", tp_rank=tp_rank, tp_size=tp,
+                                compat=compat, bind_host="127.0.0.1")
         worker.register_kv_caches(_caches(compat, tp, num_blocks, 1.0))
     except Exception as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
@@ -102,8 +103,8 @@ class _Consumer:
 
     def __init__(self, cfg: KVTransferConfig, compat: CompatInfo, tp: int, num_blocks: int) -> None:
         self.tp = tp
-        self.workers = [ConnectorWorker(cfg, engine_id="bench-D", host="127.0.0.1", tp_rank=r, tp_size=tp,
-                                        compat=compat) for r in range(tp)]
+        self.workers = [ConsumerWorker(cfg, engine_id="bench-D", host="127.0.0.1", tp_rank=r, tp_size=tp,
+                                       compat=compat) for r in range(tp)]
         self.caches = [_caches(compat, tp, num_blocks, 0.0) for _ in range(tp)]
         for w, c in zip(self.workers, self.caches):
             w.register_kv_caches(c)

@@ -18,10 +18,10 @@ Rules (one :class:`KVOutputAggregator` per engine, fed once per step):
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import Optional, Sequence
 
-from atom_kv.engine_hooks.types import KVConnectorOutput
+from atom_kv._lru import BoundedDict, BoundedSet
+from atom_kv.connector.types import KVConnectorOutput
 
 __all__ = ["KVOutputAggregator"]
 
@@ -31,16 +31,18 @@ logger = logging.getLogger(__name__)
 class _Tracker:
     """Per-family (sending or receiving) bookkeeping of partial reports."""
 
-    __slots__ = ("world_size", "pending", "reasons", "emitted", "max_remembered", "max_pending", "name")
+    __slots__ = ("world_size", "pending", "reasons", "emitted", "name")
 
     def __init__(self, name: str, world_size: int, max_remembered: int, max_pending: int) -> None:
         self.name = name
         self.world_size = world_size
-        self.pending: OrderedDict[str, set[int]] = OrderedDict()
+        self.pending: BoundedDict[str, set[int]] = BoundedDict(max_pending, on_evict=self._drop_pending)
         self.reasons: dict[str, str] = {}
-        self.emitted: OrderedDict[str, None] = OrderedDict()
-        self.max_remembered = max_remembered
-        self.max_pending = max_pending
+        self.emitted: BoundedSet[str] = BoundedSet(max_remembered)
+
+    def _drop_pending(self, req_id: str, _ranks: set[int]) -> None:
+        self.reasons.pop(req_id, None)
+        logger.warning("aggregator: dropping incomplete %s report for %s (too many pending)", self.name, req_id)
 
     def report(self, rank: int, req_id: str, reason: Optional[str]) -> Optional[tuple[str, Optional[str]]]:
         """Record one rank's report; returns ``(id, failure reason or None)`` when complete."""
@@ -48,20 +50,15 @@ class _Tracker:
             return None
         ranks = self.pending.get(req_id)
         if ranks is None:
-            ranks = self.pending[req_id] = set()
-            if len(self.pending) > self.max_pending:
-                old, _ = self.pending.popitem(last=False)
-                self.reasons.pop(old, None)
-                logger.warning("aggregator: dropping incomplete %s report for %s (too many pending)", self.name, old)
+            ranks = set()
+            self.pending[req_id] = ranks
         ranks.add(rank)
         if reason is not None and req_id not in self.reasons:
             self.reasons[req_id] = f"rank {rank}: {reason}" if self.world_size > 1 else reason
         if len(ranks) < self.world_size:
             return None
         del self.pending[req_id]
-        self.emitted[req_id] = None
-        if len(self.emitted) > self.max_remembered:
-            self.emitted.popitem(last=False)
+        self.emitted.add(req_id)
         return req_id, self.reasons.pop(req_id, None)
 
 

@@ -15,12 +15,12 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from typing import Callable, Optional
 
 import zmq
 
 from atom_kv import wire
+from atom_kv._lru import BoundedDict
 from atom_kv.connector.stats import TransferStats
 from atom_kv.wire import CompatInfo, DoneAck, DoneReading, HandshakeReply, HandshakeRequest, WireError
 
@@ -134,7 +134,7 @@ class HandshakeServer:
             self._bad(f"expected 1 payload frame, got {len(payloads)}")
             return
         try:
-            msg = wire.decode_handshake_msg(payloads[0])
+            msg = wire.decode(payloads[0], wire.HandshakeMessage)
         except WireError as exc:
             self._bad(str(exc))
             return
@@ -197,7 +197,7 @@ def request_handshake(
             if sock.poll(min(left, 0.25) * 1000, zmq.POLLIN):
                 frames = sock.recv_multipart()
                 try:
-                    return wire.decode_handshake_reply(frames[-1])
+                    return wire.decode(frames[-1], wire.HandshakeReply)
                 except WireError as exc:
                     raise HandshakeError(f"bad handshake reply from {host}:{port}: {exc}") from None
     except zmq.ZMQError as exc:
@@ -212,15 +212,16 @@ class DealerCache:
 
     def __init__(self, ctx: zmq.Context, max_sockets: int, options: dict[int, int]) -> None:
         self._ctx = ctx
-        self._max = max_sockets
         self._options = options
-        self._socks: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
+        self._socks: BoundedDict[tuple[str, int], zmq.Socket] = BoundedDict(
+            max_sockets, on_evict=lambda _key, sock: sock.close(0)
+        )
 
     def get(self, host: str, port: int) -> zmq.Socket:
         key = (host, port)
         sock = self._socks.get(key)
         if sock is not None:
-            self._socks.move_to_end(key)
+            self._socks.touch(key)
             return sock
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -228,9 +229,6 @@ class DealerCache:
             sock.setsockopt(option, value)
         sock.connect(f"tcp://{host}:{port}")
         self._socks[key] = sock
-        if len(self._socks) > self._max:
-            _, old = self._socks.popitem(last=False)
-            old.close(0)
         return sock
 
     def drop(self, host: str, port: int) -> None:
@@ -347,7 +345,7 @@ class DoneAckClient:
                     self._drop(host, port)
                     return f"no confirmation from producer rank {rank} at {host}:{port}: {exc}"
                 try:
-                    ack = wire.decode_done_ack(frames[-1])
+                    ack = wire.decode(frames[-1], wire.DoneAck)
                 except WireError as exc:
                     self._stats.add(bad_messages=1)
                     logger.warning("done ack from %s:%d for transfer %s: %s", host, port, msg.transfer_id, exc)

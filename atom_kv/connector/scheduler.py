@@ -5,7 +5,8 @@ State machine per request (all transitions happen on the scheduler thread):
 
 Producer (``kv_producer``)::
 
-    get_num_new_matched_tokens(do_remote_decode) -> transfer id assigned
+    get_num_new_matched_tokens(do_remote_decode) -> transfer id assigned (the
+        request's own transfer_id when usable, else minted)
     request_finished -> lease(blocks, deadline = now + abort_timeout_s)
     finished_sending(tid) | deadline -> SchedulerEvents.free (once), metadata.released
         (the workers record released ids and tell a consumer that reads one
@@ -13,8 +14,11 @@ Producer (``kv_producer``)::
 
 Consumer (``kv_consumer``)::
 
-    get_num_new_matched_tokens(do_remote_prefill) -> matched
-    update_state_after_alloc -> queued (LoadSpec in the next metadata)
+    get_num_new_matched_tokens(do_remote_prefill) -> matched (blocks cached
+        locally, num_computed_tokens, are not read again)
+    update_state_after_alloc -> queued (LoadSpec in the next metadata), or,
+        when the whole prompt was cached, skipped (the workers tell the
+        producer it may free the blocks)
     build_connector_meta -> loading (deadline = now + load budget)
     finished_recving (reads done and confirmed by every producer rank read
         from) -> ready | failed_recving (incl. the producer's lease expired
@@ -30,17 +34,19 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from atom_kv.config import KVTransferConfig
-from atom_kv.engine_hooks.interface import SchedulerHooks
-from atom_kv.engine_hooks.types import (
+from atom_kv._lru import BoundedSet
+from atom_kv.config import FieldError, KVTransferConfig
+from atom_kv.connector.base import SchedulerHooks
+from atom_kv.connector.types import (
     ConnectorMetadata,
     KVConnectorOutput,
     LoadSpec,
     SchedulerEvents,
     SendSpec,
 )
+from atom_kv.wire import MAX_TRANSFER_ID_CHARS, KVTransferParams, adoptable_transfer_id
 
 __all__ = ["ConnectorScheduler", "load_backstop_s", "load_budget_s"]
 
@@ -53,6 +59,12 @@ logger = logging.getLogger(__name__)
 SCHEDULER_SLACK_S = 2.0
 
 _QUEUED, _LOADING, _CANCELLED = "queued", "loading", "cancelled"
+
+#: finished-sending reports remembered until their lease exists
+MAX_EARLY_DONE = 4096
+#: transfer ids remembered after their lease ended (the workers remember as
+#: many), so a request cannot adopt an id whose done-notices are still about
+MAX_RECENT_TRANSFERS = 65536
 
 
 def load_budget_s(config: KVTransferConfig) -> float:
@@ -79,9 +91,23 @@ class _Lease:
 
 
 @dataclass
+class _Match:
+    """A consumer request whose remote KV will be read once blocks are allocated."""
+
+    params: KVTransferParams
+    num_prompt_tokens: int
+    num_computed_tokens: int
+
+    @property
+    def remote_tokens(self) -> int:
+        return max(0, self.num_prompt_tokens - self.num_computed_tokens)
+
+
+@dataclass
 class _Load:
     request_id: str
     spec: LoadSpec
+    remote_tokens: int
     state: str = _QUEUED
     deadline: float = 0.0
     started: float = 0.0
@@ -120,16 +146,19 @@ class ConnectorScheduler(SchedulerHooks):
         self.block_size = block_size
         self._budget = load_backstop_s(config)
         # producer
-        self._decode_tids: dict[str, str] = {}
+        self._decode_tids: dict[str, str] = {}  # request id -> transfer id, until request_finished
+        self._tid_owner: dict[str, str] = {}    # the same, by transfer id
         self._leases: dict[str, _Lease] = {}
         self._lease_by_req: dict[str, str] = {}
-        self._early_done: dict[str, None] = {}
+        self._early_done: BoundedSet[str] = BoundedSet(MAX_EARLY_DONE)
+        self._recent_tids: BoundedSet[str] = BoundedSet(MAX_RECENT_TRANSFERS)
         self._pending_sends: list[SendSpec] = []
         self._released: list[str] = []
         # consumer
-        self._matched: dict[str, dict] = {}
+        self._matched: dict[str, _Match] = {}
         self._loads: dict[str, _Load] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
+        self._skipped_loads: list[LoadSpec] = []
         self._cancelled_out: list[str] = []
         self._failed_now: dict[str, str] = {}
         # timers (lazy deletion: a timer fires only if its state still matches)
@@ -140,50 +169,119 @@ class ConnectorScheduler(SchedulerHooks):
     # admission
     # ------------------------------------------------------------------
     def get_num_new_matched_tokens(
-        self, request_id: str, num_prompt_tokens: int, kv_transfer_params: Optional[dict]
+        self,
+        request_id: str,
+        num_prompt_tokens: int,
+        kv_transfer_params: Optional[dict],
+        num_computed_tokens: int = 0,
     ) -> tuple[int, bool]:
-        params = kv_transfer_params or {}
+        if num_computed_tokens < 0:
+            raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
         if self.config.is_producer:
-            if params.get("do_remote_decode") and request_id not in self._decode_tids:
-                self._decode_tids[request_id] = f"{self.engine_id}-{request_id}"
+            if kv_transfer_params and request_id not in self._decode_tids:
+                self._register_send(request_id, kv_transfer_params)
             return 0, False
-        if not params.get("do_remote_prefill") or num_prompt_tokens <= 0:
+        load = self._loads.get(request_id)
+        if load is not None:
+            return load.remote_tokens, True
+        if not kv_transfer_params or num_prompt_tokens <= 0:
             return 0, False
-        if request_id in self._loads:
-            return num_prompt_tokens, True
-        error = _check_consumer_params(params)
-        if error:
-            logger.warning("request %s: ignoring kv_transfer_params (%s); prefilling locally", request_id, error)
+        params = self._parse_params(request_id, kv_transfer_params, "prefilling locally")
+        if params is None or not params.do_remote_prefill:
             return 0, False
-        self._matched[request_id] = dict(params, _num_prompt_tokens=num_prompt_tokens)
-        return num_prompt_tokens, True
+        missing = params.missing_for_load()
+        if missing is not None:
+            logger.warning("request %s: ignoring kv_transfer_params (missing `%s`); prefilling locally",
+                           request_id, missing)
+            return 0, False
+        match = self._matched[request_id] = _Match(params, num_prompt_tokens, num_computed_tokens)
+        if match.remote_tokens == 0:
+            return 0, False  # all cached here; update_state_after_alloc or request_finished lets the producer go
+        return match.remote_tokens, True
+
+    @staticmethod
+    def _parse_params(request_id: str, raw: dict, fallback: str) -> Optional[KVTransferParams]:
+        try:
+            return KVTransferParams.from_dict(raw)
+        except FieldError as exc:
+            logger.warning("request %s: ignoring kv_transfer_params (%s); %s", request_id, exc, fallback)
+            return None
+
+    def _register_send(self, request_id: str, raw: dict) -> None:
+        offered = raw.get("transfer_id") if isinstance(raw, dict) else None
+        if offered is not None and adoptable_transfer_id(offered) is None:
+            # an unusable id never costs the request its remote decode: we mint one instead
+            raw = {k: v for k, v in raw.items() if k != "transfer_id"}
+        params = self._parse_params(request_id, raw, "its KV will not be kept for a remote decode")
+        if params is None or not params.do_remote_decode:
+            return
+        tid = self._transfer_id(request_id, offered)
+        self._decode_tids[request_id] = tid
+        self._tid_owner[tid] = request_id
+
+    def _transfer_id(self, request_id: str, offered: Any) -> str:
+        """The request's own transfer id when it is usable here, else one minted from ours."""
+        if offered is not None:
+            tid = adoptable_transfer_id(offered)
+            if tid is not None and not self._transfer_id_taken(tid):
+                return tid
+            why = ("in use by another transfer" if tid is not None
+                   else f"not 1..{MAX_TRANSFER_ID_CHARS} printable ASCII characters")
+            logger.warning("request %s: not adopting transfer_id %.160r (%s); minting one", request_id, offered, why)
+        return f"{self.engine_id}-{request_id}"
+
+    def _transfer_id_taken(self, tid: str) -> bool:
+        return tid in self._tid_owner or tid in self._leases or tid in self._recent_tids
 
     def update_state_after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        params = self._matched.pop(request_id, None)
-        if params is None:
+        match = self._matched.pop(request_id, None)
+        if match is None:
+            return
+        if match.remote_tokens == 0:
+            self._skip_load(request_id, match)
             return
         if num_external_tokens <= 0:
             return
-        remote_blocks = [int(b) for b in params["remote_block_ids"]]
-        spec = LoadSpec(
-            request_id=request_id,
-            transfer_id=str(params["transfer_id"]),
-            block_ids=[int(b) for b in block_ids[: len(remote_blocks)]],
-            remote_block_ids=remote_blocks,
-            num_tokens=int(params["_num_prompt_tokens"]),
-            remote_engine_id=str(params["remote_engine_id"]),
-            remote_host=str(params["remote_host"]),
-            remote_handshake_port=int(params.get("remote_handshake_port") or params["remote_port"]),
-            remote_tp_size=int(params.get("remote_tp_size") or params.get("tp_size") or 1),
-            remote_dp_rank=int(params.get("remote_dp_rank") or params.get("dp_rank") or 0),
-        )
-        self._loads[request_id] = _Load(request_id, spec)
+        remote_blocks = match.params.remote_block_ids or []
+        cached = match.num_computed_tokens // self.block_size
+        spec = self._load_spec(request_id, match, [int(b) for b in block_ids[cached: len(remote_blocks)]],
+                               remote_blocks[cached:])
+        self._loads[request_id] = _Load(request_id, spec, match.remote_tokens)
         if len(block_ids) < len(remote_blocks):
             self._failed_now[request_id] = (
                 f"allocated {len(block_ids)} blocks but the producer sent {len(remote_blocks)}"
             )
             return
+        if not spec.remote_block_ids:
+            self._failed_now[request_id] = (
+                f"the producer sent {len(remote_blocks)} blocks, all within the "
+                f"{match.num_computed_tokens} tokens cached here, but {match.remote_tokens} tokens are missing"
+            )
+            return
         self._pending_loads[request_id] = spec
+
+    def _load_spec(self, request_id: str, match: _Match, block_ids: list[int], remote_block_ids: list[int]) -> LoadSpec:
+        p = match.params
+        return LoadSpec(
+            request_id=request_id,
+            transfer_id=p.transfer_id or "",
+            block_ids=block_ids,
+            remote_block_ids=list(remote_block_ids),
+            num_tokens=match.num_prompt_tokens,
+            remote_engine_id=p.remote_engine_id or "",
+            remote_host=p.remote_host or "",
+            remote_handshake_port=p.producer_handshake_port or 0,
+            remote_tp_size=p.producer_tp_size,
+            remote_dp_rank=p.producer_dp_rank,
+        )
+
+    def _skip_load(self, request_id: str, match: _Match) -> None:
+        """Nothing to read (the whole prompt is cached here): the workers tell
+        the producer ranks they may free the transfer's blocks now."""
+        spec = self._load_spec(request_id, match, [], [])
+        self._skipped_loads.append(spec)
+        logger.debug("request %s: all %d prompt tokens cached locally; releasing transfer %s",
+                     request_id, match.num_prompt_tokens, spec.transfer_id)
 
     # ------------------------------------------------------------------
     # per step
@@ -203,11 +301,13 @@ class ConnectorScheduler(SchedulerHooks):
             sends=self._pending_sends,
             released=self._released,
             cancelled=self._cancelled_out,
+            skipped_loads=self._skipped_loads,
         )
         self._pending_loads = {}
         self._pending_sends = []
         self._released = []
         self._cancelled_out = []
+        self._skipped_loads = []
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput, now: Optional[float] = None) -> SchedulerEvents:
@@ -218,9 +318,7 @@ class ConnectorScheduler(SchedulerHooks):
                 self._free_lease(tid, events, "all consumer ranks finished reading")
             else:
                 # reported before request_finished created the lease (or late): remember a bounded few
-                self._early_done[tid] = None
-                if len(self._early_done) > 4096:
-                    del self._early_done[next(iter(self._early_done))]
+                self._early_done.add(tid)
         for rid in output.finished_recving:
             load = self._loads.get(rid)
             if load is None or load.state == _QUEUED:
@@ -289,6 +387,7 @@ class ConnectorScheduler(SchedulerHooks):
     def _free_lease(self, tid: str, events: SchedulerEvents, why: Optional[str]) -> None:
         lease = self._leases.pop(tid)
         self._lease_by_req.pop(lease.request_id, None)
+        self._recent_tids.add(tid)
         events.free.append(lease.request_id)
         self._released.append(tid)
         if why:
@@ -311,23 +410,25 @@ class ConnectorScheduler(SchedulerHooks):
         if rid in self._lease_by_req:
             return True, None  # already leased; the consumer may be reading
         tid = self._decode_tids.pop(rid, None)
+        if tid is not None:
+            del self._tid_owner[tid]
         if tid is None or aborted:
             return False, None
         blocks = [int(b) for b in block_ids]
-        params = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": blocks,
-            "remote_engine_id": self.engine_id,
-            "remote_host": self.host,
-            "remote_port": self.config.handshake_port,
-            "remote_handshake_port": self.config.handshake_port,
-            "remote_tp_size": self.tp_size,
-            "remote_dp_rank": self.dp_rank,
-            "tp_size": self.tp_size,
-            "dp_rank": self.dp_rank,
-            "transfer_id": tid,
-        }
+        params = KVTransferParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_block_ids=blocks,
+            remote_engine_id=self.engine_id,
+            remote_host=self.host,
+            remote_port=self.config.handshake_port,
+            remote_handshake_port=self.config.handshake_port,
+            remote_tp_size=self.tp_size,
+            remote_dp_rank=self.dp_rank,
+            tp_size=self.tp_size,
+            dp_rank=self.dp_rank,
+            transfer_id=tid,
+        ).to_dict()
         if not blocks:
             return False, params
         deadline = time.monotonic() + self.config.abort_timeout_s
@@ -335,14 +436,16 @@ class ConnectorScheduler(SchedulerHooks):
         self._lease_by_req[rid] = tid
         self._pending_sends.append(SendSpec(transfer_id=tid, block_ids=blocks))
         self._add_timer(deadline, "lease", tid)
-        if self._early_done.pop(tid, "absent") is None:
+        if self._early_done.discard(tid):
             self._leases[tid].deadline = 0.0  # already read: free on the next update
             self._add_timer(0.0, "lease", tid)
         logger.debug("request %s: holding %d blocks for transfer %s", rid, len(blocks), tid)
         return True, params
 
     def _consumer_finished(self, rid: str, aborted: bool) -> tuple[bool, Optional[dict]]:
-        self._matched.pop(rid, None)
+        match = self._matched.pop(rid, None)
+        if match is not None and match.remote_tokens == 0:
+            self._skip_load(rid, match)  # served from the local cache; the engine never allocated through us
         load = self._loads.get(rid)
         if load is None:
             return False, None
@@ -361,7 +464,8 @@ class ConnectorScheduler(SchedulerHooks):
 
     # ------------------------------------------------------------------
     def has_pending(self) -> bool:
-        return bool(self._leases or self._loads or self._pending_sends or self._released or self._cancelled_out)
+        return bool(self._leases or self._loads or self._pending_sends or self._released or self._cancelled_out
+                    or self._skipped_loads)
 
     def num_leases(self) -> int:
         return len(self._leases)
@@ -375,24 +479,9 @@ class ConnectorScheduler(SchedulerHooks):
                         len(self._leases), len(self._loads))
         self._leases.clear()
         self._lease_by_req.clear()
+        self._decode_tids.clear()
+        self._tid_owner.clear()
         self._loads.clear()
         self._pending_loads.clear()
         self._matched.clear()
         self._timers.clear()
-
-
-def _check_consumer_params(params: dict) -> Optional[str]:
-    """One-line reason the params can't drive a load, or None."""
-    blocks = params.get("remote_block_ids")
-    if not isinstance(blocks, list) or not blocks or not all(isinstance(b, int) and b >= 0 for b in blocks):
-        return "`remote_block_ids` must be a non-empty list of block numbers"
-    for key in ("remote_engine_id", "remote_host", "transfer_id"):
-        if not params.get(key):
-            return f"missing `{key}`"
-    port = params.get("remote_handshake_port") or params.get("remote_port")
-    if not isinstance(port, int) or not 0 < port < 65536:
-        return "`remote_handshake_port` must be a TCP port"
-    tp = params.get("remote_tp_size") or params.get("tp_size") or 1
-    if not isinstance(tp, int) or tp < 1:
-        return "`remote_tp_size` must be a positive integer"
-    return None

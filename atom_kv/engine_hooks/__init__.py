@@ -1,31 +1,32 @@
 """The small interface an engine calls to use atom-kv.
 
 An engine builds one :class:`SchedulerHooks` (``build_scheduler_hooks``) and one
-:class:`WorkerHooks` per TP rank (``build_worker_hooks``), and combines the
-workers' outputs with :class:`KVOutputAggregator`. Rank 0 also runs a
-registration pinger (``build_registration_pinger``). See ``docs/integrating.md``.
+:class:`WorkerHooks` per TP rank (``build_worker_hooks``, which takes the
+rank's :class:`CompatInfo`), and combines the workers' outputs with
+:class:`KVOutputAggregator`. Rank 0 also runs a registration pinger
+(``build_registration_pinger``). See ``docs/integrating.md``.
+
+Everything an engine needs is importable from here; the implementations live
+in :mod:`atom_kv.connector` (which never imports this package).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, Optional
-
-from atom_kv.engine_hooks.interface import KVCacheLayer, SchedulerHooks, WorkerHooks
-from atom_kv.engine_hooks.types import (
+from atom_kv.config import KVTransferConfig
+from atom_kv.connector import ConnectorScheduler, KVOutputAggregator, create_worker
+from atom_kv.connector.base import KVCacheLayer, SchedulerHooks, WorkerHooks
+from atom_kv.connector.types import (
     ConnectorMetadata,
     KVConnectorOutput,
     LoadSpec,
     SchedulerEvents,
     SendSpec,
 )
-
-if TYPE_CHECKING:
-    from atom_kv.config import KVTransferConfig
-    from atom_kv.connector.aggregator import KVOutputAggregator
-    from atom_kv.discovery import RegistrationPinger
-    from atom_kv.wire import CompatInfo
+from atom_kv.discovery import build_registration_pinger
+from atom_kv.wire import CompatInfo
 
 __all__ = [
+    "CompatInfo",
     "ConnectorMetadata",
     "KVCacheLayer",
     "KVConnectorOutput",
@@ -42,7 +43,7 @@ __all__ = [
 
 
 def build_scheduler_hooks(
-    config: "KVTransferConfig",
+    config: KVTransferConfig,
     *,
     engine_id: str,
     host: str,
@@ -51,56 +52,23 @@ def build_scheduler_hooks(
     block_size: int,
 ) -> SchedulerHooks:
     """The scheduler-side connector of one engine (``host`` is what consumers dial)."""
-    from atom_kv.connector.scheduler import ConnectorScheduler
-
     return ConnectorScheduler(
         config, engine_id=engine_id, host=host, tp_size=tp_size, dp_rank=dp_rank, block_size=block_size
     )
 
 
 def build_worker_hooks(
-    config: "KVTransferConfig",
+    config: KVTransferConfig,
     *,
     engine_id: str,
     host: str,
     tp_rank: int,
     tp_size: int,
     dp_rank: int = 0,
-    compat: "CompatInfo",
+    compat: CompatInfo,
 ) -> WorkerHooks:
-    """The worker-side connector of one TP rank (producers start their handshake server here)."""
-    from atom_kv.connector.worker import ConnectorWorker
-
-    return ConnectorWorker(
+    """The worker-side connector of one TP rank, for ``config.kv_role``
+    (producers start their handshake server here)."""
+    return create_worker(
         config, engine_id=engine_id, host=host, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, compat=compat
     )
-
-
-def build_registration_pinger(
-    config: "KVTransferConfig",
-    *,
-    role: Literal["P", "D"],
-    index: str,
-    http_host: str,
-    http_port: int,
-    tp_size: int,
-    dp_size: int = 1,
-    engine_id: str,
-    model: Optional[str] = None,
-) -> "RegistrationPinger":
-    """Rank 0's registration pinger for every proxy in ``config.proxy_ip``; call ``.start()`` and ``.close()``."""
-    from atom_kv.discovery import build_registration_pinger as build
-
-    return build(
-        config, role=role, index=index, http_host=http_host, http_port=http_port,
-        tp_size=tp_size, dp_size=dp_size, engine_id=engine_id, model=model,
-    )
-
-
-def __getattr__(name: str) -> Any:
-    # imported lazily: atom_kv.connector itself imports this package's types
-    if name == "KVOutputAggregator":
-        from atom_kv.connector.aggregator import KVOutputAggregator
-
-        return KVOutputAggregator
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

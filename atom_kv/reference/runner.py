@@ -35,7 +35,7 @@ class ModelRunner:
         if spec.kv_config_json:
             from atom_kv import engine_hooks
             from atom_kv.config import KVTransferConfig
-            from atom_kv.wire import CompatInfo
+            from atom_kv.engine_hooks import CompatInfo
 
             config = KVTransferConfig.from_dict(__import__("json").loads(spec.kv_config_json))
             compat = CompatInfo(

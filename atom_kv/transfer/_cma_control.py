@@ -62,7 +62,7 @@ class CmaControlServer:
         conn.settimeout(self._timeout)
         data = recv_frame(conn, time.monotonic() + self._timeout)
         try:
-            req = wire.decode_cma_grant_request(data)
+            req = wire.decode(data, wire.CmaGrantRequest)
         except wire.WireError as exc:
             self.decode_errors += 1
             log.warning("%s: bad grant request: %s", self._label, exc)
@@ -99,7 +99,7 @@ def request_grant(
     try:
         with socket.create_connection((desc.ctl_host, desc.ctl_port), timeout=timeout_s) as sock:
             sock.sendall(frame(wire.encode(wire.CmaGrantRequest(pid=os.getpid(), key=key, auth_token=auth_token))))
-            return wire.decode_cma_grant_reply(recv_frame(sock, deadline))
+            return wire.decode(recv_frame(sock, deadline), wire.CmaGrantReply)
     except wire.WireError as exc:
         log.warning("cma: bad grant reply from %s: %s", where, exc)
         return wire.CmaGrantReply(ok=False, error=f"cma: bad grant reply from {where}: {exc}")

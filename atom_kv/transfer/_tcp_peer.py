@@ -1,12 +1,11 @@
 """The reading half of the tcp backend: ``tcp_streams`` connections to one
-peer's read server, each driven by a named worker thread that takes jobs
-(batches of ranges) from a shared queue and receives the reply straight into
-destination memory."""
+peer's read server, each driven by a named worker thread (:class:`JobWorkers`)
+that takes jobs (batches of ranges) from a shared queue and receives the
+reply straight into destination memory."""
 
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -16,71 +15,12 @@ from typing import Optional
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.transfer._jobs import JobWorkers, ReadState
 from atom_kv.transfer._regions import RegionTable
 from atom_kv.transfer._sockio import frame, recv_frame, recv_views
-from atom_kv.transfer.base import ReadHandle, TransferError
+from atom_kv.transfer.base import TransferError
 
 log = logging.getLogger(__name__)
-
-
-class ReadState:
-    """One ``read()`` call split into jobs; finishes its handle when the last
-    job is done or at the first failure."""
-
-    __slots__ = ("handle", "rid", "_left", "_lock")
-
-    def __init__(self, handle: ReadHandle, rid: int, jobs: int) -> None:
-        self.handle = handle
-        self.rid = rid
-        self._left = jobs
-        self._lock = threading.Lock()
-        handle._track_io()
-
-    def job_done(self, error: Optional[str] = None) -> None:
-        """Every job reports exactly once, whether it ran, failed or was
-        skipped; the last report settles the handle (no more writes)."""
-        if error is not None:
-            self.handle._finish(error)
-        with self._lock:
-            self._left -= 1
-            last = self._left == 0
-        if last:
-            self.handle._finish(None)  # no-op if already failed
-            self.handle._settle()
-
-    def job_skipped(self) -> None:
-        """A queued job dropped because the handle already finished."""
-        self.job_done(None)
-
-
-def drain_jobs(jobs: "queue.Queue", run, *, closed, what: str, closed_reason: str = "backend closed",
-               on_crash=None) -> None:
-    """The body of a read worker thread, shared by the host-memory backends.
-
-    Takes jobs (anything with ``.state``, a :class:`ReadState`) until ``None``
-    and makes every job report to its state exactly once — whether it ran
-    (``run(job)`` returns an error string or ``None``), was skipped because its
-    handle already finished, was refused because ``closed()``, or crashed —
-    which is what lets the handle settle."""
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        state = job.state
-        if state.handle.done():
-            state.job_skipped()
-            continue
-        if closed():
-            state.job_done(f"{what} {state.rid}: {closed_reason}")
-            continue
-        try:
-            error = run(job)
-        except Exception as exc:  # a bug must fail the read, not the worker
-            log.exception("%s %d: unexpected error", what, state.rid)
-            if on_crash is not None:
-                on_crash()
-            error = f"{what} {state.rid}: internal error: {exc!r}"
-        state.job_done(error)
 
 
 @dataclass
@@ -115,25 +55,19 @@ class TcpPeer:
         self._token = auth_token
         self._connect_timeout = connect_timeout_s
         self._io_timeout = io_timeout_s
-        self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self._lock = threading.Lock()
         self._socks: list[Optional[socket.socket]] = [None] * streams
-        self._closed = False
         self._req_seq = 0
         # one connection up front: proves the peer is alive and accepts our token
         self._socks[0] = self._connect()
-        self._threads = [
-            threading.Thread(
-                target=self._worker, args=(i,), name=f"atomkv-tcp-read-{desc.port}-{i}", daemon=True
-            )
-            for i in range(streams)
-        ]
-        for t in self._threads:
-            t.start()
+        self._workers = JobWorkers(
+            f"atomkv-tcp-read-{desc.port}", streams, self._run_job,
+            what="tcp read", closed_reason=f"peer {peer_id} removed", on_crash=self._drop,
+        )
 
     @property
     def streams(self) -> int:
-        return len(self._threads)
+        return len(self._workers)
 
     def _connect(self) -> socket.socket:
         where = f"{self.desc.host}:{self.desc.port}"
@@ -145,7 +79,7 @@ class TcpPeer:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(frame(wire.encode(wire.TcpHello(key=self._key, auth_token=self._token))))
-            reply = wire.decode_tcp_hello_reply(recv_frame(sock, deadline))
+            reply = wire.decode(recv_frame(sock, deadline), wire.TcpHelloReply)
         except wire.WireError as exc:
             sock.close()
             log.warning("tcp: peer %s sent a bad hello reply: %s", where, exc)
@@ -159,16 +93,12 @@ class TcpPeer:
         return sock
 
     def submit(self, job: Job) -> None:
-        self._jobs.put(job)
+        self._workers.submit(job)
 
     def _next_req_id(self) -> int:
         with self._lock:
             self._req_seq += 1
             return self._req_seq
-
-    def _worker(self, idx: int) -> None:
-        drain_jobs(self._jobs, lambda job: self._run_job(idx, job), closed=lambda: self._closed,
-                   what="tcp read", closed_reason=f"peer {self.peer_id} removed", on_crash=lambda: self._drop(idx))
 
     def _run_job(self, idx: int, job: Job) -> Optional[str]:
         state = job.state
@@ -187,7 +117,7 @@ class TcpPeer:
         try:
             sock.settimeout(self._io_timeout)
             sock.sendall(frame(wire.encode(wire.ReadRequest(req_id=req_id, ranges=[], packed=packed))))
-            reply = wire.decode_read_reply(recv_frame(sock, job.deadline))
+            reply = wire.decode(recv_frame(sock, job.deadline), wire.ReadReply)
             if not reply.ok:
                 return f"{what}: {reply.error}"
             sizes = table[:, 4]
@@ -220,27 +150,16 @@ class TcpPeer:
                 pass
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        """Stop the workers (shutting the sockets wakes any inside a receive),
+        fail what is still queued, close the sockets."""
+        self._workers.close(unblock=self._shutdown_sockets)
+        for i in range(len(self._socks)):
+            self._drop(i)
+
+    def _shutdown_sockets(self) -> None:
         for sock in self._socks:
             if sock is not None:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-        for _ in self._threads:
-            self._jobs.put(None)
-        for t in self._threads:
-            t.join(timeout=5)
-        for i in range(len(self._socks)):
-            self._drop(i)
-        # fail whatever was still queued
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.state.job_done(f"tcp read {job.state.rid}: peer {self.peer_id} removed")

@@ -107,7 +107,7 @@ class TcpReadServer:
 
     def _hello(self, conn: socket.socket, who: str) -> bool:
         try:
-            hello = wire.decode_tcp_hello(recv_frame(conn))
+            hello = wire.decode(recv_frame(conn), wire.TcpHello)
         except wire.WireError as exc:
             self.decode_errors += 1
             log.warning("%s: bad hello: %s", who, exc)
@@ -126,7 +126,7 @@ class TcpReadServer:
 
     def _answer(self, conn: socket.socket, data: bytes, who: str) -> None:
         try:
-            req = wire.decode_read_request(data)
+            req = wire.decode(data, wire.ReadRequest)
         except wire.WireError as exc:
             self.decode_errors += 1
             log.warning("%s: undecodable read request: %s", who, exc)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from atom_kv import wire
 from atom_kv.transfer._cma_sys import cma_unavailable_reason
 from atom_kv.transfer._hostid import host_identity
+from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError
 from atom_kv.transfer.tcp import TcpBackend
 
@@ -30,6 +31,7 @@ class AutoBackend(TransferBackend):
     peer to the best of them."""
 
     name = "auto"
+    accepts_op_arrays = True
 
     def __init__(self, config: Optional["KVTransferConfig"] = None, *, host: str = "127.0.0.1", key: Optional[str] = None) -> None:
         self._tcp = TcpBackend(config, host=host, key=key)
@@ -46,8 +48,8 @@ class AutoBackend(TransferBackend):
             log.info("auto: cma not usable here, tcp only: %s", self.cma_unavailable)
         self._host_id = host_identity()
         self._lock = threading.Lock()
+        self._life = Lifecycle("auto", self._lock)
         self._routes: dict[str, tuple[TransferBackend, str]] = {}
-        self._closed = False
 
     def _inner(self) -> list[TransferBackend]:
         return [b for b in (self._tcp, self._cma) if b is not None]
@@ -68,10 +70,9 @@ class AutoBackend(TransferBackend):
         return wire.encode(wire.AutoDescriptor(host_id=self._host_id, tcp=self._tcp.export_descriptor(), cma=cma))
 
     def add_peer(self, descriptor: bytes) -> str:
-        if self._closed:
-            raise TransferError("auto: backend is closed")
+        self._life.check_open()
         try:
-            desc = wire.decode_auto_descriptor(descriptor)
+            desc = wire.decode(descriptor, wire.AutoDescriptor)
         except wire.WireError as exc:
             log.warning("auto: bad peer descriptor: %s", exc)
             raise TransferError(f"auto: bad peer descriptor: {exc}") from None
@@ -111,9 +112,8 @@ class AutoBackend(TransferBackend):
 
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            if not self._life.mark_closed():
                 return
-            self._closed = True
             self._routes.clear()
         for be in self._inner():
             be.close()

@@ -144,6 +144,10 @@ class TransferBackend(abc.ABC):
     #: short name: "tcp", "cma", "moriio"
     name: str = ""
 
+    #: True when :meth:`read` also takes its ops as an ``(n, 5)`` int64 array
+    #: in :class:`ReadOp` column order (callers then plan in bulk with numpy)
+    accepts_op_arrays: bool = False
+
     #: largest region :meth:`register_memory` creates; tests lower it on an
     #: instance to exercise chunk boundaries with small buffers.
     max_region_bytes: int = MAX_REGION_BYTES
@@ -170,6 +174,8 @@ class TransferBackend(abc.ABC):
     @abc.abstractmethod
     def read(self, peer_id: str, ops: Sequence[ReadOp], *, timeout_s: float) -> ReadHandle:
         """Start reading ``ops`` from the peer; never blocks on the transfer.
+
+        Backends with :attr:`accepts_op_arrays` also take an ``(n, 5)`` array.
 
         The handle fails (never hangs) if the peer errors, dies, or the
         transfer passes ``timeout_s``. Adjacent ops are merged by the backend.

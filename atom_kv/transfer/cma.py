@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -23,10 +22,10 @@ import numpy as np
 from atom_kv import wire
 from atom_kv.transfer._cma_control import CmaControlServer, request_grant
 from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
-from atom_kv.transfer._deadlines import DeadlineWatch
 from atom_kv.transfer._hostid import host_identity
+from atom_kv.transfer._jobs import JobWorkers, ReadState
+from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer._regions import RegionTable, begin_read, out_of_bounds, resolve_config, split_large
-from atom_kv.transfer._tcp_peer import ReadState, drain_jobs
 from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
 
 if TYPE_CHECKING:
@@ -62,6 +61,7 @@ class CmaBackend(TransferBackend):
     reader threads of one process's cma endpoint."""
 
     name = "cma"
+    accepts_op_arrays = True
 
     def __init__(self, config: Optional["KVTransferConfig"] = None, *, host: str = "127.0.0.1", key: Optional[str] = None) -> None:
         cfg = resolve_config(config)
@@ -72,21 +72,19 @@ class CmaBackend(TransferBackend):
         self._ctl_timeout = cfg.handshake_timeout_s
         self._regions = RegionTable()
         self._lock = threading.Lock()
+        self._life = Lifecycle("cma", self._lock, key=self._key)
         self._ctl: Optional[CmaControlServer] = None
         self._peers: dict[str, _CmaPeer] = {}
         self._peer_seq = itertools.count(1)
         self._read_seq = itertools.count(1)
         self._ptracer_done = False
-        self._closed = False
-        self._jobs: "queue.Queue[Optional[_Job]]" = queue.Queue()
-        self._threads: list[threading.Thread] = []
-        self._watch: Optional[DeadlineWatch] = None
+        self._workers: Optional[JobWorkers] = None  # started on the first read
         self._nthreads = max(1, min(2, os.cpu_count() or 1))
 
     # -- serving side ---------------------------------------------------
     def _control(self) -> CmaControlServer:
         with self._lock:
-            self._check_open()
+            self._life.check_open()
             if self._ctl is None:
                 self._ctl = CmaControlServer(
                     self._host, self._token, self._ctl_timeout, self._regions.spans, f"cma control {self._key}"
@@ -94,7 +92,7 @@ class CmaBackend(TransferBackend):
             return self._ctl
 
     def register_memory(self, ptr: int, size: int, *, align: int = 1) -> list[int]:
-        self._check_open()
+        self._life.check_open()
         if not self._ptracer_done:
             note = self._sys.allow_any_tracer()
             self._ptracer_done = True
@@ -113,9 +111,9 @@ class CmaBackend(TransferBackend):
 
     # -- reading side ---------------------------------------------------
     def add_peer(self, descriptor: bytes) -> str:
-        self._check_open()
+        self._life.check_open()
         try:
-            desc = wire.decode_cma_descriptor(descriptor)
+            desc = wire.decode(descriptor, wire.CmaDescriptor)
         except wire.WireError as exc:
             log.warning("cma %s: bad peer descriptor: %s", self._key, exc)
             raise TransferError(f"cma: bad peer descriptor: {exc}") from None
@@ -140,7 +138,7 @@ class CmaBackend(TransferBackend):
             self._probe(desc.pid, grant.regions[0].addr)
         peer_id = f"cma:{desc.key or desc.pid}#{next(self._peer_seq)}"
         with self._lock:
-            self._check_open()
+            self._life.check_open()
             self._peers[peer_id] = _CmaPeer(peer_id, desc.pid, addrs, sizes)
         log.info("cma %s: added peer %s (pid %d, %d regions)", self._key, peer_id, desc.pid, n)
         return peer_id
@@ -164,8 +162,7 @@ class CmaBackend(TransferBackend):
         what = f"cma read {rid}"
         with self._lock:
             peer = self._peers.get(peer_id)
-            closed = self._closed
-        refusal = "backend is closed" if closed else (f"unknown peer {peer_id!r}" if peer is None else None)
+            refusal = self._life.read_refusal(peer, peer_id)
         handle, table = begin_read(what, ops, self._regions.sizes, refusal=refusal)
         if table is None:
             return handle
@@ -185,71 +182,46 @@ class CmaBackend(TransferBackend):
             ends = np.cumsum(table[:, 4])
             cuts = np.searchsorted(ends, [nbytes * k // parts for k in range(1, parts)], side="left") + 1
             pieces = [p for p in np.split(table, cuts) if len(p)]
+        workers = self._started_workers()
+        if workers is None:  # closed since the refusal check
+            handle._finish(f"{what}: backend is closed")
+            return handle
         state = ReadState(handle, rid, len(pieces))
-        self._start_workers()
-        self._deadlines().watch(handle, timeout_s, f"{what} from {peer_id}")
+        self._life.watch(handle, timeout_s, f"{what} from {peer_id}")
         laddr, raddr = self._regions.addrs, peer.addrs
         for p in pieces:
             local = laddr[p[:, 0]] + p[:, 1].astype(np.uint64)
             remote = raddr[p[:, 2]] + p[:, 3].astype(np.uint64)
-            self._jobs.put(_Job(state, peer.pid, local, remote, p[:, 4].astype(np.uint64)))
+            workers.submit(_Job(state, peer.pid, local, remote, p[:, 4].astype(np.uint64)))
         return handle
 
-    def _start_workers(self) -> None:
+    def _started_workers(self) -> Optional[JobWorkers]:
+        """The reader threads, started on first use; None once closed."""
         with self._lock:
-            if self._threads or self._closed:
-                return
-            self._threads = [
-                threading.Thread(target=self._worker, name=f"atomkv-cma-read-{self._key}-{i}", daemon=True)
-                for i in range(self._nthreads)
-            ]
-            for t in self._threads:
-                t.start()
+            if self._workers is None and not self._life.closed:
+                self._workers = JobWorkers(f"atomkv-cma-read-{self._key}", self._nthreads, self._run_job,
+                                           what="cma read", closed_reason="backend closed")
+            return self._workers
 
-    def _worker(self) -> None:
-        drain_jobs(self._jobs, self._run_job, closed=lambda: self._closed, what="cma read")
-
-    def _run_job(self, job: "_Job") -> Optional[str]:
+    def _run_job(self, _index: int, job: "_Job") -> Optional[str]:
         try:
             self._sys.read(job.pid, job.local, job.remote, job.sizes, job.state.handle.done)
         except TransferError as exc:  # includes PeerGone and BackendUnavailable (EPERM)
             return f"cma read {job.state.rid}: {exc}"
         return None
 
-    def _deadlines(self) -> DeadlineWatch:
-        with self._lock:
-            if self._watch is None:
-                self._watch = DeadlineWatch(f"atomkv-cma-deadline-{self._key}")
-            return self._watch
-
     # -- lifecycle ------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("cma: backend is closed")
-
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            if not self._life.mark_closed():
                 return
-            self._closed = True
             ctl, self._ctl = self._ctl, None
-            threads, self._threads = self._threads, []
-            watch, self._watch = self._watch, None
+            workers, self._workers = self._workers, None
             self._peers.clear()
-        for _ in threads:
-            self._jobs.put(None)
-        for t in threads:
-            t.join(timeout=5)
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.state.job_done(f"cma read {job.state.rid}: backend closed")
+        if workers is not None:
+            workers.close()
         if ctl is not None:
             ctl.close()
-        if watch is not None:
-            watch.close()
+        self._life.stop_deadlines()
         self._regions.clear()
         log.info("cma %s: closed", self._key)

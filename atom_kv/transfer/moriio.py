@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from atom_kv import wire
 from atom_kv.config import KVTransferConfig
+from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer.base import (
     MAX_REGION_BYTES,
     BackendUnavailable,
@@ -82,6 +83,7 @@ class MoriIOBackend(TransferBackend):
     peers, cached sessions and the completion thread of one TP rank."""
 
     name = "moriio"
+    accepts_op_arrays = True
     #: where RDMA devices are listed; override for hosts that mount sysfs elsewhere
     sysfs_dir: str = DEFAULT_SYSFS_INFINIBAND
 
@@ -129,11 +131,11 @@ class MoriIOBackend(TransferBackend):
                 f"{type(exc).__name__}: {text}"
             ) from None
         self._lock = threading.RLock()
+        self._life = Lifecycle("moriio", self._lock, closed_error="MORI-IO backend is closed")
         self._regions: list[_Region] = []
         self._peers: dict[str, _Peer] = {}
         self._sessions = SessionCache()
         self._read_ids = itertools.count(1)
-        self._closed = False
         self._tracker = CompletionTracker(f"atomkv-moriio-completion-{self.key}")
         logger.info("MORI-IO engine %s up on %s (transport %s)", self.key, host, self.transport)
 
@@ -166,7 +168,7 @@ class MoriIOBackend(TransferBackend):
         location = self._MemoryLocationType.GPU if device >= 0 else self._MemoryLocationType.CPU
         ids: list[int] = []
         with self._lock:
-            self._check_open()
+            self._life.check_open()
             offset = 0
             for n in chunk_sizes(size, align, self.max_region_bytes):
                 try:
@@ -189,7 +191,7 @@ class MoriIOBackend(TransferBackend):
     # -- peers ---------------------------------------------------------------------
     def export_descriptor(self) -> bytes:
         with self._lock:
-            self._check_open()
+            self._life.check_open()
             msg = wire.MoriIODescriptor(
                 key=self.key,
                 engine=bytes(self._engine.get_engine_desc().pack()),
@@ -201,7 +203,7 @@ class MoriIOBackend(TransferBackend):
 
     def add_peer(self, descriptor: bytes) -> str:
         try:
-            msg = wire.decode_moriio_descriptor(descriptor)
+            msg = wire.decode(descriptor, wire.MoriIODescriptor)
         except wire.WireError as exc:
             raise TransferError(f"not a MORI-IO peer descriptor: {exc}") from None
         if msg.transport != self.transport:
@@ -217,7 +219,7 @@ class MoriIOBackend(TransferBackend):
         except Exception as exc:
             raise TransferError(f"MORI-IO descriptor of {msg.key} does not unpack: {exc}") from None
         with self._lock:
-            self._check_open()
+            self._life.check_open()
             old = self._peers.get(msg.key)
             if old is not None and old.engine_packed == msg.engine:
                 # same engine, maybe more regions registered since: refresh them
@@ -276,8 +278,7 @@ class MoriIOBackend(TransferBackend):
 
     def _issue(self, peer_id: str, ops: Any, handle: ReadHandle, timeout_s: float) -> Optional[Pending]:
         with self._lock:
-            if self._closed:
-                raise TransferError("MORI-IO backend is closed")
+            self._life.check_open()
             peer = self._peers.get(peer_id)
             if peer is None:
                 raise TransferError(f"unknown MORI-IO peer {peer_id!r} (add_peer it first)")
@@ -326,15 +327,10 @@ class MoriIOBackend(TransferBackend):
             raise TransferError(f"MORI-IO batch_read from peer {peer.key} failed to start: {exc}") from exc
 
     # -- lifecycle ----------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("MORI-IO backend is closed")
-
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            if not self._life.mark_closed():
                 return
-            self._closed = True
             peers = list(self._peers.values())
             regions = list(self._regions)
             self._peers.clear()

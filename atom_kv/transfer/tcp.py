@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from atom_kv import wire
-from atom_kv.transfer._deadlines import DeadlineWatch
 from atom_kv.transfer._hostid import host_identity
+from atom_kv.transfer._jobs import ReadState
+from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer._regions import RegionTable, begin_read, resolve_config, split_large
-from atom_kv.transfer._tcp_peer import Job, ReadState, TcpPeer
+from atom_kv.transfer._tcp_peer import Job, TcpPeer
 from atom_kv.transfer._tcp_server import TcpReadServer
 from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
 
@@ -59,6 +60,7 @@ class TcpBackend(TransferBackend):
     first registration or export) and one :class:`TcpPeer` per added peer."""
 
     name = "tcp"
+    accepts_op_arrays = True
 
     def __init__(self, config: Optional["KVTransferConfig"] = None, *, host: str = "127.0.0.1", key: Optional[str] = None) -> None:
         cfg = resolve_config(config)
@@ -70,18 +72,17 @@ class TcpBackend(TransferBackend):
         self._io_timeout = cfg.transfer_timeout_s
         self._regions = RegionTable()
         self._lock = threading.Lock()
+        self._life = Lifecycle("tcp", self._lock, key=self._key)
         self._server: Optional[TcpReadServer] = None
         self._peers: dict[str, TcpPeer] = {}
         self._peer_seq = itertools.count(1)
         self._read_seq = itertools.count(1)
-        self._watch: Optional[DeadlineWatch] = None
-        self._closed = False
 
     # -- serving side ---------------------------------------------------
     @property
     def server(self) -> TcpReadServer:
         with self._lock:
-            self._check_open()
+            self._life.check_open()
             if self._server is None:
                 self._server = TcpReadServer(
                     self._regions, self._host, self._token, self._io_timeout, f"tcp server {self._key}"
@@ -89,7 +90,7 @@ class TcpBackend(TransferBackend):
             return self._server
 
     def register_memory(self, ptr: int, size: int, *, align: int = 1) -> list[int]:
-        self._check_open()
+        self._life.check_open()
         ids = self._regions.add(ptr, size, align, self.max_region_bytes)
         _ = self.server
         log.info("tcp %s: registered %d bytes at 0x%x as regions %s", self._key, size, ptr, ids)
@@ -101,9 +102,9 @@ class TcpBackend(TransferBackend):
 
     # -- reading side ---------------------------------------------------
     def add_peer(self, descriptor: bytes) -> str:
-        self._check_open()
+        self._life.check_open()
         try:
-            desc = wire.decode_tcp_descriptor(descriptor)
+            desc = wire.decode(descriptor, wire.TcpDescriptor)
         except wire.WireError as exc:
             log.warning("tcp %s: bad peer descriptor: %s", self._key, exc)
             raise TransferError(f"tcp: bad peer descriptor: {exc}") from None
@@ -113,10 +114,12 @@ class TcpBackend(TransferBackend):
             connect_timeout_s=self._connect_timeout, io_timeout_s=self._io_timeout,
         )
         with self._lock:
-            if self._closed:
-                peer.close()
-                raise TransferError("tcp: backend is closed")
-            self._peers[peer_id] = peer
+            closed = self._life.closed
+            if not closed:
+                self._peers[peer_id] = peer
+        if closed:
+            peer.close()
+            self._life.check_open()
         log.info("tcp %s: added peer %s", self._key, peer_id)
         return peer_id
 
@@ -132,44 +135,30 @@ class TcpBackend(TransferBackend):
         rid = next(self._read_seq)
         with self._lock:
             peer = self._peers.get(peer_id)
-            closed = self._closed
-        refusal = "backend is closed" if closed else (f"unknown peer {peer_id!r}" if peer is None else None)
+            refusal = self._life.read_refusal(peer, peer_id)
         handle, table = begin_read(f"tcp read {rid}", ops, self._regions.sizes, refusal=refusal)
         if table is None:
             return handle
         jobs = plan_jobs(table, peer.streams)
         state = ReadState(handle, rid, len(jobs))
-        self._deadlines().watch(handle, timeout_s, f"tcp read {rid} from {peer_id}")
+        self._life.watch(handle, timeout_s, f"tcp read {rid} from {peer_id}")
         deadline = handle.started + timeout_s
         for piece in jobs:
             peer.submit(Job(state, piece, deadline))
         return handle
 
-    def _deadlines(self) -> DeadlineWatch:
-        with self._lock:
-            if self._watch is None:
-                self._watch = DeadlineWatch(f"atomkv-tcp-deadline-{self._key}")
-            return self._watch
-
     # -- lifecycle ------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("tcp: backend is closed")
-
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            if not self._life.mark_closed():
                 return
-            self._closed = True
             peers = list(self._peers.values())
             self._peers.clear()
             server, self._server = self._server, None
-            watch, self._watch = self._watch, None
         for peer in peers:
             peer.close()
         if server is not None:
             server.close()
-        if watch is not None:
-            watch.close()
+        self._life.stop_deadlines()
         self._regions.clear()
         log.info("tcp %s: closed", self._key)

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from atom_kv.connector.aggregator import KVOutputAggregator
 from atom_kv.connector.scheduler import ConnectorScheduler
-from atom_kv.engine_hooks.types import ConnectorMetadata, KVConnectorOutput, SchedulerEvents
+from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput, SchedulerEvents
 
 from tests.connector.kvutil import BLOCK, BlockPool
 
@@ -41,6 +41,7 @@ class Engine:
         self.failed: dict[str, str] = {}
         self.recompute: list[str] = []
         self.freed: list[str] = []
+        self.keepalive: list = []  # buffers registered outside the KV caches
 
     def step(self, now: Optional[float] = None) -> SchedulerEvents:
         meta = self.sched.build_connector_meta()
@@ -66,9 +67,11 @@ class Engine:
         return params
 
     # consumer side -------------------------------------------------------
-    def admit(self, rid: str, num_tokens: int, params: dict) -> list[int]:
-        n, is_async = self.sched.get_num_new_matched_tokens(rid, num_tokens, params)
-        assert (n, is_async) == (num_tokens, True)
+    def admit(self, rid: str, num_tokens: int, params: dict, num_computed: int = 0) -> list[int]:
+        """Admit a do_remote_prefill request whose first ``num_computed`` tokens
+        are cached here; returns all its prompt blocks."""
+        n, is_async = self.sched.get_num_new_matched_tokens(rid, num_tokens, params, num_computed)
+        assert (n, is_async) == ((num_tokens - num_computed, True) if num_tokens > num_computed else (0, False))
         blocks = self.pool.alloc(rid, -(-num_tokens // BLOCK))
         self.sched.update_state_after_alloc(rid, blocks, n)
         return blocks

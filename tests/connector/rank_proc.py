@@ -7,14 +7,14 @@ import logging
 import multiprocessing as mp
 from typing import Any
 
-from atom_kv.engine_hooks.types import ConnectorMetadata, KVConnectorOutput
+from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput
 
 REPLY_TIMEOUT_S = 30.0
 
 
 def rank_main(conn, spec: dict[str, Any]) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank-proc {spec['name']} %(levelname)s %(name)s: %(message)s")
-    from atom_kv.connector import ConnectorWorker
+    from atom_kv.connector import create_worker
     from tests.connector.kvutil import check_blocks, compat, config, make_caches, untouched
 
     producer = spec["role"] == "kv_producer"
@@ -22,8 +22,8 @@ def rank_main(conn, spec: dict[str, Any]) -> None:
     try:
         for backend, (engine_id, port) in spec["engines"].items():
             cfg = config(spec["role"], port, backend=backend, **spec.get("overrides", {}))
-            w = ConnectorWorker(cfg, engine_id=engine_id, host="127.0.0.1", tp_rank=spec["tp_rank"],
-                                tp_size=spec["tp_size"], compat=compat(), bind_host="127.0.0.1")
+            w = create_worker(cfg, engine_id=engine_id, host="127.0.0.1", tp_rank=spec["tp_rank"],
+                              tp_size=spec["tp_size"], compat=compat(), bind_host="127.0.0.1")
             c = make_caches(spec["num_blocks"], spec["tp_rank"], spec["tp_size"], fill=producer)
             w.register_kv_caches(c)
             workers[backend], caches[backend] = w, c
@@ -49,6 +49,8 @@ def rank_main(conn, spec: dict[str, Any]) -> None:
             conn.send(untouched(caches[backend], args[1]))
         elif cmd == "stats":
             conn.send(workers[backend].stats())
+        elif cmd == "loading":
+            conn.send(workers[backend].num_loading())
 
 
 class RankProcess:
@@ -107,3 +109,7 @@ class ProcRank:
 
     def stats(self) -> dict:
         return self.proc.call("stats", self.backend)
+
+    def loading(self) -> int:
+        """Loads this (consumer) rank has started and not yet reported."""
+        return self.proc.call("loading", self.backend)

@@ -1,5 +1,5 @@
 from atom_kv.connector.aggregator import KVOutputAggregator
-from atom_kv.engine_hooks.types import KVConnectorOutput as Out
+from atom_kv.connector.types import KVConnectorOutput as Out
 
 
 def test_emitted_only_when_every_rank_reported():

@@ -46,7 +46,7 @@ def _recv_ping(ctx: zmq.Context, port: int, timeout_ms: int = 5000) -> tuple[wir
             time.sleep(0.05)
     assert router.poll(timeout_ms), "no registration ping arrived"
     frames = router.recv_multipart()
-    return wire.decode_registration(frames[-1]), router
+    return wire.decode(frames[-1], wire.RegistrationMessage), router
 
 
 def test_pings_reach_a_proxy_started_late_and_restarted():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
 
 import pytest
 
@@ -148,10 +147,9 @@ def test_producer_killed_mid_read(cluster):
         D = Ds["tcp"]
         D.admit("fail-me", big, tcp_params[0])
         abort_blocks = D.admit("abort-me", big, tcp_params[1])
-        for _ in range(20):
-            D.step()
-            time.sleep(0.01)
-        assert "fail-me" not in D.ready and "abort-me" not in D.ready  # frozen: still reading
+        # both loads reach the rank and stay in flight there: the producer cannot answer
+        run_until([D], lambda: D.ranks[0].loading() == 2, timeout_s=10)
+        assert "fail-me" not in D.ready and "abort-me" not in D.ready
         D.finish("abort-me", aborted=True)
         assert "abort-me" in D.pool.held  # the backend may still write: blocks held
         os.kill(victim.proc.pid, signal.SIGKILL)

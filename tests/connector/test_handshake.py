@@ -64,7 +64,7 @@ def test_garbage_on_the_handshake_port_is_counted_and_survived():
                                        auth_token="wrong")
         raw.send(wire.encode(bad_hs))
         assert raw.poll(5000)
-        reply = wire.decode_handshake_reply(raw.recv_multipart()[-1])
+        reply = wire.decode(raw.recv_multipart()[-1], wire.HandshakeReply)
         assert not reply.ok and "auth_token" in reply.error
         # not even ZMTP: raw bytes on the TCP port
         with socket.create_connection(("127.0.0.1", port)) as s:

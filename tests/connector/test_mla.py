@@ -2,7 +2,7 @@
 rank reads the latent from a single producer rank, and still tells every
 producer rank it is done."""
 
-from atom_kv.connector import ConnectorScheduler, ConnectorWorker
+from atom_kv.connector import ConnectorScheduler, ConsumerWorker, ProducerWorker
 from tests.connector.engines import Engine, LocalRank, run_until
 from tests.connector.kvutil import BLOCK, check_blocks, compat, config, make_caches, port_range
 
@@ -14,9 +14,9 @@ def test_mla_latent_from_one_producer_rank_of_two():
     pcfg = config("kv_producer", base, backend="tcp")
     ccfg = config("kv_consumer", base, backend="tcp")
     mla = compat(is_mla=True)
-    pws = [ConnectorWorker(pcfg, engine_id="P", host="127.0.0.1", tp_rank=r, tp_size=2, compat=mla,
-                           bind_host="127.0.0.1") for r in range(2)]
-    cw = ConnectorWorker(ccfg, engine_id="D", host="127.0.0.1", tp_rank=0, tp_size=1, compat=mla)
+    pws = [ProducerWorker(pcfg, engine_id="P", host="127.0.0.1", tp_rank=r, tp_size=2, compat=mla,
+                          bind_host="127.0.0.1") for r in range(2)]
+    cw = ConsumerWorker(ccfg, engine_id="D", host="127.0.0.1", tp_rank=0, tp_size=1, compat=mla)
     try:
         for pw in pws:
             pw.register_kv_caches(make_caches(NB, 0, 1, fill=True, is_mla=True))

@@ -1,9 +1,10 @@
+import logging
 import time
 
 import pytest
 
 from atom_kv.connector.scheduler import ConnectorScheduler, load_backstop_s, load_budget_s
-from atom_kv.engine_hooks.types import KVConnectorOutput as Out
+from atom_kv.connector.types import KVConnectorOutput as Out
 from tests.connector.kvutil import config
 
 
@@ -219,3 +220,136 @@ def test_abort_mid_read_frees_after_bounded_timeout_if_ranks_never_report():
 def test_consumer_ignores_remote_decode_and_producer_ignores_remote_prefill():
     assert consumer().get_num_new_matched_tokens("x", 10, {"do_remote_decode": True}) == (0, False)
     assert producer().get_num_new_matched_tokens("x", 10, params()) == (0, False)
+
+
+def warning_for(caplog, raw: dict) -> str:
+    """The one-line warning a consumer logs for ``raw`` while it prefills locally."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="atom_kv.connector.scheduler"):
+        assert consumer().get_num_new_matched_tokens("d1", 40, raw) == (0, False)
+    (record,) = [r for r in caplog.records if r.name == "atom_kv.connector.scheduler"]
+    text = record.getMessage()
+    assert "\n" not in text and "d1" in text and "prefilling locally" in text
+    return text
+
+
+@pytest.mark.parametrize(
+    "change,key",
+    [
+        ({"remote_handshake_port": 0}, "`remote_handshake_port` must be a TCP port in 1..65535, got 0"),
+        ({"remote_tp_size": 0}, "`remote_tp_size` must be >= 1, got 0"),
+        ({"remote_block_ids": []}, "`remote_block_ids` must be a non-empty list of block numbers"),
+        ({"remote_block_ids": [1, -2]}, "`remote_block_ids` must be a non-empty list of block numbers"),
+        ({"remote_host": ""}, "`remote_host` must be a non-empty string"),
+        ({"transfer_id": None}, "missing `transfer_id`"),
+        ({"remote_port": None, "remote_handshake_port": None}, "missing `remote_handshake_port`"),
+    ],
+)
+def test_each_bad_consumer_key_is_named(caplog, change, key):
+    assert key in warning_for(caplog, dict(params(), **change))
+
+
+def test_unknown_keys_are_tolerated_and_params_are_not_modified():
+    s = consumer()
+    raw = dict(params(), router_hint="abc", another={"x": 1})
+    before = dict(raw)
+    assert s.get_num_new_matched_tokens("d1", 40, raw) == (40, True)
+    assert raw == before  # nothing slipped into the caller's dict
+    s.update_state_after_alloc("d1", [1, 2, 3], 40)
+    assert s.build_connector_meta().loads[0].num_tokens == 40
+
+
+def test_atom_style_params_fall_back_to_the_unprefixed_keys():
+    s = consumer()
+    raw = {k: v for k, v in params().items() if k not in ("remote_handshake_port", "remote_tp_size", "remote_dp_rank")}
+    assert s.get_num_new_matched_tokens("d1", 40, raw) == (40, True)
+    s.update_state_after_alloc("d1", [1, 2, 3], 40)
+    (spec,) = s.build_connector_meta().loads
+    assert (spec.remote_handshake_port, spec.remote_tp_size, spec.remote_dp_rank) == (7000, 2, 1)
+
+
+# --- local prefix-cache hits (num_computed_tokens) -----------------------------
+def test_prefix_hit_loads_only_the_uncached_blocks():
+    s = consumer()
+    remote = [20, 21, 22, 23]
+    assert s.get_num_new_matched_tokens("d1", 60, params(blocks=remote), num_computed_tokens=32) == (28, True)
+    assert s.get_num_new_matched_tokens("d1", 60, params(blocks=remote), num_computed_tokens=32) == (28, True)
+    s.update_state_after_alloc("d1", [5, 6, 7, 8], 28)  # all the request's blocks
+    (spec,) = s.build_connector_meta().loads
+    assert spec.block_ids == [7, 8] and spec.remote_block_ids == [22, 23] and spec.num_tokens == 60
+    assert s.get_num_new_matched_tokens("d1", 60, params(blocks=remote), num_computed_tokens=32) == (28, True)
+    assert s.update_connector_output(Out(finished_recving=["d1"])).ready == ["d1"]
+
+
+def test_whole_prompt_cached_loads_nothing_and_releases_the_transfer():
+    s = consumer()
+    assert s.get_num_new_matched_tokens("d1", 40, params(), num_computed_tokens=40) == (0, False)
+    s.update_state_after_alloc("d1", [1, 2, 3], 0)
+    meta = s.build_connector_meta()
+    assert meta.loads == []
+    (skipped,) = meta.skipped_loads
+    assert (skipped.transfer_id, skipped.remote_host, skipped.remote_handshake_port, skipped.remote_tp_size) == (
+        "P-r1", "10.0.0.1", 7000, 2)
+    assert s.build_connector_meta().skipped_loads == [] and not s.has_pending()
+    assert s.request_finished("d1", [1, 2, 3]) == (False, None)
+
+
+def test_whole_prompt_cached_without_alloc_call_releases_at_finish():
+    s = consumer()
+    assert s.get_num_new_matched_tokens("d1", 40, params(), num_computed_tokens=40) == (0, False)
+    assert s.request_finished("d1", [1, 2, 3]) == (False, None)
+    assert [x.transfer_id for x in s.build_connector_meta().skipped_loads] == ["P-r1"]
+
+
+def test_cached_tokens_beyond_the_remote_blocks_fail_clearly():
+    s = consumer()
+    assert s.get_num_new_matched_tokens("d1", 60, params(blocks=[5, 6]), num_computed_tokens=32) == (28, True)
+    s.update_state_after_alloc("d1", [1, 2, 3, 4], 28)
+    assert s.build_connector_meta().loads == []
+    assert "all within the 32 tokens cached here" in s.update_connector_output(Out()).failed["d1"]
+
+
+def test_negative_num_computed_tokens_is_a_caller_bug():
+    with pytest.raises(ValueError, match="num_computed_tokens"):
+        consumer().get_num_new_matched_tokens("d1", 40, params(), num_computed_tokens=-1)
+
+
+# --- transfer ids ---------------------------------------------------------------
+def test_producer_adopts_a_usable_incoming_transfer_id():
+    s = producer()
+    assert s.get_num_new_matched_tokens("r1", 40, {"do_remote_decode": True, "transfer_id": "proxy-7f3a"}) == (0, False)
+    _, p = s.request_finished("r1", [5, 6, 7])
+    assert p["transfer_id"] == "proxy-7f3a"
+    assert [x.transfer_id for x in s.build_connector_meta().sends] == ["proxy-7f3a"]
+    assert s.update_connector_output(Out(finished_sending=["proxy-7f3a"])).free == ["r1"]
+
+
+@pytest.mark.parametrize("offered", ["x" * 129, "tab\there", "naïve", "", 42, None])
+def test_producer_mints_its_own_for_an_unusable_transfer_id(offered):
+    s = producer()
+    s.get_num_new_matched_tokens("r1", 40, {"do_remote_decode": True, "transfer_id": offered})
+    _, p = s.request_finished("r1", [5])
+    assert p["transfer_id"] == "P-r1"
+
+
+def test_producer_mints_its_own_when_the_transfer_id_is_taken():
+    s = producer()
+    s.get_num_new_matched_tokens("r1", 40, {"do_remote_decode": True, "transfer_id": "same"})
+    s.get_num_new_matched_tokens("r2", 40, {"do_remote_decode": True, "transfer_id": "same"})  # r1 is live
+    assert s.request_finished("r2", [9])[1]["transfer_id"] == "P-r2"
+    assert s.request_finished("r1", [5])[1]["transfer_id"] == "same"
+    s.get_num_new_matched_tokens("r3", 40, {"do_remote_decode": True, "transfer_id": "same"})  # r1's lease holds it
+    assert s.request_finished("r3", [6])[1]["transfer_id"] == "P-r3"
+    assert s.update_connector_output(Out(finished_sending=["same"])).free == ["r1"]
+    s.get_num_new_matched_tokens("r4", 40, {"do_remote_decode": True, "transfer_id": "same"})  # just released
+    assert s.request_finished("r4", [7])[1]["transfer_id"] == "P-r4"
+    s.get_num_new_matched_tokens("r5", 40, {"do_remote_decode": True, "transfer_id": "fresh"})
+    assert s.request_finished("r5", [8])[1]["transfer_id"] == "fresh"
+
+
+def test_an_aborted_request_frees_its_adopted_transfer_id():
+    s = producer()
+    s.get_num_new_matched_tokens("r1", 40, {"do_remote_decode": True, "transfer_id": "retry-me"})
+    assert s.request_finished("r1", [5], aborted=True) == (False, None)
+    s.get_num_new_matched_tokens("r2", 40, {"do_remote_decode": True, "transfer_id": "retry-me"})
+    assert s.request_finished("r2", [5])[1]["transfer_id"] == "retry-me"

@@ -62,7 +62,7 @@ def test_cma_refuses_peer_on_other_host() -> None:
     with create_backend("cma", _cfg()) as a, create_backend("cma", _cfg()) as b:
         buf = np.zeros(4096, dtype=np.uint8)
         a.register_memory(buf.ctypes.data, 4096)
-        desc = wire.decode_cma_descriptor(a.export_descriptor())
+        desc = wire.decode(a.export_descriptor(), wire.CmaDescriptor)
         desc.host_id = "elsewhere/boot/1"
         with pytest.raises(TransferError, match="another host.*'tcp'"):
             b.add_peer(wire.encode(desc))
@@ -92,7 +92,7 @@ def test_auto_uses_cma_on_this_host_and_tcp_otherwise() -> None:
         blob = a.export_descriptor()
         same = b.add_peer(blob)
         assert b.backend_for(same) == "cma"  # type: ignore[attr-defined]
-        desc = wire.decode_auto_descriptor(blob)
+        desc = wire.decode(blob, wire.AutoDescriptor)
         desc.host_id = "elsewhere/boot/1"
         remote = b.add_peer(wire.encode(desc))
         assert b.backend_for(remote) == "tcp"  # type: ignore[attr-defined]

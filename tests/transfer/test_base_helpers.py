@@ -186,7 +186,7 @@ def test_read_handle_untracked_settles_on_finish() -> None:
 
 
 def test_read_state_settles_only_after_every_job_reported() -> None:
-    from atom_kv.transfer._tcp_peer import ReadState
+    from atom_kv.transfer._jobs import ReadState
     from atom_kv.transfer.base import ReadHandle
 
     h = ReadHandle()
@@ -202,7 +202,7 @@ def test_read_state_settles_only_after_every_job_reported() -> None:
 
 
 def test_read_state_success() -> None:
-    from atom_kv.transfer._tcp_peer import ReadState
+    from atom_kv.transfer._jobs import ReadState
     from atom_kv.transfer.base import ReadHandle
 
     h = ReadHandle()

@@ -25,7 +25,7 @@ def served() -> Iterator[tuple[TcpBackend, np.ndarray, wire.TcpDescriptor]]:
     buf = np.arange(SIZE, dtype=np.uint8)
     be.max_region_bytes = 16 * 1024
     assert be.register_memory(buf.ctypes.data, SIZE, align=4096) == [0, 1, 2, 3]
-    desc = wire.decode_tcp_descriptor(be.export_descriptor())
+    desc = wire.decode(be.export_descriptor(), wire.TcpDescriptor)
     yield be, buf, desc
     be.close()
 
@@ -39,13 +39,13 @@ def _connect(desc: wire.TcpDescriptor, token: str | None = "tok") -> socket.sock
 def _request(s: socket.socket, req_id: int, triples: list[tuple[int, int, int]]) -> wire.ReadReply:
     packed = np.array(triples, dtype="<u8").tobytes() if triples else b""
     s.sendall(frame(wire.encode(wire.ReadRequest(req_id=req_id, ranges=[], packed=packed))))
-    return wire.decode_read_reply(recv_frame(s))
+    return wire.decode(recv_frame(s), wire.ReadReply)
 
 
 def test_hello_with_wrong_token_is_refused(served) -> None:
     be, _, desc = served
     with _connect(desc, token="nope") as s:
-        reply = wire.decode_tcp_hello_reply(recv_frame(s))
+        reply = wire.decode(recv_frame(s), wire.TcpHelloReply)
         assert not reply.ok and "auth_token" in reply.error
         assert s.recv(1) == b""  # server hung up
     assert be.server.auth_failures == 1
@@ -54,7 +54,7 @@ def test_hello_with_wrong_token_is_refused(served) -> None:
 def test_malicious_ranges_refused_then_good_read(served) -> None:
     be, buf, desc = served
     with _connect(desc) as s:
-        assert wire.decode_tcp_hello_reply(recv_frame(s)).ok
+        assert wire.decode(recv_frame(s), wire.TcpHelloReply).ok
         evil = [
             [(3, 16 * 1024 - 10, 20)],  # past the last region's end
             [(4, 0, 1)],  # no such region
@@ -79,12 +79,12 @@ def test_malicious_ranges_refused_then_good_read(served) -> None:
 def test_garbage_frames_are_counted_and_survived(served) -> None:
     be, buf, desc = served
     with _connect(desc) as s:
-        assert wire.decode_tcp_hello_reply(recv_frame(s)).ok
+        assert wire.decode(recv_frame(s), wire.TcpHelloReply).ok
         s.sendall(frame(b"\xc1not msgpack"))
-        reply = wire.decode_read_reply(recv_frame(s))
+        reply = wire.decode(recv_frame(s), wire.ReadReply)
         assert not reply.ok
         s.sendall(frame(wire.encode(wire.ReadRequest(req_id=5, ranges=[], packed=b"\x00" * 7))))
-        reply = wire.decode_read_reply(recv_frame(s))
+        reply = wire.decode(recv_frame(s), wire.ReadReply)
         assert not reply.ok and "triples" in reply.error
         reply = _request(s, 6, [(0, 0, 8)])
         assert reply.ok and bytes(recv_exact(s, 8)) == buf[:8].tobytes()
@@ -94,24 +94,24 @@ def test_garbage_frames_are_counted_and_survived(served) -> None:
 def test_legacy_ranges_list_is_served(served) -> None:
     _, buf, desc = served
     with _connect(desc) as s:
-        assert wire.decode_tcp_hello_reply(recv_frame(s)).ok
+        assert wire.decode(recv_frame(s), wire.TcpHelloReply).ok
         req = wire.ReadRequest(req_id=1, ranges=[wire.ReadRange(2, 5, 7)])
         s.sendall(frame(wire.encode(req)))
-        reply = wire.decode_read_reply(recv_frame(s))
+        reply = wire.decode(recv_frame(s), wire.ReadReply)
         assert reply.ok and bytes(recv_exact(s, 7)) == buf[32 * 1024 + 5 : 32 * 1024 + 12].tobytes()
 
 
 def test_legacy_ranges_beyond_int64_are_refused_and_survived(served) -> None:
     be, buf, desc = served
     with _connect(desc) as s:
-        assert wire.decode_tcp_hello_reply(recv_frame(s)).ok
+        assert wire.decode(recv_frame(s), wire.TcpHelloReply).ok
         for i, rng in enumerate([wire.ReadRange(2**64 - 1, 0, 1), wire.ReadRange(0, 2**63, 1)]):
             s.sendall(frame(wire.encode(wire.ReadRequest(req_id=i, ranges=[rng]))))
-            reply = wire.decode_read_reply(recv_frame(s))
+            reply = wire.decode(recv_frame(s), wire.ReadReply)
             assert not reply.ok and reply.req_id == i and "64-bit" in reply.error
         req = wire.ReadRequest(req_id=9, ranges=[wire.ReadRange(0, 3, 4)])
         s.sendall(frame(wire.encode(req)))
-        reply = wire.decode_read_reply(recv_frame(s))
+        reply = wire.decode(recv_frame(s), wire.ReadReply)
         assert reply.ok and bytes(recv_exact(s, 4)) == buf[3:7].tobytes()
     assert be.server.rejected_ranges == 2
 
@@ -120,6 +120,6 @@ def test_bad_hello_frame(served) -> None:
     be, _, desc = served
     with socket.create_connection((desc.host, desc.port), timeout=2) as s:
         s.sendall(frame(b"junk"))
-        reply = wire.decode_tcp_hello_reply(recv_frame(s))
+        reply = wire.decode(recv_frame(s), wire.TcpHelloReply)
         assert not reply.ok
     assert be.server.decode_errors == 1

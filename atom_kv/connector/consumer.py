@@ -1,0 +1,196 @@
+"""The consumer (decode) side of the worker connector, one per TP rank.
+
+For each load the rank reads its head slice of every layer from the
+producer ranks holding it (one :class:`~atom_kv.connector.reads.RankRead`
+per producer rank, on a read pool; handshakes are cached per peer by
+:class:`~atom_kv.connector.peers.PeerTable`), then notifies every producer
+rank that it is done.
+
+A successful load is only reported once every producer rank it read from
+confirmed, with a :class:`~atom_kv.wire.DoneAck`, that it had not released
+the transfer before the done-reading arrived: if the producer's lease expired
+(``abort_timeout_s``) first, its blocks may have been reused and hold another
+request's KV, so the load is reported failed instead (``load_failure_policy``
+then applies). No confirmation within ``handshake_timeout_s`` fails it too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from typing import Optional
+
+from atom_kv.connector.handshake import DoneAckClient, DoneNotifier
+from atom_kv.connector.layout import LayoutError, block_runs, head_overlaps
+from atom_kv.connector.peers import PeerTable, producer_port
+from atom_kv.connector.reads import LoadState, RankRead, ReadContext
+from atom_kv.connector.scheduler import load_budget_s
+from atom_kv.connector.types import ConnectorMetadata, LoadSpec
+from atom_kv.connector.worker import ConnectorWorker
+from atom_kv.wire import DoneReading, HandshakeRequest
+
+__all__ = ["ConsumerWorker"]
+
+logger = logging.getLogger(__name__)
+
+
+class ConsumerWorker(ConnectorWorker):
+    """Owns a decode rank's in-flight loads, its peers and handshake pool,
+    its read pool, the done-reading notifier and the confirmation clients."""
+
+    role = "kv_consumer"
+
+    # what close() may find before _start() ran to the end
+    _peers: Optional[PeerTable] = None
+    _notifier: Optional[DoneNotifier] = None
+    _read_pool: Optional[cf.ThreadPoolExecutor] = None
+    _reads: Optional[ReadContext] = None
+
+    def _start(self) -> None:
+        cfg, rank = self.config, self.tp_rank
+        self._loads: dict[str, LoadState] = {}
+        self._tls = threading.local()  # each read thread's DoneAckClient
+        self._ack_clients: list[DoneAckClient] = []
+        self._notifier = DoneNotifier(self._ctx, name=f"atom-kv-notify-tp{rank}", stats=self.stats_)
+        request = HandshakeRequest(engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size,
+                                   compat=self.compat, backend=self.backend.name, host=self.host,
+                                   auth_token=cfg.auth_token)
+        self._peers = PeerTable(self._ctx, self.backend, cfg, request, stats=self.stats_, stop=self._stop,
+                                name=self._name, thread_prefix=f"atom-kv-hs-client-tp{rank}")
+        self._read_pool = cf.ThreadPoolExecutor(max(4, cfg.num_worker_threads),
+                                                thread_name_prefix=f"atom-kv-read-tp{rank}")
+        self._reads = ReadContext(
+            config=cfg, compat=self.compat, backend=self.backend, peers=self._peers, stats=self.stats_,
+            stop=self._stop, name=self._name, budget_s=load_budget_s(cfg),
+            local_heads=1 if self.compat.is_mla else self.compat.num_kv_heads // self.tp_size,
+        )
+
+    # ------------------------------------------------------------------
+    def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for rid in metadata.cancelled:
+                st = self._loads.get(rid)
+                if st is not None:
+                    st.cancelled = True
+        for spec in metadata.skipped_loads:  # nothing to read: the producer may free the blocks now
+            self._notify_done(spec, ok=True)
+        for spec in metadata.loads:
+            self._start_load(spec, now)
+
+    def _start_load(self, spec: LoadSpec, now: float) -> None:
+        rid = spec.request_id
+        if self._closed or self._read_pool is None or self._reads is None:
+            why = "the connector is closed"
+            logger.warning("%s: request %s: cannot load remote KV: %s", self._name, rid, why)
+            self._fail_load(rid, why)
+            return
+        local = self._kv.layouts
+        try:
+            overlaps = head_overlaps(self.compat.num_kv_heads, self.tp_size, self.tp_rank,
+                                     spec.remote_tp_size, is_mla=self.compat.is_mla)
+            runs = block_runs(spec.block_ids, spec.remote_block_ids)
+            if not local:
+                raise LayoutError("this rank has not registered its KV caches")
+        except LayoutError as exc:
+            self._fail_load(rid, str(exc))
+            self._notify_done(spec, ok=False)
+            return
+        ranks = {o.remote_rank for o in overlaps}
+        st = LoadState(spec, now, set(ranks), frozenset(ranks))
+        with self._lock:
+            if rid in self._loads:
+                logger.warning("%s: request %s is already loading; ignoring the duplicate", self._name, rid)
+                return
+            self._loads[rid] = st
+        for ov in overlaps:
+            try:
+                self._read_pool.submit(self._run_read, RankRead(self._reads, st, ov, runs, local))
+            except RuntimeError:  # closed concurrently
+                self._rank_done(st, ov.remote_rank, "the connector is closed")
+
+    def _run_read(self, read: RankRead) -> None:
+        st, rank = read.load, read.remote_rank
+        try:
+            error = read.run()
+        except Exception as exc:  # never lose a load to a bug: fail it clearly
+            logger.exception("%s: request %s: read from rank %d crashed", self._name, st.spec.request_id, rank)
+            error = f"internal error: {exc}"
+        self._rank_done(st, rank, error)
+
+    def _rank_done(self, st: LoadState, remote_rank: int, error: Optional[str]) -> None:
+        rid = st.spec.request_id
+        with self._lock:
+            st.pending.discard(remote_rank)
+            if error is not None and st.error is None:
+                st.error = error
+            if st.pending:
+                return
+            error = st.error
+        if error is None:
+            # the last read of this load (a read thread): the blocks only count
+            # once every producer rank read from confirms it still held them
+            error = self._confirm_reads(st)
+        with self._lock:
+            self._loads.pop(rid, None)
+            if error is None:
+                self._finished_recv.append(rid)
+            else:
+                self._failed_recv[rid] = error
+        if error is not None:
+            logger.warning("%s: request %s: load of transfer %s failed: %s",
+                           self._name, rid, st.spec.transfer_id, error)
+        if st.error is not None:
+            self._notify_done(st.spec, ok=False)
+
+    def _confirm_reads(self, st: LoadState) -> Optional[str]:
+        """Send ``DoneReading(want_ack)`` to the producer ranks read from (a
+        plain notice to the others) and wait for their acks; the reason the
+        load cannot be trusted, or None."""
+        spec = st.spec
+        self._notify_done(spec, ok=True, skip=st.read_ranks)
+        client: Optional[DoneAckClient] = getattr(self._tls, "ack_client", None)
+        if client is None:
+            client = self._tls.ack_client = DoneAckClient(self._ctx, stats=self.stats_)
+            with self._lock:
+                self._ack_clients.append(client)
+        targets = {r: (spec.remote_host, producer_port(spec, r)) for r in sorted(st.read_ranks)}
+        msg = self._done_msg(spec, ok=True, want_ack=True)
+        try:
+            return client.confirm(targets, msg, self.config.handshake_timeout_s, self._stop)
+        except Exception as exc:  # never lose a load to a bug: fail it clearly
+            logger.exception("%s: request %s: confirming transfer %s crashed", self._name, spec.request_id,
+                             spec.transfer_id)
+            return f"internal error while confirming the read: {exc}"
+
+    def _notify_done(self, spec: LoadSpec, *, ok: bool, skip: frozenset[int] = frozenset()) -> None:
+        if self._notifier is None:
+            return
+        msg = self._done_msg(spec, ok=ok)
+        for rank in range(spec.remote_tp_size):
+            if rank not in skip:
+                self._notifier.send(spec.remote_host, producer_port(spec, rank), msg)
+
+    def _done_msg(self, spec: LoadSpec, *, ok: bool, want_ack: bool = False) -> DoneReading:
+        return DoneReading(transfer_id=spec.transfer_id, engine_id=self.engine_id, tp_rank=self.tp_rank,
+                           tp_size=self.tp_size, ok=ok, auth_token=self.config.auth_token, want_ack=want_ack)
+
+    # ------------------------------------------------------------------
+    def num_loading(self) -> int:
+        with self._lock:
+            return len(self._loads)
+
+    def _close_role(self) -> None:
+        if self._peers is not None:
+            self._peers.close()
+        self._close_backend()  # settles every read still in flight
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            clients, self._ack_clients = self._ack_clients, []
+        for client in clients:  # their threads have ended with the read pool
+            client.close()
+        if self._notifier is not None:
+            self._notifier.close()

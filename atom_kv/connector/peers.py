@@ -1,0 +1,166 @@
+"""A consumer rank's producer peers.
+
+One handshake per peer (remote engine id, host, handshake port) runs on a
+small named pool and its result is cached; consecutive failures are counted,
+and a peer that reaches ``peer_failure_threshold`` is dropped (from the
+backend too), so its next use handshakes again. A failed handshake is never
+cached.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import zmq
+
+from atom_kv.config import KVTransferConfig
+from atom_kv.connector.handshake import HandshakeError, HandshakeRejected, compat_mismatch, handshake_port, request_handshake
+from atom_kv.connector.kv_caches import peer_layouts
+from atom_kv.connector.layout import HeadOverlap, ReadPlanner, TensorLayout
+from atom_kv.connector.stats import TransferStats
+from atom_kv.connector.types import LoadSpec
+from atom_kv.transfer import TransferBackend
+from atom_kv.wire import HandshakeRequest
+
+__all__ = ["Peer", "PeerKey", "PeerTable", "producer_port"]
+
+logger = logging.getLogger(__name__)
+
+#: (remote engine id, host, handshake port of one producer rank)
+PeerKey = tuple[str, str, int]
+
+
+def producer_port(spec: LoadSpec, rank: int) -> int:
+    """The handshake port of producer rank ``rank`` of the engine ``spec`` reads from."""
+    return handshake_port(spec.remote_handshake_port, spec.remote_dp_rank, spec.remote_tp_size, rank)
+
+
+@dataclass
+class Peer:
+    """A producer rank this consumer rank completed a handshake with."""
+
+    key: PeerKey
+    peer_id: str  # the transfer backend's id for it
+    tp_rank: int
+    tensors: list[TensorLayout]
+    planners: dict[HeadOverlap, ReadPlanner] = field(default_factory=dict)
+
+    def planner(self, local: list[TensorLayout], overlap: HeadOverlap, *, local_heads: int,
+                remote_heads: int) -> ReadPlanner:
+        """The read planner from this peer's tensors into ``local`` for ``overlap`` (built once)."""
+        planner = self.planners.get(overlap)
+        if planner is None:
+            planner = ReadPlanner(local, self.tensors, overlap, local_heads=local_heads, remote_heads=remote_heads)
+            self.planners[overlap] = planner
+        return planner
+
+
+class PeerTable:
+    """Owns a consumer rank's handshake pool, one cached handshake per peer,
+    and the consecutive-failure count that decides when a peer is dropped."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        backend: TransferBackend,
+        config: KVTransferConfig,
+        request: HandshakeRequest,
+        *,
+        stats: TransferStats,
+        stop: threading.Event,
+        name: str,
+        thread_prefix: str,
+    ) -> None:
+        self._ctx = ctx
+        self._backend = backend
+        self._config = config
+        self._request = request
+        self._stats = stats
+        self._stop = stop
+        self._name = name
+        self._lock = threading.Lock()
+        self._peers: dict[PeerKey, cf.Future] = {}
+        self._failures: dict[PeerKey, int] = {}
+        self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix=thread_prefix)
+
+    def get(self, spec: LoadSpec, remote_rank: int) -> tuple[PeerKey, cf.Future]:
+        """The peer's key and its (maybe still running) handshake; starts one if none is cached."""
+        key = (spec.remote_engine_id, spec.remote_host, producer_port(spec, remote_rank))
+        with self._lock:
+            fut = self._peers.get(key)
+            if fut is None or (fut.done() and fut.exception() is not None):
+                fut = self._pool.submit(self._handshake, key, remote_rank, spec.remote_tp_size)
+                self._peers[key] = fut
+            return key, fut
+
+    def succeeded(self, key: PeerKey) -> None:
+        """A read from the peer worked: its failure count starts over."""
+        with self._lock:
+            self._failures.pop(key, None)
+
+    def failed(self, key: PeerKey, fut: cf.Future, peer: Optional[Peer]) -> None:
+        """Count a consecutive failure; past the threshold, forget the peer so the next use re-handshakes."""
+        with self._lock:
+            if self._peers.get(key) is not fut:
+                return  # a failure on a peer already replaced: says nothing about the new one
+            n = self._failures.get(key, 0) + 1
+            self._failures[key] = n
+            if n < self._config.peer_failure_threshold:
+                if peer is None and fut.done():
+                    del self._peers[key]  # a failed handshake is never cached
+                return
+            self._failures.pop(key, None)
+            if not fut.done():
+                return  # the handshake is still running; its own timeout ends it
+            del self._peers[key]
+        self._stats.add(peers_dropped=1)
+        logger.warning("%s: peer %s at %s:%d declared failed after %d consecutive failures; will re-handshake",
+                       self._name, key[0], key[1], key[2], n)
+        if peer is not None:
+            try:
+                self._backend.remove_peer(peer.peer_id)
+            except Exception as exc:
+                logger.warning("%s: removing peer %s failed: %s", self._name, peer.peer_id, exc)
+
+    def close(self) -> None:
+        """Stop the pool; running handshakes end with the connector's stop event."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _handshake(self, key: PeerKey, remote_rank: int, remote_tp: int) -> Peer:
+        _, host, port = key
+        t0 = time.perf_counter()
+        try:
+            reply = request_handshake(self._ctx, host, port, self._request, self._config.handshake_timeout_s,
+                                      self._stop)
+            if not reply.ok:
+                raise HandshakeRejected(f"handshake with {host}:{port} refused: {reply.error}")
+            if reply.compat is not None and (err := compat_mismatch(self._request.compat, reply.compat)):
+                raise HandshakeRejected(f"handshake with {host}:{port}: {err}")
+            if key[0] and reply.engine_id and reply.engine_id != key[0]:
+                # a restarted producer: the KV this transfer names is gone
+                raise HandshakeRejected(
+                    f"{host}:{port} is now engine {reply.engine_id}, not {key[0]} that prefilled this "
+                    "request (the prefill engine restarted; its KV is gone)"
+                )
+            if reply.tp_size != remote_tp or reply.tp_rank != remote_rank:
+                raise HandshakeRejected(
+                    f"{host}:{port} is TP rank {reply.tp_rank} of {reply.tp_size}, "
+                    f"expected rank {remote_rank} of {remote_tp}"
+                )
+            peer_id = self._backend.add_peer(reply.descriptor)
+        except HandshakeError:
+            self._stats.add(handshake_failures=1)
+            raise
+        except Exception as exc:
+            self._stats.add(handshake_failures=1)
+            raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
+        elapsed = time.perf_counter() - t0
+        self._stats.add(handshakes=1, handshake_seconds=elapsed)
+        logger.info("%s: handshake with engine %s rank %d at %s:%d took %.1f ms",
+                    self._name, reply.engine_id, reply.tp_rank, host, port, elapsed * 1e3)
+        return Peer(key, peer_id, reply.tp_rank, peer_layouts(reply.regions))

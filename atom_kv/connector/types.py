@@ -1,0 +1,79 @@
+"""Values that cross the engine/connector seam (and TP process boundaries).
+
+All are msgspec Structs: cheap to encode once per step and send to every
+TP worker, and picklable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+__all__ = ["LoadSpec", "SendSpec", "ConnectorMetadata", "KVConnectorOutput", "SchedulerEvents"]
+
+
+class LoadSpec(msgspec.Struct, kw_only=True, array_like=True):
+    """Consumer: read ``remote_block_ids`` of the producer into ``block_ids``."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    remote_block_ids: list[int]
+    num_tokens: int
+    remote_engine_id: str
+    remote_host: str
+    remote_handshake_port: int
+    remote_tp_size: int = 1
+    remote_dp_rank: int = 0
+
+
+class SendSpec(msgspec.Struct, kw_only=True, array_like=True):
+    """Producer: ``block_ids`` of ``transfer_id`` are held for remote readers."""
+
+    transfer_id: str
+    block_ids: list[int]
+
+
+class ConnectorMetadata(msgspec.Struct, kw_only=True):
+    """What the scheduler-side connector tells every worker for one step."""
+
+    loads: list[LoadSpec] = []
+    sends: list[SendSpec] = []
+    released: list[str] = []   # producer transfer ids whose blocks were freed (done or lease expired)
+    cancelled: list[str] = []  # consumer request ids aborted while loading
+    #: consumer loads found unnecessary (the whole prompt was in the local
+    #: prefix cache): each rank tells the producer ranks they may free the blocks
+    skipped_loads: list[LoadSpec] = []
+
+
+class KVConnectorOutput(msgspec.Struct, kw_only=True):
+    """Finished sets from one worker (or, aggregated, from all of them)."""
+
+    finished_sending: list[str] = []       # producer transfer ids
+    finished_recving: list[str] = []       # consumer request ids
+    failed_recving: dict[str, str] = {}    # consumer request id -> reason
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.failed_recving)
+
+
+@dataclass
+class SchedulerEvents:
+    """What the engine's scheduler must act on after ``update_connector_output``.
+
+    - ``ready``: remote KV fully loaded on every rank; schedule for decode.
+    - ``failed``: request id -> error; end the request with that error and
+      free its blocks.
+    - ``recompute``: the load failed and policy is ``recompute``; keep the
+      blocks and run the prefill locally.
+    - ``free``: delayed frees now due; free these requests' blocks now.
+    """
+
+    ready: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    recompute: list[str] = field(default_factory=list)
+    free: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.ready or self.failed or self.recompute or self.free)
