@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import msgspec
 import zmq
 
 from atom_kv.config import KVTransferConfig
@@ -87,6 +88,12 @@ class PeerTable:
         self._peers: dict[PeerKey, cf.Future] = {}
         self._failures: dict[PeerKey, int] = {}
         self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix=thread_prefix)
+
+    def rename(self, engine_id: str, name: str) -> None:
+        """Handshake as ``engine_id`` from now on (see ``ConnectorWorker.set_engine_id``)."""
+        with self._lock:
+            self._request = msgspec.structs.replace(self._request, engine_id=engine_id)
+            self._name = name
 
     def get(self, spec: LoadSpec, remote_rank: int) -> tuple[PeerKey, cf.Future]:
         """The peer's key and its (maybe still running) handshake; starts one if none is cached."""

@@ -27,22 +27,27 @@ def cma_unavailable() -> str:
 PROMPTS = [list(range(5, 12)), list(range(30, 46)), list(range(100, 140))]  # 7, 16 (one full block) and 40 tokens
 
 
-def _engines(p_tp: int, d_tp: int, backend: str, *, mla: bool = False, block_size: int = 16,
-             p_kv: dict | None = None, d_kv: dict | None = None, p_blocks: int = 64) -> tuple[AtomEngine, AtomEngine]:
-    P = AtomEngine("P", "kv_producer", tp=p_tp, port=port_range(p_tp), backend=backend, mla=mla,
-                   block_size=block_size, num_blocks=p_blocks, **(p_kv or {}))
+def _engines(p_tp: int, d_tp: int, backend: str, *, p_kv: dict | None = None, d_kv: dict | None = None,
+             p_blocks: int = 64, **both) -> tuple[AtomEngine, AtomEngine]:
+    """A producer (seed 1) and a consumer (seed 2) engine: the consumer can tell read KV from its own."""
+    P = AtomEngine("P", "kv_producer", tp=p_tp, port=port_range(p_tp), seed=1, backend=backend,
+                   num_blocks=p_blocks, **both, **(p_kv or {}))
     try:
-        D = AtomEngine("D", "kv_consumer", tp=d_tp, port=port_range(d_tp), backend=backend, mla=mla,
-                       block_size=block_size, **(d_kv or {}))
+        D = AtomEngine("D", "kv_consumer", tp=d_tp, port=port_range(d_tp), seed=2, backend=backend,
+                       **both, **(d_kv or {}))
     except BaseException:
         P.close()
         raise
+    D.remote_seed = P.seed
     return P, D
 
 
-def exchange(p_tp: int, d_tp: int, backend: str, *, mla: bool = False, block_size: int = 16) -> None:
-    """Prefill on P, read on D, decode on D: outputs as if colocated, every block freed on both."""
-    P, D = _engines(p_tp, d_tp, backend, mla=mla, block_size=block_size)
+def exchange(p_tp: int, d_tp: int, backend: str, **layout) -> None:
+    """Prefill on P, read on D, decode on D: outputs as if colocated, every block freed on both.
+
+    ``layout``: ``mla=True``, ``fp8=True`` (with per-token scales), ``block_size=32`` (two physical blocks).
+    """
+    P, D = _engines(p_tp, d_tp, backend, **layout)
     try:
         prefilled = prefill_on(P, PROMPTS)
         assert P.blocks_in_use() > 0  # held for the readers
@@ -67,7 +72,7 @@ def _dead_params(prompt_len: int, block_size: int = 16) -> dict:
 
 def failed_load(policy: str, d_tp: int = 2) -> None:
     """A load that cannot complete: ``recompute`` prefills locally, ``fail`` ends the request; blocks freed."""
-    D = AtomEngine("D", "kv_consumer", tp=d_tp, port=port_range(d_tp), load_failure_policy=policy,
+    D = AtomEngine("D", "kv_consumer", tp=d_tp, port=port_range(d_tp), seed=2, load_failure_policy=policy,
                    handshake_timeout_s=0.3)
     try:
         prompt = PROMPTS[2]
@@ -86,7 +91,7 @@ def failed_load(policy: str, d_tp: int = 2) -> None:
 
 def abort_while_loading(d_tp: int = 2) -> None:
     """The client goes away while the load runs: the request ends, its blocks come back once no rank writes them."""
-    D = AtomEngine("D", "kv_consumer", tp=d_tp, port=port_range(d_tp), handshake_timeout_s=2.0)
+    D = AtomEngine("D", "kv_consumer", tp=d_tp, port=port_range(d_tp), seed=2, handshake_timeout_s=2.0)
     try:
         prompt = PROMPTS[2]
         seq = D.add(prompt, 3, _dead_params(len(prompt)))
@@ -119,6 +124,26 @@ def lease_expiry(backend: str = "tcp") -> None:
         assert D.errors == [], D.errors
         assert late.leave_reason == "max_tokens" and late.output_tokens == expected_output(prompt_a, 3)
         assert late.id in D.prefilled  # recomputed: the read was refused
+    finally:
+        P.close()
+        D.close()
+
+
+def prefix_hit(backend: str = "tcp") -> None:
+    """A decode engine with prefix caching (ATOM's default) reads only the blocks past its local hit: the
+    cached blocks keep its own KV, the rest is the producer's."""
+    shared = list(range(400, 448))                 # 3 blocks both requests start with
+    P, D = _engines(1, 2, backend, prefix_caching=True)
+    try:
+        first = D.add(shared + [7, 8], 2)          # computed on D: its blocks enter D's prefix cache
+        run_until([D], lambda: first.id in D.finished and D.idle())
+        prompt = shared + list(range(500, 540))    # 88 tokens: 3 blocks cached on D, 3 to read
+        (prefilled,) = prefill_on(P, [prompt])
+        seq = D.add(prompt, 3, decode_params(prefilled))
+        run_until([P, D], lambda: seq.id in D.finished and D.idle() and P.idle())
+        assert D.cached_at_alloc[seq.id] == 48, D.cached_at_alloc
+        assert D.errors == [], D.errors           # cached positions carry D's KV, the others P's
+        assert seq.id not in D.prefilled and seq.output_tokens == expected_output(prompt, 3)
     finally:
         P.close()
         D.close()

@@ -49,8 +49,12 @@ def test_pd_exchange_mla_replicated_latent():
     sc.exchange(1, 2, "tcp", mla=True)
 
 
-def test_pd_exchange_block_of_two_physical_blocks():
-    sc.exchange(1, 1, "tcp", block_size=32)
+def test_pd_exchange_block_of_two_physical_blocks_heterogeneous_tp():
+    sc.exchange(2, 1, "tcp", block_size=32)
+
+
+def test_pd_exchange_fp8_with_scales():
+    sc.exchange(1, 2, "tcp", fp8=True)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

@@ -72,7 +72,7 @@ def describe_atom_caches(
     dtype = str(first.k_cache.dtype).removeprefix("torch.")
     compat = CompatInfo(model_id=model_id, dtype=dtype, num_layers=len(entries),
                         num_kv_heads=heads if layout.is_mla else heads * tp_size, head_dim=head_dim,
-                        block_size=block_size, is_mla=layout.is_mla)
+                        block_size=block_size, is_mla=layout.is_mla, layout=layout.label)
     return AtomCaches(layout, compat, layers, geometry)
 
 

@@ -131,12 +131,21 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         return n, is_async
 
     def update_state_after_alloc(self, seq: Any) -> None:
-        """ATOM allocated the request's blocks: queue the load into ``seq.block_table``."""
+        """ATOM allocated the request's blocks: queue the load into ``seq.block_table``.
+
+        ATOM looks its prefix cache up after asking the connector, so only
+        here is the local hit (``seq.num_cached_tokens``) known: the request
+        is matched again with it, and only blocks past the hit are read.
+        """
         sid = seq.id
         if self._matched.pop(sid, None) is None or self.is_producer:
             return
-        self._hooks.update_state_after_alloc(str(sid), list(seq.block_table), seq.num_prompt_tokens)
-        self._parked[sid] = seq
+        rid, cached = str(sid), int(seq.num_cached_tokens or 0)
+        remote, is_async = self._hooks.get_num_new_matched_tokens(rid, seq.num_prompt_tokens, seq.kv_transfer_params,
+                                                                  num_computed_tokens=cached)
+        self._hooks.update_state_after_alloc(rid, list(seq.block_table), remote)
+        if is_async:
+            self._parked[sid] = seq
 
     def should_park_for_load_after_alloc(self, seq: Any) -> bool:
         """ATOM parks the request (``WAITING_FOR_REMOTE_KVS``) while its load runs."""

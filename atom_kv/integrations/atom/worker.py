@@ -68,7 +68,7 @@ class AtomKVWorker(KVConnectorBase):
             tp_size=self.tp_size, dp_rank=self.dp_rank, compat=caches.compat,
         )
         try:
-            hooks.register_kv_caches(_core_layers(caches))
+            hooks.register_kv_caches(caches.layers)
         except BaseException:
             hooks.close()
             raise
@@ -84,7 +84,8 @@ class AtomKVWorker(KVConnectorBase):
         if self._hooks is None:
             raise RuntimeError("atom_kv: start_load_kv before register_kv_caches")
         if metadata.engine_id != self._engine_id:
-            self._adopt_engine_id(metadata.engine_id)
+            self._hooks.set_engine_id(metadata.engine_id)
+            self._engine_id = metadata.engine_id
         self._hooks.start_load_kv(step)
 
     def get_finished(self) -> AtomKVConnectorOutput:
@@ -108,30 +109,6 @@ class AtomKVWorker(KVConnectorBase):
         """Stop this rank's threads and sockets and release the backend (idempotent)."""
         if self._hooks is not None:
             self._hooks.close()
-
-    def _adopt_engine_id(self, engine_id: str) -> None:
-        hooks: Any = self._hooks
-        hooks.engine_id = engine_id
-        hooks._name = f"{engine_id}/dp{self.dp_rank}/tp{self.tp_rank}"
-        self._engine_id = engine_id
-
-
-def _core_layers(caches: AtomCaches) -> list[Any]:
-    """The caches in the form the worker hooks register: per layer ``(k, v)``
-    viewed as ``[blocks, heads, block_size, head_dim]`` (same bytes; the layout
-    is in the compat info), or the MLA latent as ``[blocks, block_size, L]``."""
-    c = caches.compat
-    out: list[Any] = []
-    for layer, (named, geo) in enumerate(zip(caches.layers, caches.geometry)):
-        extra = sorted(set(named) - {"k", "v", "latent"})
-        if extra:
-            raise ValueError(f"layer {layer}: atom-kv cannot move ATOM's {', '.join(extra)} caches yet")
-        if c.is_mla:
-            out.append(named["latent"].view(geo["latent"].num_blocks, c.block_size, geo["latent"].head_dim))
-            continue
-        out.append(tuple(named[k].view(geo[k].num_blocks, geo[k].heads, c.block_size, c.head_dim)
-                         for k in ("k", "v")))
-    return out
 
 
 def _aiter_ranks() -> tuple[int, int, int]:
