@@ -146,7 +146,7 @@ class PeerTable:
                                       self._stop)
             if not reply.ok:
                 raise HandshakeRejected(f"handshake with {host}:{port} refused: {reply.error}")
-            if reply.compat is not None and (err := compat_mismatch(self._request.compat, reply.compat)):
+            if reply.compat is not None and (err := compat_mismatch(self._request.compat, reply.compat, "decode", "prefill")):
                 raise HandshakeRejected(f"handshake with {host}:{port}: {err}")
             if key[0] and reply.engine_id and reply.engine_id != key[0]:
                 # a restarted producer: the KV this transfer names is gone

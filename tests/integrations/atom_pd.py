@@ -91,8 +91,9 @@ def kv_values(seed: int, token: int, pos: int, layer: int, kind: str, head: int,
 class Rank:
     """One TP rank's model runner: its KV tensors as ATOM allocates them and its worker connector."""
 
-    def __init__(self, config: Any, tp_rank: int, tp: int, *, mla: bool, dtype: torch.dtype) -> None:
-        self.tp_rank, self.tp, self.mla, self.dtype = tp_rank, tp, mla, dtype
+    def __init__(self, config: Any, tp_rank: int, tp: int, *, mla: bool, dtype: torch.dtype,
+                 shuffled_v: bool = True) -> None:
+        self.tp_rank, self.tp, self.mla, self.dtype, self.shuffled_v = tp_rank, tp, mla, dtype, shuffled_v
         self.block_size = config.kv_cache_block_size
         nb = config.num_kvcache_blocks
         self.heads = 1 if mla else HEADS // tp
@@ -108,8 +109,8 @@ class Rank:
                 t = {"latent": _empty((P * self.p, 1, LATENT), dtype)}
                 caches[f"layer_{layer}"] = KVCacheTensor(layer_num=layer, k_cache=t["latent"], v_cache=None)
             else:
-                t = {"k": _empty((P, self.heads, HEAD_DIM // x, self.p, x), dtype),
-                     "v": _empty((P, self.heads, self.p // x, HEAD_DIM, x), dtype)}
+                v_shape = (P, self.heads, self.p // x, HEAD_DIM, x) if shuffled_v else (P, self.heads, HEAD_DIM, self.p)
+                t = {"k": _empty((P, self.heads, HEAD_DIM // x, self.p, x), dtype), "v": _empty(v_shape, dtype)}
                 if dtype == FP8:  # ATOM's per-token fp8 scales, [P, h, p] float32
                     t["k_scale"] = _empty((P, self.heads, self.p), torch.float32)
                     t["v_scale"] = _empty((P, self.heads, self.p), torch.float32)
@@ -129,6 +130,8 @@ class Rank:
             return t[pb, h, ps]
         if kind == "k":
             return t[pb, h, :, ps, :]
+        if not self.shuffled_v:  # ATOM 0c982ea92's V: [P, h, d, p]
+            return t[pb, h, :, ps]
         return t[pb, h, ps // self.x, :, ps % self.x]
 
     def _cells(self, seq: Sequence, positions: Iterable[int], seed: Callable[[int], int]):
@@ -166,14 +169,15 @@ class AtomEngine:
 
     def __init__(self, name: str, role: str, *, tp: int, port: int, seed: int, backend: str = "tcp",
                  block_size: int = 16, num_blocks: int = 64, mla: bool = False, fp8: bool = False,
-                 prefix_caching: bool = False, **kv: Any) -> None:
+                 shuffled_v: bool = True, prefix_caching: bool = False, **kv: Any) -> None:
         self.name = name
         self.seed = seed
         self.remote_seed: Optional[int] = None  # the producer's, for KV read from it
         self.config = atom_config(role, tp=tp, block_size=block_size, num_blocks=num_blocks, port=port,
                                   backend=backend, prefix_caching=prefix_caching, **kv)
         self.num_blocks = num_blocks
-        self.ranks = [Rank(self.config, r, tp, mla=mla, dtype=FP8 if fp8 else torch.bfloat16) for r in range(tp)]
+        self.ranks = [Rank(self.config, r, tp, mla=mla, dtype=FP8 if fp8 else torch.bfloat16, shuffled_v=shuffled_v)
+                      for r in range(tp)]
         self.sched = Scheduler(self.config)  # ATOM builds the connector here, through its factory
         self.connector = self.sched.kv_connector
         assert type(self.connector).__name__ == "AtomKVScheduler", type(self.connector)

@@ -8,6 +8,8 @@ engines is free and no connector work is left at the end.
 
 from __future__ import annotations
 
+import logging
+
 from atom.model_engine.sequence import SequenceStatus
 
 from atom_kv.transfer import BackendUnavailable, create_backend
@@ -145,5 +147,32 @@ def prefix_hit(backend: str = "tcp") -> None:
         assert D.errors == [], D.errors           # cached positions carry D's KV, the others P's
         assert seq.id not in D.prefilled and seq.output_tokens == expected_output(prompt, 3)
     finally:
+        P.close()
+        D.close()
+
+
+def layout_mismatch(backend: str = "tcp") -> list[str]:
+    """A decode engine with another KV layout (ATOM 0c982ea92's V, ``aiter``) than the prefill engine
+    (ATOM main's shuffled V, ``aiter-shuffle``): the handshake refuses, nothing is read, the request is
+    recomputed. Returns the decode engine's log lines that give the reason."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logging.getLogger("atom_kv").addHandler(handler)
+    P, D = _engines(1, 1, backend, d_kv={"load_failure_policy": "recompute", "shuffled_v": False})
+    try:
+        prompt = PROMPTS[2]
+        (prefilled,) = prefill_on(P, [prompt])
+        seq = D.add(prompt, 3, decode_params(prefilled))
+        run_until([P, D], lambda: seq.id in D.finished and D.idle() and P.idle())
+        assert D.errors == [] and seq.id in D.prefilled
+        assert seq.output_tokens == expected_output(prompt, 3)
+        return [line for line in lines if "KV layout mismatch" in line]
+    finally:
+        logging.getLogger("atom_kv").removeHandler(handler)
         P.close()
         D.close()

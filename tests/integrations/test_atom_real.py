@@ -66,6 +66,13 @@ def test_prefix_hit_reads_only_uncached_blocks():
     sc.prefix_hit()
 
 
+def test_engines_with_different_kv_layouts_refuse_each_other_in_one_line():
+    lines = sc.layout_mismatch()
+    assert lines, "the decode engine logged no layout refusal"
+    assert all("\n" not in line for line in lines)
+    assert any("KV layout mismatch: layout 'aiter-shuffle' (prefill) vs 'aiter' (decode)" in line for line in lines)
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_load(policy):
     sc.failed_load(policy)
