@@ -40,7 +40,6 @@ import socket
 import sys
 import threading
 import uuid
-from collections import OrderedDict
 from typing import Any, Optional
 
 from atom.kv_transfer.disaggregation.base import KVConnectorSchedulerBase
@@ -48,6 +47,8 @@ from atom.kv_transfer.disaggregation.types import KVConnectorOutput as AtomKVCon
 from atom.model_engine.sequence import SequenceStatus
 
 from atom_kv import engine_hooks
+from atom_kv._lru import BoundedSet
+from atom_kv.config import ConfigError
 from atom_kv.engine_hooks.types import ConnectorMetadata, KVConnectorOutput
 from atom_kv.integrations.atom.metadata import AtomKVMetadata
 from atom_kv.integrations.atom.settings import AtomEngine, advertised_host, require_completion_contract
@@ -90,7 +91,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
             block_size=engine.block_size,
         )
         # producer: finished sequences seen (ATOM reports some twice), and ids whose blocks ATOM may free now
-        self._finished: OrderedDict[int, None] = OrderedDict()
+        self._finished: BoundedSet[int] = BoundedSet(_REMEMBERED)
         self._free_now: list[int] = []
         # matched, not yet allocated (both roles)
         self._matched: dict[int, Any] = {}
@@ -99,7 +100,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         self._parked: dict[int, Any] = {}
         self._loaded: dict[int, Any] = {}
         self._draining: dict[int, Any] = {}
-        self._local: OrderedDict[int, None] = OrderedDict()
+        self._local: BoundedSet[int] = BoundedSet(_REMEMBERED)
         self._held: Optional[ConnectorMetadata] = None  # metadata built while idle, sent with the next batch
         self._announcer: Optional[_Announcer] = None
         if kv.proxy_addresses and engine.dp_rank == 0:
@@ -180,7 +181,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
             freed = self._free_now + [int(rid) for rid in events.free]
             self._free_now = []
             for sid in freed:
-                self._finished.pop(sid, None)
+                self._finished.discard(sid)
             out.finished_sending = set(freed)
             return out
         for rid in events.ready:
@@ -234,9 +235,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         if self.is_producer:
             if sid in self._finished:
                 return  # ATOM calls twice for a streamed request (stream output, then the finish loop)
-            self._finished[sid] = None
-            while len(self._finished) > _REMEMBERED:
-                self._finished.popitem(last=False)
+            self._finished.add(sid)
             prompt_blocks = math.ceil(seq.num_prompt_tokens / self.block_size)
             delay, params = self._hooks.request_finished(str(sid), list(seq.block_table[:prompt_blocks]),
                                                          aborted=aborted)
@@ -246,7 +245,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
                 self._free_now.append(sid)
             return
         self._loaded.pop(sid, None)
-        self._local.pop(sid, None)
+        self._local.discard(sid)
         delay, _ = self._hooks.request_finished(str(sid), list(seq.block_table), aborted=aborted)
         if delay and self._parked.pop(sid, None) is not None:
             self._draining[sid] = seq
@@ -298,9 +297,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
             self._block_manager.deallocate(seq)
 
     def _remember_local(self, sid: int) -> None:
-        self._local[sid] = None
-        while len(self._local) > _REMEMBERED:
-            self._local.popitem(last=False)
+        self._local.add(sid)
 
     def close(self) -> None:
         """Stop announcing the engine and release the scheduler hooks' state."""
@@ -354,7 +351,10 @@ class _Announcer:
 
     def __init__(self, owner: AtomKVScheduler, engine: AtomEngine) -> None:
         kv = engine.kv
-        self.http_port = kv.http_port if kv.http_port is not None else 8000
+        if kv.http_port is None:
+            raise ConfigError("kv-transfer-config: `http_port` must be ATOM's --server-port to register with a proxy "
+                              "(`proxy_ip` is set), got null")
+        self.http_port = kv.http_port
         self.host = owner.host
         self._pinger = engine_hooks.build_registration_pinger(
             kv, role="P" if kv.is_producer else "D", index=str(self.http_port), http_host=owner.host,
