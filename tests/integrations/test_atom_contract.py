@@ -210,3 +210,15 @@ def test_registers_with_the_proxy_once_atoms_http_server_listens():
         http.close()
         router.close(0)
         ctx.term()
+
+
+def test_registering_again_starts_over_on_the_same_ports():
+    from tests.connector.kvutil import port_range
+
+    cfg = atom_config("kv_producer", tp=1, block_size=16, num_blocks=4, port=port_range(1), backend="tcp")
+    worker = AtomKVWorker(cfg, tp_rank=0, tp_size=1, dp_rank=0, host="127.0.0.1")
+    try:
+        for _ in range(2):  # ATOM reallocated its cache: the handshake port is free for the new registration
+            worker.register_kv_caches(_caches((4, 2, 2, 16, 8), (4, 2, 2, 16, 8)), None, num_blocks=4)
+    finally:
+        worker.close()

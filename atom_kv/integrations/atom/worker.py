@@ -55,11 +55,15 @@ class AtomKVWorker(KVConnectorBase):
                            num_blocks: Optional[int] = None) -> None:
         """Check ATOM's caches, register them with the transfer backend and (a
         producer) start answering handshakes. Refuses, in one line, a layout or
-        a model atom-kv cannot move."""
+        a model atom-kv cannot move. Called again (ATOM reallocated its cache),
+        it starts over with the new tensors."""
         engine = self._engine
         caches = describe_atom_caches(kv_caches, block_size=engine.block_size, tp_size=self.tp_size,
                                       model_id=engine.model, num_blocks=num_blocks,
                                       transfer_tensors=transfer_tensors)
+        if self._hooks is not None:
+            self._hooks.close()  # its ports and registrations are the new hooks' to take
+            self._hooks, self._engine_id = None, None
         # The scheduler-side connector names the engine; every step's metadata
         # carries that name. Until the first step this rank answers handshakes
         # as an engine nobody can have KV from (a restarted producer is found out).
