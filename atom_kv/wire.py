@@ -101,7 +101,13 @@ RegistrationMessage = Union[RegisterPing, HelloPing]
 # Handshake port: consumer worker (DEALER) -> producer worker (ROUTER)
 # --------------------------------------------------------------------------
 class CompatInfo(msgspec.Struct, kw_only=True, frozen=True):
-    """What two engines must agree on before a block byte is trusted."""
+    """What two engines must agree on before a block byte is trusted.
+
+    ``layout`` is the KV-cache layout's label (``atom_kv.connector.cache_layouts``:
+    "hnd", "aiter", "aiter-shuffle", each with "/ratio=N" when a block is N
+    physical blocks, or "mla"); empty, as from peers that predate it, means
+    "mla" for an MLA cache and "hnd" otherwise.
+    """
 
     model_id: str
     dtype: str
@@ -110,6 +116,11 @@ class CompatInfo(msgspec.Struct, kw_only=True, frozen=True):
     head_dim: int
     block_size: int
     is_mla: bool = False
+    layout: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.layout:
+            msgspec.structs.force_setattr(self, "layout", "mla" if self.is_mla else "hnd")
 
 
 class RegionInfo(msgspec.Struct, kw_only=True, frozen=True, array_like=True):

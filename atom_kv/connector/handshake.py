@@ -51,10 +51,14 @@ class HandshakeRejected(HandshakeError):
     """The peer answered and refused (auth, compat); retrying won't help."""
 
 
-def compat_mismatch(here: CompatInfo, peer: CompatInfo) -> Optional[str]:
-    """``"KV layout mismatch: block_size 16 (here) vs 32 (peer)"`` or None when compatible."""
+def compat_mismatch(here: CompatInfo, peer: CompatInfo, here_is: str = "here", peer_is: str = "peer") -> Optional[str]:
+    """``"KV layout mismatch: block_size 16 (here) vs 32 (peer)"`` or None when compatible.
+
+    ``here_is``/``peer_is`` name the sides in the message (a refusal sent to the
+    other engine says ``prefill``/``decode``, so it reads right in either log).
+    """
     diffs = [
-        f"{name} {getattr(here, name)!r} (here) vs {getattr(peer, name)!r} (peer)"
+        f"{name} {getattr(here, name)!r} ({here_is}) vs {getattr(peer, name)!r} ({peer_is})"
         for name in here.__struct_fields__
         if getattr(here, name) != getattr(peer, name)
     ]

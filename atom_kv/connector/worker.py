@@ -101,6 +101,20 @@ class ConnectorWorker(WorkerHooks):
         logger.info("%s: registered %d KV tensors (%d layers) with the %s backend",
                     self._name, len(registered.layouts), self.compat.num_layers, self.backend.name)
 
+    def set_engine_id(self, engine_id: str) -> None:
+        """ATOM builds its model runners before the scheduler-side connector
+        that names the engine; the name reaches them with the first step's
+        metadata. Until then the rank answers handshakes under its provisional
+        id, which no consumer can be reading from."""
+        with self._lock:
+            self.engine_id = engine_id
+            self._name = f"{engine_id}/dp{self.dp_rank}/tp{self.tp_rank}"
+            self.stats_.name = f"atom-kv {self._name}"
+        self._renamed()
+
+    def _renamed(self) -> None:
+        """Pass a new :attr:`engine_id` on to what the role built with the old one."""
+
     def get_finished(self) -> KVConnectorOutput:
         with self._lock:
             out = KVConnectorOutput(finished_sending=self._finished_send, finished_recving=self._finished_recv,
