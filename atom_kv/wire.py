@@ -436,6 +436,8 @@ def decode(data: bytes, type_: type[T]) -> T:
         return _decoder(type_).decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): {exc}") from None
+    except RecursionError:  # a few KiB of nested arrays (0x91 0x91 ...) exhaust the decoder's stack
+        raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): nested too deeply") from None
 
 
 def _type_name(type_: Any) -> str:
