@@ -22,6 +22,7 @@ import time
 from typing import Callable, Optional
 
 from atom_kv import wire
+from atom_kv.transfer._decode import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._frame_server import Conn, FrameServer, ServerLimits
 from atom_kv.transfer._sockio import HELLO_FRAME_MAX, frame, recv_frame
@@ -112,7 +113,7 @@ class CmaControlServer:
         """Answer the one request of a connection; the connection then closes."""
         who = f"{self._label}: reader at {conn.peer}"
         try:
-            req = wire.decode(payload, wire.CmaGrantRequest)
+            req = decode(payload, wire.CmaGrantRequest)
         except wire.WireError as exc:
             theirs = peek_version(payload)
             if theirs is not None and theirs != wire.CMA_PROTOCOL_VERSION:
@@ -162,7 +163,7 @@ def request_grant(
     deadline = time.monotonic() + timeout_s
     try:
         with socket.create_connection((desc.ctl_host, desc.ctl_port), timeout=timeout_s) as sock:
-            challenge = wire.decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.CmaChallenge)
+            challenge = decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.CmaChallenge)
             if challenge.v != wire.CMA_PROTOCOL_VERSION:
                 raise TransferError(f"{version_refusal('cma', 'peer', challenge.v, wire.CMA_PROTOCOL_VERSION)} "
                                     f"(grant endpoint {where})")
@@ -171,7 +172,7 @@ def request_grant(
             proof = ReaderProof(auth_token, PURPOSE_CMA_GRANT, challenge.nonce, "cma", f"grant endpoint {where}")
             request = wire.CmaGrantRequest(pid=os.getpid(), key=key, nonce=proof.nonce, proof=proof.proof)
             sock.sendall(frame(wire.encode(request)))
-            reply = wire.decode(recv_frame(sock, deadline, MAX_GRANT_REPLY), wire.CmaGrantReply)
+            reply = decode(recv_frame(sock, deadline, MAX_GRANT_REPLY), wire.CmaGrantReply)
     except wire.WireError as exc:
         if events is not None:
             events.warn("bad_grant", f"cma: bad answer from grant endpoint {where}: {exc}")

@@ -15,6 +15,7 @@ from typing import Optional
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.transfer._decode import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._jobs import JobWorkers, ReadState
 from atom_kv.transfer._regions import RegionTable
@@ -104,7 +105,7 @@ class TcpPeer:
         server's ``max_ranges`` or raises :class:`TransferError`."""
         try:
             try:
-                greeting = wire.decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.TcpServerHello)
+                greeting = decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.TcpServerHello)
             except TimeoutError:
                 raise TransferError(
                     f"tcp: peer {where} sent no server hello within {self._connect_timeout:g}s "
@@ -117,7 +118,7 @@ class TcpPeer:
                 raise TransferError(f"{greeting.error} (peer {where})")
             proof = ReaderProof(self._token, PURPOSE_TCP_READ, greeting.nonce, "tcp", where)
             sock.sendall(frame(wire.encode(wire.TcpHello(key=self._key, nonce=proof.nonce, proof=proof.proof))))
-            reply = wire.decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.TcpHelloReply)
+            reply = decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.TcpHelloReply)
         except wire.WireError as exc:
             self._events.warn("bad_reply", f"tcp: peer {where} sent a bad hello: {exc}")
             raise TransferError(f"tcp: peer {where} sent a bad hello: {exc}") from None
@@ -174,7 +175,7 @@ class TcpPeer:
                 if may_be_stale:
                     raise _Stale() from None
                 raise
-            reply = wire.decode(head, wire.ReadReply)
+            reply = decode(head, wire.ReadReply)
             if not reply.ok:
                 return f"{what}: {reply.error}"
             sizes = table[:, 4]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.transfer._decode import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._frame_server import Conn, FrameServer, ServerLimits
 from atom_kv.transfer._regions import RegionTable, out_of_bounds
@@ -147,7 +148,7 @@ class TcpReadServer:
     def _hello(self, conn: Conn, payload: bytearray) -> bool:
         who = f"{self._label}: reader at {conn.peer}"
         try:
-            hello = wire.decode(payload, wire.TcpHello)
+            hello = decode(payload, wire.TcpHello)
         except wire.WireError as exc:
             theirs = peek_version(payload)
             if theirs is not None and theirs != wire.TCP_PROTOCOL_VERSION:
@@ -184,7 +185,7 @@ class TcpReadServer:
     def _answer(self, conn: Conn, data: bytearray) -> None:
         who = f"{self._label}: reader at {conn.peer}"
         try:
-            req = wire.decode(data, wire.ReadRequest)
+            req = decode(data, wire.ReadRequest)
         except wire.WireError as exc:
             self.events.warn("decode", f"{who}: undecodable read request: {exc}")
             self._send(conn, wire.ReadReply(req_id=-1, ok=False, error=str(exc)[:_MAX_ERROR_CHARS]),

@@ -111,7 +111,7 @@ def peek_version(payload: bytes | bytearray) -> Optional[int]:
     (so a newer peer's hello is refused naming both versions), else None."""
     try:
         obj = msgspec.msgpack.decode(payload)
-    except (msgspec.DecodeError, ValueError, TypeError):
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         return None
     v = obj.get("v") if isinstance(obj, dict) else None
     return v if isinstance(v, int) and not isinstance(v, bool) else None

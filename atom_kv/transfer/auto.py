@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from atom_kv import wire
 from atom_kv.transfer._cma_sys import cma_unavailable_reason
+from atom_kv.transfer._decode import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._lifecycle import Lifecycle
@@ -84,7 +85,7 @@ class AutoBackend(TransferBackend):
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()
         try:
-            desc = wire.decode(descriptor, wire.AutoDescriptor)
+            desc = decode(descriptor, wire.AutoDescriptor)
         except wire.WireError as exc:
             log.warning("auto: bad peer descriptor: %s", exc)
             raise TransferError(f"auto: bad peer descriptor: {exc}") from None

@@ -23,6 +23,7 @@ import numpy as np
 from atom_kv import wire
 from atom_kv.transfer._cma_control import CmaControlServer, request_grant
 from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
+from atom_kv.transfer._decode import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._jobs import JobWorkers, ReadState
@@ -130,7 +131,7 @@ class CmaBackend(TransferBackend):
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()
         try:
-            desc = wire.decode(descriptor, wire.CmaDescriptor)
+            desc = decode(descriptor, wire.CmaDescriptor)
         except wire.WireError as exc:
             log.warning("cma %s: bad peer descriptor: %s", self._key, exc)
             raise TransferError(f"cma: bad peer descriptor: {exc}") from None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.transfer._decode import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._jobs import ReadState
@@ -122,7 +123,7 @@ class TcpBackend(TransferBackend):
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()
         try:
-            desc = wire.decode(descriptor, wire.TcpDescriptor)
+            desc = decode(descriptor, wire.TcpDescriptor)
         except wire.WireError as exc:
             log.warning("tcp %s: bad peer descriptor: %s", self._key, exc)
             raise TransferError(f"tcp: bad peer descriptor: {exc}") from None

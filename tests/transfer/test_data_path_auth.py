@@ -204,6 +204,23 @@ def test_cma_reader_refuses_a_grant_endpoint_that_cannot_prove_the_token(sides) 
     assert TOKEN.encode() not in bytes(fake.to_server)
 
 
+@needs_cma
+def test_cma_grant_endpoint_counts_and_survives_undecodable_requests(sides, caplog) -> None:
+    server = sides("cma", TOKEN, "server")
+    desc = wire.decode(server.backend.export_descriptor(), wire.CmaDescriptor)
+    caplog.set_level(logging.WARNING, logger="atom_kv.transfer")
+    for payload in (b"\xc1junk", b"\x81\xa3zzz" + b"\x91" * 4000 + b"\x00", b"\x93\x01\x02\x03") * 5:
+        with socket.create_connection((desc.ctl_host, desc.ctl_port), timeout=3) as s:
+            assert wire.decode(recv_frame(s), wire.CmaChallenge).ok
+            s.sendall(frame(payload))
+            reply = wire.decode(recv_frame(s), wire.CmaGrantReply)
+            assert not reply.ok and "bad grant request" in reply.error
+    assert server.backend.stats()["decode"] == 15
+    assert 1 <= len(_server_lines(caplog, "server")) <= 3
+    assert not any(r.exc_info for r in caplog.records)
+    sides("cma", TOKEN, "good").read_from(server)
+
+
 # -- protocol versions --------------------------------------------------------------
 def test_tcp_hello_v999_is_refused_naming_both_versions(sides) -> None:
     server = sides("tcp", TOKEN, "server")
@@ -248,11 +265,13 @@ def test_reader_refuses_a_server_speaking_v999(sides) -> None:
     assert fake.to_server == b"", "the reader answered a server of another protocol version"
 
 
-def test_reader_survives_garbage_from_a_server_and_counts_it(sides) -> None:
+@pytest.mark.parametrize("garbage", [b"\xc1\xc1 garbage", b"\x81\xa3zzz" + b"\x91" * 4000 + b"\x00"],
+                         ids=["undecodable", "nested-too-deep"])
+def test_reader_survives_garbage_from_a_server_and_counts_it(sides, garbage: bytes) -> None:
     reader = sides("tcp", None, "reader")
 
     def script(conn: socket.socket, log: bytearray) -> None:
-        conn.sendall(frame(b"\xc1\xc1 garbage"))
+        conn.sendall(frame(garbage))
         record_until_closed(conn, log)
 
     fake = Recorder(script=script)

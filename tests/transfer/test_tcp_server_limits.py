@@ -203,10 +203,11 @@ def test_idle_connections_are_closed_and_readers_reconnect(make_served) -> None:
 def test_decode_failures_are_counted_logged_rate_limited_and_survived(make_served, caplog) -> None:
     srv = make_served(auth_token="tok")
     caplog.set_level(logging.WARNING, logger="atom_kv.transfer")
-    for _ in range(30):
+    deep = b"\x81\xa3zzz" + b"\x91" * 4000 + b"\x00"  # nested deeper than the decoder recurses
+    for i in range(30):
         s, _ = tcp_open(srv.host, srv.port)
         with s:
-            s.sendall(frame(b"\xc1 not msgpack"))
+            s.sendall(frame(b"\xc1 not msgpack" if i % 2 else deep))
             reply = wire.decode(recv_frame(s), wire.TcpHelloReply)
             assert not reply.ok and "bad hello" in reply.error
     s, reply = tcp_login(srv.host, srv.port, "tok")
@@ -217,6 +218,7 @@ def test_decode_failures_are_counted_logged_rate_limited_and_survived(make_serve
     assert srv.stats()["decode"] == 60
     lines = [r for r in caplog.records if "served" in r.getMessage()]
     assert 1 <= len(lines) <= 4, [r.getMessage() for r in lines]
+    assert not any(r.exc_info for r in caplog.records), "a bad frame reached the unexpected-error path"
     srv.read_check(auth_token="tok")
 
 
