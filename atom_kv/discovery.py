@@ -5,6 +5,11 @@ Every ``ping_interval_s`` it sends ATOM's registration ping
 ROUTER. ZeroMQ reconnects on its own, so a proxy that starts late or
 restarts picks the engine up at the next ping; a small send high-water mark
 and non-blocking sends mean pings never pile up or block.
+
+With ``auth_token`` configured, every ping is signed afresh (``ts``, ``nonce``,
+``mac``; see :mod:`atom_kv.auth`) so a proxy started with
+``--registration-token`` can tell it from a forgery or a replay. The token
+itself never leaves the engine.
 """
 
 from __future__ import annotations
@@ -13,9 +18,11 @@ import logging
 import threading
 from typing import Literal, Optional
 
+import msgspec
 import zmq
 
 from atom_kv import wire
+from atom_kv.auth import PURPOSE_REGISTER, sign_fields
 from atom_kv.config import KVTransferConfig
 from atom_kv.wire import RegisterPing
 
@@ -48,16 +55,25 @@ def parse_proxy_address(address: str, default_port: int) -> tuple[str, int]:
 class RegistrationPinger:
     """Owns the DEALER sockets to the proxies and the thread that pings them."""
 
-    def __init__(self, ping: RegisterPing, proxies: list[tuple[str, int]], interval_s: float) -> None:
+    def __init__(self, ping: RegisterPing, proxies: list[tuple[str, int]], interval_s: float,
+                 auth_token: Optional[str] = None) -> None:
         self.ping = ping
         self.proxies = proxies
         self.interval_s = interval_s
         self.sent = 0
         self.dropped = 0
+        self._auth_token = auth_token
+        self._fields = msgspec.to_builtins(ping)
         self._payload = wire.encode(ping)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+
+    def payload(self) -> bytes:
+        """The next ping's bytes: signed with a fresh timestamp and nonce when a token is set."""
+        if self._auth_token is None:
+            return self._payload
+        return msgspec.msgpack.encode(sign_fields(self._auth_token, PURPOSE_REGISTER, self._fields))
 
     def start(self) -> "RegistrationPinger":
         if self._thread is None and not self._closed and self.proxies:
@@ -83,7 +99,7 @@ class RegistrationPinger:
             while not self._stop.is_set():
                 for host, port, sock in socks:
                     try:
-                        sock.send(self._payload, zmq.NOBLOCK)
+                        sock.send(self.payload(), zmq.NOBLOCK)
                         self.sent += 1
                     except zmq.Again:
                         self.dropped += 1
@@ -133,7 +149,6 @@ def build_registration_pinger(
         tp_size=tp_size,
         transfer_mode="read",
         engine_id=engine_id,
-        auth_token=config.auth_token,
         model=model,
     )
-    return RegistrationPinger(ping, proxies, config.ping_interval_s)
+    return RegistrationPinger(ping, proxies, config.ping_interval_s, auth_token=config.auth_token)

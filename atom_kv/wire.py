@@ -9,7 +9,7 @@ so a receive loop can ``except WireError``, count it and carry on.
 Every message carries ``v`` (protocol version). The registration ping keeps
 ATOM's msgpack map layout exactly (``type``/``role``/``index``/...), so ATOM's
 proxy accepts our engines and our proxy accepts ATOM's; ``v``, ``engine_id``
-and ``auth_token`` are extra keys older peers ignore.
+and the signature keys ``ts``/``nonce``/``mac`` are extra keys older peers ignore.
 """
 
 from __future__ import annotations
@@ -72,7 +72,11 @@ class WireError(ValueError):
 # Discovery: engine rank 0 (DEALER) -> proxy (ROUTER)
 # --------------------------------------------------------------------------
 class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=True):
-    """ATOM's registration ping. ``role`` is "P" (prefill) or "D" (decode)."""
+    """ATOM's registration ping. ``role`` is "P" (prefill) or "D" (decode).
+
+    With a shared ``auth_token`` the sender signs it (:func:`atom_kv.auth.sign_fields`,
+    purpose :data:`atom_kv.auth.PURPOSE_REGISTER`): ``ts`` (unix seconds), ``nonce``
+    and ``mac``; the token itself is never sent."""
 
     role: Literal["P", "D"]
     index: str
@@ -83,8 +87,10 @@ class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=Tru
     transfer_mode: str = "read"
     v: int = PROTOCOL_VERSION
     engine_id: Optional[str] = None
-    auth_token: Optional[str] = None
     model: Optional[str] = None
+    ts: Optional[float] = None
+    nonce: Optional[str] = None
+    mac: Optional[str] = None
 
 
 class HelloPing(msgspec.Struct, tag_field="type", tag="HELLO", kw_only=True):

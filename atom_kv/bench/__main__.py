@@ -11,6 +11,11 @@ import importlib
 import logging
 import sys
 
+from atom_kv.extras import MissingExtraError, require
+
+#: suites that need an optional dependency: suite -> (module, extra)
+NEEDS = {"connector": ("torch", "reference"), "e2e": ("torch", "reference")}
+
 SUITES = {
     "transfer": "raw backend read throughput (tcp, cma) against memcpy and socket ceilings",
     "connector": "connector transfer GB/s, handshake latency and per-request CPU overhead",
@@ -25,6 +30,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="suite", required=True, metavar="{" + ",".join(SUITES) + "}")
     argv = sys.argv[1:] if argv is None else argv
     chosen = next((a for a in argv if a in SUITES), None)
+    if chosen in NEEDS:
+        module, extra = NEEDS[chosen]
+        try:
+            require(module, extra=extra, feature=f"the {chosen} bench")
+        except MissingExtraError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     for name, help_text in SUITES.items():
         sub_parser = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:

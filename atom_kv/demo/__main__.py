@@ -18,7 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from atom_kv.demo.cluster import Cluster, EngineSpec, scrape_metrics
+from atom_kv.extras import MissingExtraError, require
+from atom_kv.testing.cluster import Cluster, EngineSpec
+from atom_kv.testing.web import scrape_metrics
 
 PROMPTS = [
     "Hello! Tell me about disaggregated inference.",
@@ -135,6 +137,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--model", default="atom-kv-tiny")
     p.add_argument("--startup-timeout", type=float, default=60.0)
     args = p.parse_args(argv)
+    try:
+        require("torch", extra="reference", feature="the demo (it runs the reference engine)")
+    except MissingExtraError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.WARNING)
     # Ctrl-C and SIGTERM both unwind through `finally`, which stops every process we started
     # (SIGINT may arrive ignored when launched from a non-interactive shell).

@@ -1,16 +1,19 @@
 """``python -m atom_kv.proxy`` / ``atom-kv-proxy``: the P/D proxy command line.
 
-Engines register by pinging the ZeroMQ discovery port (ATOM's or vLLM
-MoRIIO's format); clients use the HTTP port like any OpenAI-compatible server
-(``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), and operators
-use ``/health``, ``/instances`` and ``/metrics``. Served by hypercorn; SIGINT
-or SIGTERM shuts it down gracefully (in-flight requests get
-``--shutdown-timeout`` seconds).
+Engines come from registration pings on the ZeroMQ discovery port (ATOM's or
+vLLM MoRIIO's format), from ``--prefill URL[,HANDSHAKE_PORT]`` /
+``--decode URL`` flags, or both; flagged engines are health-probed.
+Clients use the HTTP port like any OpenAI-compatible server
+(``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), and
+operators use ``/health``, ``/instances`` and ``/metrics``. Served by
+hypercorn; SIGINT or SIGTERM shuts it down gracefully (in-flight requests
+get ``--shutdown-timeout`` seconds).
 
 Timeouts: ``--connect-timeout`` bounds every upstream connect,
 ``--prefill-timeout`` the whole prefill leg, ``--decode-timeout`` the longest
 silence from the decode engine (before its headers or between two chunks), so
-long generations are not cut off.
+long generations are not cut off; ``--header-timeout`` and ``--body-timeout``
+bound slow clients.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import asyncio
 import errno
 import logging
 import sys
+from dataclasses import replace
+from typing import Any, Callable, Coroutine
 
-import zmq
+from hypercorn.utils import LifespanFailureError
 
-from atom_kv.proxy.app import STATE_KEY, create_app
-from atom_kv.proxy.server import hypercorn_config, serve_until_signalled
+from atom_kv.proxy.app import create_app
+from atom_kv.proxy.server import listen_socket, serve_until_signalled
 from atom_kv.proxy.settings import POLICIES, ProxySettings
+from atom_kv.proxy.static import parse_engine_spec
 
 logger = logging.getLogger("atom_kv.proxy")
 
@@ -37,6 +43,16 @@ def _positive(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value
 
 
@@ -60,50 +76,146 @@ def _nonneg_int(text: str) -> int:
     return value
 
 
+def _pos_int(text: str) -> int:
+    value = _nonneg_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _engine(role: str):
+    def parse(text: str):
+        try:
+            return parse_engine_spec(role, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = "engine URL"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ProxySettings()
     p = argparse.ArgumentParser(prog="atom-kv-proxy", description="Prefill/decode proxy for ATOM-compatible engines.")
-    p.add_argument("--host", default=d.host, help="HTTP listen address (default %(default)s)")
-    p.add_argument("--port", type=_port, default=d.port, help="HTTP port (default %(default)s)")
-    p.add_argument("--discovery-host", default=d.discovery_host, help="ZeroMQ listen address (default %(default)s)")
-    p.add_argument("--discovery-port", type=_port, default=d.discovery_port, help="ZeroMQ ROUTER port (default %(default)s)")
-    p.add_argument("--heartbeat-timeout", type=_positive, default=d.heartbeat_timeout,
-                   help="evict an instance not heard from for this many seconds (default %(default)s)")
-    p.add_argument("--policy", choices=POLICIES, default=d.policy, help="routing policy (default %(default)s)")
-    p.add_argument("--registration-token", default=None, help="refuse pings without this auth_token")
-    p.add_argument("--prefix-chars", type=_nonneg_int, default=d.prefix_chars,
-                   help="prompt characters hashed by prefix_hash (default %(default)s)")
-    p.add_argument("--max-retries", type=_nonneg_int, default=d.max_retries,
-                   help="re-planned pairs after an upstream failure (default %(default)s)")
-    p.add_argument("--retry-backoff", type=float, default=d.retry_backoff_s,
-                   help="first retry backoff in seconds, doubled each retry (default %(default)s)")
-    p.add_argument("--connect-timeout", type=_positive, default=d.connect_timeout, help="upstream connect timeout (s)")
-    p.add_argument("--prefill-timeout", type=_positive, default=d.prefill_timeout, help="whole prefill leg timeout (s)")
-    p.add_argument("--decode-timeout", type=_positive, default=d.decode_timeout,
-                   help="longest wait for the next byte from decode (s)")
-    p.add_argument("--circuit-failures", type=int, default=d.circuit_failures,
-                   help="consecutive failures that open an instance's circuit (default %(default)s)")
-    p.add_argument("--circuit-cooldown", type=_positive, default=d.circuit_cooldown_s,
-                   help="seconds before an open circuit lets a trial request through (default %(default)s)")
-    p.add_argument("--max-upstream-connections", type=_nonneg_int, default=d.max_upstream_connections,
-                   help="pooled upstream connections, 0 = unlimited (default %(default)s)")
-    p.add_argument("--shutdown-timeout", type=_positive, default=d.shutdown_timeout,
+    g = p.add_argument_group("listening")
+    g.add_argument("--host", default=d.host, help="HTTP listen address (default %(default)s)")
+    g.add_argument("--port", type=_port, default=d.port, help="HTTP port; 0 picks a free one (default %(default)s)")
+    g.add_argument("--header-timeout", type=_positive, default=d.header_timeout,
+                   help="seconds a client has to send a request head; also the idle keep-alive limit "
+                        "(default %(default)s)")
+    g.add_argument("--body-timeout", type=_positive, default=d.body_timeout,
+                   help="seconds a client has to send a request body, else 408 (default %(default)s)")
+    g.add_argument("--max-request-bytes", type=_pos_int, default=d.max_request_bytes,
+                   help="largest request body, else 413 (default %(default)s)")
+    g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
+    g.add_argument("--shutdown-timeout", type=_positive, default=d.shutdown_timeout,
                    help="graceful shutdown grace period (s)")
-    p.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
+
+    g = p.add_argument_group("engines")
+    g.add_argument("--prefill", action="append", type=_engine("P"), default=[], metavar="URL[,HANDSHAKE_PORT]",
+                   help="a prefill engine (repeatable); optional key=value after the port: tp, dp, engine_id, "
+                        "notify_port (else learnt from the engine's /health)")
+    g.add_argument("--decode", action="append", type=_engine("D"), default=[], metavar="URL",
+                   help="a decode engine (repeatable); optional ,key=value as for --prefill")
+    g.add_argument("--probe-interval", type=_positive, default=d.probe_interval_s,
+                   help="seconds between /health probes of flagged, new and down engines (default %(default)s)")
+    g.add_argument("--probe-timeout", type=_positive, default=d.probe_timeout,
+                   help="timeout of one /health probe (default %(default)s)")
+    g.add_argument("--no-discovery", dest="discovery", action="store_false",
+                   help="do not listen for registration pings (flagged engines only)")
+    g.add_argument("--discovery-host", default=None,
+                   help="ZeroMQ listen address for registration pings (default: --host)")
+    g.add_argument("--discovery-port", type=_port, default=d.discovery_port,
+                   help="ZeroMQ ROUTER port (default %(default)s)")
+    g.add_argument("--heartbeat-timeout", type=_positive, default=d.heartbeat_timeout,
+                   help="evict an instance not heard from (ping or probe) for this many seconds (default %(default)s)")
+    g.add_argument("--registration-token", default=None,
+                   help="accept only pings signed with this shared token (the engines' auth_token)")
+    g.add_argument("--registration-window", type=_positive, default=d.registration_window_s,
+                   help="seconds a signed ping's timestamp may differ from now; nonces are remembered this long "
+                        "(default %(default)s)")
+    g.add_argument("--max-instances", type=_pos_int, default=d.max_instances,
+                   help="most discovered instances at once (default %(default)s)")
+    g.add_argument("--max-tp-size", type=_pos_int, default=d.max_tp_size,
+                   help="refuse pings announcing a larger tp_size (default %(default)s)")
+    g.add_argument("--max-dp-size", type=_pos_int, default=d.max_dp_size,
+                   help="refuse pings announcing a larger dp_size (default %(default)s)")
+
+    g = p.add_argument_group("routing")
+    g.add_argument("--policy", choices=POLICIES, default=d.policy,
+                   help="routing policy of both pools (default %(default)s)")
+    g.add_argument("--prefill-policy", choices=POLICIES, default=None, help="prefill pool policy (default: --policy)")
+    g.add_argument("--decode-policy", choices=POLICIES, default=None, help="decode pool policy (default: --policy)")
+    g.add_argument("--prefix-chars", type=_nonneg_int, default=d.prefix_chars,
+                   help="prompt characters hashed by prefix_hash (default %(default)s)")
+    g.add_argument("--cache-threshold", type=_fraction, default=d.cache_threshold,
+                   help="cache_aware: share of the prompt an engine must already hold to win (default %(default)s)")
+    g.add_argument("--balance-abs-threshold", type=_nonneg_int, default=d.balance_abs_threshold,
+                   help="cache_aware: route to the least loaded when max-min in-flight requests exceed this "
+                        "... (default %(default)s)")
+    g.add_argument("--balance-rel-threshold", type=_positive, default=d.balance_rel_threshold,
+                   help="... and max > min x this (default %(default)s)")
+    g.add_argument("--cache-max-chars", type=_pos_int, default=d.cache_max_chars,
+                   help="cache_aware: prompt characters remembered per engine, LRU beyond (default %(default)s)")
+
+    g = p.add_argument_group("upstream requests")
+    g.add_argument("--max-retries", type=_nonneg_int, default=d.max_retries,
+                   help="re-planned pairs after an upstream failure (default %(default)s)")
+    g.add_argument("--retry-backoff", type=float, default=d.retry_backoff_s,
+                   help="first retry backoff in seconds, doubled each retry (default %(default)s)")
+    g.add_argument("--connect-timeout", type=_positive, default=d.connect_timeout, help="upstream connect timeout (s)")
+    g.add_argument("--prefill-timeout", type=_positive, default=d.prefill_timeout, help="whole prefill leg timeout (s)")
+    g.add_argument("--decode-timeout", type=_positive, default=d.decode_timeout,
+                   help="longest wait for the next byte from decode (s)")
+    g.add_argument("--tokenize-timeout", type=_positive, default=d.tokenize_timeout,
+                   help="timeout of an engine's /tokenize when checking a long prompt's length (s)")
+    g.add_argument("--circuit-failures", type=int, default=d.circuit_failures,
+                   help="consecutive failures that open an instance's circuit (default %(default)s)")
+    g.add_argument("--circuit-cooldown", type=_positive, default=d.circuit_cooldown_s,
+                   help="seconds before an open circuit lets a trial request through (default %(default)s)")
+    g.add_argument("--sse-split-max", type=_nonneg_int, default=d.sse_split_max,
+                   help="SSE events that arrive together are forwarded one write each up to this many; a larger "
+                        "backlog goes out in one write (default %(default)s)")
+    g.add_argument("--max-upstream-connections", type=_nonneg_int, default=d.max_upstream_connections,
+                   help="pooled upstream connections, 0 = unlimited (default %(default)s)")
+    p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
+                   help="event loop: uvloop when installed (auto), or asyncio's own (default %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     return ProxySettings(
-        host=args.host, port=args.port, discovery_host=args.discovery_host, discovery_port=args.discovery_port,
-        heartbeat_timeout=args.heartbeat_timeout, policy=args.policy, registration_token=args.registration_token,
-        prefix_chars=args.prefix_chars, max_retries=args.max_retries, retry_backoff_s=args.retry_backoff,
+        host=args.host, port=args.port, discovery=args.discovery, discovery_host=args.discovery_host,
+        discovery_port=args.discovery_port, heartbeat_timeout=args.heartbeat_timeout, policy=args.policy,
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        registration_token=args.registration_token, registration_window_s=args.registration_window,
+        max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
+        static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
+        probe_interval_s=args.probe_interval, probe_timeout=args.probe_timeout,
+        prefix_chars=args.prefix_chars, cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
+        cache_max_chars=args.cache_max_chars, max_retries=args.max_retries, retry_backoff_s=args.retry_backoff,
         connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
-        decode_timeout=args.decode_timeout, circuit_failures=args.circuit_failures,
-        circuit_cooldown_s=args.circuit_cooldown, max_upstream_connections=args.max_upstream_connections,
+        decode_timeout=args.decode_timeout, tokenize_timeout=args.tokenize_timeout,
+        circuit_failures=args.circuit_failures, circuit_cooldown_s=args.circuit_cooldown,
+        max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
+        sse_split_max=args.sse_split_max,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         shutdown_timeout=args.shutdown_timeout, backlog=args.backlog,
     )
+
+
+def _loop_runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """``asyncio.run`` or ``uvloop.run`` (``auto``: uvloop when it is installed)."""
+    if loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if loop == "uvloop":
+                raise ValueError("--loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        else:
+            return uvloop.run
+    return asyncio.run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,32 +225,32 @@ def main(argv: list[str] | None = None) -> int:
         settings = settings_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if not settings.discovery and not (settings.static_prefill and settings.static_decode):
+        parser.error("--no-discovery needs at least one --prefill and one --decode")
+    try:
+        run = _loop_runner(args.loop)
+    except ValueError as exc:
+        print(f"atom-kv-proxy: {exc}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = listen_socket(settings.host, settings.port, settings.backlog)
+    except OSError as exc:
+        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        print(f"atom-kv-proxy: cannot listen on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
+        return 1
+    settings = replace(settings, port=sock.getsockname()[1])
     app = create_app(settings)
-    state = app.extensions[STATE_KEY]
     try:
-        for sock in hypercorn_config(settings).create_sockets().insecure_sockets:
-            sock.close()
-    except OSError as exc:
-        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
-        print(f"atom-kv-proxy: cannot listen on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
-        return 1
-    try:
-        state.discovery.start()
-    except zmq.ZMQError as exc:
-        print(f"atom-kv-proxy: cannot listen for discovery on {settings.discovery_host}:{settings.discovery_port}: {exc}",
-              file=sys.stderr)
-        return 1
-    try:
-        asyncio.run(serve_until_signalled(app, settings))
-    except OSError as exc:
-        reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
-        print(f"atom-kv-proxy: cannot listen on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
+        run(serve_until_signalled(app, settings, sock))
+    except LifespanFailureError as exc:
+        # the proxy's own start-up failed (e.g. the discovery port is taken): one line, no traceback
+        message = str(exc)
+        reason = message.split("'", 1)[1].rstrip("'") if "'" in message else message
+        print(f"atom-kv-proxy: {reason}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass
-    finally:
-        state.discovery.close()
     logger.info("proxy stopped")
     return 0
 

@@ -1,21 +1,21 @@
-"""The Quart app: HTTP routes over a :class:`ProxyState` (registry, discovery, relay, metrics)."""
+"""The Quart app: management routes over a :class:`ProxyState` (registry, discovery, health, relay, metrics)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import msgspec
 from quart import Quart, Response, request
 
-from atom_kv.proxy.discovery import DiscoveryListener
+from atom_kv.proxy.discovery import DiscoveryError, DiscoveryListener
 from atom_kv.proxy.errors import ProxyError
 from atom_kv.proxy.fastpath import CompletionsASGI, valid_request_id
-from atom_kv.proxy.metrics import ProxyMetrics
-from atom_kv.proxy.policies import make_policy
-from atom_kv.proxy.registry import Registry
+from atom_kv.proxy.health import HealthMonitor, UpstreamHealth
+from atom_kv.proxy.metrics import ProxyMetrics, RequestRecord
+from atom_kv.proxy.policies import Policy, make_policy
+from atom_kv.proxy.registry import Instance, Registry
 from atom_kv.proxy.relay import Relay
 from atom_kv.proxy.settings import ProxySettings
 
@@ -25,27 +25,76 @@ _json_encoder = msgspec.json.Encoder()
 STATE_KEY = "atom_kv_proxy"
 
 
+def _policy(settings: ProxySettings, role: str) -> Policy:
+    return make_policy(
+        settings.policy_for(role), prefix_chars=settings.prefix_chars, cache_threshold=settings.cache_threshold,
+        balance_abs_threshold=settings.balance_abs_threshold, balance_rel_threshold=settings.balance_rel_threshold,
+        cache_max_chars=settings.cache_max_chars,
+    )
+
+
 class ProxyState:
-    """Everything one proxy owns; started and stopped with the app's lifespan."""
+    """Everything one proxy owns. Its lifespan (``start``/``stop``, called only by the
+    app's serving hooks) is the one owner of discovery, health monitoring and the relay's
+    upstream session."""
 
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
         self.metrics = ProxyMetrics()
-        self.registry = Registry(settings.heartbeat_timeout, settings.circuit_failures, settings.circuit_cooldown_s)
-        self.policy = make_policy(settings.policy, settings.prefix_chars)
-        self.discovery = DiscoveryListener(
-            settings.discovery_host, settings.discovery_port, self.registry, self.metrics,
-            registration_token=settings.registration_token, poll_s=min(settings.discovery_poll_s, settings.heartbeat_timeout / 2),
+        self.policies: dict[str, Policy] = {"P": _policy(settings, "P"), "D": _policy(settings, "D")}
+        self.registry = Registry(settings.heartbeat_timeout, settings.circuit_failures, settings.circuit_cooldown_s,
+                                 max_instances=settings.max_instances, on_evict=self._forget)
+        for engine in (*settings.static_prefill, *settings.static_decode):
+            self.registry.add_static(engine)
+        self.health = UpstreamHealth(self.registry, self.metrics)
+        self.monitor = HealthMonitor(
+            self.registry, self.health, interval_s=settings.probe_interval_s,
+            timeout_s=settings.probe_timeout, connect_timeout=settings.connect_timeout,
+            tick_s=min(settings.probe_interval_s, settings.heartbeat_timeout / 4),
         )
-        self.relay = Relay(settings, self.registry, self.policy, self.metrics)
+        self.discovery: DiscoveryListener | None = None
+        if settings.discovery:
+            self.discovery = DiscoveryListener(
+                settings.discovery_bind_host, settings.discovery_port, self.registry, self.metrics,
+                registration_token=settings.registration_token, window_s=settings.registration_window_s,
+                max_tp_size=settings.max_tp_size, max_dp_size=settings.max_dp_size,
+                poll_s=min(settings.discovery_poll_s, settings.heartbeat_timeout / 2),
+                log_interval_s=settings.log_summary_interval_s,
+            )
+        self.relay = Relay(settings, self.registry, self.policies, self.health, self.metrics)
+        self.started = asyncio.Event()
+
+    def _forget(self, inst: Instance) -> None:
+        """An instance left (silent past the heartbeat, or dropped to make room): count it and
+        let the policies forget it (a static engine that went silent keeps its cache estimate)."""
+        self.metrics.evictions.labels("prefill" if inst.role == "P" else "decode").inc()
+        if not inst.static:
+            for policy in self.policies.values():
+                policy.forget(inst)
 
     async def start(self) -> None:
-        self.discovery.start()
-        await self.relay.start()
+        try:
+            await self.relay.start()
+            await self.monitor.start()
+            if self.discovery is not None:
+                await self.discovery.start()  # raises DiscoveryError with a one-line reason
+        except BaseException:
+            await self.stop()
+            raise
+        logger.info(
+            "proxy ready on http://%s:%d%s; prefill policy %s, decode policy %s; %d static engine(s)",
+            self.settings.host, self.settings.port,
+            f", discovery on tcp://{self.discovery.host}:{self.discovery.port}" if self.discovery else "",
+            self.settings.policy_for("P"), self.settings.policy_for("D"),
+            len(self.settings.static_prefill) + len(self.settings.static_decode),
+        )
+        self.started.set()
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
+        await self.monitor.close()
         await self.relay.close()
-        await asyncio.to_thread(self.discovery.close)
 
 
 def _json_response(status: int, payload: Any, request_id: str | None = None) -> Response:
@@ -58,10 +107,19 @@ def _error_response(err: ProxyError, request_id: str | None = None) -> Response:
     return Response(err.body(), status=err.status, headers=headers, content_type="application/json")
 
 
+class _ProxyQuart(Quart):
+    def log_exception(self, exception_info) -> None:  # type: ignore[override]
+        if isinstance(exception_info[1], DiscoveryError):
+            return  # a start-up failure the command line reports in one line
+        super().log_exception(exception_info)
+
+
 def create_app(settings: ProxySettings) -> Quart:
     """Build a proxy app. Its state is at ``app.extensions["atom_kv_proxy"]``."""
-    app = Quart("atom_kv.proxy")
+    app = _ProxyQuart("atom_kv.proxy")
     app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = settings.body_timeout
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_request_bytes
     app.config["PROPAGATE_EXCEPTIONS"] = False
     state = ProxyState(settings)
     app.extensions[STATE_KEY] = state
@@ -75,25 +133,16 @@ def create_app(settings: ProxySettings) -> Quart:
     async def _shutdown() -> None:
         await state.stop()
 
-    def _request_id() -> str:
-        return valid_request_id(request.headers.get("X-Request-Id"))
-
-    def _count(endpoint: str, status: int, t0: float) -> None:
-        elapsed = time.perf_counter() - t0
-        metrics.requests.labels(endpoint, str(status)).inc()
-        metrics.duration.labels(endpoint).observe(elapsed)
-        metrics.ttfb.labels(endpoint).observe(elapsed)
-
     @app.get("/v1/models")
     async def models() -> Response:
-        t0 = time.perf_counter()
-        request_id = _request_id()
+        record = RequestRecord(metrics, "/v1/models")
+        request_id = valid_request_id(request.headers.get("X-Request-Id"))
         try:
             result = await state.relay.models(request_id, request.headers.get("Authorization"))
         except ProxyError as err:
-            _count("/v1/models", err.status, t0)
+            record.finish(err.status)
             return _error_response(err, request_id)
-        _count("/v1/models", result.status, t0)
+        record.finish(result.status)
         return Response(result.body or b"", status=result.status, headers={"X-Request-Id": request_id},
                         content_type=result.content_type)
 
@@ -121,7 +170,7 @@ def create_app(settings: ProxySettings) -> Quart:
 
     @app.errorhandler(413)
     async def _too_large(_: Exception) -> Response:
-        return _error_response(ProxyError(400, "request body too large"))
+        return _error_response(ProxyError(413, f"request body exceeds {settings.max_request_bytes} bytes"))
 
     @app.errorhandler(Exception)
     async def _internal(exc: Exception) -> Response:
@@ -129,5 +178,6 @@ def create_app(settings: ProxySettings) -> Quart:
         return _error_response(ProxyError(500, f"internal proxy error: {type(exc).__name__}"))
 
     # the two relay routes are served as plain ASGI in front of Quart (see fastpath.py)
-    app.asgi_app = CompletionsASGI(app.asgi_app, state.relay, metrics, settings.max_request_bytes)  # type: ignore[method-assign]
+    app.asgi_app = CompletionsASGI(  # type: ignore[method-assign]
+        app.asgi_app, state.relay, metrics, settings.max_request_bytes, settings.body_timeout)
     return app

@@ -1,32 +1,39 @@
-"""ZeroMQ ROUTER listener for engine registration pings (ATOM's and vLLM MoRIIO's).
+"""ZeroMQ ROUTER listener for engine registration pings (ATOM's and vLLM MoRIIO's), on the event loop.
 
 ATOM's ping is :class:`atom_kv.wire.RegisterPing` (``type`` "register"); its
 ``HELLO`` is ignored. MoRIIO's newer ping carries ``type`` "P"/"D",
 ``http_address`` "ip:port" and ``zmq_address``
 "host:IP,handshake:PORT,notify:PORT"; its Structs live here because only the
 proxy receives it.
+
+With a registration token, a ping is accepted only if it is signed
+(:mod:`atom_kv.auth`: ``ts``, ``nonce``, ``mac`` over the rest of the map)
+within the replay window. Every refusal is counted by reason
+(``atom_kv_proxy_rejected_registrations``) and logged at a bounded rate.
 """
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
-import threading
-import time
-from typing import Optional, Union
+from typing import Any, Optional, Union
 from urllib.parse import urlsplit
 
 import msgspec
 import zmq
+import zmq.asyncio
 
+from atom_kv._ratelimit import RateLimitedLog
+from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_fields
 from atom_kv.proxy.metrics import ProxyMetrics
-from atom_kv.proxy.registry import Registration, Registry
+from atom_kv.proxy.registry import Registration, Registry, RegistryFull
 from atom_kv.wire import HelloPing, RegisterPing, WireError
 
 logger = logging.getLogger(__name__)
 
 REQUIRED_TRANSFER_MODE = "read"
 MAX_PING_BYTES = 64 * 1024
+_BURST = 256  # pings handled per wake-up before yielding to the loop
 
 
 class _MoriioPing(msgspec.Struct, tag_field="type", kw_only=True):
@@ -35,7 +42,6 @@ class _MoriioPing(msgspec.Struct, tag_field="type", kw_only=True):
     dp_size: int = 1
     tp_size: int = 1
     transfer_mode: str = "read"
-    auth_token: Optional[str] = None
     model: Optional[str] = None
 
 
@@ -48,15 +54,27 @@ class MoriioDecodePing(_MoriioPing, tag="D"):
 
 
 DiscoveryMessage = Union[RegisterPing, HelloPing, MoriioPrefillPing, MoriioDecodePing]
-_decoder = msgspec.msgpack.Decoder(DiscoveryMessage)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def decode_discovery_map(data: bytes) -> tuple[dict[str, Any], DiscoveryMessage]:
+    """Decode any ping the proxy accepts, as its raw map (what a MAC covers) and its Struct.
+    Anything else raises :class:`WireError`."""
+    try:
+        raw = _any_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        raise WireError(f"bad registration message ({len(data)} bytes): {exc}") from None
+    if not isinstance(raw, dict):
+        raise WireError(f"bad registration message ({len(data)} bytes): not a map")
+    try:
+        return raw, msgspec.convert(raw, DiscoveryMessage)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"bad registration message ({len(data)} bytes): {exc}") from None
 
 
 def decode_discovery(data: bytes) -> DiscoveryMessage:
     """Decode any ping the proxy accepts; anything else raises :class:`WireError`."""
-    try:
-        return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireError(f"bad registration message ({len(data)} bytes): {exc}") from None
+    return decode_discovery_map(data)[1]
 
 
 def _port(text: str, what: str) -> int:
@@ -118,9 +136,14 @@ def to_registration(msg: RegisterPing | _MoriioPing) -> Registration:
     )
 
 
+class DiscoveryError(Exception):
+    """Discovery could not start (the message says where and why)."""
+
+
 class DiscoveryListener:
-    """Owns the ROUTER socket and the named thread that receives pings,
-    updates the :class:`Registry` and evicts silent instances."""
+    """Owns the ROUTER socket and the loop task that turns pings into :class:`Registry` entries.
+
+    ``start()``/``close()`` belong to the proxy's lifespan (:class:`~atom_kv.proxy.app.ProxyState`)."""
 
     def __init__(
         self,
@@ -128,8 +151,13 @@ class DiscoveryListener:
         port: int,
         registry: Registry,
         metrics: ProxyMetrics,
+        *,
         registration_token: str | None = None,
+        window_s: float = 30.0,
+        max_tp_size: int = 512,
+        max_dp_size: int = 512,
         poll_s: float = 0.5,
+        log_interval_s: float = 10.0,
     ) -> None:
         self.host = host
         self.requested_port = port
@@ -137,120 +165,117 @@ class DiscoveryListener:
         self.registry = registry
         self.metrics = metrics
         self.registration_token = registration_token
+        self.max_tp_size = max_tp_size
+        self.max_dp_size = max_dp_size
         self.poll_s = poll_s
-        self._ctx: zmq.Context | None = None
-        self._sock: zmq.Socket | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._warned: set[tuple[str, str]] = set()
+        self.replay = ReplayWindow(window_s)
+        self.warnings = RateLimitedLog(logger, "refused registrations", interval_s=log_interval_s)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
 
-    def start(self) -> int:
-        """Bind (raising ``zmq.ZMQError`` if the port is taken) and start the thread. Idempotent."""
-        with self._lock:
-            if self._thread is not None:
-                assert self.port is not None
-                return self.port
-            ctx = zmq.Context()
-            sock = ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_PING_BYTES)  # a peer sending more is disconnected
-            try:
-                if self.requested_port == 0:
-                    self.port = sock.bind_to_random_port(f"tcp://{self.host}")
-                else:
-                    sock.bind(f"tcp://{self.host}:{self.requested_port}")
-                    self.port = self.requested_port
-            except zmq.ZMQError:
-                sock.close(0)
-                ctx.term()
-                raise
-            self._ctx, self._sock = ctx, sock
-            self._thread = threading.Thread(target=self._run, name="atom-kv-proxy-discovery", daemon=True)
-            self._thread.start()
-            logger.info("discovery listening on tcp://%s:%d", self.host, self.port)
+    async def start(self) -> int:
+        """Bind and start receiving; raises :class:`DiscoveryError` if the address is not usable."""
+        if self._task is not None:
+            assert self.port is not None
             return self.port
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_PING_BYTES)  # a peer sending more is disconnected
+        try:
+            if self.requested_port == 0:
+                self.port = sock.bind_to_random_port(f"tcp://{self.host}")
+            else:
+                sock.bind(f"tcp://{self.host}:{self.requested_port}")
+                self.port = self.requested_port
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            ctx.term()
+            raise DiscoveryError(f"cannot listen for discovery on {self.host}:{self.requested_port}: {exc}") from None
+        self._ctx, self._sock = ctx, sock
+        self._task = asyncio.create_task(self._run(), name="atom-kv-proxy-discovery")
+        logger.info("discovery listening on tcp://%s:%d%s", self.host, self.port,
+                    " (signed pings only)" if self.registration_token else "")
+        return self.port
 
-    def close(self) -> None:
-        """Stop the thread and close the socket. Idempotent."""
-        with self._lock:
-            self._stop.set()
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=self.poll_s * 4 + 1.0)
-            if thread.is_alive():
-                logger.error("discovery thread did not stop within %.1fs", self.poll_s * 4 + 1.0)
+    async def close(self) -> None:
+        """Stop receiving and close the socket. Idempotent."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         sock, self._sock = self._sock, None
         ctx, self._ctx = self._ctx, None
-        if sock is not None and (thread is None or not thread.is_alive()):
+        if sock is not None:
             sock.close(0)
-        if ctx is not None and (thread is None or not thread.is_alive()):
+        if ctx is not None:
             ctx.term()
 
-    def _run(self) -> None:
+    async def _run(self) -> None:
         sock = self._sock
         assert sock is not None
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
         timeout_ms = max(1, int(self.poll_s * 1000))
-        while not self._stop.is_set():
+        while True:
             try:
-                events = dict(poller.poll(timeout_ms))
-                if sock in events:
-                    for _ in range(256):  # drain a burst without starving eviction
+                if await sock.poll(timeout_ms):
+                    for _ in range(_BURST):
                         try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                            frames = await sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
                         self.handle(frames[-1] if frames else b"")
-                for inst in self.registry.evict_expired():
-                    self.metrics.evictions.labels("prefill" if inst.role == "P" else "decode").inc()
+                    else:
+                        await asyncio.sleep(0)  # a burst: let requests run before the next one
+                self.warnings.flush()
+            except asyncio.CancelledError:
+                raise
             except zmq.ZMQError as exc:
-                if self._stop.is_set():
-                    break
                 logger.error("discovery socket error: %s", exc)
-                time.sleep(self.poll_s)
+                await asyncio.sleep(self.poll_s)
             except Exception:  # keep discovery alive whatever one message does
-                logger.exception("unexpected error in discovery loop")
+                logger.exception("unexpected error in discovery")
 
     def _refuse(self, reason: str, who: str, detail: str) -> None:
         self.metrics.rejected_registrations.labels(reason).inc()
-        key = (reason, who)
-        if key in self._warned:
-            logger.debug("refused registration from %s: %s", who, detail)
-            return
-        if len(self._warned) >= 1024:  # bounded: a flood of distinct senders cannot grow it forever
-            self._warned.clear()
-        self._warned.add(key)
-        logger.warning("refused registration from %s: %s", who, detail)
+        self.warnings.event(reason, f"refused registration from {who}: {detail}")
 
     def handle(self, data: bytes) -> None:
         """Apply one ping; never raises for bad input."""
         try:
-            msg = decode_discovery(data)
+            raw, msg = decode_discovery_map(data)
         except WireError as exc:
             self.metrics.bad_discovery_messages.inc()
-            logger.warning("ignoring discovery message: %s", exc)
+            self.warnings.event("bad_message", f"ignoring discovery message: {exc}")
             return
         if isinstance(msg, HelloPing):
             logger.debug("HELLO ping ignored")
             return
         who = msg.request_address if isinstance(msg, RegisterPing) else msg.http_address
         if self.registration_token is not None:
-            token = msg.auth_token or ""
-            if not hmac.compare_digest(token.encode(), self.registration_token.encode()):
-                self._refuse("auth", who, "missing or wrong registration token")
+            if not isinstance(msg, RegisterPing):
+                self._refuse("auth", who, "unsigned (MoRIIO) ping while --registration-token is set")
+                return
+            try:
+                verify_fields(self.registration_token, PURPOSE_REGISTER, raw, self.replay)
+            except AuthError as exc:
+                self._refuse(exc.reason, who, str(exc))
                 return
         if msg.transfer_mode.lower() != REQUIRED_TRANSFER_MODE:  # vLLM MoRIIO sends "READ", ATOM "read"
-            self._refuse(
-                "transfer_mode", who,
-                f"transfer_mode {msg.transfer_mode!r} is not supported (expected {REQUIRED_TRANSFER_MODE!r})",
-            )
+            self._refuse("transfer_mode", who,
+                         f"transfer_mode {msg.transfer_mode!r} is not supported (expected {REQUIRED_TRANSFER_MODE!r})")
+            return
+        if msg.tp_size > self.max_tp_size or msg.dp_size > self.max_dp_size:
+            self._refuse("limits", who, f"tp_size={msg.tp_size} dp_size={msg.dp_size} exceed the limits "
+                                        f"(--max-tp-size {self.max_tp_size}, --max-dp-size {self.max_dp_size})")
             return
         try:
             reg = to_registration(msg)
         except WireError as exc:
             self.metrics.bad_discovery_messages.inc()
-            logger.warning("ignoring registration from %s: %s", who, exc)
+            self.warnings.event("bad_message", f"ignoring registration from {who}: {exc}")
             return
-        self.registry.upsert(reg)
+        try:
+            self.registry.upsert(reg)
+        except RegistryFull as exc:
+            self._refuse("capacity", who, str(exc))

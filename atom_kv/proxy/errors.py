@@ -1,44 +1,8 @@
-"""OpenAI/vLLM-shaped error bodies and the exception the relay raises to produce them."""
+"""The exceptions the relay raises to produce error answers (bodies from :mod:`atom_kv.openai_errors`)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import msgspec
-
-_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "RequestTooLargeError",
-    500: "InternalServerError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
-
-_encoder = msgspec.json.Encoder()
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}`` as vLLM returns it."""
-    return {
-        "error": {
-            "message": message,
-            "type": _TYPES.get(status, "InternalServerError"),
-            "param": param,
-            "code": status,
-        }
-    }
-
-
-def error_bytes(status: int, message: str, param: str | None = None) -> bytes:
-    return _encoder.encode(error_body(status, message, param))
-
-
-def sse_error_event(status: int, message: str) -> bytes:
-    """A mid-stream failure: one ``data: {"error": ...}`` event, then ``data: [DONE]``."""
-    return b"data: " + error_bytes(status, message) + b"\n\ndata: [DONE]\n\n"
+from atom_kv.openai_errors import error_bytes
 
 
 class ProxyError(Exception):

@@ -1,4 +1,9 @@
-"""Request rewrites for the two legs (pure functions, no I/O)."""
+"""Request rewrites for the two legs (pure functions, no I/O).
+
+Both legs carry the same ``transfer_id``, minted by the proxy before the
+prefill is sent (vLLM's MoRIIO engines require it on both legs; atom-kv's
+producer adopts it), and every key vLLM's toy P/D proxies set.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from typing import Any
 from atom_kv.proxy.registry import Instance
 
 
-def prefill_request(body: dict[str, Any], decode: Instance, decode_rank: int) -> dict[str, Any]:
+def prefill_request(body: dict[str, Any], decode: Instance, decode_rank: int, transfer_id: str) -> dict[str, Any]:
     """The prefill leg: one token, no streaming, and where the KV will be read from."""
     req = dict(body)
     req["stream"] = False
@@ -27,11 +32,13 @@ def prefill_request(body: dict[str, Any], decode: Instance, decode_rank: int) ->
         remote_block_ids=None,
         remote_host=decode.host,
         remote_port=decode.http_port,
-        remote_handshake_port=decode.handshake_port,
         remote_tp_size=decode.tp_size,
         remote_dp_size=decode.dp_size,
         remote_dp_rank=decode_rank,
+        transfer_id=transfer_id,
     )
+    if decode.handshake_port is not None:
+        kv["remote_handshake_port"] = decode.handshake_port
     if decode.notify_port is not None:
         kv["remote_notify_port"] = decode.notify_port
     req["kv_transfer_params"] = kv
@@ -39,26 +46,30 @@ def prefill_request(body: dict[str, Any], decode: Instance, decode_rank: int) ->
 
 
 def decode_request(
-    body: dict[str, Any], prefill_kv: dict[str, Any], prefill: Instance, prefill_rank: int
+    body: dict[str, Any], prefill_kv: dict[str, Any], prefill: Instance, prefill_rank: int, transfer_id: str,
 ) -> dict[str, Any]:
-    """The decode leg: the original request plus every key the prefill returned."""
+    """The decode leg: the original request plus every key the prefill returned.
+
+    ``transfer_id`` is the one the prefill used (its answer's, else ours)."""
     req = dict(body)
     client_kv = body.get("kv_transfer_params")
     kv: dict[str, Any] = dict(client_kv) if isinstance(client_kv, dict) else {}
     kv.update(prefill_kv)
     kv["do_remote_prefill"] = True
     kv["do_remote_decode"] = False
+    kv["transfer_id"] = transfer_id
+    kv.setdefault("remote_engine_id", prefill.engine_id)
     kv.setdefault("remote_tp_size", prefill_kv.get("tp_size", prefill.tp_size))
     kv.setdefault("remote_dp_rank", prefill_kv.get("dp_rank", prefill_rank))
     kv.setdefault("remote_dp_size", prefill.dp_size)
     kv.setdefault("remote_host", prefill.host)
-    kv.setdefault("remote_handshake_port", prefill.handshake_port)
+    kv.setdefault("remote_port", prefill.http_port)
+    if prefill.handshake_port is not None:
+        kv.setdefault("remote_handshake_port", prefill.handshake_port)
+    if prefill.notify_port is not None:
+        kv.setdefault("remote_notify_port", prefill.notify_port)
     req["kv_transfer_params"] = kv
     return req
-
-
-def wants_stream(body: dict[str, Any]) -> bool:
-    return body.get("stream") is True
 
 
 def wants_stream_usage(body: dict[str, Any]) -> bool:

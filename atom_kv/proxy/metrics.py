@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 
 
 class ProxyMetrics:
@@ -17,7 +22,8 @@ class ProxyMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "atom_kv_proxy_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+            "atom_kv_proxy_requests", "HTTP requests by endpoint and status (499: client went away)",
+            ["endpoint", "status"], registry=r,
         )
         self.duration = Histogram(
             "atom_kv_proxy_request_duration_seconds", "End-to-end request duration through the proxy",
@@ -30,11 +36,20 @@ class ProxyMetrics:
             "atom_kv_proxy_time_to_first_byte_seconds", "Time from request arrival to the first response byte",
             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.instances = Gauge("atom_kv_proxy_instances", "Live instances by role", ["role"], registry=r)
+        self.instances = Gauge("atom_kv_proxy_instances", "Usable instances by role", ["role"], registry=r)
         self.evictions = Counter(
-            "atom_kv_proxy_evictions", "Instances evicted for missing heartbeats", ["role"], registry=r
+            "atom_kv_proxy_evictions", "Instances evicted for missing heartbeats (or failed probes)", ["role"],
+            registry=r,
+        )
+        self.marked_down = Counter(
+            "atom_kv_proxy_marked_down", "Instances taken out of routing after a connection-level failure",
+            ["role"], registry=r,
         )
         self.retries = Counter("atom_kv_proxy_retries", "Re-planned P/D pairs after an upstream failure", registry=r)
+        self.abandoned_prefills = Counter(
+            "atom_kv_proxy_abandoned_prefills", "Prefills whose KV no decode leg will read, by reason",
+            ["reason"], registry=r,
+        )
         self.rejected_registrations = Counter(
             "atom_kv_proxy_rejected_registrations", "Registrations refused", ["reason"], registry=r
         )
@@ -53,8 +68,55 @@ class ProxyMetrics:
         for role in ("prefill", "decode"):
             self.instances.labels(role)
             self.evictions.labels(role)
+            self.marked_down.labels(role)
+        self._children: dict[tuple[str, ...], Any] = {}  # labelled children, looked up once (hot path)
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        key = (str(id(metric)), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def render(self, counts: dict[str, int]) -> bytes:
         for role, n in counts.items():
             self.instances.labels(role).set(n)
         return generate_latest(self.registry)
+
+
+class RequestRecord:
+    """The one place a client request's outcome is counted: status, duration,
+    time to first byte, and whether the client went away. Each method is
+    idempotent: the first outcome wins."""
+
+    __slots__ = ("_metrics", "endpoint", "t0", "_first_byte", "_done")
+
+    def __init__(self, metrics: ProxyMetrics, endpoint: str) -> None:
+        self._metrics = metrics
+        self.endpoint = endpoint
+        self.t0 = time.perf_counter()
+        self._first_byte = False
+        self._done = False
+
+    def first_byte(self) -> None:
+        if not self._first_byte:
+            self._first_byte = True
+            self._metrics.child(self._metrics.ttfb, self.endpoint).observe(time.perf_counter() - self.t0)
+
+    def finish(self, status: int) -> None:
+        """The response is complete (or failed with ``status`` before it started)."""
+        if self._done:
+            return
+        self._done = True
+        self.first_byte()
+        m = self._metrics
+        m.child(m.requests, self.endpoint, str(status)).inc()
+        m.child(m.duration, self.endpoint).observe(time.perf_counter() - self.t0)
+
+    def client_gone(self) -> None:
+        """The client disconnected before the response was complete."""
+        if self._done:
+            return
+        self._done = True
+        self._metrics.client_disconnects.inc()
+        self._metrics.child(self._metrics.requests, self.endpoint, str(CLIENT_CLOSED)).inc()

@@ -1,4 +1,8 @@
-"""Routing policies: which live instance, and which of its DP ranks, serves a leg."""
+"""Routing policies: which live instance of one pool, and which of its DP ranks, serves a leg.
+
+Each pool (prefill, decode) has its own policy object (``--prefill-policy``,
+``--decode-policy``, both defaulting to ``--policy``).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,23 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from atom_kv.proxy.registry import Instance, Role
+from atom_kv.proxy.prefix_tree import PrefixTree
+from atom_kv.proxy.registry import Instance
+
+_MASK64 = (1 << 64) - 1
+MAX_MATCH_CHARS = 65536  # cache_aware looks at most at this many leading prompt characters
 
 
 @dataclass(frozen=True)
 class RouteContext:
-    """What a policy may look at: the prompt's prefix text and its token estimate."""
+    """What a policy may look at: the prompt as text and its token estimate."""
 
-    prefix: str
+    text: str
     prompt_tokens: int
 
 
 def prompt_text(body: dict[str, Any]) -> str:
-    """The prompt as text (completions ``prompt`` or chat ``messages``), for hashing/estimating."""
+    """The prompt as text (completions ``prompt`` or chat ``messages``), for prefix routing and estimates."""
     prompt = body.get("prompt")
     if prompt is not None:
         if isinstance(prompt, str):
@@ -45,8 +53,21 @@ def prompt_text(body: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """len(text)/4 for text prompts, the list length for token-id prompts (at least 1)."""
+def token_id_prompt_lengths(body: dict[str, Any]) -> list[int] | None:
+    """Exact prompt lengths when the prompt is token ids (one list, or a batch of lists), else None."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [len(prompt)]
+    if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p) for p in prompt):
+        return [len(p) for p in prompt]
+    return None
+
+
+def estimate_prompt_tokens(body: dict[str, Any], text: str | None = None) -> int:
+    """len(text)/4 for text prompts, the list length for token-id prompts (at least 1).
+    ``text`` is :func:`prompt_text` of ``body`` when the caller already has it."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt:
         if all(isinstance(t, int) for t in prompt):
@@ -58,28 +79,31 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
             elif isinstance(item, str):
                 total += len(item) // 4
         return max(1, total)
-    return max(1, len(prompt_text(body)) // 4)
+    return max(1, len(prompt_text(body) if text is None else text) // 4)
 
 
 class Policy(ABC):
-    """Chooses an (instance, dp_rank) among the candidates for one role."""
+    """Chooses an (instance, dp_rank) among the candidates of one pool."""
 
-    uses_prefix = False  # whether choose() looks at RouteContext.prefix
+    uses_text = False  # whether choose() looks at RouteContext.text
 
     @abstractmethod
-    def choose(self, role: Role, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
+    def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
         """``candidates`` is non-empty and in stable address order."""
+
+    def forget(self, inst: Instance) -> None:
+        """``inst`` left the registry: drop whatever the policy remembers about it."""
 
 
 class RoundRobin(Policy):
-    """ATOM's pairing: independent P and D counters; each instance cycles its own DP ranks."""
+    """ATOM's pairing: a counter per pool; each instance cycles its own DP ranks."""
 
     def __init__(self) -> None:
-        self._counters: dict[str, int] = {"P": 0, "D": 0}
+        self._counter = 0
 
-    def choose(self, role: Role, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
-        n = self._counters[role]
-        self._counters[role] = n + 1
+    def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
+        n = self._counter
+        self._counter = n + 1
         inst = candidates[n % len(candidates)]
         return inst, inst.next_dp_rank()
 
@@ -90,7 +114,7 @@ class RandomChoice(Policy):
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, role: Role, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
+    def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
         inst = self._rng.choice(candidates)
         return inst, inst.next_dp_rank()
 
@@ -101,7 +125,7 @@ class PowerOfTwo(Policy):
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, role: Role, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
+    def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
         if len(candidates) == 1:
             inst = candidates[0]
         else:
@@ -117,36 +141,124 @@ class LeastLoaded(Policy):
     loads still spread."""
 
     def __init__(self) -> None:
-        self._counters: dict[str, int] = {"P": 0, "D": 0}
+        self._counter = 0
 
-    def choose(self, role: Role, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
-        slots = [(inst, rank) for inst in candidates for rank in range(inst.dp_size)]
-        start = self._counters[role] % len(slots)
-        self._counters[role] += 1
+    def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
+        slots = [(inst, rank) for inst in candidates for rank in range(len(inst.outstanding_tokens))]
+        if not slots:  # only while a dp_size change is being applied
+            return candidates[0], 0
+        start = self._counter % len(slots)
+        self._counter += 1
         rotated = slots[start:] + slots[:start]
         return min(rotated, key=lambda s: s[0].outstanding_tokens[s[1]])
 
 
-class PrefixHash(Policy):
-    """Prefill: a stable blake2b hash of the prompt's first N characters picks the
-    instance (prefix-cache locality). Decode: round robin."""
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit hash of a 64-bit value."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
-    uses_prefix = True
+
+def _hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+
+
+class PrefixHash(Policy):
+    """The prompt's first ``prefix_chars`` characters pick the instance by rendezvous
+    (highest-random-weight) hashing: stable across proxies, and when an instance
+    joins or leaves only the prefixes it wins or held move (no ``hash % n``
+    reshuffle). The DP rank comes from the same hash."""
+
+    uses_text = True
 
     def __init__(self, prefix_chars: int) -> None:
         self.prefix_chars = prefix_chars
-        self._decode = RoundRobin()
+        self._inst_hash: dict[tuple[str, str], int] = {}
 
-    def choose(self, role: Role, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
-        if role != "P":
-            return self._decode.choose(role, candidates, ctx)
-        digest = hashlib.blake2b(ctx.prefix.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-        h = int.from_bytes(digest, "big")
-        inst = candidates[h % len(candidates)]
-        return inst, (h >> 32) % inst.dp_size
+    def _weight_seed(self, inst: Instance) -> int:
+        h = self._inst_hash.get(inst.key)
+        if h is None:
+            h = self._inst_hash[inst.key] = _hash64(inst.base_url)
+        return h
+
+    def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
+        h = _hash64(ctx.text[: self.prefix_chars])
+        inst = max(candidates, key=lambda i: _mix64(h ^ self._weight_seed(i)))
+        return inst, (h >> 17) % inst.dp_size
+
+    def forget(self, inst: Instance) -> None:
+        self._inst_hash.pop(inst.key, None)
 
 
-def make_policy(name: str, prefix_chars: int = 256, seed: int | None = None) -> Policy:
+class CacheAware(Policy):
+    """Prefix-cache affinity with a load-balance escape hatch.
+
+    Keeps a :class:`PrefixTree` of routed prompts per instance. When the
+    pool is balanced, the instance whose tree matches the longest share of
+    the prompt wins if that share is above ``cache_threshold``; otherwise the
+    instance with the smallest tree (the most room in its cache) does. When
+    the pool is imbalanced (in-flight requests: ``max - min >
+    balance_abs_threshold`` and ``max > min * balance_rel_threshold``) the
+    least-loaded instance wins. Either way the prompt is recorded in the
+    winner's tree."""
+
+    uses_text = True
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, max_chars: int = 4 * 1024 * 1024) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.max_chars = max_chars
+        self.trees: dict[tuple[str, str], PrefixTree] = {}
+        self.decisions = {"cache_hit": 0, "cache_miss": 0, "load_balance": 0}
+        self._counter = 0
+
+    def _tree(self, inst: Instance) -> PrefixTree:
+        tree = self.trees.get(inst.key)
+        if tree is None:
+            tree = self.trees[inst.key] = PrefixTree(self.max_chars)
+        return tree
+
+    def _rotated(self, candidates: list[Instance]) -> list[Instance]:
+        start = self._counter % len(candidates)
+        self._counter += 1
+        return candidates[start:] + candidates[:start]
+
+    def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
+        text = ctx.text[:MAX_MATCH_CHARS]
+        loads = [i.inflight for i in candidates]
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
+            inst = min(self._rotated(candidates), key=lambda i: i.inflight)
+            self.decisions["load_balance"] += 1
+        else:
+            best, best_len = None, 0
+            if text:
+                for cand in candidates:
+                    matched = self._tree(cand).match(text)
+                    if matched > best_len:
+                        best, best_len = cand, matched
+            if best is not None and best_len / len(text) > self.cache_threshold:
+                inst = best
+                self.decisions["cache_hit"] += 1
+            else:
+                inst = min(self._rotated(candidates), key=lambda i: (self._tree(i).size, i.inflight))
+                self.decisions["cache_miss"] += 1
+        if text:
+            self._tree(inst).insert(text)
+        return inst, inst.next_dp_rank()
+
+    def forget(self, inst: Instance) -> None:
+        self.trees.pop(inst.key, None)
+
+
+def make_policy(name: str, *, prefix_chars: int = 256, cache_threshold: float = 0.3,
+                balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
+                cache_max_chars: int = 4 * 1024 * 1024, seed: int | None = None) -> Policy:
+    """A fresh policy object for one pool."""
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
@@ -157,4 +269,6 @@ def make_policy(name: str, prefix_chars: int = 256, seed: int | None = None) -> 
         return LeastLoaded()
     if name == "prefix_hash":
         return PrefixHash(prefix_chars)
+    if name == "cache_aware":
+        return CacheAware(cache_threshold, balance_abs_threshold, balance_rel_threshold, cache_max_chars)
     raise ValueError(f"policy: unknown policy {name!r}")

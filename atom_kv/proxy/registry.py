@@ -1,19 +1,38 @@
-"""Live engine instances: registration, liveness expiry, load counters, circuit state."""
+"""Known engine instances: registration, health state, liveness expiry, load counters, circuit state.
+
+Everything here runs on the proxy's event loop (discovery, the health
+monitor and the relay all live there), so there are no locks.
+
+An instance is routable when it is *live* (heard from, by ping or probe,
+within ``heartbeat_timeout``) and *up* (its last probe or request did not
+fail at the connection level). New discovered instances start *pending*
+until a probe reaches them; an instance whose connection is refused or reset
+goes *down* at once and comes back on the next successful probe.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from yarl import URL
 
+from atom_kv._ratelimit import RateLimitedLog
+from atom_kv.proxy.static import StaticEngine
+
 logger = logging.getLogger(__name__)
 
 Role = Literal["P", "D"]
 ROLE_NAMES = {"P": "prefill", "D": "decode"}
+
+PENDING, UP, DOWN = "pending", "up", "down"
+
+
+class RegistryFull(Exception):
+    """No room for another discovered instance (``max_instances`` live and up)."""
 
 
 class CircuitBreaker:
@@ -47,7 +66,7 @@ class CircuitBreaker:
         return self._trial_started is None or now - self._trial_started >= self.cooldown_s
 
     def on_dispatch(self, now: float) -> None:
-        if self.state(now) == "half_open":
+        if self._open and self.state(now) == "half_open":
             self._trial_started = now
 
     def record_success(self) -> None:
@@ -68,13 +87,13 @@ class CircuitBreaker:
 
 @dataclass
 class Instance:
-    """One registered engine (rank 0 of a P or D deployment) and its live load."""
+    """One engine (rank 0 of a P or D deployment): what it serves, its health and its live load."""
 
     role: Role
     base_url: str
     host: str
     http_port: int
-    handshake_port: int
+    handshake_port: int | None
     dp_size: int
     tp_size: int
     breaker: CircuitBreaker
@@ -82,12 +101,19 @@ class Instance:
     engine_id: str | None = None
     model: str | None = None
     notify_port: int | None = None
-    source: str = "atom"
+    source: str = "atom"  # "atom" / "moriio" ping, or "static"
+    static: bool = False
+    state: str = PENDING
+    down_reason: str = ""
+    expired: bool = False  # static only: silent past the heartbeat timeout (counted once)
     last_seen: float = 0.0
     last_seen_wall: float = 0.0
+    max_model_len: int | None = None  # from the engine's /v1/models
+    tokenize: bool | None = None  # None: not asked yet; False: the engine has no /tokenize
     inflight: int = 0
     outstanding_tokens: list[int] = field(default_factory=list)
     dp_counter: int = 0
+    pinned: frozenset[str] = frozenset()  # fields given by flag: never overwritten by what the engine reports
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
 
     def url(self, path: str) -> URL:
@@ -106,6 +132,11 @@ class Instance:
         rank = self.dp_counter % self.dp_size
         self.dp_counter += 1
         return rank
+
+    def resize_dp(self, dp_size: int) -> None:
+        if dp_size != self.dp_size:
+            self.dp_size = dp_size
+            self.outstanding_tokens = (self.outstanding_tokens + [0] * dp_size)[:dp_size]
 
     def charge(self, dp_rank: int, tokens: int) -> None:
         self.inflight += 1
@@ -131,8 +162,11 @@ class Instance:
             "engine_id": self.engine_id,
             "model": self.model,
             "source": self.source,
+            "state": self.state,
+            "down_reason": self.down_reason or None,
+            "max_model_len": self.max_model_len,
             "last_seen": self.last_seen_wall,
-            "last_seen_age_s": round(now - self.last_seen, 3),
+            "last_seen_age_s": round(now - self.last_seen, 3) if self.last_seen else None,
             "inflight": self.inflight,
             "outstanding_tokens": list(self.outstanding_tokens),
             "circuit": self.breaker.state(now),
@@ -147,7 +181,7 @@ class Registration:
     base_url: str
     host: str
     http_port: int
-    handshake_port: int
+    handshake_port: int | None
     dp_size: int
     tp_size: int
     index: str = "0"
@@ -158,103 +192,220 @@ class Registration:
 
 
 class Registry:
-    """The set of live instances. Written by the discovery thread, read by the
-    event loop; membership is guarded by a lock, load counters are loop-only."""
+    """The set of known instances and their health; loop-only (no locks).
+
+    ``on_evict`` is called for every instance that leaves (or, if static,
+    goes silent); ``wakeup`` is set when an instance needs a probe soon."""
 
     def __init__(
         self,
         heartbeat_timeout: float,
         circuit_failures: int,
         circuit_cooldown_s: float,
+        max_instances: int = 256,
         on_evict: Callable[[Instance], None] | None = None,
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
+        self.max_instances = max_instances
         self._circuit_failures = circuit_failures
         self._circuit_cooldown_s = circuit_cooldown_s
         self._on_evict = on_evict
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
         self._instances: dict[tuple[str, str], Instance] = {}
+        self._sorted: dict[str, list[Instance]] | None = None
+        self._waiters: list[asyncio.Future] = []
+        self.wakeup = asyncio.Event()
+        self.discovered = 0  # instances that came from pings (the ones max_instances bounds)
+        # a flood of registrations must not become a flood of log lines
+        self._info = RateLimitedLog(logger, "instance changes", level=logging.INFO, burst=32)
+        self._warn = RateLimitedLog(logger, "instance problems", level=logging.WARNING, burst=16)
+
+    def flush_logs(self) -> None:
+        """Log summaries of suppressed registry messages (called periodically by the health monitor)."""
+        self._info.flush()
+        self._warn.flush()
+
+    # ------------------------------------------------------------------ changes
+    def _changed(self) -> None:
+        self._sorted = None
+        self._notify()
+
+    def _notify(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    def _new_instance(self, role: Role, base_url: str, host: str, http_port: int, handshake_port: int | None,
+                      dp_size: int, tp_size: int) -> Instance:
+        return Instance(
+            role=role, base_url=base_url, host=host, http_port=http_port, handshake_port=handshake_port,
+            dp_size=dp_size, tp_size=tp_size, breaker=CircuitBreaker(self._circuit_failures, self._circuit_cooldown_s),
+            outstanding_tokens=[0] * dp_size,
+        )
+
+    def _make_room(self, now: float) -> None:
+        """At capacity: drop the stalest discovered instance that is not up, or refuse."""
+        candidates = [i for i in self._instances.values() if not i.static and i.state != UP]
+        if not candidates:
+            raise RegistryFull(f"{self.max_instances} discovered instances registered and up (max_instances)")
+        victim = min(candidates, key=lambda i: i.last_seen)
+        self._remove(victim)
+        self._info.event("dropped", f"dropped {ROLE_NAMES[victim.role]} instance {victim.base_url} ({victim.state}) "
+                                    "to make room for a new registration")
+
+    def _remove(self, inst: Instance) -> None:
+        del self._instances[inst.key]
+        if not inst.static:
+            self.discovered -= 1
+        self._changed()
+        if self._on_evict is not None:
+            self._on_evict(inst)
 
     def upsert(self, reg: Registration, now: float | None = None) -> bool:
-        """Add or refresh an instance; returns True when it is new."""
+        """Add or refresh an instance from a ping; True when it is new. Raises :class:`RegistryFull`."""
         now = time.monotonic() if now is None else now
-        with self._lock:
-            key = (reg.role, reg.base_url)
-            inst = self._instances.get(key)
-            new = inst is None
-            if inst is None:
-                inst = Instance(
-                    role=reg.role, base_url=reg.base_url, host=reg.host, http_port=reg.http_port,
-                    handshake_port=reg.handshake_port, dp_size=reg.dp_size, tp_size=reg.tp_size,
-                    breaker=CircuitBreaker(self._circuit_failures, self._circuit_cooldown_s),
-                    outstanding_tokens=[0] * reg.dp_size,
-                )
-                self._instances[key] = inst
+        key = (reg.role, reg.base_url)
+        inst = self._instances.get(key)
+        new = inst is None
+        if inst is None:
+            if self.discovered >= self.max_instances:
+                self._make_room(now)
+            inst = self._new_instance(reg.role, reg.base_url, reg.host, reg.http_port, reg.handshake_port,
+                                      reg.dp_size, reg.tp_size)
+            self._instances[key] = inst
+            self.discovered += 1
+            self.wakeup.set()
+        if not inst.static:
             inst.handshake_port = reg.handshake_port
             inst.tp_size = reg.tp_size
-            if inst.dp_size != reg.dp_size:
-                inst.dp_size = reg.dp_size
-                inst.outstanding_tokens = (inst.outstanding_tokens + [0] * reg.dp_size)[: reg.dp_size]
+            inst.resize_dp(reg.dp_size)
             inst.index = reg.index
             inst.engine_id = reg.engine_id
             inst.model = reg.model
             inst.notify_port = reg.notify_port
             inst.source = reg.source
-            inst.last_seen = now
-            inst.last_seen_wall = time.time()
-            if new:
-                self._changed.notify_all()
-        if new:
-            logger.info(
-                "registered %s instance %s (tp=%d dp=%d handshake_port=%d, %s ping)",
-                ROLE_NAMES[reg.role], reg.base_url, reg.tp_size, reg.dp_size, reg.handshake_port, reg.source,
-            )
+        inst.last_seen = now
+        inst.last_seen_wall = time.time()
+        if not new:
+            self._notify()
+        else:
+            self._changed()
+            self._info.event("registered", (
+                f"registered {ROLE_NAMES[reg.role]} instance {reg.base_url} (tp={reg.tp_size} dp={reg.dp_size} "
+                f"handshake_port={reg.handshake_port}, {reg.source} ping); probing it"))
         return new
 
-    def _alive(self, inst: Instance, now: float) -> bool:
+    def add_static(self, engine: StaticEngine) -> Instance:
+        """Register an engine given by flag; it is probed, never evicted."""
+        inst = self._new_instance(engine.role, engine.base_url, engine.host, engine.http_port,  # type: ignore[arg-type]
+                                  engine.handshake_port, engine.dp_size, engine.tp_size or 1)
+        inst.static = True
+        inst.source = "static"
+        inst.engine_id = engine.engine_id
+        inst.notify_port = engine.notify_port
+        inst.pinned = frozenset(k for k, v in (("tp_size", engine.tp_size), ("engine_id", engine.engine_id)) if v)
+        self._instances[inst.key] = inst
+        self._changed()
+        self.wakeup.set()
+        return inst
+
+    # ------------------------------------------------------------------ health
+    def mark_down(self, inst: Instance, reason: str) -> bool:
+        """Take ``inst`` out of routing until a probe reaches it; True if it was not down already."""
+        if inst.state == DOWN or self._instances.get(inst.key) is not inst:
+            return False
+        inst.state = DOWN
+        inst.down_reason = reason
+        self._changed()
+        self.wakeup.set()
+        self._warn.event("down", f"{ROLE_NAMES[inst.role]} instance {inst.base_url} is down: {reason}")
+        return True
+
+    def mark_up(self, inst: Instance, now: float | None = None) -> None:
+        """A probe reached ``inst``: routable again (static instances also count it as a heartbeat)."""
+        now = time.monotonic() if now is None else now
+        if inst.static:
+            inst.last_seen = now
+            inst.last_seen_wall = time.time()
+            inst.expired = False
+        if inst.state != UP:
+            was = inst.state
+            inst.state = UP
+            inst.down_reason = ""
+            self._changed()
+            if was == DOWN:
+                self._info.event("up", f"{ROLE_NAMES[inst.role]} instance {inst.base_url} is up again")
+
+    def alive(self, inst: Instance, now: float) -> bool:
         return now - inst.last_seen <= self.heartbeat_timeout
 
     def evict_expired(self, now: float | None = None) -> list[Instance]:
+        """Drop discovered instances not heard from for ``heartbeat_timeout``; static
+        ones stay known but are reported once. Returns both kinds."""
         now = time.monotonic() if now is None else now
-        with self._lock:
-            gone = [i for i in self._instances.values() if not self._alive(i, now)]
-            for inst in gone:
-                del self._instances[inst.key]
-            if gone:
-                self._changed.notify_all()
+        gone = [i for i in self._instances.values()
+                if not self.alive(i, now) and not (i.static and (i.expired or i.last_seen == 0.0))]
         for inst in gone:
-            logger.warning(
-                "evicted %s instance %s: not heard from for %.1fs (heartbeat timeout %.1fs)",
-                ROLE_NAMES[inst.role], inst.base_url, now - inst.last_seen, self.heartbeat_timeout,
-            )
-            if self._on_evict is not None:
-                self._on_evict(inst)
+            self._warn.event("evicted", (
+                f"evicted {ROLE_NAMES[inst.role]} instance {inst.base_url}: not heard from for "
+                f"{now - inst.last_seen:.1f}s (heartbeat timeout {self.heartbeat_timeout:.1f}s)"))
+            if inst.static:
+                inst.expired = True
+                self._changed()
+                if self._on_evict is not None:
+                    self._on_evict(inst)
+            else:
+                self._remove(inst)
         return gone
 
+    # ------------------------------------------------------------------ reads
+    def _by_role(self) -> dict[str, list[Instance]]:
+        if self._sorted is None:
+            by_role: dict[str, list[Instance]] = {"P": [], "D": []}
+            for inst in sorted(self._instances.values(), key=lambda i: i.base_url):
+                by_role[inst.role].append(inst)
+            self._sorted = by_role
+        return self._sorted
+
+    def known(self, role: Role) -> list[Instance]:
+        """Every instance of ``role`` (any state), in address order."""
+        return list(self._by_role()[role])
+
     def live(self, role: Role, now: float | None = None) -> list[Instance]:
-        """Live instances of ``role``, in a stable (address) order."""
+        """Routable instances of ``role`` (live and up), in a stable (address) order."""
         now = time.monotonic() if now is None else now
-        with self._lock:
-            found = [i for i in self._instances.values() if i.role == role and self._alive(i, now)]
-        found.sort(key=lambda i: i.base_url)
-        return found
+        return [i for i in self._by_role()[role] if i.state == UP and self.alive(i, now)]
+
+    def usable(self, role: Role, now: float | None = None) -> list[Instance]:
+        """Live, up, and not behind an open circuit: what a request can be sent to now."""
+        now = time.monotonic() if now is None else now
+        return [i for i in self.live(role, now) if i.breaker.state(now) != "open"]
 
     def counts(self, now: float | None = None) -> dict[str, int]:
-        return {"prefill": len(self.live("P", now)), "decode": len(self.live("D", now))}
+        """Usable instances per role (what ``/health`` and the metrics report)."""
+        now = time.monotonic() if now is None else now
+        return {"prefill": len(self.usable("P", now)), "decode": len(self.usable("D", now))}
 
     def snapshot(self, now: float | None = None) -> list[dict]:
+        """Every known instance (``/instances``)."""
         now = time.monotonic() if now is None else now
-        return [i.describe(now) for role in ("P", "D") for i in self.live(role, now)]
+        return [i.describe(now) for role in ("P", "D") for i in self._by_role()[role]]  # type: ignore[index]
 
-    def wait_for(self, predicate: Callable[["Registry"], bool], timeout: float) -> bool:
-        """Block (not busy-wait) until ``predicate(self)`` holds or ``timeout`` passes."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if predicate(self):
-                return True
-            remaining = deadline - time.monotonic()
+    def __len__(self) -> int:
+        return len(self._instances)
+
+    async def wait_for(self, predicate: Callable[["Registry"], bool], timeout: float) -> bool:
+        """Wait (on change notifications, not a spin) until ``predicate(self)`` holds or ``timeout`` passes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not predicate(self):
+            remaining = deadline - loop.time()
             if remaining <= 0:
                 return False
-            with self._changed:
-                self._changed.wait(min(remaining, 0.1))
+            fut = loop.create_future()
+            self._waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except asyncio.TimeoutError:
+                pass
+        return True

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("round_robin", "random", "power_of_two", "least_loaded", "prefix_hash")
+from atom_kv.proxy.static import StaticEngine
+
+POLICIES = ("round_robin", "random", "power_of_two", "least_loaded", "prefix_hash", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -13,41 +15,86 @@ class ProxySettings:
 
     host: str = "0.0.0.0"
     port: int = 10001
-    discovery_host: str = "0.0.0.0"
+    discovery: bool = True  # listen for registration pings
+    discovery_host: str | None = None  # None: the HTTP host
     discovery_port: int = 36367
     heartbeat_timeout: float = 15.0
+    # routing
     policy: str = "round_robin"
+    prefill_policy: str | None = None  # None: ``policy``
+    decode_policy: str | None = None  # None: ``policy``
+    prefix_chars: int = 256  # prefix_hash: prompt characters hashed
+    cache_threshold: float = 0.3  # cache_aware: match ratio that wins over "smallest tree"
+    balance_abs_threshold: int = 64  # cache_aware: imbalanced if max-min load > this ...
+    balance_rel_threshold: float = 1.5  # ... and max load > min load * this
+    cache_max_chars: int = 4 * 1024 * 1024  # cache_aware: prompt characters remembered per engine
+    # registration
     registration_token: str | None = None
-    prefix_chars: int = 256
+    registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
+    max_instances: int = 256
+    max_tp_size: int = 512
+    max_dp_size: int = 512
+    static_prefill: tuple[StaticEngine, ...] = ()
+    static_decode: tuple[StaticEngine, ...] = ()
+    probe_interval_s: float = 2.0  # health probes of static, new and down engines
+    probe_timeout: float = 2.0
+    # relay
     max_retries: int = 2
     retry_backoff_s: float = 0.05
     connect_timeout: float = 5.0
     prefill_timeout: float = 300.0
     decode_timeout: float = 300.0
     models_timeout: float = 10.0
+    tokenize_timeout: float = 5.0
     circuit_failures: int = 3
     circuit_cooldown_s: float = 10.0
     discovery_poll_s: float = 0.5
     max_upstream_connections: int = 4096
+    max_request_bytes: int = 64 * 1024 * 1024
+    sse_split_max: int = 4  # SSE events arriving together are written one by one up to this many
+    # HTTP server
+    header_timeout: float = 10.0  # request head must arrive within this (also the idle keep-alive limit)
+    body_timeout: float = 30.0  # request body must arrive within this
     shutdown_timeout: float = 5.0
     backlog: int = 4096
-    keep_alive_timeout: float = 60.0
-    max_request_bytes: int = 64 * 1024 * 1024
+    log_summary_interval_s: float = 10.0  # rate-limited warnings: one summary per interval
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            value = getattr(self, name)
+            if value is not None and value not in POLICIES:
+                raise ValueError(f"{name}: must be one of {', '.join(POLICIES)}, got {value!r}")
         positive = (
-            "heartbeat_timeout", "connect_timeout", "prefill_timeout", "decode_timeout",
-            "models_timeout", "circuit_cooldown_s", "discovery_poll_s", "shutdown_timeout",
+            "heartbeat_timeout", "connect_timeout", "prefill_timeout", "decode_timeout", "models_timeout",
+            "tokenize_timeout", "circuit_cooldown_s", "discovery_poll_s", "shutdown_timeout", "probe_interval_s",
+            "probe_timeout", "header_timeout", "body_timeout", "registration_window_s", "log_summary_interval_s",
+            "balance_rel_threshold",
         )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
-        for name in ("max_retries", "prefix_chars"):
+        for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
-        if self.circuit_failures < 1:
-            raise ValueError(f"circuit_failures: must be >= 1, got {self.circuit_failures!r}")
+        for name in ("circuit_failures", "max_instances", "max_tp_size", "max_dp_size", "cache_max_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold: must be between 0 and 1, got {self.cache_threshold!r}")
         if self.retry_backoff_s < 0:
             raise ValueError(f"retry_backoff_s: must be >= 0, got {self.retry_backoff_s!r}")
+        for engine in (*self.static_prefill, *self.static_decode):
+            if engine.tp_size is not None and engine.tp_size > self.max_tp_size:
+                raise ValueError(f"{engine.url}: tp={engine.tp_size} exceeds max_tp_size {self.max_tp_size}")
+            if engine.dp_size > self.max_dp_size:
+                raise ValueError(f"{engine.url}: dp={engine.dp_size} exceeds max_dp_size {self.max_dp_size}")
+
+    @property
+    def discovery_bind_host(self) -> str:
+        """Where discovery listens: ``discovery_host``, else the HTTP ``host``."""
+        return self.discovery_host if self.discovery_host is not None else self.host
+
+    def policy_for(self, role: str) -> str:
+        """The policy name of the prefill ("P") or decode ("D") pool."""
+        chosen = self.prefill_policy if role == "P" else self.decode_policy
+        return chosen if chosen is not None else self.policy

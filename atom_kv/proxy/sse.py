@@ -1,4 +1,10 @@
-"""Streaming helpers: patch ``usage.prompt_tokens`` in an SSE stream's usage chunk."""
+"""Server-sent events: cut a byte stream into whole events, and patch ``usage.prompt_tokens``.
+
+The decode engine's stream arrives in arbitrary pieces (one TCP read may hold
+half an event or several). :class:`EventFramer` turns it back into whole
+events so the proxy forwards each one as its own write: a client measuring
+inter-token latency sees the engine's timing, not the proxy's read sizes.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import msgspec
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
+
+DONE_EVENT = b"data: [DONE]\n\n"
 
 
 def patch_usage(obj: object, prompt_tokens: int) -> bool:
@@ -23,36 +31,79 @@ def patch_usage(obj: object, prompt_tokens: int) -> bool:
     return True
 
 
-class UsageRewriter:
-    """Line-buffers an SSE byte stream and rewrites ``data:`` events that carry usage."""
+def _patch_event(event: bytes, prompt_tokens: int) -> bytes:
+    if b'"usage"' not in event:
+        return event
+    lines = event.split(b"\n")
+    changed = False
+    for i, line in enumerate(lines):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            try:
+                obj = _decoder.decode(line[6:].rstrip(b"\r"))
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                continue
+            if patch_usage(obj, prompt_tokens):
+                lines[i] = b"data: " + _encoder.encode(obj)
+                changed = True
+    return b"\n".join(lines) if changed else event
 
-    def __init__(self, prompt_tokens: int) -> None:
+
+class EventFramer:
+    """Owns the partial event between two reads; yields whole events (with their blank line).
+
+    With ``prompt_tokens`` set, events carrying ``usage`` get the prefill's
+    prompt token count (the decode engine may count differently)."""
+
+    __slots__ = ("prompt_tokens", "_pending")
+
+    def __init__(self, prompt_tokens: int | None = None) -> None:
         self.prompt_tokens = prompt_tokens
         self._pending = b""
 
-    def feed(self, chunk: bytes) -> bytes:
-        data = self._pending + chunk
-        cut = data.rfind(b"\n")
+    def feed(self, chunk: bytes) -> list[bytes]:
+        data = self._pending + chunk if self._pending else chunk
+        events = []
+        start = 0
+        has_cr = b"\r" in data
+        while True:
+            cut = data.find(b"\n\n", start)
+            crlf = data.find(b"\r\n\r\n", start) if has_cr else -1
+            if crlf >= 0 and (cut < 0 or crlf < cut):
+                end = crlf + 4
+            elif cut >= 0:
+                end = cut + 2
+            else:
+                break
+            events.append(data[start:end])
+            start = end
+        self._pending = data[start:]
+        if self.prompt_tokens is not None:
+            events = [_patch_event(e, self.prompt_tokens) for e in events]
+        return events
+
+    def feed_writes(self, chunk: bytes, split_max: int) -> list[tuple[bytes, bool]]:
+        """The whole events in ``chunk`` grouped into writes: one per event when at most
+        ``split_max`` arrived together, else one write for all. Each write comes with
+        whether it ends the stream (its last event is ``[DONE]``)."""
+        data = self._pending + chunk if self._pending else chunk
+        if b"\r" in data or (self.prompt_tokens is not None and b'"usage"' in data):
+            self._pending = b""
+            events = self.feed(data)
+            if len(events) <= split_max:
+                return [(e, e == DONE_EVENT) for e in events]
+            return [(b"".join(events), events[-1] == DONE_EVENT)] if events else []
+        cut = data.rfind(b"\n\n")
         if cut < 0:
             self._pending = data
-            return b""
-        self._pending = data[cut + 1 :]
-        return self._rewrite(data[: cut + 1])
+            return []
+        complete, self._pending = data[: cut + 2], data[cut + 2:]
+        if complete.count(b"\n\n") <= split_max:
+            return [(e + b"\n\n", e + b"\n\n" == DONE_EVENT) for e in complete[:-2].split(b"\n\n")]
+        return [(complete, complete == DONE_EVENT or complete.endswith(b"\n\n" + DONE_EVENT))]
 
     def flush(self) -> bytes:
+        """Whatever is left when the stream ends (an unterminated last event), patched too."""
         rest, self._pending = self._pending, b""
-        return self._rewrite(rest) if rest else b""
-
-    def _rewrite(self, block: bytes) -> bytes:
-        if b'"usage"' not in block:
-            return block
-        lines = block.split(b"\n")
-        for i, line in enumerate(lines):
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                try:
-                    obj = _decoder.decode(line[6:].rstrip(b"\r"))
-                except msgspec.DecodeError:
-                    continue
-                if patch_usage(obj, self.prompt_tokens):
-                    lines[i] = b"data: " + _encoder.encode(obj)
-        return b"\n".join(lines)
+        if rest and self.prompt_tokens is not None:
+            rest = _patch_event(rest, self.prompt_tokens)
+        return rest

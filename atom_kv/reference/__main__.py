@@ -2,7 +2,9 @@
 
 Starts the reference engine: a colocated engine without a config, a prefill
 (``kv_producer``) or decode (``kv_consumer``) engine with one. With
-``proxy_ip`` in the config, it registers with the proxy.
+``proxy_ip`` in the config, it registers with the proxy. ``--port 0`` lets
+the OS pick the HTTP port; ``--port-file F`` writes the bound port to F once
+requests can be served.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from atom_kv.config import ConfigError, parse_kv_transfer_config
 
@@ -23,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m atom_kv.reference", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on (and to advertise for KV reads)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 lets the OS pick one (see --port-file)")
+    p.add_argument("--port-file", default=None,
+                   help="write the bound HTTP port to this file (atomically) once requests can be served")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (must divide the 2 KV heads)")
     p.add_argument("--kv-transfer-config", default=None, help="JSON; see docs/configuration.md")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks per rank")
@@ -41,12 +46,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a TP rank may take for one step before the engine gives up on it")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight HTTP requests get to finish on shutdown")
-    p.add_argument("--instance-index", default=None, help="index to register with the proxy (default: the port)")
+    p.add_argument("--instance-index", default=None,
+                   help="index to register with the proxy (default: the bound HTTP port)")
     p.add_argument("--log-level", default="INFO")
     return p
 
 
-async def _serve(args: argparse.Namespace, engine, router, pinger) -> int:
+def _write_port_file(path: str, port: int) -> None:
+    """Write ``port`` so a reader never sees a partial file (write a temporary file, then rename)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)
+
+
+async def _serve(args: argparse.Namespace, engine, router, make_pinger: Callable[[int], Any]) -> int:
     from aiohttp import web
 
     from atom_kv.reference.server import OpenAIServer
@@ -70,11 +84,16 @@ async def _serve(args: argparse.Namespace, engine, router, pinger) -> int:
                            shutdown_timeout=args.shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
+    pinger = None
     try:
         await site.start()
-        log.info("serving %s on http://%s:%d (%s)", args.model_id, args.host, args.port, engine.role)
+        port = runner.addresses[0][1]  # the bound port (the OS picks it for --port 0)
+        log.info("serving %s on http://%s:%d (%s)", args.model_id, args.host, port, engine.role)
+        pinger = make_pinger(port)
         if pinger is not None:  # register only once requests can be served
             pinger.start()
+        if args.port_file:
+            _write_port_file(args.port_file, port)
         await stop.wait()
     finally:
         if pinger is not None:
@@ -94,6 +113,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not getattr(args, flag) > 0:
             print(f"error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
+    if not 0 <= args.port < 65536:
+        print(f"error: --port must be in 0..65535 (0: the OS picks one), got {args.port}", file=sys.stderr)
+        return 2
     for flag in ("tp", "num_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
                  "num_layers", "threads"):
         if getattr(args, flag) < 1:
@@ -115,22 +137,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                    step_timeout_s=args.step_timeout),
         kv_config, router.deliver,
     )
-    pinger = None
-    if kv_config is not None and kv_config.proxy_addresses:
+
+    def make_pinger(http_port: int) -> Any:
+        if kv_config is None or not kv_config.proxy_addresses:
+            return None
         from atom_kv import engine_hooks
 
-        try:
-            pinger = engine_hooks.build_registration_pinger(
-                kv_config, role="P" if kv_config.is_producer else "D",
-                index=args.instance_index or str(args.port), http_host=args.host, http_port=args.port,
-                tp_size=args.tp, dp_size=1, engine_id=engine.engine_id, model=args.model_id,
-            )
-        except ValueError as exc:
-            print(f"error: kv-transfer-config: `proxy_ip`: {exc}", file=sys.stderr)
-            return 2
+        return engine_hooks.build_registration_pinger(
+            kv_config, role="P" if kv_config.is_producer else "D",
+            index=args.instance_index or str(http_port), http_host=args.host, http_port=http_port,
+            tp_size=args.tp, dp_size=1, engine_id=engine.engine_id, model=args.model_id,
+        )
+
+    try:
+        make_pinger(args.port)  # a bad proxy address fails now, before the ranks start
+    except ValueError as exc:
+        print(f"error: kv-transfer-config: `proxy_ip`: {exc}", file=sys.stderr)
+        return 2
     try:
         engine.start()
-        return asyncio.run(_serve(args, engine, router, pinger))
+        return asyncio.run(_serve(args, engine, router, make_pinger))
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # startup failures (ports in use, worker crash) in one line

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
 
 from atom_kv.reference.request import RequestError
 from atom_kv.reference.tokenizer import ByteTokenizer
 
-__all__ = ["GenerateParams", "parse_request", "error_body", "completion_body", "chunk_body"]
+__all__ = ["GenerateParams", "TokenizeParams", "parse_request", "parse_prompt", "parse_tokenize", "error_body",
+           "completion_body", "chunk_body"]
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-                502: "BadGatewayError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
 
 def error_body(message: str, status: int, param: Optional[str] = None) -> dict[str, Any]:
@@ -30,10 +31,21 @@ class GenerateParams:
     stream: bool
     include_usage: bool
     kv_transfer_params: Optional[dict]
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TokenizeParams:
+    prompt_ids: list[int]
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _int_field(body: dict, key: str, default: Optional[int], minimum: int) -> Optional[int]:
@@ -45,28 +57,116 @@ def _int_field(body: dict, key: str, default: Optional[int], minimum: int) -> Op
     return value
 
 
-def parse_request(body: Any, tokenizer: ByteTokenizer, *, chat: bool, default_max_tokens: int) -> GenerateParams:
-    """Validate a completions/chat body; raise :class:`RequestError` naming the bad field."""
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
+def _bool_field(body: dict, key: str) -> bool:
+    value = body.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(f"`{key}` must be true or false, got {value!r}", param=key)
+    return value
+
+
+def _equals(*defaults: Any):
+    """A predicate: the value is one of ``defaults`` (compared with their types, so 0 != False)."""
+    return lambda v: any(type(v) is type(d) and v == d for d in defaults) or (
+        _is_number(v) and any(_is_number(d) and v == d for d in defaults))
+
+
+#: Parameters this engine does not implement: (key, "is the value a default?", what is accepted).
+#: A default value (or null) is accepted; anything else is refused rather than ignored.
+_UNSUPPORTED: list[tuple[str, Any, str]] = [
+    ("logprobs", _equals(False), "null or false"),
+    ("top_logprobs", _equals(0), "null or 0"),
+    ("prompt_logprobs", lambda v: False, "null"),
+    ("echo", _equals(False), "null or false"),
+    ("logit_bias", lambda v: v == {}, "null or {}"),
+    ("best_of", _equals(1), "null or 1"),
+    ("suffix", _equals(""), 'null or ""'),
+    ("response_format", lambda v: v == {"type": "text"}, 'null or {"type": "text"}'),
+    ("tools", lambda v: v == [], "null or []"),
+    ("tool_choice", _equals("none", "auto"), 'null, "none" or "auto"'),
+    ("presence_penalty", _equals(0), "null or 0"),
+    ("frequency_penalty", _equals(0), "null or 0"),
+    ("repetition_penalty", _equals(1), "null or 1"),
+    ("top_p", _equals(1), "null or 1"),
+    ("top_k", _equals(0, -1), "null, 0 or -1"),
+    ("min_p", _equals(0), "null or 0"),
+    ("min_tokens", _equals(0), "null or 0"),
+    ("include_stop_str_in_output", _equals(False), "null or false"),
+]
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for key, is_default, accepted in _UNSUPPORTED:
+        value = body.get(key)
+        if value is not None and not is_default(value):
+            raise RequestError(f"`{key}` is not supported by this engine (got {value!r}); send {accepted}",
+                               param=key)
+
+
+def _model(body: dict, served_model: Optional[str]) -> None:
+    """vLLM's rule: a missing model means the served one; any other name is a 404."""
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise RequestError(f"`model` must be a string, got {model!r}", param="model")
+    if served_model is not None and model != served_model:
+        raise RequestError(f"The model `{model}` does not exist.", status=404, param="model")
+
+
+def parse_prompt(body: dict, tokenizer: ByteTokenizer, *, chat: bool, add_bos: bool = True) -> list[int]:
+    """The prompt's token ids from ``messages`` (chat) or ``prompt`` (completions)."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("`messages` must be a non-empty list of {role, content} objects", param="messages")
-        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-            if any(not 0 <= t < tokenizer.VOCAB_SIZE for t in prompt):
-                raise RequestError(f"`prompt` token ids must be in 0..{tokenizer.VOCAB_SIZE - 1}", param="prompt")
-            prompt_ids = list(prompt)
-        else:
-            raise RequestError("`prompt` must be a string, a list with one string, or a list of token ids",
-                               param="prompt")
+        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=add_bos)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_bos=add_bos)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if any(not 0 <= t < tokenizer.VOCAB_SIZE for t in prompt):
+            raise RequestError(f"`prompt` token ids must be in 0..{tokenizer.VOCAB_SIZE - 1}", param="prompt")
+        return list(prompt)
+    raise RequestError("`prompt` must be a string, a list with one string, or a list of token ids",
+                       param="prompt")
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise RequestError(f"`stop` must be a non-empty string or a list of non-empty strings, got {stop!r}",
+                           param="stop")
+    return stop
+
+
+def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return []
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise RequestError(f"`stop_token_ids` must be a list of token ids in 0..{vocab_size - 1}, got {ids!r}",
+                           param="stop_token_ids")
+    return ids
+
+
+def parse_request(body: Any, tokenizer: ByteTokenizer, *, chat: bool, default_max_tokens: int,
+                  served_model: Optional[str] = None) -> GenerateParams:
+    """Validate a completions/chat body; raise :class:`RequestError` naming the bad field.
+
+    An unknown ``model`` is a 404; a parameter this engine does not implement
+    is a 400 naming it (a default value is accepted)."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    _model(body, served_model)
+    prompt_ids = parse_prompt(body, tokenizer, chat=chat)
     max_tokens = _int_field(body, "max_completion_tokens", None, 1) if chat else None
     if max_tokens is None:
         max_tokens = _int_field(body, "max_tokens", default_max_tokens, 1) or default_max_tokens
@@ -76,22 +176,46 @@ def parse_request(body: Any, tokenizer: ByteTokenizer, *, chat: bool, default_ma
     temperature = body.get("temperature", 0.0)
     if temperature is None:
         temperature = 0.0
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+    if not _is_number(temperature) or temperature < 0:
         raise RequestError(f"`temperature` must be a number >= 0, got {temperature!r}", param="temperature")
     seed = _int_field(body, "seed", None, 0)
     kv_params = body.get("kv_transfer_params")
     if kv_params is not None and not isinstance(kv_params, dict):
         raise RequestError("`kv_transfer_params` must be an object", param="kv_transfer_params")
-    stream_options = body.get("stream_options") or {}
+    stream = _bool_field(body, "stream")
+    stream_options = body.get("stream_options")
+    if stream_options is None:
+        stream_options = {}
+    if not isinstance(stream_options, dict):
+        raise RequestError(f"`stream_options` must be an object, got {stream_options!r}", param="stream_options")
+    include_usage = _bool_field(stream_options, "include_usage")
+    _refuse_unsupported(body)
     return GenerateParams(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
         temperature=float(temperature),
         seed=seed,
-        stream=bool(body.get("stream", False)),
-        include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+        stream=stream,
+        include_usage=include_usage,
         kv_transfer_params=kv_params,
+        stop=_stop(body),
+        stop_token_ids=_stop_token_ids(body, tokenizer.VOCAB_SIZE),
     )
+
+
+def parse_tokenize(body: Any, tokenizer: ByteTokenizer, *, served_model: Optional[str] = None) -> TokenizeParams:
+    """vLLM's ``/tokenize`` body: ``model`` plus ``prompt`` or ``messages``; the tokens are
+    exactly those ``/v1/completions`` or ``/v1/chat/completions`` would run."""
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    _model(body, served_model)
+    if ("prompt" in body) == ("messages" in body):
+        raise RequestError("send either `prompt` or `messages`", param="prompt")
+    add_special = body.get("add_special_tokens", True)
+    if not isinstance(add_special, bool):
+        raise RequestError(f"`add_special_tokens` must be true or false, got {add_special!r}",
+                           param="add_special_tokens")
+    return TokenizeParams(parse_prompt(body, tokenizer, chat="messages" in body, add_bos=add_special))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -101,12 +225,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def completion_body(*, rid: str, model: str, chat: bool, text: str, finish_reason: Optional[str],
                     prompt_tokens: int, completion_tokens: int, created: int,
-                    kv_transfer_params: Optional[dict]) -> dict[str, Any]:
+                    kv_transfer_params: Optional[dict], stop_reason: Union[str, int, None] = None) -> dict[str, Any]:
+    """A whole answer; ``kv_transfer_params`` appears only when the request was one leg of a
+    P/D exchange that produced them (a prefill answer), as in vLLM's P/D answers."""
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": finish_reason}
+                                  "logprobs": None, "finish_reason": finish_reason, "stop_reason": stop_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
     body: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -115,21 +242,25 @@ def completion_body(*, rid: str, model: str, chat: bool, text: str, finish_reaso
         "choices": [choice],
         "usage": usage(prompt_tokens, completion_tokens),
     }
-    body["kv_transfer_params"] = kv_transfer_params
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
     return body
 
 
 def chunk_body(*, rid: str, model: str, chat: bool, created: int, text: Optional[str],
-               finish_reason: Optional[str], role: bool = False) -> dict[str, Any]:
+               finish_reason: Optional[str], role: bool = False,
+               stop_reason: Union[str, int, None] = None) -> dict[str, Any]:
     if chat:
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                                  "stop_reason": stop_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model, "choices": [choice]}
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
+
+from atom_kv.reference.stopping import StopChecker
 
 __all__ = ["RequestState", "Request", "RequestOutput", "RequestError"]
 
@@ -37,6 +39,8 @@ class Request:
     temperature: float = 0.0
     seed: Optional[int] = None
     kv_transfer_params: Optional[dict] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
     state: RequestState = RequestState.WAITING
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -44,6 +48,10 @@ class Request:
     num_external_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: Optional[float] = None
+    stopper: StopChecker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stopper = StopChecker(self.stop, self.stop_token_ids)
 
     @property
     def num_prompt(self) -> int:
@@ -56,12 +64,17 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """What happened to a request in one engine step (sent to the HTTP side)."""
+    """What happened to a request in one engine step (sent to the HTTP side).
+
+    ``new_token_ids`` are the tokens that may be shown now (a token that could
+    begin a stop string is held back until the next one decides it);
+    ``num_output_tokens`` counts every generated token, shown or not."""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: Optional[str] = None
+    stop_reason: Union[str, int, None] = None
     error: Optional[str] = None
     error_status: int = 500
     kv_transfer_params: Optional[dict] = None

@@ -1,4 +1,8 @@
-"""Token sampling over the model's logits (greedy or seeded temperature sampling).
+"""Token sampling over the model's logits (greedy, or temperature sampling).
+
+A request with a ``seed`` samples from its own generator seeded with it, so
+the same request gives the same tokens on any engine (a decode engine too);
+without one, every request draws fresh entropy from the OS.
 
 Generation is restricted to printable ASCII plus newline, so generated text
 maps one to one onto generated token ids.
@@ -16,7 +20,7 @@ _ALLOWED = np.array([10] + list(range(32, 127)), dtype=np.int64)
 
 
 class Sampler:
-    """Owns per-request random generators for ``temperature > 0``."""
+    """Owns per-request random generators for ``temperature > 0`` (seeded, or from OS entropy)."""
 
     def __init__(self) -> None:
         self._rngs: dict[str, np.random.Generator] = {}
@@ -27,7 +31,7 @@ class Sampler:
             return int(_ALLOWED[int(np.argmax(allowed))])
         rng = self._rngs.get(request_id)
         if rng is None:
-            rng = self._rngs[request_id] = np.random.default_rng(0 if seed is None else seed)
+            rng = self._rngs[request_id] = np.random.default_rng(seed)  # None: OS entropy
         z = allowed / temperature
         p = np.exp(z - z.max())
         p /= p.sum()

@@ -148,7 +148,8 @@ class Scheduler:
         return req.block_ids[: self.blocks.blocks_for(req.num_prompt)]
 
     def update_from_output(self, sampled: dict[str, int], now: float) -> list[RequestOutput]:
-        """Record one sampled token per computed request; finish those at ``max_tokens``."""
+        """Record one sampled token per computed request; finish those that hit a stop
+        string or stop token id (``finish_reason`` "stop") or ``max_tokens`` ("length")."""
         outputs = []
         for rid, token in sampled.items():
             req = self.running.get(rid)
@@ -158,15 +159,19 @@ class Scheduler:
             req.output_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
+            step = req.stopper.push(token)
             out = RequestOutput(
                 rid,
-                new_token_ids=[token],
+                new_token_ids=step.release,
                 num_prompt_tokens=req.num_prompt,
                 num_output_tokens=len(req.output_ids),
             )
-            if len(req.output_ids) >= req.max_tokens:
-                out.finished = True
-                out.finish_reason = "length"
+            if step.stopped:
+                out.finished, out.finish_reason, out.stop_reason = True, "stop", step.stop_reason
+            elif len(req.output_ids) >= req.max_tokens:
+                out.new_token_ids += req.stopper.flush()
+                out.finished, out.finish_reason = True, "length"
+            if out.finished:
                 out.kv_transfer_params = self._finish(req, aborted=False)
             outputs.append(out)
         return outputs

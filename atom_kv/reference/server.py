@@ -25,6 +25,7 @@ from atom_kv.reference.openai_protocol import (
     error_body,
     now_s,
     parse_request,
+    parse_tokenize,
     usage,
 )
 from atom_kv.reference.request import Request, RequestError, RequestOutput
@@ -81,8 +82,21 @@ class _ClientGone(Exception):
     pass
 
 
+@web.middleware
+async def _json_http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Unknown paths (404) and wrong methods (405) answer in the OpenAI error shape, not HTML."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return _error(f"method {request.method} is not allowed on {request.path}; use {allowed}", 405,
+                      headers={"Allow": allowed})
+    except web.HTTPNotFound:
+        return _error(f"no such endpoint: {request.method} {request.path}", 404)
+
+
 class OpenAIServer:
-    """Owns the aiohttp application: OpenAI routes, ``/health`` and ``/metrics``."""
+    """Owns the aiohttp application: OpenAI routes, vLLM's ``/tokenize``, ``/health`` and ``/metrics``."""
 
     def __init__(self, engine: EngineCore, router: OutputRouter, *, default_max_tokens: int = 16) -> None:
         self.engine = engine
@@ -91,9 +105,10 @@ class OpenAIServer:
         self.model_id = engine.args.model_id
         self.default_max_tokens = default_max_tokens
         self.metrics = EngineMetrics(engine)
-        self.app = web.Application(client_max_size=64 * 2**20)
+        self.app = web.Application(client_max_size=64 * 2**20, middlewares=[_json_http_errors])
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/tokenize", self.tokenize)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics_handler)
@@ -123,6 +138,19 @@ class OpenAIServer:
             body["error"] = self.engine.fatal
         return _json(body, status=503 if self.engine.fatal else 200)
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize``: what a prompt costs here, before spending a prefill on it."""
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error("request body is not valid JSON", 400)
+        try:
+            params = parse_tokenize(body, self.tokenizer, served_model=self.model_id)
+        except RequestError as exc:
+            return _error(exc.message, exc.status, exc.param)
+        return _json({"count": len(params.prompt_ids), "max_model_len": self.engine.args.max_model_len,
+                      "tokens": params.prompt_ids})
+
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
@@ -143,12 +171,14 @@ class OpenAIServer:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return _error("request body is not valid JSON", 400, headers=headers)
         try:
-            params = parse_request(body, self.tokenizer, chat=chat, default_max_tokens=self.default_max_tokens)
+            params = parse_request(body, self.tokenizer, chat=chat, default_max_tokens=self.default_max_tokens,
+                                   served_model=self.model_id)
         except RequestError as exc:
             return _error(exc.message, exc.status, exc.param, headers=headers)
         req = Request(request_id=rid, prompt_ids=params.prompt_ids, max_tokens=params.max_tokens,
                       temperature=params.temperature, seed=params.seed,
-                      kv_transfer_params=params.kv_transfer_params)
+                      kv_transfer_params=params.kv_transfer_params, stop=params.stop,
+                      stop_token_ids=params.stop_token_ids)
         queue = self.router.register(rid)
         finished = False
         try:
@@ -194,7 +224,8 @@ class OpenAIServer:
                 body = completion_body(
                     rid=rid, model=self.model_id, chat=chat, text=self.tokenizer.decode(token_ids),
                     finish_reason=out.finish_reason, prompt_tokens=len(params.prompt_ids),
-                    completion_tokens=len(token_ids), created=now_s(), kv_transfer_params=out.kv_transfer_params)
+                    completion_tokens=out.num_output_tokens, created=now_s(),
+                    kv_transfer_params=out.kv_transfer_params, stop_reason=out.stop_reason)
                 return _json(body, headers=headers), True
 
     async def _stream(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", rid: str,
@@ -225,7 +256,6 @@ class OpenAIServer:
                            request: web.Request, out: RequestOutput, rid: str, params: GenerateParams,
                            chat: bool, created: int, send: Any) -> None:
         detok = IncrementalDetokenizer()
-        n_out = 0
         if chat:
             await send(chunk_body(rid=rid, model=self.model_id, chat=True, created=created, text="", finish_reason=None,
                                   role=True))
@@ -233,7 +263,6 @@ class OpenAIServer:
             if out.error:
                 await send(error_body(out.error, out.error_status))
                 break
-            n_out += len(out.new_token_ids)
             text = "".join(detok.push(t) for t in out.new_token_ids)
             if out.finished:
                 text += detok.flush()
@@ -242,14 +271,15 @@ class OpenAIServer:
                                       finish_reason=None))
             if out.finished:
                 final = chunk_body(rid=rid, model=self.model_id, chat=chat, created=created,
-                                   text=None if chat else "", finish_reason=out.finish_reason)
+                                   text=None if chat else "", finish_reason=out.finish_reason,
+                                   stop_reason=out.stop_reason)
                 if out.kv_transfer_params is not None:
                     final["kv_transfer_params"] = out.kv_transfer_params
                 await send(final)
                 if params.include_usage:
                     await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": created, "model": self.model_id, "choices": [],
-                                "usage": usage(len(params.prompt_ids), n_out)})
+                                "usage": usage(len(params.prompt_ids), out.num_output_tokens)})
                 break
             out = await self._next(request, queue)
         try:

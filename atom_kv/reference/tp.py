@@ -2,7 +2,9 @@
 
 - :class:`LocalExecutor`: TP=1, rank 0 in the engine process.
 - :class:`ProcessExecutor`: TP>1, every rank in its own worker process
-  (``torch.distributed`` with gloo on 127.0.0.1), driven over pipes. The
+  (``torch.distributed`` with gloo on 127.0.0.1), driven over pipes. Rank 0
+  hosts the rendezvous store on a port the OS picks and reports it up its
+  pipe; the engine hands it to the other ranks (no port is guessed). The
   engine process never joins a collective, so a dead or stuck worker shows up
   as a bounded wait that fails (:class:`WorkerFailure`) instead of a hang.
   Ranks are forked from a fork server (started by this process; it exits when
@@ -17,7 +19,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -57,12 +58,6 @@ class LocalExecutor:
             self._runner = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -81,8 +76,29 @@ def _engine_alive(pid: int) -> bool:
     return True
 
 
-def _worker_main(spec: RankSpec, conn: Connection, dist_port: int, threads: int, parent_pid: int,
-                 log_level: int, collective_timeout_s: float) -> None:
+def _rendezvous_store(spec: RankSpec, conn: Connection, timeout_s: float) -> Any:
+    """Rank 0 serves the gloo rendezvous store on an OS-assigned port and reports it to the
+    engine; every other rank waits (bounded) for that port from the engine and connects."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    if spec.tp_rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, spec.tp_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        conn.send(("rendezvous", store.port))
+        return store
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"no rendezvous port from the engine within {timeout_s:.0f} s")
+    kind, port = conn.recv()
+    if kind != "rendezvous":
+        raise RuntimeError(f"expected the rendezvous port, got {kind!r}")
+    return dist.TCPStore("127.0.0.1", port, spec.tp_size, is_master=False, timeout=timeout)
+
+
+def _worker_main(spec: RankSpec, conn: Connection, threads: int, parent_pid: int,
+                 log_level: int, collective_timeout_s: float, startup_timeout_s: float) -> None:
     """Entry point of a TP worker process."""
     _die_with_parent()
     # The engine decides when a rank stops (a "stop" message, then SIGKILL); a Ctrl-C or a
@@ -102,7 +118,7 @@ def _worker_main(spec: RankSpec, conn: Connection, dist_port: int, threads: int,
         torch.set_num_threads(threads)
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{dist_port}",
+            store=_rendezvous_store(spec, conn, startup_timeout_s),
             rank=spec.tp_rank,
             world_size=spec.tp_size,
             timeout=timedelta(seconds=collective_timeout_s),
@@ -141,7 +157,6 @@ class ProcessExecutor:
         # process itself never imports torch for TP > 1.
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "atom_kv.reference.runner"])
-        port = _free_port()
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._closed = False
@@ -151,7 +166,7 @@ class ProcessExecutor:
             parent_conn, child_conn = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(spec, child_conn, port, threads, os.getpid(), level, step_timeout_s),
+                args=(spec, child_conn, threads, os.getpid(), level, step_timeout_s, startup_timeout_s),
                 name=f"atom-kv-tp{spec.tp_rank}",
                 daemon=True,
             )
@@ -160,15 +175,25 @@ class ProcessExecutor:
             self._procs.append(proc)
             self._conns.append(parent_conn)
         try:
-            self._gather(startup_timeout_s, "start")
+            deadline = time.monotonic() + startup_timeout_s
+            (port,) = self._gather(startup_timeout_s, "report the rendezvous port", ranks=[0])
+            for i, conn in enumerate(self._conns[1:], start=1):
+                try:
+                    conn.send(("rendezvous", port))
+                except OSError:
+                    raise self._fail(f"TP worker {i} is gone (exit code {self._procs[i].exitcode})")
+            self._gather(startup_timeout_s, "start", deadline=deadline)
         except BaseException:
             self.close()
             raise
 
-    def _gather(self, timeout_s: float, what: str) -> list[Any]:
-        results: list[Any] = [None] * len(self._conns)
-        pending = set(range(len(self._conns)))
-        deadline = time.monotonic() + timeout_s
+    def _gather(self, timeout_s: float, what: str, ranks: Optional[list[int]] = None,
+                deadline: Optional[float] = None) -> list[Any]:
+        """One message from each of ``ranks`` (default: all), by ``deadline`` (default: in ``timeout_s``)."""
+        ranks = list(range(len(self._conns))) if ranks is None else ranks
+        results: dict[int, Any] = {}
+        pending = set(ranks)
+        deadline = time.monotonic() + timeout_s if deadline is None else deadline
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -191,7 +216,7 @@ class ProcessExecutor:
                 elif self._procs[i].sentinel in ready:
                     self._procs[i].join(0.1)
                     raise self._fail(f"TP worker {i} died (exit code {self._procs[i].exitcode})")
-        return results
+        return [results[i] for i in ranks]
 
     def _fail(self, message: str) -> WorkerFailure:
         self._broken = message

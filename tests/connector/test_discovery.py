@@ -2,10 +2,12 @@ import random
 import socket
 import time
 
+import msgspec
 import pytest
 import zmq
 
 from atom_kv import wire
+from atom_kv.auth import PURPOSE_REGISTER, ReplayWindow, verify_fields
 from atom_kv.discovery import build_registration_pinger, parse_proxy_address
 from tests.conftest import free_port
 from tests.connector.kvutil import config
@@ -58,9 +60,15 @@ def test_pings_reach_a_proxy_started_late_and_restarted():
     try:
         pinger.start()
         ping, router = _recv_ping(ctx, port)  # the proxy came up after the pinger
-        assert ping == wire.RegisterPing(role="P", index="0", request_address="http://127.0.0.1:8100/v1/completions",
-                                         handshake_port=6400, dp_size=1, tp_size=2, transfer_mode="read",
-                                         engine_id="P-1", auth_token="s3cret", model="tiny")
+        unsigned = msgspec.structs.replace(ping, ts=None, nonce=None, mac=None)
+        assert unsigned == wire.RegisterPing(role="P", index="0", request_address="http://127.0.0.1:8100/v1/completions",
+                                             handshake_port=6400, dp_size=1, tp_size=2, transfer_mode="read",
+                                             engine_id="P-1", model="tiny")
+        # signed with the token (which itself never travels): the proxy's check accepts it
+        assert ping.mac and ping.nonce and abs(ping.ts - time.time()) < 60
+        fields = msgspec.to_builtins(ping)
+        verify_fields("s3cret", PURPOSE_REGISTER, fields, ReplayWindow(30.0))
+        assert b"s3cret" not in msgspec.msgpack.encode(fields)
         router.close(0)  # proxy restarts
         ping2, router = _recv_ping(ctx, port)
         assert ping2.engine_id == "P-1"
@@ -89,6 +97,7 @@ def test_atom_map_layout_on_the_wire():
         assert raw["type"] == "register" and raw["role"] == "D" and raw["index"] == "3"
         assert raw["request_address"] == "http://10.1.1.1:9000/v1/completions"
         assert (raw["handshake_port"], raw["dp_size"], raw["tp_size"], raw["transfer_mode"]) == (6500, 2, 1, "read")
+        assert raw["mac"] is None and "auth_token" not in raw  # no token configured: unsigned
     finally:
         pinger.close()
         router.close(0)

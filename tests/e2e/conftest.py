@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from atom_kv.demo.cluster import Cluster, EngineSpec
+from atom_kv.testing.cluster import Cluster, EngineSpec
 from tests.e2e.helpers import Result, generate
 
 

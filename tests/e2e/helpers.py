@@ -25,14 +25,15 @@ class Result:
 
 def generate(base_url: str, prompt: str, *, chat: bool, stream: bool, max_tokens: int = 12,
              timeout: float = 60.0, extra: Optional[dict] = None) -> Result:
-    """One greedy request; returns the generated text or the error."""
+    """One request (greedy unless ``extra`` says otherwise); returns the generated text or the error."""
     if chat:
         path = "/v1/chat/completions"
         body: dict = {"model": "atom-kv-tiny", "messages": [{"role": "user", "content": prompt}]}
     else:
         path = "/v1/completions"
         body = {"model": "atom-kv-tiny", "prompt": prompt}
-    body.update(max_tokens=max_tokens, temperature=0, stream=stream, **(extra or {}))
+    body.update(max_tokens=max_tokens, temperature=0, stream=stream)
+    body.update(extra or {})
     req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
     try:

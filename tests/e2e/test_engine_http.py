@@ -10,7 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from atom_kv.demo.cluster import Cluster, EngineSpec, http_json, scrape_metrics, wait_until
+from atom_kv.testing.cluster import Cluster, EngineSpec
+from atom_kv.testing.polling import wait_until
+from atom_kv.testing.web import http_json, scrape_metrics
 from tests.e2e.helpers import PROMPTS, generate, get_json
 
 
@@ -81,6 +83,78 @@ def test_request_id_usage_models_and_metrics(engine):
     metrics = scrape_metrics(engine.engine_url(0) + "/metrics")
     assert metrics["atom_kv_kv_blocks_total"] == 64
     assert metrics["atom_kv_generation_tokens_total"] >= 3
+
+
+def test_unknown_model_is_a_404_and_a_missing_model_is_served(engine):
+    url = engine.engine_url(0)
+    status, body = http_json("POST", url + "/v1/completions", {"model": "llama-70b", "prompt": "hi", "max_tokens": 2})
+    assert status == 404 and body["error"]["message"] == "The model `llama-70b` does not exist."
+    assert body["error"]["type"] == "NotFoundError" and body["error"]["code"] == 404
+    status, body = http_json("POST", url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert status == 200 and body["model"] == "atom-kv-tiny"
+
+
+def test_unknown_paths_and_methods_answer_json_in_the_openai_shape(engine):
+    url = engine.engine_url(0)
+    status, body = http_json("GET", url + "/v1/nothing-here")
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == 404 and "/v1/nothing-here" in body["error"]["message"]
+    status, body = http_json("GET", url + "/v1/completions")
+    assert status == 405 and body["error"]["type"] == "MethodNotAllowedError"
+    assert "POST" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"stream": "false"}, "stream"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"presence_penalty": 0.4}, "presence_penalty"),
+    ({"echo": True}, "echo"),
+])
+def test_what_the_engine_does_not_do_is_refused_not_ignored(engine, extra, param):
+    status, body = http_json("POST", engine.engine_url(0) + "/v1/completions",
+                             {"prompt": "hi", "max_tokens": 2, **extra})
+    assert status == 400 and body["error"]["param"] == param, body
+
+
+def test_tokenize_counts_what_a_completion_would_run(engine):
+    url = engine.engine_url(0)
+    prompt = PROMPTS[1]
+    status, tok = http_json("POST", url + "/tokenize", {"model": "atom-kv-tiny", "prompt": prompt})
+    assert status == 200 and set(tok) == {"count", "max_model_len", "tokens"}
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 10240
+    status, body = http_json("POST", url + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+    assert status == 200 and body["usage"]["prompt_tokens"] == tok["count"]
+    messages = [{"role": "user", "content": prompt}]
+    status, tok = http_json("POST", url + "/tokenize", {"messages": messages})
+    status2, body = http_json("POST", url + "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
+    assert status == status2 == 200 and body["usage"]["prompt_tokens"] == tok["count"]
+    status, body = http_json("POST", url + "/tokenize", {"model": "nope", "prompt": "x"})
+    assert status == 404
+
+
+def test_colocated_answers_carry_no_kv_transfer_params(engine):
+    status, body = http_json("POST", engine.engine_url(0) + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert status == 200 and "kv_transfer_params" not in body
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_stop_string_cuts_the_output_before_it(engine, colocated, stream):
+    full = colocated.text(PROMPTS[0], chat=False, max_tokens=16)
+    stop = full[6:8]
+    res = generate(engine.engine_url(0), PROMPTS[0], chat=False, stream=stream, max_tokens=16,
+                   extra={"stop": ["zzzz", stop]})
+    assert res.error is None and res.text == full[: full.index(stop)] and res.finish_reason == "stop", res
+
+
+def test_seeded_sampling_repeats_and_unseeded_sampling_does_not(engine):
+    def sample(seed):
+        extra = {"temperature": 3.0, **({"seed": seed} if seed is not None else {})}
+        res = generate(engine.engine_url(0), PROMPTS[0], chat=False, stream=False, max_tokens=16, extra=extra)
+        assert res.error is None, res
+        return res.text
+
+    assert sample(11) == sample(11)
+    assert sample(None) != sample(None)
 
 
 def test_client_disconnect_aborts_and_frees_blocks(engine):

@@ -1,7 +1,8 @@
-"""Load and failure handling with real processes: concurrency, killed engines, bad config.
+"""P/D with real processes: concurrency, what crosses the two legs, killed engines, bad config.
 
 The tests in this module share one cluster and run in file order: the
-concurrency test first, then the kill tests (which restart what they kill).
+concurrency and protocol tests first, then the kill tests (which restart
+what they kill).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from atom_kv.demo.cluster import Cluster, EngineSpec, free_port, http_json, wait_until
+from atom_kv.testing.cluster import Cluster, EngineSpec
+from atom_kv.testing.polling import wait_until
+from atom_kv.testing.ports import free_port
+from atom_kv.testing.web import http_json
 from tests.e2e.helpers import PROMPTS, generate, get_json
 
 ABORT_TIMEOUT_S = 2.0
@@ -64,6 +68,39 @@ def test_32_concurrent_requests_then_every_block_is_free(cluster, colocated):
     for prompt, (chat, _), res in zip(prompts, kinds, results):
         assert res.status == 200 and res.error is None, res
         assert res.text == colocated.text(prompt, chat=chat, max_tokens=8)
+    for role in ("P", "D"):
+        _wait_all_free(cluster, cluster.index_of(role), timeout=10)
+
+
+def test_kv_transfer_params_appear_only_in_answers_of_a_pd_exchange(cluster):
+    p, d = cluster.index_of("P"), cluster.index_of("D", 0)
+    body = {"prompt": PROMPTS[0], "max_tokens": 4}
+    status, prefill = http_json("POST", cluster.engine_url(p) + "/v1/completions",
+                                {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200 and prefill["kv_transfer_params"]["transfer_id"], prefill
+    status, decode = http_json("POST", cluster.engine_url(d) + "/v1/completions",
+                               {**body, "kv_transfer_params": prefill["kv_transfer_params"]})
+    assert status == 200 and "kv_transfer_params" not in decode, decode
+    status, plain = http_json("POST", cluster.engine_url(p) + "/v1/completions", body)  # no P/D exchange
+    assert status == 200 and "kv_transfer_params" not in plain, plain
+
+
+def test_seeded_sampling_through_pd_is_reproducible_and_equals_colocated(cluster, colocated):
+    extra = {"temperature": 2.0, "seed": 1234}
+    runs = [generate(cluster.proxy_url, PROMPTS[1], chat=False, stream=stream, max_tokens=12, extra=extra)
+            for stream in (False, True)]
+    direct = generate(colocated.url, PROMPTS[1], chat=False, stream=False, max_tokens=12, extra=extra)
+    assert all(r.error is None for r in runs + [direct]), (runs, direct)
+    assert runs[0].text == runs[1].text == direct.text
+    assert direct.text != colocated.text(PROMPTS[1], chat=False)  # it did sample, not argmax
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_stop_string_through_pd_equals_colocated(cluster, colocated, stream):
+    full = colocated.text(PROMPTS[2], chat=True)
+    stop = full[4:6]
+    res = generate(cluster.proxy_url, PROMPTS[2], chat=True, stream=stream, extra={"stop": stop})
+    assert res.error is None and res.text == full[: full.index(stop)] and res.finish_reason == "stop", res
     for role in ("P", "D"):
         _wait_all_free(cluster, cluster.index_of(role), timeout=10)
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from atom_kv.demo.cluster import Cluster, EngineSpec, scrape_metrics
+from atom_kv.testing.cluster import Cluster, EngineSpec
+from atom_kv.testing.web import scrape_metrics
 from tests.e2e.helpers import PROMPTS, generate, get_json
 
 COMBOS = [

@@ -1,40 +1,36 @@
-"""Proxy test fixtures: a real proxy (hypercorn, own loop in a thread) and fake engines."""
+"""Proxy test fixtures: a real proxy (hypercorn on the test's event loop, port 0) and fake engines."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
-import time
 from dataclasses import replace
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from atom_kv.proxy import ProxySettings, create_app
 from atom_kv.proxy.app import STATE_KEY, ProxyState
-from atom_kv.proxy.server import serve_app
-from tests.conftest import free_port
-from tests.proxy.fake_engine import FakeEngine
+from atom_kv.proxy.server import listen_socket, serve_app
+from atom_kv.testing.fake_engine import FakeEngine
+from tests.proxy.fake_engine import register
 
 FAST = ProxySettings(
-    host="127.0.0.1", port=0, discovery_host="127.0.0.1", discovery_port=0, heartbeat_timeout=10.0,
+    host="127.0.0.1", port=0, discovery_port=0, heartbeat_timeout=10.0,
     connect_timeout=1.0, prefill_timeout=3.0, decode_timeout=3.0, models_timeout=2.0, retry_backoff_s=0.01,
-    discovery_poll_s=0.1, circuit_cooldown_s=1.0, shutdown_timeout=1.0,
+    discovery_poll_s=0.1, circuit_cooldown_s=1.0, shutdown_timeout=1.0, probe_interval_s=0.2, probe_timeout=1.0,
 )
 
 
 class RunningProxy:
-    """A proxy app served by hypercorn on its own event loop in a named thread."""
+    """A proxy app served by hypercorn on the current event loop, on an OS-assigned port."""
 
     def __init__(self, settings: ProxySettings) -> None:
-        self.settings = replace(settings, port=settings.port or free_port())
+        self._sock = listen_socket(settings.host, settings.port, settings.backlog)
+        self.settings = replace(settings, port=self._sock.getsockname()[1])
         self.app = create_app(self.settings)
         self.state: ProxyState = self.app.extensions[STATE_KEY]
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="test-proxy", daemon=True)
-        self._error: BaseException | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
 
     @property
     def url(self) -> str:
@@ -50,54 +46,46 @@ class RunningProxy:
 
     @property
     def discovery_endpoint(self) -> str:
+        assert self.state.discovery is not None and self.state.discovery.port
         return f"tcp://127.0.0.1:{self.state.discovery.port}"
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._stop = asyncio.Event()
-        try:
-            self._loop.run_until_complete(serve_app(self.app, self.settings, self._stop))
-        except BaseException as exc:  # surfaced by start()/stop()
-            self._error = exc
-        finally:
-            self._loop.close()
+    def count(self, name: str, **labels) -> float:
+        return self.metrics.registry.get_sample_value(name, labels or None) or 0.0
 
-    def start(self, timeout: float = 5.0) -> "RunningProxy":
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._error is not None:
-                raise self._error
-            try:
-                with socket.create_connection(("127.0.0.1", self.settings.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.02)
-        raise TimeoutError("proxy did not start listening")
+    async def start(self, timeout: float = 5.0) -> "RunningProxy":
+        self._task = asyncio.create_task(serve_app(self.app, self.settings, self._stop, self._sock))
+        started = asyncio.create_task(self.state.started.wait())
+        done, _ = await asyncio.wait({self._task, started}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self._task in done:
+            started.cancel()
+            self._task.result()  # raises the start-up error
+        if started not in done:
+            started.cancel()
+            raise TimeoutError("proxy did not start")
+        return self
 
-    def stop(self) -> None:
-        if self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=10)
-        assert not self._thread.is_alive(), "proxy thread did not stop"
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await asyncio.wait_for(self._task, 10)
 
 
 @pytest.fixture
-def make_proxy() -> Callable[..., RunningProxy]:
+async def make_proxy() -> AsyncIterator[Callable[..., Awaitable[RunningProxy]]]:
     started: list[RunningProxy] = []
 
-    def _make(**overrides) -> RunningProxy:
-        proxy = RunningProxy(replace(FAST, **overrides)).start()
+    async def _make(**overrides) -> RunningProxy:
+        proxy = await RunningProxy(replace(FAST, **overrides)).start()
         started.append(proxy)
         return proxy
 
     yield _make
     for proxy in started:
-        proxy.stop()
+        await proxy.stop()
 
 
 @pytest.fixture
-async def make_engine() -> AsyncIterator[Callable[..., "asyncio.Future[FakeEngine]"]]:
+async def make_engine() -> AsyncIterator[Callable[..., Awaitable[FakeEngine]]]:
     engines: list[FakeEngine] = []
 
     async def _make(role: str, **kwargs) -> FakeEngine:
@@ -108,3 +96,19 @@ async def make_engine() -> AsyncIterator[Callable[..., "asyncio.Future[FakeEngin
     yield _make
     for engine in engines:
         await engine.close()
+
+
+@pytest.fixture
+async def pd_pair(make_proxy, make_engine):
+    """A started proxy with one fake prefill and one fake decode engine registered by ping.
+
+    Call it with overrides: ``proxy, p, d = await pd_pair(proxy=dict(...), p=dict(...), d=dict(...))``."""
+
+    async def _make(proxy: dict | None = None, p: dict | None = None, d: dict | None = None):
+        running = await make_proxy(**(proxy or {}))
+        prefill = await make_engine("P", **(p or {}))
+        decode = await make_engine("D", **(d or {}))
+        await register(running, prefill, decode)
+        return running, prefill, decode
+
+    return _make

@@ -1,85 +1,130 @@
-"""``python -m atom_kv.proxy`` as a real subprocess: registration, health, SIGTERM, bad input."""
+"""``python -m atom_kv.proxy`` as a real subprocess: registration, health, flags, SIGTERM, bad input, limits."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
+import importlib.util
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import msgpack
 import zmq
 
-from tests.conftest import free_port
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = dict(os.environ, PYTHONPATH=ROOT)
-
-
-def _get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError("proxy did not listen")
+from tests.proxy.procs import ENV, ROOT, FakeEngines, ProxyProcess, http, rss_bytes, wait_until
 
 
 def test_subprocess_registration_health_and_sigterm():
-    http, disc = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(http),
-         "--discovery-host", "127.0.0.1", "--discovery-port", str(disc), "--heartbeat-timeout", "5"],
-        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proxy = ProxyProcess("--heartbeat-timeout", "5")
+    engines = None
     try:
-        _wait_listening(http, proc)
-        assert _get(f"http://127.0.0.1:{http}/health") == (503, {"status": "unavailable", "prefill": 0, "decode": 0})
+        assert "discovery listening on tcp://127.0.0.1:" in "".join(proxy.lines)  # follows --host
+        assert http("GET", proxy.url + "/health") == (503, {"status": "unavailable", "prefill": 0, "decode": 0})
+        engines = FakeEngines("--discovery", proxy.discovery, "--dp-size", "2", "--ping-interval", "0.2")
+        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 200, 10, "the engines to register")
+        assert http("GET", proxy.url + "/health") == (200, {"status": "ok", "prefill": 1, "decode": 1})
+        status, listing = http("GET", proxy.url + "/instances")
+        assert status == 200
+        assert [(i["role"], i["address"], i["dp_size"], i["state"]) for i in listing] == [
+            ("P", engines.prefill[0], 2, "up"), ("D", engines.decode[0], 2, "up")]
+        status, answer = http("POST", proxy.url + "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+        assert status == 200 and answer["choices"][0]["text"] == " t0 t1 t2"
+        started = time.monotonic()
+        assert proxy.terminate() == 0
+        assert time.monotonic() - started < 3
+        assert "Traceback" not in proxy.stderr_rest()
+    finally:
+        proxy.kill()
+        if engines is not None:
+            engines.stop()
+
+
+def test_static_engines_are_probed_up_and_down():
+    engines = FakeEngines()
+    proxy = ProxyProcess("--no-discovery", "--prefill", f"{engines.prefill[0]},6301,tp=2", "--decode",
+                         engines.decode[0], "--probe-interval", "0.2", "--heartbeat-timeout", "2")
+    try:
+        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 200, 10, "the static engines to be probed up")
+        status, listing = http("GET", proxy.url + "/instances")
+        p, d = listing
+        assert (p["source"], p["handshake_port"], p["tp_size"], p["max_model_len"]) == ("static", 6301, 2, 32768)
+        assert d["engine_id"].startswith("fake-D-")  # learnt from the engine's /health
+        status, answer = http("POST", proxy.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        assert status == 200
+        engines.kill()  # both engines vanish: the next probe finds nobody there
+        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 503, 5, "the proxy to notice")
+        status, listing = http("GET", proxy.url + "/instances")
+        assert [i["state"] for i in listing] == ["down", "down"]
+        assert http("POST", proxy.url + "/v1/completions", {"prompt": "hi"})[0] == 503
+    finally:
+        proxy.kill()
+        engines.kill()
+
+
+def test_decode_dying_mid_request_ends_its_clients_at_once():
+    """SIGKILL the decode engine while one streamed and one plain request are being decoded:
+    the stream ends with an error event and [DONE], the plain one with a 502, both at once."""
+    import aiohttp
+    import asyncio
+
+    prefill = FakeEngines("--decodes", "0")
+    decode = FakeEngines("--prefills", "0", "--token-delay", "0.1", "--tokens", "100")
+    proxy = ProxyProcess("--no-discovery", "--prefill", prefill.prefill[0], "--decode", decode.decode[0],
+                         "--probe-interval", "0.2", "--decode-timeout", "60")
+
+    async def scenario() -> tuple[list[bytes], int, float, float]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            plain = asyncio.create_task(s.post(proxy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 100}))
+            async with s.post(proxy.url + "/v1/completions",
+                              json={"prompt": "x", "max_tokens": 100, "stream": True}) as r:
+                events = [await r.content.readuntil(b"\n\n")]  # decoding is under way
+                decode.kill()
+                killed = time.monotonic()
+                while not events[-1].startswith(b"data: [DONE]"):
+                    events.append(await r.content.readuntil(b"\n\n"))
+                stream_done = time.monotonic() - killed
+            resp = await plain
+            await resp.read()
+            return events, resp.status, stream_done, time.monotonic() - killed
+
+    try:
+        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 200, 10, "the static engines to be probed up")
+        events, plain_status, stream_s, plain_s = asyncio.run(scenario())
+        assert b'"error"' in events[-2] and b"interrupted" in events[-2]
+        assert plain_status == 502
+        assert stream_s < 2.0 and plain_s < 2.0
+        status, body = http("GET", proxy.url + "/health")
+        assert status == 503 and body["decode"] == 0  # marked down by the dropped connections, not a heartbeat
+    finally:
+        proxy.kill()
+        prefill.kill()
+        decode.kill()
+
+
+def test_a_huge_dp_size_ping_is_refused_without_growing_memory():
+    proxy = ProxyProcess()
+    try:
+        before = rss_bytes(proxy.proc.pid)
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 1000)
-        sock.connect(f"tcp://127.0.0.1:{disc}")
-        sock.send(msgpack.packb({"type": "HELLO"}))
-        for role, port in (("P", 18001), ("D", 18002)):
+        sock.connect(proxy.discovery)
+        for _ in range(3):
             sock.send(msgpack.packb({
-                "type": "register", "role": role, "index": "0",
-                "request_address": f"http://127.0.0.1:{port}/v1/completions",
-                "handshake_port": 6000 + port % 10, "dp_size": 2, "tp_size": 4, "transfer_mode": "read"}))
-        deadline = time.monotonic() + 5
-        while _get(f"http://127.0.0.1:{http}/health")[0] != 200:
-            assert time.monotonic() < deadline, "instances did not register"
-            time.sleep(0.05)
+                "type": "register", "role": "D", "index": "0", "request_address": "http://127.0.0.1:1/v1/completions",
+                "handshake_port": 1, "dp_size": 50_000_000, "tp_size": 1, "transfer_mode": "read"}))
         sock.close()
         ctx.term()
-        assert _get(f"http://127.0.0.1:{http}/health") == (200, {"status": "ok", "prefill": 1, "decode": 1})
-        status, listing = _get(f"http://127.0.0.1:{http}/instances")
-        assert status == 200
-        assert [(i["role"], i["address"], i["tp_size"], i["dp_size"]) for i in listing] == [
-            ("P", "http://127.0.0.1:18001", 4, 2), ("D", "http://127.0.0.1:18002", 4, 2)]
-        started = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=5) == 0
-        assert time.monotonic() - started < 3
-        assert "Traceback" not in proc.stderr.read()
+
+        def refused() -> bool:
+            status, text = http("GET", proxy.url + "/metrics")
+            return b'atom_kv_proxy_rejected_registrations_total{reason="limits"} 3.0' in text
+
+        wait_until(refused, 10, "the pings to be refused")
+        assert rss_bytes(proxy.proc.pid) - before < 20 * 2**20
+        assert http("GET", proxy.url + "/instances") == (200, [])
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        proxy.kill()
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -93,14 +138,27 @@ def test_bad_cli_input_is_one_line():
     assert res.stderr.strip().splitlines()[-1].startswith("atom-kv-proxy: error: argument --policy")
     res = _run("--heartbeat-timeout", "-3")
     assert res.returncode == 2 and "--heartbeat-timeout" in res.stderr.strip().splitlines()[-1]
+    res = _run("--prefill", "10.0.0.5:8000")
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "--prefill" in last and "http URL" in last
+    res = _run("--no-discovery", "--decode", "http://127.0.0.1:9")
+    assert res.returncode == 2 and "needs at least one --prefill" in res.stderr
+    if importlib.util.find_spec("uvloop") is None:
+        res = _run("--loop", "uvloop", "--port", "0", "--discovery-port", "0")
+        assert res.returncode == 1 and res.stderr.strip().splitlines()[-1] == (
+            "atom-kv-proxy: --loop uvloop: uvloop is not installed (pip install uvloop)")
 
 
-def test_port_in_use_is_one_clear_line():
+def test_ports_in_use_are_one_clear_line():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        res = _run("--host", "127.0.0.1", "--port", str(port), "--discovery-host", "127.0.0.1",
-                   "--discovery-port", str(free_port()))
-    assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines() == [f"atom-kv-proxy: cannot listen on 127.0.0.1:{port}: address already in use"]
+        res = _run("--host", "127.0.0.1", "--port", str(port), "--discovery-port", "0")
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        assert res.stderr.strip().splitlines() == [
+            f"atom-kv-proxy: cannot listen on 127.0.0.1:{port}: address already in use"]
+        res = _run("--host", "127.0.0.1", "--port", "0", "--discovery-port", str(port))
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        last = res.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"atom-kv-proxy: cannot listen for discovery on 127.0.0.1:{port}:"), res.stderr

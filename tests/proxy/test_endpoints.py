@@ -17,7 +17,7 @@ async def _get(url: str):
 
 async def test_health_counts(make_proxy, make_engine):
 
-    proxy = make_proxy()
+    proxy = await make_proxy()
     status, _, raw = await _get(proxy.url + "/health")
     assert status == 503 and json.loads(raw) == {"status": "unavailable", "prefill": 0, "decode": 0}
     p = await make_engine("P")
@@ -32,7 +32,7 @@ async def test_health_counts(make_proxy, make_engine):
 
 async def test_instances_listing(make_proxy, make_engine):
 
-    proxy = make_proxy()
+    proxy = await make_proxy()
     p = await make_engine("P", tp_size=2, dp_size=4)
     d = await make_engine("D")
     await register(proxy, p, d)
@@ -42,11 +42,11 @@ async def test_instances_listing(make_proxy, make_engine):
     assert [(i["role"], i["address"]) for i in listing] == [("P", p.base_url), ("D", d.base_url)]
     pi = listing[0]
     assert (pi["tp_size"], pi["dp_size"], pi["inflight"], pi["circuit"]) == (2, 4, 0, "closed")
-    assert pi["last_seen"] > 0 and 0 <= pi["last_seen_age_s"] < 5
+    assert pi["last_seen"] > 0 and 0 <= pi["last_seen_age_s"] < 5 and pi["state"] == "up"
 
 
 async def test_metrics_exposition(make_proxy, make_engine):
-    proxy = make_proxy()
+    proxy = await make_proxy()
     p = await make_engine("P")
     d = await make_engine("D")
     await register(proxy, p, d)
@@ -66,13 +66,14 @@ async def test_metrics_exposition(make_proxy, make_engine):
     assert "atom_kv_proxy_prefill_duration_seconds_count 2.0" in text
     assert 'atom_kv_proxy_request_duration_seconds_count{endpoint="/v1/completions"} 3.0' in text
     assert 'atom_kv_proxy_time_to_first_byte_seconds_count{endpoint="/v1/completions"} 3.0' in text
-    for name in ("evictions_total", "retries_total", "rejected_registrations", "bad_discovery_messages_total"):
+    for name in ("evictions_total", "retries_total", "rejected_registrations", "bad_discovery_messages_total",
+                 "abandoned_prefills", "marked_down_total"):
         assert f"atom_kv_proxy_{name}" in text
 
 
 async def test_models_from_decode(make_proxy, make_engine):
 
-    proxy = make_proxy()
+    proxy = await make_proxy()
     status, _, raw = await _get(proxy.url + "/v1/models")
     assert status == 503 and json.loads(raw)["error"]["code"] == 503
     d = await make_engine("D", model="my-model")
@@ -85,7 +86,7 @@ async def test_models_from_decode(make_proxy, make_engine):
 
 
 async def test_two_proxies_in_one_process_are_independent(make_proxy, make_engine):
-    a, b = make_proxy(), make_proxy()
+    a, b = await make_proxy(), await make_proxy()
     p = await make_engine("P")
     await register(a, p)
     assert len(a.registry.live("P")) == 1 and b.registry.live("P") == []

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from atom_kv.proxy.registry import CircuitBreaker, Registration, Registry
+import pytest
+
+from atom_kv.proxy.registry import CircuitBreaker, Registration, Registry, RegistryFull
+from atom_kv.proxy.static import parse_engine_spec
 
 
 def test_breaker_open_half_open_closed():
@@ -39,15 +42,85 @@ def _reg(role: str, port: int, dp: int = 1) -> Registration:
                         handshake_port=1, dp_size=dp, tp_size=1)
 
 
-def test_registry_refresh_expiry_and_dp_resize():
+def test_registry_pending_until_probed_refresh_expiry_and_dp_resize():
     evicted = []
     r = Registry(heartbeat_timeout=5.0, circuit_failures=3, circuit_cooldown_s=1.0, on_evict=evicted.append)
     assert r.upsert(_reg("P", 1), now=0.0) and r.upsert(_reg("D", 2), now=0.0)
+    assert r.live("P", now=0.0) == [] and r.counts(now=0.0) == {"prefill": 0, "decode": 0}  # not probed yet
+    for inst in r.known("P") + r.known("D"):
+        r.mark_up(inst, now=0.0)
     assert not r.upsert(_reg("P", 1, dp=3), now=4.0)  # refresh, not a new instance
     assert len(r.live("P", now=4.0)[0].outstanding_tokens) == 3
     assert r.counts(now=6.0) == {"prefill": 1, "decode": 0}  # D is silent past the timeout
     gone = r.evict_expired(now=6.0)
     assert [i.role for i in gone] == ["D"] and evicted == gone
     assert r.evict_expired(now=6.0) == []
-    assert r.wait_for(lambda reg: reg.counts(now=6.0)["prefill"] == 1, timeout=0.1)
-    assert not r.wait_for(lambda reg: reg.counts(now=6.0)["decode"] == 1, timeout=0.1)
+
+
+def test_down_is_immediate_and_only_a_probe_brings_it_back():
+    r = Registry(heartbeat_timeout=5.0, circuit_failures=3, circuit_cooldown_s=1.0)
+    r.upsert(_reg("D", 2), now=0.0)
+    (inst,) = r.known("D")
+    r.mark_up(inst, now=0.0)
+    assert r.mark_down(inst, "connection refused") and not r.mark_down(inst, "again")
+    assert r.live("D", now=0.1) == [] and r.snapshot(now=0.1)[0]["state"] == "down"
+    r.upsert(_reg("D", 2), now=1.0)  # a ping keeps it registered...
+    assert r.live("D", now=1.0) == []  # ...but not routable
+    r.mark_up(inst, now=1.0)
+    assert r.live("D", now=1.0) == [inst]
+
+
+def test_capacity_refuses_only_when_every_instance_is_up():
+    r = Registry(heartbeat_timeout=5.0, circuit_failures=3, circuit_cooldown_s=1.0, max_instances=2)
+    r.upsert(_reg("D", 1), now=0.0)
+    r.upsert(_reg("D", 2), now=1.0)
+    r.upsert(_reg("D", 3), now=2.0)  # displaces the stalest pending one
+    assert [i.http_port for i in r.known("D")] == [2, 3]
+    for inst in r.known("D"):
+        r.mark_up(inst, now=2.0)
+    with pytest.raises(RegistryFull, match="max_instances"):
+        r.upsert(_reg("D", 4), now=3.0)
+    assert len(r) == 2
+
+
+def test_static_engines_are_never_dropped_and_go_silent_once():
+    evicted = []
+    r = Registry(heartbeat_timeout=5.0, circuit_failures=3, circuit_cooldown_s=1.0, max_instances=1,
+                 on_evict=evicted.append)
+    inst = r.add_static(parse_engine_spec("P", "http://10.0.0.9:8100,6301,tp=2"))
+    assert inst.static and inst.handshake_port == 6301 and inst.tp_size == 2 and r.live("P", now=0.0) == []
+    r.mark_up(inst, now=10.0)  # a successful probe is its heartbeat
+    assert r.live("P", now=14.0) == [inst]
+    assert r.evict_expired(now=16.0) == [inst] and evicted == [inst]
+    assert r.evict_expired(now=17.0) == []  # reported once
+    assert r.known("P") == [inst] and r.live("P", now=17.0) == []
+    r.mark_up(inst, now=18.0)
+    assert r.live("P", now=18.0) == [inst]
+    r.upsert(_reg("D", 5), now=18.0)  # the cap counts discovered instances only
+    assert len(r) == 2
+
+
+def test_engine_spec_parsing():
+    e = parse_engine_spec("P", "http://10.0.0.5:8100,6301,tp=4,dp=2,engine_id=p0,notify_port=61005")
+    assert (e.base_url, e.host, e.http_port, e.handshake_port, e.tp_size, e.dp_size, e.engine_id, e.notify_port) == (
+        "http://10.0.0.5:8100", "10.0.0.5", 8100, 6301, 4, 2, "p0", 61005)
+    e = parse_engine_spec("D", "http://h:9000/v1/completions")
+    assert (e.base_url, e.handshake_port, e.tp_size, e.dp_size) == ("http://h:9000", None, None, 1)
+    assert parse_engine_spec("P", "http://h:1,none").handshake_port is None
+    for bad, match in (("10.0.0.5:8100", "http URL"), ("http://h:1,99999", "HANDSHAKE_PORT"),
+                       ("http://h:1,1,colour=red", "unknown key"), ("http://h:1,1,tp=0", "tp must be >= 1"),
+                       ("http://h:1,1,2", "key=value")):
+        with pytest.raises(ValueError, match=match):
+            parse_engine_spec("P", bad)
+
+
+async def test_wait_for_wakes_on_changes():
+    import asyncio
+
+    r = Registry(heartbeat_timeout=5.0, circuit_failures=3, circuit_cooldown_s=1.0)
+    waiter = asyncio.create_task(r.wait_for(lambda reg: len(reg.known("P")) == 1, 5.0))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    r.upsert(_reg("P", 1))
+    assert await asyncio.wait_for(waiter, 1.0)
+    assert not await r.wait_for(lambda reg: len(reg.known("D")) == 1, 0.05)

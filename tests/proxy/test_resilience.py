@@ -1,27 +1,31 @@
-"""Retries on another prefill, the circuit breaker, and client-disconnect cancellation."""
+"""Retries, the circuit breaker, down marks, client disconnects and the abandon-prefill hook.
+
+Nothing here sleeps and then asserts that something did not happen: each
+test waits on an event (an engine's change event, the registry's change
+notifications) or moves a breaker's clock."""
 
 from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 import msgspec
 
-from tests.proxy.fake_engine import register
+from tests.proxy.fake_engine import FakeEngine, get, post, register
 
 
 async def _complete(proxy, n: int = 1, **body) -> list[int]:
     statuses = []
-    async with aiohttp.ClientSession() as s:
-        for _ in range(n):
-            async with s.post(proxy.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, **body}) as r:
-                await r.read()
-                statuses.append(r.status)
+    for _ in range(n):
+        statuses.append((await post(proxy.url, {"prompt": "x", "max_tokens": 2, **body}))[0])
     return statuses
 
 
+def _abandoned(proxy, reason: str) -> float:
+    return proxy.count("atom_kv_proxy_abandoned_prefills_total", reason=reason)
+
+
 async def test_prefill_5xx_is_retried_on_another_prefill(make_proxy, make_engine):
-    proxy = make_proxy(circuit_failures=100)
+    proxy = await make_proxy(circuit_failures=100)
     bad = await make_engine("P")
     good = await make_engine("P")
     d = await make_engine("D")
@@ -33,23 +37,63 @@ async def test_prefill_5xx_is_retried_on_another_prefill(make_proxy, make_engine
     # the decode leg only ever saw kv_transfer_params minted by the good prefill
     assert len(d.received) == 6
     assert all(x.kv["remote_engine_id"] == good.engine_id for x in d.received)
-    retries = proxy.metrics.registry.get_sample_value("atom_kv_proxy_retries_total")
-    assert retries == len(bad.received)
+    assert proxy.count("atom_kv_proxy_retries_total") == len(bad.received)
+    assert _abandoned(proxy, "prefill_failed") == len(bad.received)
 
 
-async def test_prefill_connection_failure_is_retried(make_proxy, make_engine):
-    proxy = make_proxy(circuit_failures=100)
+async def test_decode_5xx_and_4xx_abandon_the_prefill(make_proxy, make_engine):
+    proxy = await make_proxy(circuit_failures=100)
+    p = await make_engine("P")
+    bad = await make_engine("D")
+    good = await make_engine("D")
+    await register(proxy, p, bad, good)
+    bad.fail_status = 500
+    assert await _complete(proxy, 4) == [200] * 4
+    assert _abandoned(proxy, "decode_rejected") == len(bad.received) >= 1
+    bad.fail_status = good.fail_status = 400  # a client error from decode: passed through, prefill abandoned
+    before = _abandoned(proxy, "decode_rejected")
+    assert await _complete(proxy, 1) == [400]
+    assert _abandoned(proxy, "decode_rejected") == before + 1
+
+
+async def test_connection_refused_marks_an_engine_down_at_once_and_a_probe_brings_it_back(make_proxy, make_engine):
+    proxy = await make_proxy(circuit_failures=100, probe_interval_s=0.2)
     gone = await make_engine("P")
     good = await make_engine("P")
     d = await make_engine("D")
     await register(proxy, gone, good, d)
+    port = gone.port
     await gone.close()
-    assert await _complete(proxy, 4) == [200] * 4
+    assert await _complete(proxy, 4) == [200] * 4  # the first failure took it out of routing
     assert len(good.received) == 4
+    status, listing = await get(proxy.url, "/instances")
+    state = {i["address"]: i for i in listing}[gone.base_url]
+    assert state["state"] == "down" and "connection" in state["down_reason"]
+    assert (await get(proxy.url, "/health"))[1] == {"status": "ok", "prefill": 1, "decode": 1}
+    assert proxy.count("atom_kv_proxy_marked_down_total", role="prefill") == 1
+    # the engine comes back on the same port: the next probe makes it routable again
+    back = await FakeEngine("P", engine_id=gone.engine_id).start(port=port)
+    try:
+        assert await proxy.registry.wait_for(lambda r: len(r.live("P")) == 2, 5.0)
+        assert (await get(proxy.url, "/health"))[1]["prefill"] == 2
+    finally:
+        await back.close()
+
+
+async def test_decode_unreachable_is_retried_and_abandons_the_prefill(make_proxy, make_engine):
+    proxy = await make_proxy(circuit_failures=100)
+    p = await make_engine("P")
+    gone = await make_engine("D")
+    good = await make_engine("D")
+    await register(proxy, p, gone, good)
+    await gone.close()
+    assert await _complete(proxy, 3) == [200] * 3
+    assert _abandoned(proxy, "decode_unreachable") == 1  # then it was down and never picked again
+    assert [i.base_url for i in proxy.registry.live("D")] == [good.base_url]
 
 
 async def test_retries_are_bounded(make_proxy, make_engine):
-    proxy = make_proxy(max_retries=2, circuit_failures=100)
+    proxy = await make_proxy(max_retries=2, circuit_failures=100)
     ps = [await make_engine("P") for _ in range(4)]
     d = await make_engine("D")
     await register(proxy, *ps, d)
@@ -61,7 +105,7 @@ async def test_retries_are_bounded(make_proxy, make_engine):
 
 
 async def test_circuit_breaker_opens_half_opens_and_closes(make_proxy, make_engine):
-    proxy = make_proxy(circuit_failures=2, circuit_cooldown_s=0.6)
+    proxy = await make_proxy(circuit_failures=2, circuit_cooldown_s=30.0)
     flaky = await make_engine("P")
     good = await make_engine("P")
     d = await make_engine("D")
@@ -69,17 +113,28 @@ async def test_circuit_breaker_opens_half_opens_and_closes(make_proxy, make_engi
     flaky.fail_status = 500
     assert await _complete(proxy, 10) == [200] * 10
     assert len(flaky.received) == 2  # opened after 2 consecutive failures, then skipped
-    async with aiohttp.ClientSession() as s:
-        async with s.get(proxy.url + "/instances") as r:
-            states = {i["address"]: i["circuit"] for i in await r.json()}
+    status, listing = await get(proxy.url, "/instances")
+    states = {i["address"]: i["circuit"] for i in listing}
     assert states[flaky.base_url] == "open" and states[good.base_url] == "closed"
-    assert proxy.metrics.registry.get_sample_value("atom_kv_proxy_circuit_opened_total", {"role": "prefill"}) == 1
-    await asyncio.sleep(0.7)
+    assert proxy.count("atom_kv_proxy_circuit_opened_total", role="prefill") == 1
+    flaky_inst = next(i for i in proxy.registry.live("P") if i.base_url == flaky.base_url)
+    flaky_inst.breaker.opened_at -= 30.0  # the cooldown has passed (the breaker's clock, not a sleep)
     flaky.fail_status = None  # recovered: the half-open trial succeeds and closes the circuit
     assert await _complete(proxy, 4) == [200] * 4
     assert len(flaky.received) >= 3
-    assert proxy.registry.live("P")[0].breaker.state() == "closed"
     assert all(i.breaker.state() == "closed" for i in proxy.registry.live("P"))
+
+
+async def test_health_is_unavailable_when_every_decode_circuit_is_open(make_proxy, make_engine):
+    proxy = await make_proxy(circuit_failures=1, circuit_cooldown_s=30.0, max_retries=0)
+    p = await make_engine("P")
+    d = await make_engine("D")
+    await register(proxy, p, d)
+    assert (await get(proxy.url, "/health"))[0] == 200
+    d.fail_status = 503
+    assert await _complete(proxy, 1) == [502]
+    status, body = await get(proxy.url, "/health")
+    assert status == 503 and body == {"status": "unavailable", "prefill": 1, "decode": 0}
 
 
 async def _raw_request(port: int, body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -91,39 +146,32 @@ async def _raw_request(port: int, body: dict) -> tuple[asyncio.StreamReader, asy
     return reader, writer
 
 
-async def test_client_disconnect_during_prefill_cancels_it_and_skips_decode(make_proxy, make_engine):
-    proxy = make_proxy()
-    p = await make_engine("P")
-    d = await make_engine("D")
-    await register(proxy, p, d)
+async def test_client_disconnect_during_prefill_cancels_it_and_skips_decode(pd_pair):
+    proxy, p, d = await pd_pair()
     p.hang = True
     _, writer = await _raw_request(proxy.settings.port, {"prompt": "x"})
     assert await p.wait_until(lambda: len(p.received) == 1)
     writer.close()
+    # the prefill engine sees its request cancelled only after the proxy's handler has unwound
     assert await p.wait_until(lambda: p.cancelled == ["gone-1"], 3.0)
-    await asyncio.sleep(0.3)
     assert d.received == []
+    assert _abandoned(proxy, "client_gone") == 1
+    assert proxy.count("atom_kv_proxy_client_disconnects_total") == 1
     assert proxy.registry.live("P")[0].inflight == 0 and proxy.registry.live("D")[0].inflight == 0
 
 
-async def test_client_gone_before_prefill_returns_never_starts_decode(make_proxy, make_engine):
-    proxy = make_proxy()
-    p = await make_engine("P", delay_s=0.4)
-    d = await make_engine("D")
-    await register(proxy, p, d)
+async def test_client_gone_before_prefill_returns_never_starts_decode(pd_pair):
+    proxy, p, d = await pd_pair(p=dict(delay_s=0.4))
     _, writer = await _raw_request(proxy.settings.port, {"prompt": "x"})
     assert await p.wait_until(lambda: len(p.received) == 1)
     writer.close()
-    await asyncio.sleep(0.8)  # past the moment prefill would have answered
-    assert d.received == []
-    assert p.cancelled == ["gone-1"] and p.completed == []
+    assert await p.wait_until(lambda: p.cancelled == ["gone-1"], 3.0)
+    assert p.completed == [] and d.received == []
+    assert _abandoned(proxy, "client_gone") == 1
 
 
-async def test_client_disconnect_mid_stream_cancels_decode(make_proxy, make_engine):
-    proxy = make_proxy()
-    p = await make_engine("P")
-    d = await make_engine("D", token_delay_s=0.05)
-    await register(proxy, p, d)
+async def test_client_disconnect_mid_stream_cancels_decode(pd_pair):
+    proxy, p, d = await pd_pair(d=dict(token_delay_s=0.05))
     reader, writer = await _raw_request(proxy.settings.port, {"prompt": "x", "max_tokens": 200, "stream": True})
     seen = b""
     while seen.count(b"data: ") < 3:
@@ -132,5 +180,7 @@ async def test_client_disconnect_mid_stream_cancels_decode(make_proxy, make_engi
     writer.close()
     assert await d.wait_until(lambda: d.cancelled == ["gone-1"], 3.0)
     assert d.completed == []
-    assert await d.wait_until(lambda: proxy.registry.live("D")[0].inflight == 0, 2.0)
-    assert proxy.metrics.registry.get_sample_value("atom_kv_proxy_client_disconnects_total") == 1
+    assert proxy.registry.live("D")[0].inflight == 0  # credited when the proxy dropped the leg, before d saw it
+    assert proxy.count("atom_kv_proxy_client_disconnects_total") == 1
+    assert proxy.count("atom_kv_proxy_requests_total", endpoint="/v1/completions", status="499") == 1
+    assert _abandoned(proxy, "client_gone") == 0  # the decode engine had taken the KV over

@@ -81,3 +81,30 @@ def test_abort_frees_blocks_and_other_requests_continue():
     finally:
         e.close()
     e.close()  # idempotent
+
+
+def test_stop_string_and_stop_token_end_the_request_early_and_free_its_blocks():
+    c = _Collector()
+    e = _engine(c, num_blocks=32)
+    try:
+        e.submit(Request(request_id="full", prompt_ids=_prompt(3, 8), max_tokens=24))
+        full, _ = c.run_to_end(1)
+        text = bytes(full["full"]).decode()
+        stop = text[9:11]  # a stop string starting at the 10th generated character
+        cut = text.index(stop)
+        e.submit(Request(request_id="s", prompt_ids=_prompt(3, 8), max_tokens=24, stop=["never", stop]))
+        e.submit(Request(request_id="t", prompt_ids=_prompt(3, 8), max_tokens=24,
+                         stop_token_ids=[full["full"][5]]))
+        tokens, done = c.run_to_end(2)
+        assert bytes(tokens["s"]).decode() == text[:cut]
+        assert (done["s"].finish_reason, done["s"].stop_reason) == ("stop", stop)
+        assert done["s"].num_output_tokens == cut + len(stop)  # every generated token counts
+        first = full["full"].index(full["full"][5])
+        assert tokens["t"] == full["full"][:first]
+        assert (done["t"].finish_reason, done["t"].stop_reason) == ("stop", full["full"][5])
+        deadline = time.monotonic() + 5
+        while e.snapshot()["kv_free"] != 32:
+            assert time.monotonic() < deadline, e.snapshot()
+            time.sleep(0.05)
+    finally:
+        e.close()

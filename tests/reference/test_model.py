@@ -78,11 +78,19 @@ def test_weights_are_deterministic_per_seed():
     assert not torch.equal(a.w["l0.wq"], c.w["l0.wq"])
 
 
-def _tp_rank(rank: int, port: int, tokens: list[int], out: "mp.Queue") -> None:
+def _tp_rank(rank: int, ports: "mp.Queue", tokens: list[int], out: "mp.Queue") -> None:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    timeout = timedelta(seconds=60)
+    if rank == 0:  # the rendezvous store takes a port from the OS and tells rank 1
+        store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timeout, wait_for_workers=False)
+        ports.put(store.port)
+    else:
+        store = dist.TCPStore("127.0.0.1", ports.get(timeout=60), 2, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     model = TinyLlama(CFG, tp_rank=rank, tp_size=2, all_reduce=lambda t: dist.all_reduce(t))
     cache = _cache(kv_heads=1)
     logits = model.forward([SeqChunk(tokens, 0, [0, 1, 2, 3, 4, 5])], cache)
@@ -98,7 +106,7 @@ def _tp_rank(rank: int, port: int, tokens: list[int], out: "mp.Queue") -> None:
     dist.destroy_process_group()
 
 
-def test_tp2_matches_tp1(port):
+def test_tp2_matches_tp1():
     tokens = [(i * 29 + 3) % 256 for i in range(15)]
     model = TinyLlama(CFG)
     cache = _cache()
@@ -112,8 +120,8 @@ def test_tp2_matches_tp1(port):
         pos += 1
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_tp_rank, args=(r, port, tokens, q)) for r in range(2)]
+    q, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_tp_rank, args=(r, ports, tokens, q)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -130,3 +138,27 @@ def test_tp2_matches_tp1(port):
 def test_tp_must_divide_kv_heads():
     with pytest.raises(ValueError, match="must divide num_kv_heads"):
         TinyLlama(CFG, tp_rank=0, tp_size=4)
+
+
+def test_context_gather_reuses_one_workspace():
+    """Decode steps gather the context into one buffer kept by the model, never a fresh
+    context-sized allocation per step (whose cost depended on the allocator's history and
+    made decode engines slower than colocated ones)."""
+    model = TinyLlama(CFG)
+    cache = _cache(num_blocks=16)
+    for k, v in cache.layers:
+        k.normal_()
+        v.normal_()
+    k_cache, v_cache = cache.layers[0]
+    blocks = [9, 3, 14, 0, 7]
+    k, v = model._gather_context(k_cache, v_cache, blocks, 18)
+    # the same values a fresh gather gives: [nb, Hkv, bs, D] -> [Hkv, ctx, D]
+    expect_k = k_cache[torch.tensor(blocks)].transpose(0, 1).reshape(2, 20, -1)[:, :18]
+    expect_v = v_cache[torch.tensor(blocks)].transpose(0, 1).reshape(2, 20, -1)[:, :18]
+    assert torch.equal(k, expect_k) and torch.equal(v, expect_v)
+    workspace = model._workspace.data_ptr()
+    tokens = [(i * 5 + 1) % 256 for i in range(40)]
+    model.forward([SeqChunk(tokens, 0, list(range(10)))], cache)  # a longer context, then decode steps
+    for pos in range(40, 44):
+        model.forward([SeqChunk([65], pos, list(range(11)))], cache)
+    assert model._workspace.data_ptr() == workspace

@@ -2,7 +2,14 @@
 
 import pytest
 
-from atom_kv.reference.openai_protocol import chunk_body, completion_body, error_body, parse_request
+from atom_kv.reference.openai_protocol import (
+    _UNSUPPORTED,
+    chunk_body,
+    completion_body,
+    error_body,
+    parse_request,
+    parse_tokenize,
+)
 from atom_kv.reference.request import RequestError
 from atom_kv.reference.tokenizer import ByteTokenizer
 
@@ -10,7 +17,7 @@ TOK = ByteTokenizer()
 
 
 def _parse(body, chat=False):
-    return parse_request(body, TOK, chat=chat, default_max_tokens=16)
+    return parse_request(body, TOK, chat=chat, default_max_tokens=16, served_model="atom-kv-tiny")
 
 
 def test_completion_prompt_forms():
@@ -63,5 +70,92 @@ def test_response_shapes():
     chat = completion_body(rid="r", model="m", chat=True, text="hey", finish_reason="length", prompt_tokens=2,
                            completion_tokens=3, created=1, kv_transfer_params=None)
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
+    assert "kv_transfer_params" not in chat  # only answers that were part of a P/D exchange carry it
+    assert error_body("no", 405)["error"]["type"] == "MethodNotAllowedError"
     chunk = chunk_body(rid="r", model="m", chat=True, created=1, text="a", finish_reason=None, role=True)
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+
+
+def test_unknown_model_is_a_404_in_vllms_words_and_a_missing_model_is_the_served_one():
+    with pytest.raises(RequestError) as info:
+        _parse({"model": "gpt-4", "prompt": "x"})
+    assert (info.value.status, info.value.param) == (404, "model")
+    assert info.value.message == "The model `gpt-4` does not exist."
+    assert _parse({"prompt": "x"}).prompt_ids == _parse({"model": "atom-kv-tiny", "prompt": "x"}).prompt_ids
+    with pytest.raises(RequestError) as info:
+        _parse({"model": 7, "prompt": "x"})
+    assert (info.value.status, info.value.param) == (400, "model")
+
+
+UNSUPPORTED = [
+    ("logprobs", 1), ("logprobs", True), ("top_logprobs", 2), ("prompt_logprobs", 0), ("echo", True),
+    ("logit_bias", {"65": 5}), ("best_of", 2), ("suffix", "end"), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
+    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("repetition_penalty", 1.2), ("top_p", 0.9),
+    ("top_k", 5), ("min_p", 0.1), ("min_tokens", 3), ("include_stop_str_in_output", True),
+]
+
+
+@pytest.mark.parametrize("key,value", UNSUPPORTED, ids=[f"{k}={v!r}" for k, v in UNSUPPORTED])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_parameters_not_implemented_are_refused_by_name(key, value, chat):
+    body = {"messages": [{"role": "user", "content": "x"}]} if chat else {"prompt": "x"}
+    with pytest.raises(RequestError) as info:
+        _parse({**body, key: value}, chat=chat)
+    assert (info.value.status, info.value.param) == (400, key)
+    assert f"`{key}`" in info.value.message and "not supported" in info.value.message
+
+
+def test_every_refused_parameter_is_covered_above():
+    assert {k for k, _, _ in _UNSUPPORTED} == {k for k, _ in UNSUPPORTED}
+
+
+def test_default_values_of_unimplemented_parameters_are_accepted():
+    defaults = {"logprobs": None, "top_logprobs": 0, "echo": False, "logit_bias": {}, "best_of": 1, "suffix": "",
+                "response_format": {"type": "text"}, "tools": [], "tool_choice": "none", "presence_penalty": 0,
+                "frequency_penalty": 0.0, "repetition_penalty": 1.0, "top_p": 1, "top_k": -1, "min_p": 0.0,
+                "min_tokens": 0, "include_stop_str_in_output": False, "prompt_logprobs": None}
+    assert _parse({"prompt": "x", **defaults}).prompt_ids == _parse({"prompt": "x"}).prompt_ids
+    assert _parse({"messages": [{"role": "user", "content": "x"}], "logprobs": False}, chat=True)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "stream": "false"}, "stream"),
+    ({"prompt": "x", "stream": 1}, "stream"),
+    ({"prompt": "x", "stream": True, "stream_options": "usage"}, "stream_options"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage"),
+    ({"prompt": "x", "temperature": "0.5"}, "temperature"),
+    ({"prompt": "x", "temperature": True}, "temperature"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop": ["ok", 3]}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stop_token_ids": [10, 999]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": 10}, "stop_token_ids"),
+])
+def test_wrong_types_are_refused_by_name(body, param):
+    with pytest.raises(RequestError) as info:
+        _parse(body)
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+def test_stop_forms():
+    assert _parse({"prompt": "x"}).stop == [] and _parse({"prompt": "x", "stop": None}).stop == []
+    assert _parse({"prompt": "x", "stop": "\n"}).stop == ["\n"]
+    p = _parse({"prompt": "x", "stop": ["a", "bc"], "stop_token_ids": [10, 33], "stream": False})
+    assert (p.stop, p.stop_token_ids, p.stream) == (["a", "bc"], [10, 33], False)
+
+
+def test_tokenize_gives_the_tokens_generation_would_run():
+    assert parse_tokenize({"model": "atom-kv-tiny", "prompt": "ab"}, TOK, served_model="atom-kv-tiny").prompt_ids \
+        == _parse({"prompt": "ab"}).prompt_ids
+    messages = [{"role": "user", "content": "hi"}]
+    assert parse_tokenize({"messages": messages}, TOK).prompt_ids == _parse({"messages": messages}, chat=True).prompt_ids
+    assert parse_tokenize({"prompt": "ab", "add_special_tokens": False}, TOK).prompt_ids == [97, 98]
+    for body, status, param in (({"model": "other", "prompt": "x"}, 404, "model"),
+                                ({"prompt": "x", "messages": messages}, 400, "prompt"),
+                                ({}, 400, "prompt"),
+                                ({"prompt": "x", "add_special_tokens": "no"}, 400, "add_special_tokens")):
+        with pytest.raises(RequestError) as info:
+            parse_tokenize(body, TOK, served_model="atom-kv-tiny")
+        assert (info.value.status, info.value.param) == (status, param)

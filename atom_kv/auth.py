@@ -1,0 +1,154 @@
+"""Proving knowledge of the shared ``auth_token`` without ever sending it.
+
+Small pure helpers the whole package uses (no sockets, no threads):
+
+- :func:`mac` / :func:`verify_mac`: HMAC-SHA256 keyed with the token over
+  ``purpose + b"\\0" + payload``. The ``purpose`` label (for example
+  :data:`PURPOSE_REGISTER`) binds a MAC to one kind of message, so a MAC
+  computed for one protocol can never be replayed into another.
+- :func:`new_nonce`: 16 random bytes, hex.
+- :func:`canonical`: the bytes a map-shaped message is signed over (msgpack,
+  keys sorted, without ``mac``), so keys added by newer senders still verify.
+- :func:`sign_fields` / :func:`verify_fields`: the ``ts``/``nonce``/``mac``
+  scheme for map-shaped messages such as the registration ping.
+- :class:`ReplayWindow`: remembers nonces for ``window_s`` seconds, bounded
+  in memory; a message whose timestamp is outside the window or whose nonce
+  was already seen is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import time
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import msgspec
+
+__all__ = [
+    "PURPOSE_REGISTER",
+    "AuthError",
+    "ReplayWindow",
+    "canonical",
+    "mac",
+    "new_nonce",
+    "sign_fields",
+    "verify_fields",
+    "verify_mac",
+]
+
+PURPOSE_REGISTER = "atom-kv/register/v1"
+"""Registration pings (engine rank 0 -> proxy discovery port)."""
+
+NONCE_BYTES = 16
+
+_sorted_encoder = msgspec.msgpack.Encoder(order="sorted")
+
+
+class AuthError(Exception):
+    """A message failed authentication. ``reason`` is a short label for counters:
+    ``"auth"`` (missing or wrong MAC), ``"stale"`` (timestamp outside the
+    window) or ``"replay"`` (nonce already seen, or no room to remember it)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _key(token: str | bytes) -> bytes:
+    return token.encode("utf-8") if isinstance(token, str) else token
+
+
+def mac(token: str | bytes, purpose: str, payload: bytes) -> str:
+    """Hex HMAC-SHA256 of ``purpose + b"\\0" + payload`` keyed with ``token``."""
+    return hmac.new(_key(token), purpose.encode("ascii") + b"\0" + payload, hashlib.sha256).hexdigest()
+
+
+def verify_mac(token: str | bytes, purpose: str, payload: bytes, mac_hex: object) -> bool:
+    """Constant-time check of a hex MAC; False for anything that is not a string."""
+    if not isinstance(mac_hex, str):
+        return False
+    return hmac.compare_digest(mac(token, purpose, payload), mac_hex)
+
+
+def new_nonce() -> str:
+    """16 random bytes, hex (32 characters)."""
+    return os.urandom(NONCE_BYTES).hex()
+
+
+def canonical(fields: Mapping[str, Any]) -> bytes:
+    """msgpack of ``fields`` without ``mac``, keys sorted (nested maps too)."""
+    return _sorted_encoder.encode({k: v for k, v in fields.items() if k != "mac"})
+
+
+def sign_fields(
+    token: str | bytes, purpose: str, fields: Mapping[str, Any], *, now: float | None = None,
+    nonce: str | None = None,
+) -> dict[str, Any]:
+    """A copy of ``fields`` with ``ts`` (unix seconds), ``nonce`` and ``mac`` set."""
+    signed = dict(fields)
+    signed.pop("mac", None)
+    signed["ts"] = float(time.time() if now is None else now)
+    signed["nonce"] = new_nonce() if nonce is None else nonce
+    signed["mac"] = mac(token, purpose, canonical(signed))
+    return signed
+
+
+class ReplayWindow:
+    """Nonces seen in the last ``window_s`` seconds (at most ``max_entries``).
+
+    Owns the memory of which signed messages were already accepted. Only
+    messages whose MAC verified are recorded, so filling it takes the token;
+    when it is full of unexpired nonces, new messages are refused (never
+    forgotten early, which would re-open the replay).
+    """
+
+    def __init__(self, window_s: float = 30.0, max_entries: int = 65536) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s: must be > 0, got {window_s!r}")
+        self.window_s = window_s
+        self.max_entries = max_entries
+        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> local time first seen
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def _expire(self, now: float) -> None:
+        seen = self._seen
+        while seen:
+            nonce, at = next(iter(seen.items()))
+            if now - at <= 2 * self.window_s:  # a ts may be up to window_s in the future
+                break
+            seen.popitem(last=False)
+
+    def admit(self, nonce: object, ts: object, now: float | None = None) -> None:
+        """Record ``nonce``; raise :class:`AuthError` if ``ts`` is outside the window,
+        the nonce was seen, or there is no room."""
+        now = time.time() if now is None else now
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or abs(now - ts) > self.window_s:
+            raise AuthError("stale", f"timestamp {ts!r} is not within {self.window_s:g}s of now ({now:.0f})")
+        if not isinstance(nonce, str) or not 16 <= len(nonce) <= 128:
+            raise AuthError("auth", "missing or malformed nonce")
+        self._expire(now)
+        if nonce in self._seen:
+            raise AuthError("replay", f"nonce {nonce[:16]}... was already used")
+        if len(self._seen) >= self.max_entries:
+            raise AuthError("replay", f"replay window full ({self.max_entries} nonces in {self.window_s:g}s)")
+        self._seen[nonce] = now
+
+
+def verify_fields(
+    token: str | bytes, purpose: str, fields: Mapping[str, Any], replay: ReplayWindow,
+    *, now: float | None = None,
+) -> None:
+    """Check a map signed by :func:`sign_fields`; raise :class:`AuthError` if it fails.
+
+    The MAC is checked first, so the replay window only ever holds nonces of
+    messages that proved knowledge of the token."""
+    if "mac" not in fields:
+        raise AuthError("auth", "missing mac")
+    if not verify_mac(token, purpose, canonical(fields), fields["mac"]):
+        raise AuthError("auth", "wrong mac")
+    replay.admit(fields.get("nonce"), fields.get("ts"), now)

@@ -1,0 +1,218 @@
+"""Upstream health: the one owner of circuit breakers, failure counters, "down" marks and probes.
+
+:class:`UpstreamHealth` is what the relay (and its decode streams) report
+every upstream outcome to. :class:`HealthMonitor` is the task that evicts
+silent instances and probes the ones whose health is not known from traffic:
+static engines (they send no pings), newly discovered ones (before they get
+traffic) and the ones marked down (to bring them back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from atom_kv.proxy.metrics import ProxyMetrics
+from atom_kv.proxy.registry import DOWN, PENDING, ROLE_NAMES, Instance, Registry
+
+logger = logging.getLogger(__name__)
+
+_json = msgspec.json.Decoder()
+
+# what engines report as their role in /health, per our role letter
+_ROLE_WORDS = {
+    "P": {"p", "prefill", "producer", "kv_producer"},
+    "D": {"d", "decode", "consumer", "kv_consumer"},
+}
+MAX_CONCURRENT_PROBES = 32
+
+
+def is_connection_failure(exc: BaseException) -> bool:
+    """Refused, reset or dropped before an answer: the engine process (or its host) is not there."""
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
+                            aiohttp.ClientOSError, aiohttp.ClientPayloadError, ConnectionError))
+
+
+class UpstreamHealth:
+    """Records the outcome of every upstream exchange: breaker, counters, down marks."""
+
+    def __init__(self, registry: Registry, metrics: ProxyMetrics) -> None:
+        self.registry = registry
+        self.metrics = metrics
+
+    def succeeded(self, inst: Instance) -> None:
+        inst.breaker.record_success()
+
+    def failed(self, inst: Instance, kind: str, exc: BaseException | None = None) -> None:
+        """One failed exchange (``kind`` labels the counter); a connection-level failure
+        also takes the instance out of routing until a probe reaches it."""
+        name = ROLE_NAMES[inst.role]
+        self.metrics.upstream_failures.labels(name, kind).inc()
+        if inst.breaker.record_failure(time.monotonic()):
+            self.metrics.circuit_opened.labels(name).inc()
+            logger.warning("circuit opened for %s instance %s after %d consecutive failures",
+                           name, inst.base_url, inst.breaker.failures)
+        if exc is not None and is_connection_failure(exc):
+            self.mark_down(inst, f"{kind}: {exc or type(exc).__name__}")
+
+    def mark_down(self, inst: Instance, reason: str) -> None:
+        if self.registry.mark_down(inst, reason):
+            self.metrics.marked_down.labels(ROLE_NAMES[inst.role]).inc()
+
+
+class HealthMonitor:
+    """Owns the periodic task: evicts silent instances and probes static, new and down ones.
+
+    A probe is ``GET /health``: connection refused/reset or a 5xx marks the
+    instance down; any other answer (a 404 too: the server is there) marks it
+    up, and fills in what the engine reports (``engine_id``, ``tp_size``,
+    ``role``); ``GET /v1/models`` is asked once for ``max_model_len``.
+    A probe that times out changes nothing (a static engine then goes silent
+    and is evicted after the heartbeat timeout, like a discovered one).
+    """
+
+    def __init__(self, registry: Registry, health: UpstreamHealth, *,
+                 interval_s: float, timeout_s: float, connect_timeout: float, tick_s: float) -> None:
+        self.registry = registry
+        self.health = health
+        self.interval_s = interval_s
+        self.tick_s = tick_s
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=min(connect_timeout, timeout_s))
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self._probing: dict[tuple[str, str], asyncio.Task] = {}
+        self._next_probe: dict[tuple[str, str], float] = {}
+        self._limit = asyncio.Semaphore(MAX_CONCURRENT_PROBES)
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=MAX_CONCURRENT_PROBES, keepalive_timeout=4.0),
+                cookie_jar=aiohttp.DummyCookieJar(), timeout=self._timeout,
+            )
+            self._task = asyncio.create_task(self._run(), name="atom-kv-proxy-health")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        probes = list(self._probing.values())
+        for t in ([task] if task else []) + probes:
+            t.cancel()
+        await asyncio.gather(*([task] if task else []), *probes, return_exceptions=True)
+        self._probing.clear()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    async def _run(self) -> None:
+        registry = self.registry
+        while True:
+            try:
+                await asyncio.wait_for(registry.wakeup.wait(), self.tick_s)
+            except asyncio.TimeoutError:
+                pass
+            registry.wakeup.clear()
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # keep health monitoring alive whatever one instance does
+                logger.exception("unexpected error in the health monitor")
+
+    def tick(self, now: float) -> None:
+        """Evict silent instances and start the probes that are due."""
+        for inst in self.registry.evict_expired(now):  # counted by the registry's on_evict owner
+            self._next_probe.pop(inst.key, None)
+        self.registry.flush_logs()
+        for role in ("P", "D"):
+            for inst in self.registry.known(role):  # type: ignore[arg-type]
+                if not (inst.static or inst.state in (PENDING, DOWN)):
+                    continue
+                key = inst.key
+                if key in self._probing or now < self._next_probe.get(key, 0.0):
+                    continue
+                self._next_probe[key] = now + self.interval_s
+                self._probing[key] = asyncio.create_task(self._probe_one(inst))
+        if len(self._next_probe) > 2 * len(self.registry) + 64:  # forget instances that left
+            known = {i.key for r in ("P", "D") for i in self.registry.known(r)}  # type: ignore[arg-type]
+            self._next_probe = {k: v for k, v in self._next_probe.items() if k in known}
+
+    async def _probe_one(self, inst: Instance) -> None:
+        try:
+            async with self._limit:
+                await self.probe(inst)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("probe of %s failed unexpectedly", inst.base_url)
+        finally:
+            self._probing.pop(inst.key, None)
+
+    async def probe(self, inst: Instance) -> None:
+        """Probe ``inst`` once and apply the outcome."""
+        assert self._session is not None
+        try:
+            async with self._session.get(inst.url("/health")) as resp:
+                status = resp.status
+                raw = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            if is_connection_failure(exc):
+                self.health.mark_down(inst, f"health probe: {exc or type(exc).__name__}")
+            else:
+                logger.debug("health probe of %s timed out", inst.base_url)
+            return
+        if status >= 500:
+            self.health.mark_down(inst, f"health probe answered {status}")
+            return
+        info = self._decode(raw) if status == 200 else None
+        if info is not None and not self._apply(inst, info):
+            return
+        if inst.max_model_len is None:
+            await self._learn_model(inst)  # before it is routable: the first request is checked too
+        self.registry.mark_up(inst)
+
+    @staticmethod
+    def _decode(raw: bytes) -> dict[str, Any] | None:
+        try:
+            value = _json.decode(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+            return None
+        return value if isinstance(value, dict) else None
+
+    def _apply(self, inst: Instance, info: dict[str, Any]) -> bool:
+        """Take what a static engine reports; False (and down) if it says it is the other role."""
+        role = info.get("role")
+        if isinstance(role, str) and role.lower() not in _ROLE_WORDS[inst.role] and role.lower() in (
+                _ROLE_WORDS["P"] | _ROLE_WORDS["D"]):
+            self.health.mark_down(inst, f"the engine reports role {role!r}, registered as {ROLE_NAMES[inst.role]}")
+            return False
+        if not inst.static:
+            return True
+        engine_id = info.get("engine_id")
+        if "engine_id" not in inst.pinned and isinstance(engine_id, str) and engine_id:
+            inst.engine_id = engine_id
+        tp = info.get("tp_size")
+        if "tp_size" not in inst.pinned and isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 4096:
+            inst.tp_size = tp
+        return True
+
+    async def _learn_model(self, inst: Instance) -> None:
+        assert self._session is not None
+        try:
+            async with self._session.get(inst.url("/v1/models")) as resp:
+                if resp.status != 200:
+                    return
+                info = self._decode(await resp.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return
+        data = info.get("data") if info else None
+        if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+            return
+        first = data[0]
+        length = first.get("max_model_len")
+        if isinstance(length, int) and not isinstance(length, bool) and length > 0:
+            inst.max_model_len = length
+        if inst.model is None and isinstance(first.get("id"), str):
+            inst.model = first["id"]

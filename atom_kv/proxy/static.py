@@ -1,0 +1,92 @@
+"""Engines named on the command line (``--prefill URL[,HANDSHAKE_PORT]``, ``--decode URL``).
+
+An engine spec is ``URL[,HANDSHAKE_PORT][,key=value...]`` with keys ``tp``,
+``dp``, ``engine_id`` and ``notify_port``: what a registration ping would
+carry. Whatever is not given is learnt from the engine (``/health`` reports
+``engine_id`` and ``tp_size`` on atom-kv's reference engine, ``/v1/models``
+reports ``max_model_len``) or left unset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+__all__ = ["StaticEngine", "parse_engine_spec"]
+
+_KEYS = ("tp", "dp", "engine_id", "notify_port")
+
+
+@dataclass(frozen=True)
+class StaticEngine:
+    """One engine given by flag: where it serves HTTP and what we know about it up front."""
+
+    role: str  # "P" or "D"
+    url: str  # as given
+    base_url: str  # scheme://host:port
+    host: str
+    http_port: int
+    handshake_port: int | None = None
+    tp_size: int | None = None  # None: from the engine's /health, else 1
+    dp_size: int = 1
+    engine_id: str | None = None
+    notify_port: int | None = None
+
+
+def _port(text: str, what: str, spec: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{spec!r}: {what} must be a port number, got {text!r}") from None
+    if not 0 < value < 65536:
+        raise ValueError(f"{spec!r}: {what} must be 1..65535, got {value}")
+    return value
+
+
+def _positive(text: str, what: str, spec: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{spec!r}: {what} must be an integer, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"{spec!r}: {what} must be >= 1, got {value}")
+    return value
+
+
+def parse_engine_spec(role: str, spec: str) -> StaticEngine:
+    """Parse one ``--prefill``/``--decode`` value; raises ValueError naming what is wrong."""
+    if role not in ("P", "D"):
+        raise ValueError(f"role must be 'P' or 'D', got {role!r}")
+    parts = [p.strip() for p in spec.split(",")]
+    url = parts[0]
+    try:
+        split = urlsplit(url)
+        port = split.port
+    except ValueError as exc:
+        raise ValueError(f"{spec!r}: bad URL: {exc}") from None
+    if split.scheme not in ("http", "https") or not split.hostname:
+        raise ValueError(f"{spec!r}: expected an http URL such as http://10.0.0.5:8000")
+    if port is None:
+        port = 443 if split.scheme == "https" else 80
+    fields: dict[str, str] = {}
+    handshake: int | None = None
+    for i, part in enumerate(parts[1:]):
+        key, sep, value = part.partition("=")
+        if not sep:
+            if i == 0 and part.lower() != "none":
+                handshake = _port(part, "HANDSHAKE_PORT", spec)
+            elif i != 0 or part.lower() != "none":
+                raise ValueError(f"{spec!r}: expected key=value after the URL and handshake port, got {part!r}")
+            continue
+        key = key.strip()
+        if key not in _KEYS:
+            raise ValueError(f"{spec!r}: unknown key {key!r} (allowed: {', '.join(_KEYS)})")
+        fields[key] = value.strip()
+    return StaticEngine(
+        role=role, url=url, base_url=f"{split.scheme}://{split.netloc}", host=split.hostname, http_port=port,
+        handshake_port=handshake,
+        tp_size=_positive(fields["tp"], "tp", spec) if "tp" in fields else None,
+        dp_size=_positive(fields["dp"], "dp", spec) if "dp" in fields else 1,
+        engine_id=fields.get("engine_id") or None,
+        notify_port=_port(fields["notify_port"], "notify_port", spec) if "notify_port" in fields else None,
+    )

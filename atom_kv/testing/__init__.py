@@ -1,0 +1,1 @@
+"""Test and bench scaffolding (fake engines, cluster harness, helpers); never used by the product."""

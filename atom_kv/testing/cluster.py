@@ -1,0 +1,180 @@
+"""A proxy and reference engines as real processes on 127.0.0.1, started and stopped as one.
+
+Engines bind HTTP port 0 and report the port they got through a port file
+(``--port-file``), so no engine port is guessed; the proxy and the engines'
+handshake ports are still picked free beforehand (those servers cannot
+report a port yet).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from atom_kv.testing.polling import wait_until
+from atom_kv.testing.ports import free_port, free_port_range
+from atom_kv.testing.processes import ManagedProcess, interrupts_held
+from atom_kv.testing.web import http_json
+
+__all__ = ["EngineSpec", "Cluster"]
+
+
+@dataclass
+class EngineSpec:
+    """One reference engine to launch."""
+
+    role: str  # "P", "D" or "colocated"
+    tp: int = 1
+    num_blocks: int = 256
+    backend: str = "auto"
+    extra_config: dict = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    register: bool = True  # P/D engines: register with the cluster's proxy
+
+
+class Cluster:
+    """A proxy plus prefill and decode engines (or one colocated engine), all on 127.0.0.1."""
+
+    def __init__(self, engines: list[EngineSpec], *, with_proxy: bool = True, heartbeat_timeout: float = 3.0,
+                 ping_interval_s: float = 0.5, log_dir: Optional[str] = None,
+                 proxy_args: Optional[list[str]] = None) -> None:
+        self.specs = engines
+        self.with_proxy = with_proxy
+        self.heartbeat_timeout = heartbeat_timeout
+        self.ping_interval_s = ping_interval_s
+        self.proxy_args = proxy_args or []
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="atom-kv-cluster-")
+        self.proxy: Optional[ManagedProcess] = None
+        self.proxy_port = 0
+        self.discovery_port = 0
+        self.engines: list[ManagedProcess] = []
+        self.ports: list[int] = []  # each engine's HTTP port, known once it is up (0 before)
+        self._configs: list[list[str]] = []
+
+    # ------------------------------------------------------------------ launching
+    def _engine_config(self, i: int) -> list[str]:
+        spec = self.specs[i]
+        if spec.role not in ("P", "D"):
+            return []
+        cfg: dict[str, Any] = {
+            "kv_role": "kv_producer" if spec.role == "P" else "kv_consumer",
+            "backend": spec.backend,
+            "handshake_port": free_port_range(spec.tp),
+            "ping_interval_s": self.ping_interval_s,
+        }
+        if self.with_proxy and spec.register:
+            cfg["proxy_ip"] = "127.0.0.1"
+            cfg["proxy_ping_port"] = self.discovery_port
+        cfg.update(spec.extra_config)
+        return ["--kv-transfer-config", json.dumps(cfg)]
+
+    def _port_file(self, i: int) -> str:
+        return os.path.join(self.log_dir, f"engine{i}.port")
+
+    def engine_argv(self, i: int, port: int = 0) -> list[str]:
+        """Engine ``i``'s command line: HTTP on ``port`` (0: the OS picks), reported in its port file."""
+        spec = self.specs[i]
+        return [sys.executable, "-m", "atom_kv.reference", "--host", "127.0.0.1", "--port", str(port),
+                "--port-file", self._port_file(i), "--tp", str(spec.tp), "--num-blocks", str(spec.num_blocks),
+                "--log-level", "INFO", "--instance-index", str(i), *spec.extra_args, *self._configs[i]]
+
+    def _launch_engine(self, i: int, name: str, port: int) -> ManagedProcess:
+        try:
+            os.unlink(self._port_file(i))
+        except FileNotFoundError:
+            pass
+        with interrupts_held():
+            return ManagedProcess(name, self.engine_argv(i, port), self.log_dir)
+
+    def start(self, timeout: float = 90.0) -> "Cluster":
+        try:
+            if self.with_proxy:
+                self.proxy_port, self.discovery_port = free_port(), free_port()
+                with interrupts_held():
+                    self.proxy = ManagedProcess("proxy", [
+                        sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.proxy_port),
+                        "--discovery-host", "127.0.0.1", "--discovery-port", str(self.discovery_port),
+                        "--heartbeat-timeout", str(self.heartbeat_timeout), *self.proxy_args], self.log_dir)
+            self.ports = [0] * len(self.specs)
+            self._configs = [self._engine_config(i) for i in range(len(self.specs))]
+            for i, spec in enumerate(self.specs):
+                self.engines.append(self._launch_engine(i, f"engine{i}-{spec.role}", 0))
+            for i in range(len(self.specs)):
+                self.wait_engine(i, timeout)
+            if self.with_proxy:
+                self.wait_registered(timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def restart_engine(self, i: int, timeout: float = 90.0) -> None:
+        """Start engine ``i`` again (after a kill) with the same configuration and HTTP port, so
+        the proxy sees the same instance come back."""
+        self.engines[i] = self._launch_engine(i, f"engine{i}-{self.specs[i].role}-restart", self.ports[i])
+        self.wait_engine(i, timeout)
+
+    def wait_engine(self, i: int, timeout: float) -> None:
+        """Wait until engine ``i`` has reported its port and answers ``/health`` with 200."""
+        proc = self.engines[i]
+
+        def ready() -> bool:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.tail()}")
+            if not os.path.exists(self._port_file(i)):
+                return False
+            with open(self._port_file(i)) as f:
+                self.ports[i] = int(f.read())
+            status, _ = http_json("GET", self.engine_url(i) + "/health", timeout=2.0)
+            return status == 200
+
+        wait_until(ready, timeout, what=f"{proc.name} /health")
+
+    def wait_registered(self, timeout: float) -> dict:
+        n_p = sum(1 for s in self.specs if s.role == "P" and s.register)
+        n_d = sum(1 for s in self.specs if s.role == "D" and s.register)
+
+        def ready() -> Optional[dict]:
+            if self.proxy is not None and not self.proxy.alive():
+                raise RuntimeError(f"proxy exited with {self.proxy.proc.returncode}:\n{self.proxy.tail()}")
+            status, body = http_json("GET", self.proxy_url + "/health", timeout=2.0)
+            if status != 200 or not isinstance(body, dict):
+                return None
+            if body.get("prefill", 0) >= n_p and body.get("decode", 0) >= n_d:
+                return body
+            return None
+
+        return wait_until(ready, timeout, what=f"{n_p} prefill and {n_d} decode engines to register with the proxy")
+
+    # ------------------------------------------------------------------ addresses
+    @property
+    def proxy_url(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def engine_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.ports[i]}"
+
+    def index_of(self, role: str, nth: int = 0) -> int:
+        return [i for i, s in enumerate(self.specs) if s.role == role][nth]
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Stop every process (engines first, in parallel, then the proxy). Idempotent."""
+        for proc in self.engines:
+            if proc.alive():
+                proc.proc.send_signal(signal.SIGTERM)
+        for proc in self.engines:
+            proc.stop()
+        if self.proxy is not None:
+            self.proxy.stop()
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,60 @@
+"""Free loopback ports, for servers that cannot bind port 0 and report what they got.
+
+Prefer port 0 wherever the server can tell its bound port back (the
+reference engine's ``--port 0 --port-file``): a port found free here can be
+taken by someone else before the server binds it.
+
+:func:`free_port_range` picks ports *below* the kernel's ephemeral range, so no
+outgoing connection can ever be given one of them. That matters for ports a
+server must bind again after a restart: a peer that keeps reconnecting to a
+dead server's ephemeral port on loopback is eventually handed that very port
+as its own source port (a TCP self-connect) and holds it.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+__all__ = ["free_port", "free_port_range"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS says is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port_range(n: int, attempts: int = 200) -> int:
+    """A base port such that ``base .. base+n-1`` are all free on 127.0.0.1 right now, outside
+    the ephemeral range where possible (see the module docstring)."""
+    low, high = _ephemeral_range()
+    if low - n > 20000:
+        first, last = 20000, low - n
+    else:  # the ephemeral range starts too low to stay below it: stay above it if we can
+        first, last = (high + 1, 65535 - n) if high + n < 65000 else (1024, 65535 - n)
+    for _ in range(attempts):
+        base = random.randint(first, last)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")

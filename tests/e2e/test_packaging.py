@@ -1,0 +1,132 @@
+"""`pip install atom-kv` (no extras) in a fresh virtualenv: no torch, and the proxy and the
+connector work; what needs torch says, in one line, which extra to install.
+
+Builds a wheel of this checkout and installs it, with its dependencies, into a new
+virtualenv (pip's cache and configured indexes; the network when they miss). The
+install takes about 20 s on the 2-core CI box with a warm pip cache (the whole module
+about 35 s), up to a minute or two on a cold cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import venv
+
+import pytest
+
+from atom_kv.testing.polling import wait_until
+from atom_kv.testing.ports import free_port
+from atom_kv.testing.processes import REPO_ROOT
+from atom_kv.testing.web import http_json
+
+EXTRA_HINT = "pip install 'atom-kv[reference]'"
+
+
+@pytest.fixture(scope="module")
+def plain_install(tmp_path_factory):
+    """A virtualenv holding a non-editable install of this checkout without extras."""
+    root = tmp_path_factory.mktemp("plain-install")
+    src = root / "src"
+    os.makedirs(src)
+    # build from a copy: an in-tree build would leave build/ and *.egg-info in the checkout
+    shutil.copytree(os.path.join(REPO_ROOT, "atom_kv"), src / "atom_kv",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(REPO_ROOT, name), src / name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "--quiet"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(root / "dist"), str(src)],
+                   check=True, timeout=300, cwd=root)
+    (wheel,) = (root / "dist").glob("atom_kv-*.whl")
+    env_dir = root / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)  # pip below runs from this interpreter, into it
+    python = str(env_dir / "bin" / "python")
+    subprocess.run([*pip, "--python", python, "install", "--no-compile", str(wheel)], check=True, timeout=600,
+                   cwd=root)
+    return python, str(root)
+
+
+def _run(plain_install, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    python, cwd = plain_install
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only the installed copy is importable
+    return subprocess.run([python, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_plain_install_has_no_torch_and_imports_the_installed_copy(plain_install):
+    proc = _run(plain_install, "-c", "import importlib.util, atom_kv; "
+                                     "print(importlib.util.find_spec('torch') is None, atom_kv.__file__)")
+    assert proc.returncode == 0, proc.stderr
+    no_torch, location = proc.stdout.split()
+    assert no_torch == "True"
+    assert location.startswith(os.path.join(plain_install[1], "venv")), location
+
+
+def test_connector_and_tcp_backend_import_without_torch(plain_install):
+    proc = _run(plain_install, "-c", "import atom_kv.connector, atom_kv.transfer.tcp, atom_kv.engine_hooks")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_proxy_runs_without_torch(plain_install):
+    proc = _run(plain_install, "-m", "atom_kv.proxy", "--help")
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
+    python, cwd = plain_install
+    port = free_port()  # the proxy cannot report a port it picked itself
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proxy = subprocess.Popen([python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(port),
+                              "--discovery-host", "127.0.0.1", "--discovery-port", str(free_port())],
+                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def answered():
+            assert proxy.poll() is None, proxy.communicate(timeout=5)[0]
+            return http_json("GET", f"http://127.0.0.1:{port}/health", timeout=2)
+
+        status, body = wait_until(answered, 30, what="the proxy's /health")
+        assert status == 503 and body["prefill"] == 0 and body["decode"] == 0  # up, no engines yet
+    finally:
+        proxy.send_signal(signal.SIGTERM)
+        try:
+            out = proxy.communicate(timeout=15)[0]
+        except subprocess.TimeoutExpired:
+            proxy.kill()
+            out = proxy.communicate()[0]
+    assert proxy.returncode == 0, out
+
+
+@pytest.mark.parametrize("args", [
+    ["-m", "atom_kv.reference", "--port", "0"],
+    ["-m", "atom_kv.demo"],
+    ["-m", "atom_kv.bench", "e2e"],
+    ["-m", "atom_kv.bench", "connector"],
+], ids=["engine", "demo", "bench-e2e", "bench-connector"])
+def test_what_needs_torch_says_which_extra_in_one_line(plain_install, args):
+    proc = _run(plain_install, *args)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and EXTRA_HINT in lines[0], proc.stderr
+
+
+def test_importing_the_reference_engine_without_torch_names_the_extra(plain_install):
+    proc = _run(plain_install, "-c", "import atom_kv.reference")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].endswith(EXTRA_HINT), proc.stderr
+    assert "MissingExtraError" in proc.stderr  # an ImportError subclass: `except ImportError` still works
+
+
+def test_the_product_never_imports_the_test_scaffolding():
+    """Only the harness users (tests, benches, the demo) may import atom_kv.testing."""
+    package = os.path.join(REPO_ROOT, "atom_kv")
+    offenders = []
+    for dirpath, _, files in os.walk(package):
+        rel = os.path.relpath(dirpath, package).split(os.sep)[0]
+        if rel in ("testing", "bench", "demo"):
+            continue
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    if "atom_kv.testing" in f.read():
+                        offenders.append(os.path.relpath(path, REPO_ROOT))
+    assert offenders == []

@@ -1,0 +1,339 @@
+"""vLLM's real v1 Scheduler on both sides of a P/D pair, with AtomKVConnector
+loaded by ``kv_connector_module_path``: whole request lives over real tcp and
+cma reads between CPU KV caches, every byte checked, every block given back."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable here; `make test-engines` runs these tests "
+                                   "in their own environment (see docs/vllm.md)")
+
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from atom_kv.transfer import BackendUnavailable, create_backend  # noqa: E402
+from tests.connector.kvutil import port_range  # noqa: E402
+from tests.integrations.vllm_engine import (  # noqa: E402
+    BLOCK,
+    LAYERS,
+    SENTINEL,
+    VllmEngine,
+    make_request,
+    make_vllm_config,
+    run_until,
+    write_tiny_model,
+)
+
+NUM_BLOCKS = 64
+
+
+def _cma_reason() -> str:
+    try:
+        create_backend("cma").close()
+        return ""
+    except BackendUnavailable as exc:
+        return str(exc)
+
+
+CMA_UNAVAILABLE = _cma_reason()
+BACKENDS = ["tcp", pytest.param("cma", marks=pytest.mark.skipif(bool(CMA_UNAVAILABLE), reason=CMA_UNAVAILABLE))]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def extra(backend: str, port: int, **overrides) -> dict:
+    base = dict(backend=backend, handshake_port=port, host_ip="127.0.0.1", handshake_timeout_s=2.0,
+                transfer_timeout_s=2.0, abort_timeout_s=30.0, transfer_retries=1, transfer_retry_backoff_ms=20.0)
+    base.update(overrides)
+    return base
+
+
+class Pair:
+    """A producer and a consumer engine; closes both."""
+
+    def __init__(self, model_dir, backend: str = "tcp", *, p_tp: int = 1, d_tp: int = 1,
+                 policy: str = "fail", p_overrides: dict | None = None, async_scheduling: bool = True) -> None:
+        self.P = VllmEngine(make_vllm_config(model_dir, "kv_producer",
+                                             extra(backend, port_range(p_tp), **(p_overrides or {})),
+                                             tp_size=p_tp, async_scheduling=async_scheduling), NUM_BLOCKS)
+        try:
+            self.D = VllmEngine(make_vllm_config(model_dir, "kv_consumer", extra(backend, port_range(d_tp)),
+                                                 tp_size=d_tp, failure_policy=policy,
+                                                 async_scheduling=async_scheduling), NUM_BLOCKS)
+        except BaseException:
+            self.P.close()
+            raise
+        self.snapshots: dict[str, list] = {}
+
+    def prefill(self, rid: str, prompt: list[int], **params) -> dict:
+        """Run the prefill leg; returns the kv_transfer_params the decode leg gets (and snapshots its blocks)."""
+        self.P.add(make_request(rid, prompt, max_tokens=1,
+                                kv_transfer_params={"do_remote_decode": True, **params}))
+        found: dict = {}
+
+        def on_step(engine, result):
+            for out in result.outputs:
+                if out.request_id == rid and out.finish_reason is not None:
+                    found["out"] = out
+
+        run_until([self.P], lambda: "out" in found, on_step=on_step)
+        out = found["out"]
+        assert out.new_token_ids == [7]
+        params = out.kv_transfer_params
+        assert params is not None and params["do_remote_prefill"] is True
+        assert params["remote_block_ids"] == self.P.blocks_of(rid)  # still held for the decode engine
+        assert rid in self.P.scheduler.requests
+        self.snapshots[params["transfer_id"]] = self.P.block_bytes(params["remote_block_ids"])
+        return params
+
+    def close(self) -> None:
+        self.D.close()
+        self.P.close()
+
+
+@pytest.fixture
+def pair_factory(model_dir):
+    pairs: list[Pair] = []
+
+    def make(backend: str = "tcp", **kwargs) -> Pair:
+        pair = Pair(model_dir, backend, **kwargs)
+        pairs.append(pair)
+        return pair
+
+    yield make
+    for pair in pairs:
+        pair.close()
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    return [(seed * 37 + i * 11) % 250 + 1 for i in range(n)]
+
+
+def empty(engine: VllmEngine) -> bool:
+    """Every block back in the pool (vLLM keeps one null block) and no request left."""
+    return not engine.scheduler.requests and engine.num_free_blocks() == NUM_BLOCKS - 1
+
+
+def decode(pair: Pair, drid: str, prompt: list[int], params: dict, *, max_tokens: int = 3,
+           verify_load: bool = True) -> dict:
+    """Run the decode leg to its end; at the step the load is reported, compare every byte."""
+    D, P = pair.D, pair.P
+    D.add(make_request(drid, prompt, max_tokens=max_tokens, kv_transfer_params=params))
+    seen: dict = {"tokens": []}
+
+    def on_step(engine, result):
+        if engine is D:
+            if drid in result.finished_recving:
+                seen["recv_step"] = True
+                seen["invalid"] = set(result.invalid_block_ids)
+                if drid in D.scheduler.requests:
+                    seen["blocks"] = D.blocks_of(drid)
+                    seen["bytes"] = D.block_bytes(seen["blocks"])
+                if verify_load and not result.invalid_block_ids:
+                    n = len(params["remote_block_ids"])
+                    got = D.block_bytes(D.blocks_of(drid)[:n])
+                    want = pair.snapshots[params["transfer_id"]]
+                    seen["bytes_equal"] = all(g.equal(w) for g, w in zip(got, want))
+                    seen["pattern"] = D.kv_mismatch(drid, prompt, len(prompt))
+            if result.stats:
+                seen.setdefault("stats", []).append(result.stats)
+            for out in result.outputs:
+                if out.request_id == drid:
+                    seen["tokens"].extend(out.new_token_ids)
+                    if out.finish_reason is not None:
+                        seen["finish"] = out.finish_reason
+    run_until([P, D], lambda: "finish" in seen, on_step=on_step)
+    return seen
+
+
+@pytest.mark.parametrize("scheduling", ["async", "sync"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_whole_life_prefill_hold_load_decode_free(pair_factory, backend, scheduling):
+    pair = pair_factory(backend, async_scheduling=scheduling == "async")
+    assert type(pair.D.scheduler).__name__ == ("AsyncScheduler" if scheduling == "async" else "Scheduler")
+    P, D = pair.P, pair.D
+    prompt = prompt_of(1, 45)  # 3 blocks, the last one partial
+    params = pair.prefill("p-1", prompt)
+    assert params["remote_engine_id"] == P.connector.scheduler_side.place.engine_id
+    assert params["remote_request_id"] == "p-1"
+    assert len(params["remote_block_ids"]) == 3
+    held = P.num_free_blocks()
+    assert held == NUM_BLOCKS - 1 - 3, "the producer holds the prompt's blocks for the decode engine"
+
+    seen = decode(pair, "d-1", prompt, params)
+
+    assert seen.get("recv_step"), "the consumer never reported the load"
+    assert not seen["invalid"]
+    assert seen["bytes_equal"], "the consumer's blocks differ from the producer's"
+    assert seen["pattern"] == ""
+    assert seen["tokens"] == [7, 7, 7] and seen["finish"] == 1  # FinishReason.LENGTH
+    # the decode engine computed only the last prompt token and what followed
+    assert D.computed["d-1"][0] == (44, 1)
+    run_until([P, D], lambda: empty(P) and empty(D))
+    # stats: each byte of the three blocks read once per layer pair member (the odd layer twice)
+    nbytes = sum(s.get("bytes", 0) for s in seen["stats"])
+    page = 2 * 16 * 2 * BLOCK * 4  # heads x (K|V) x block x float32
+    assert nbytes == 3 * page * (LAYERS + LAYERS % 2)
+    assert sum(s.get("transfers", 0) for s in seen["stats"]) == 1
+
+
+def test_producer_frees_only_after_every_consumer_rank_read(pair_factory):
+    pair = pair_factory("tcp", d_tp=2)
+    P, D = pair.P, pair.D
+    prompt = prompt_of(2, 33)
+    params = pair.prefill("p-2", prompt)
+    at_free: dict = {}
+
+    def on_step(engine, result):
+        if engine is P and "p-2" in result.finished_sending:
+            # the lease (30 s) cannot have expired: both decode ranks must have read their heads by now
+            at_free["kv"] = D.kv_mismatch("d-2", prompt, len(prompt)) if "d-2" in D.scheduler.requests else "gone"
+
+    D.add(make_request("d-2", prompt, max_tokens=8, kv_transfer_params=params))
+    run_until([P, D], lambda: "kv" in at_free, on_step=on_step)
+    assert at_free["kv"] == "", f"the producer freed its blocks before every consumer rank read: {at_free['kv']}"
+    assert "p-2" not in P.scheduler.requests
+    run_until([P, D], lambda: empty(P) and empty(D))
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_mixed_tensor_parallel_sizes(pair_factory, p_tp, d_tp):
+    pair = pair_factory("tcp", p_tp=p_tp, d_tp=d_tp)
+    prompt = prompt_of(3, 70)
+    params = pair.prefill("p-3", prompt)
+    assert params["tp_size"] == p_tp
+    seen = decode(pair, "d-3", prompt, params)
+    assert seen["bytes_equal"] and seen["pattern"] == ""
+    assert seen["finish"] == 1
+    run_until([pair.P, pair.D], lambda: empty(pair.P) and empty(pair.D))
+
+
+def test_local_prefix_hit_reads_only_the_uncached_blocks(pair_factory):
+    pair = pair_factory("tcp")
+    P, D = pair.P, pair.D
+    first = prompt_of(4, 40)
+    decode(pair, "d-4a", first, pair.prefill("p-4a", first), max_tokens=1)
+    run_until([P, D], lambda: "d-4a" not in D.scheduler.requests)
+    # the first prompt's two full blocks stay in D's prefix cache: a second prompt sharing them hits locally
+    second = first[:32] + prompt_of(5, 20)
+    D.add(make_request("probe", second, max_tokens=1, kv_transfer_params=None))
+    hit = D.scheduler.kv_cache_manager.get_computed_blocks(D.scheduler.requests["probe"])
+    D.abort("probe")
+    cached = [b.block_id for b in hit[0].blocks[0]]
+    assert len(cached) == 2, "the test needs a two-block local prefix hit"
+    D.fill_blocks(cached, SENTINEL)  # what D holds locally; a load must not touch it
+
+    params = pair.prefill("p-4b", second)
+    assert len(params["remote_block_ids"]) == 4
+    seen = decode(pair, "d-4b", second, params, verify_load=False)
+    assert seen.get("recv_step") and not seen["invalid"] and seen["finish"] == 1
+    assert seen["blocks"][:2] == cached
+    want = pair.snapshots[params["transfer_id"]]
+    for got, producer in zip(seen["bytes"], want):
+        assert bool((got[:2] == SENTINEL).all()), "a locally cached block was overwritten by the load"
+        assert got[2:4].equal(producer[2:4]), "an uncached block differs from the producer's"
+    # only the two uncached blocks crossed the wire, and D computed just the last prompt token
+    page = 2 * 16 * 2 * BLOCK * 4
+    assert sum(s.get("bytes", 0) for s in seen["stats"]) == 2 * page * (LAYERS + LAYERS % 2)
+    assert D.computed["d-4b"][0] == (len(second) - 1, 1)
+    run_until([P, D], lambda: empty(P) and empty(D))
+
+
+def test_abort_while_loading_holds_blocks_until_every_rank_stopped(pair_factory):
+    pair = pair_factory("tcp")
+    P, D = pair.P, pair.D
+    prompt = prompt_of(6, 50)
+    params = pair.prefill("p-6", prompt)
+    D.add(make_request("d-6", prompt, max_tokens=4, kv_transfer_params=params))
+    before = D.num_free_blocks()
+    D.step()  # admitted: blocks allocated, the load goes out to the worker
+    req = D.scheduler.requests["d-6"]
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    allocated = before - D.num_free_blocks()
+    assert allocated == 4
+    D.abort("d-6")
+    # vLLM keeps the blocks: a read may still be writing into them
+    assert "d-6" in D.scheduler.requests and D.num_free_blocks() == before - allocated
+    run_until([P, D], lambda: empty(D))
+    assert "d-6" not in D.computed, "an aborted request must never run"
+    # the producer hears the consumer is done with its blocks (read or given up) and frees them
+    run_until([P, D], lambda: empty(P))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_failed_read_recomputes_under_vllms_recompute_policy(pair_factory, backend):
+    pair = pair_factory(backend, policy="recompute")
+    P, D = pair.P, pair.D
+    prompt = prompt_of(7, 40)
+    params = pair.prefill("p-7", prompt)
+    # the prefill engine "restarted": its handshake now answers for another engine id
+    bad = dict(params, remote_engine_id="restarted-" + params["remote_engine_id"])
+    seen = decode(pair, "d-7", prompt, bad, max_tokens=2, verify_load=False)
+    assert seen.get("recv_step"), "a failed load must still be reported finished"
+    assert seen["invalid"], "the failed load's blocks must be reported invalid"
+    assert seen["finish"] == 1 and seen["tokens"] == [7, 7]
+    # vLLM recomputed the whole prompt locally
+    assert D.computed["d-7"][0][0] == 0
+    assert sum(n for _, n in D.computed["d-7"]) >= len(prompt)
+    covered = sorted(D.computed["d-7"])
+    assert all(a + n == b for (a, n), (b, _) in zip(covered, covered[1:]))
+    run_until([P, D], lambda: empty(P) and empty(D))
+
+
+def test_failed_read_fails_the_request_under_the_fail_policy(pair_factory):
+    pair = pair_factory("tcp", policy="fail")
+    P, D = pair.P, pair.D
+    prompt = prompt_of(8, 20)
+    params = pair.prefill("p-8", prompt)
+    bad = dict(params, remote_engine_id="gone")
+    seen = decode(pair, "d-8", prompt, bad, verify_load=False)
+    assert seen["finish"] == 3  # FinishReason.ERROR
+    assert seen["tokens"] == []
+    assert "d-8" not in D.computed
+    run_until([P, D], lambda: empty(P) and empty(D))
+
+
+def test_producer_lease_expires_when_no_decode_engine_reads(pair_factory):
+    pair = pair_factory("tcp", p_overrides={"abort_timeout_s": 0.5})
+    P = pair.P
+    pair.prefill("p-9", prompt_of(9, 30))
+    assert "p-9" in P.scheduler.requests
+    run_until([P], lambda: empty(P), steps=400, wait_s=0.01)
+
+
+def test_aborted_prefill_frees_at_once(pair_factory):
+    pair = pair_factory("tcp")
+    P = pair.P
+    P.add(make_request("p-10", prompt_of(10, 30), max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
+    P.abort("p-10")
+    assert empty(P)
+
+
+@pytest.mark.parametrize("policy,finish", [("fail", 3), ("recompute", 1)])
+def test_load_the_hooks_refuse_is_still_reported_by_every_rank(pair_factory, policy, finish):
+    """A load atom-kv ends before any rank starts it (here: the producer lists more blocks than the
+    decode engine allocated) must still reach vLLM from every rank, or the request would wait forever."""
+    pair = pair_factory("tcp", policy=policy, d_tp=2)
+    P, D = pair.P, pair.D
+    prompt = prompt_of(11, 40)
+    params = pair.prefill("p-11", prompt)
+    bad = dict(params, remote_block_ids=params["remote_block_ids"] + [params["remote_block_ids"][-1]])
+    seen = decode(pair, "d-11", prompt, bad, max_tokens=2, verify_load=False)
+    assert seen.get("recv_step") and seen["invalid"]
+    assert seen["finish"] == finish
+    run_until([D], lambda: empty(D))
+
+
+def test_a_transfer_id_minted_by_the_router_names_both_legs(pair_factory):
+    """Routers that mint one transfer_id per request (atom-kv's proxy, vLLM's MoRIIO proxy) see it kept."""
+    pair = pair_factory("tcp")
+    prompt = prompt_of(12, 24)
+    params = pair.prefill("p-12", prompt, transfer_id="router-0001", do_remote_prefill=False,
+                          remote_engine_id=None, remote_block_ids=None, remote_host=None, remote_port=None)
+    assert params["transfer_id"] == "router-0001"
+    seen = decode(pair, "d-12", prompt, params)
+    assert seen["bytes_equal"] and seen["finish"] == 1
+    run_until([pair.P, pair.D], lambda: empty(pair.P) and empty(pair.D))

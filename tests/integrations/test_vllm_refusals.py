@@ -1,0 +1,187 @@
+"""What AtomKVConnector refuses, each with one line: bad ``kv_connector_extra_config``,
+vLLM settings it does not support, and KV caches it cannot serve (refused at
+``register_kv_caches``, and at the scheduler for the config's own groups)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable here; `make test-engines` runs these tests "
+                                   "in their own environment (see docs/vllm.md)")
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+from atom_kv.config import ConfigError  # noqa: E402
+from atom_kv.integrations.vllm import AtomKVConnector, UnsupportedKVCache  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+from tests.integrations.vllm_engine import BLOCK, HEAD, make_kv_cache_config, make_vllm_config, write_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def create(model_dir, role: str, extra: dict, *, side=KVConnectorRole.SCHEDULER, tp_size: int = 1,
+           kv_cache_config=None):
+    config = make_vllm_config(model_dir, role, extra, tp_size=tp_size)
+    kv_cache_config = kv_cache_config or make_kv_cache_config(config, 32)
+    return config, KVConnectorFactory.create_connector(config, side, kv_cache_config)
+
+
+def base(**more) -> dict:
+    return dict(handshake_port=free_port(), host_ip="127.0.0.1", **more)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"handshake_prot": 7000},
+     "kv-transfer-config: unknown key `handshake_prot`; did you mean `handshake_port`?"),
+    ({"transfer_timeout_s": -1},
+     "kv-transfer-config: `transfer_timeout_s` must be a positive number of seconds, got -1.0"),
+    ({"backend": "rdma"},
+     "kv-transfer-config: `backend` must be one of 'auto', 'tcp', 'cma', 'moriio', got 'rdma'"),
+    ({"kv_role": "kv_consumer"},
+     "kv_connector_extra_config: `kv_role` 'kv_consumer' contradicts vLLM's kv_role 'kv_producer'; "
+     "set it once, as vLLM's kv_role"),
+    ({"host_ip": ""},
+     "kv_connector_extra_config: `host_ip` must be a host name or IP address, got ''"),
+    ({"proxy_ip": "127.0.0.1"},
+     "kv_connector_extra_config: `http_port` is required with `proxy_ip` (set it to vLLM's --port, "
+     "where the proxy sends requests)"),
+])
+def test_bad_extra_config_is_one_line_naming_the_key(model_dir, extra, message):
+    with pytest.raises(ConfigError) as info:
+        create(model_dir, "kv_producer", dict(base(), **extra))
+    assert str(info.value) == message
+
+
+def test_kv_both_is_refused(model_dir):
+    with pytest.raises(ConfigError) as info:
+        create(model_dir, "kv_both", base())
+    assert str(info.value) == (
+        "kv-transfer-config: `kv_role` 'kv_both' is not supported by AtomKVConnector; run prefill "
+        "instances with 'kv_producer' and decode instances with 'kv_consumer'")
+
+
+def test_kv_role_comes_from_vllm(model_dir):
+    _, connector = create(model_dir, "kv_consumer", base())
+    try:
+        assert isinstance(connector, AtomKVConnector)
+        assert connector.config.is_consumer
+    finally:
+        connector.shutdown()
+
+
+def test_required_layout_is_hnd(model_dir):
+    config = make_vllm_config(model_dir, "kv_producer", base())
+    assert AtomKVConnector.get_required_kvcache_layout(config) == "HND"
+
+
+def _groups_config(*specs) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=32, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)])
+
+
+FULL = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=HEAD, dtype=torch.float32)
+SLIDING = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=HEAD, dtype=torch.float32, sliding_window=64)
+MAMBA = MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float32,))
+
+
+@pytest.mark.parametrize("specs,needle", [
+    ((FULL, SLIDING), "this model has 2 groups (FullAttentionSpec, SlidingWindowSpec): hybrid models"),
+    ((MAMBA,), "AtomKVConnector serves full-attention and MLA KV caches; this model's KV cache is MambaSpec"),
+    ((SLIDING,), "this model's KV cache is SlidingWindowSpec"),
+])
+@pytest.mark.parametrize("side", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_unservable_kv_cache_groups_are_refused(model_dir, specs, needle, side):
+    cfg = _groups_config(*specs)
+    if side == KVConnectorRole.SCHEDULER:
+        with pytest.raises(UnsupportedKVCache) as info:
+            create(model_dir, "kv_producer", base(), kv_cache_config=cfg)
+    else:
+        _, connector = create(model_dir, "kv_producer", base(), side=side, kv_cache_config=cfg)
+        with pytest.raises(UnsupportedKVCache) as info:
+            connector.register_kv_caches({})
+        connector.shutdown()
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_nhd_caches_are_refused_at_register(model_dir):
+    config, connector = create(model_dir, "kv_producer", base(), side=KVConnectorRole.WORKER)
+    try:
+        kv_cache_config = make_kv_cache_config(config, 32)
+        config.cache_config.kv_cache_layout = "LBNHC"
+        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBNHC)
+        with pytest.raises(UnsupportedKVCache) as info:
+            connector.register_kv_caches(caches)
+        assert "not laid out head-major per block (vLLM resolved the LBNHC layout)" in str(info.value)
+        assert "needs HND (LBHNC)" in str(info.value)
+    finally:
+        connector.shutdown()
+
+
+def test_other_kernel_block_size_is_refused_at_register(model_dir):
+    config, connector = create(model_dir, "kv_producer", base(), side=KVConnectorRole.WORKER)
+    try:
+        kv_cache_config = make_kv_cache_config(config, 32)
+        names = kv_cache_config.kv_cache_groups[0].layer_names
+        caches = {n: torch.zeros(64, 2, BLOCK // 2, 2 * HEAD) for n in names}  # kernel blocks of 8 tokens
+        with pytest.raises(UnsupportedKVCache) as info:
+            connector.register_kv_caches(caches)
+        assert "a kernel block size other than --block-size is not supported" in str(info.value)
+    finally:
+        connector.shutdown()
+
+
+def test_more_tp_ranks_than_kv_heads_is_refused(model_dir):
+    with pytest.raises(UnsupportedKVCache) as info:
+        create(model_dir, "kv_producer", base(), tp_size=4)
+    assert "2 KV heads over TP 4" in str(info.value)
+
+
+def test_registered_layers_reach_the_hooks_as_pairs(model_dir):
+    """Three fused layers become two (k, v) pairs, the odd one paired with itself; the handshake's
+    compatibility info says so (another layout is refused there)."""
+    config, connector = create(model_dir, "kv_producer", base(), side=KVConnectorRole.WORKER)
+    try:
+        caches = allocate_kv_cache(make_kv_cache_config(config, 32), torch.device("cpu"), KVCacheLayout.LBHNC)
+        connector.register_kv_caches(caches)
+        hooks = connector.worker_side.hooks
+        assert hooks.compat.num_layers == 2 and hooks.compat.head_dim == 2 * HEAD
+        assert hooks.compat.num_kv_heads == 2 and hooks.compat.block_size == BLOCK and not hooks.compat.is_mla
+    finally:
+        connector.shutdown()
+
+
+def test_mla_caches_register_one_latent_tensor_per_layer(model_dir):
+    """MLA layers keep one latent row per token (replicated over TP ranks): registered as such."""
+    from vllm.v1.kv_cache_interface import KVCacheTensor, MLAAttentionSpec
+
+    config = make_vllm_config(model_dir, "kv_producer", base())
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    page = spec.page_size_bytes
+    kv_cache_config = KVCacheConfig(
+        num_blocks=32, kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+        kv_cache_tensors=[KVCacheTensor(size=page * 32 * 3, layers=names, layer_stride=page * 32, block_stride=page)])
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    try:
+        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+        assert list(next(iter(caches.values())).shape) == [32, 1, BLOCK, 64]
+        connector.register_kv_caches(caches)
+        compat = connector.worker_side.hooks.compat
+        assert compat.is_mla and compat.num_layers == 3 and compat.head_dim == 64 and compat.num_kv_heads == 1
+    finally:
+        connector.shutdown()
