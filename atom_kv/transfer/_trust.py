@@ -21,8 +21,8 @@ from typing import Optional
 
 import msgspec
 
-# The package's shared helpers (same signatures as atom_kv.auth / atom_kv._ratelimit).
-from atom_kv.transfer._interim_auth import RateLimitedLog, mac, new_nonce, verify_mac
+from atom_kv._ratelimit import RateLimitedLog
+from atom_kv.auth import mac, new_nonce, verify_mac
 from atom_kv.transfer.base import TransferError
 
 __all__ = [

@@ -10,7 +10,6 @@ import hmac
 import os
 import socket
 import threading
-import time
 from typing import Callable, Optional
 
 from atom_kv import wire
@@ -56,15 +55,6 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 def thread_count(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll a test condition (the code under test blocks; the test only observes)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def closed_by_peer(s: socket.socket, timeout: float) -> bool:

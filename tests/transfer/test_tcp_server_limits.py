@@ -20,7 +20,8 @@ from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import ReadOp
 from atom_kv.transfer._sockio import frame, recv_exact, recv_frame, request_frame_limit
 from atom_kv.transfer.tcp import TcpBackend
-from tests.transfer._raw import closed_by_peer, rss_bytes, tcp_login, tcp_open, thread_count, wait_until
+from atom_kv.testing.polling import wait_until
+from tests.transfer._raw import closed_by_peer, rss_bytes, tcp_login, tcp_open, thread_count
 
 SIZE = 256 * 1024
 BLOCK = 4096
@@ -83,7 +84,7 @@ def test_many_idle_connections_keep_threads_bounded_and_excess_is_refused(make_s
     rss_before = rss_bytes()
     socks = [socket.create_connection((srv.host, srv.port), timeout=5) for _ in range(300)]
     try:
-        wait_until(lambda: srv.stats().get("busy", 0) == 250, 20, "250 connections refused as busy")
+        wait_until(lambda: srv.stats().get("busy", 0) == 250, 20, interval=0.02, what="250 connections refused")
         assert srv.backend.server.connections == 50
         assert thread_count() - threads_before <= 1, "threads grew with the number of connections"
         assert rss_bytes() - rss_before < 32 << 20
@@ -93,7 +94,7 @@ def test_many_idle_connections_keep_threads_bounded_and_excess_is_refused(make_s
             assert not greeting.ok and "tcp_max_connections" in greeting.error
     finally:
         _close_all(socks)
-    wait_until(lambda: srv.backend.server.connections == 0, 10, "closed connections to be forgotten")
+    wait_until(lambda: srv.backend.server.connections == 0, 10, interval=0.02, what="connections to be forgotten")
     srv.read_check()
 
 
@@ -195,7 +196,7 @@ def test_idle_connections_are_closed_and_readers_reconnect(make_served) -> None:
             h = reader.read(peer, [ReadOp(0, 0, 0, 0, SIZE)], timeout_s=5)
             assert h.wait(10) and h.error is None, f"round {round_}: {h.error}"
             assert np.array_equal(dst, srv.buf)
-            wait_until(lambda: srv.backend.server.connections == 0, 5, "idle connections to be closed")
+            wait_until(lambda: srv.backend.server.connections == 0, 5, interval=0.02, what="idle connections closed")
         assert srv.stats()["idle"] >= 2
         assert reader.stats()["reader_stale"] >= 1
 
