@@ -22,7 +22,7 @@ import time
 from typing import Callable, Optional
 
 from atom_kv import wire
-from atom_kv.transfer._decode import decode
+from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._frame_server import Conn, FrameServer, ServerLimits
 from atom_kv.transfer._sockio import HELLO_FRAME_MAX, frame, recv_frame

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from atom_kv import wire
-from atom_kv.transfer._decode import decode
+from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._jobs import JobWorkers, ReadState
 from atom_kv.transfer._regions import RegionTable

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from atom_kv import wire
-from atom_kv.transfer._decode import decode
+from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._frame_server import Conn, FrameServer, ServerLimits
 from atom_kv.transfer._regions import RegionTable, out_of_bounds

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from atom_kv import wire
 from atom_kv.transfer._cma_sys import cma_unavailable_reason
-from atom_kv.transfer._decode import decode
+from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._lifecycle import Lifecycle

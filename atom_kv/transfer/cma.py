@@ -23,7 +23,7 @@ import numpy as np
 from atom_kv import wire
 from atom_kv.transfer._cma_control import CmaControlServer, request_grant
 from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
-from atom_kv.transfer._decode import decode
+from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._jobs import JobWorkers, ReadState
