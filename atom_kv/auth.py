@@ -37,6 +37,7 @@ __all__ = [
     "PURPOSE_HANDSHAKE_CLIENT",
     "PURPOSE_HANDSHAKE_REPLY",
     "PURPOSE_HANDSHAKE_SERVER",
+    "PURPOSE_ISSUED",
     "PURPOSE_PEER_PROOF",
     "PURPOSE_REGISTER",
     "PURPOSE_RELEASE",
@@ -69,6 +70,8 @@ PURPOSE_DONE_ACK = "atom-kv/done-ack/v1"
 """Done-reading confirmations, bound to the notice's nonce."""
 PURPOSE_RELEASE = "atom-kv/release/v1"
 """Releases (decode engine or proxy -> every producer rank of a transfer)."""
+PURPOSE_ISSUED = "atom-kv/issued/v1"
+"""A producer scheduler's issued transfers (-> its own ranks)."""
 
 NONCE_BYTES = 16
 

@@ -23,6 +23,7 @@ import msgspec
 
 __all__ = [
     "MAX_PORT",
+    "MAX_RANGES_PER_REQUEST",
     "ConfigError",
     "FieldError",
     "KVTransferConfig",
@@ -33,6 +34,7 @@ __all__ = [
     "Port",
     "PositiveInt",
     "PositiveSeconds",
+    "RangesPerRequest",
     "convert_fields",
     "describe_type",
     "is_port",
@@ -55,12 +57,20 @@ NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0, le=_MAX_FLOAT, descriptio
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0, description=">= 0")]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1, description=">= 1")]
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")]
+#: ranges one tcp read request may name (bounds the request frames a read server accepts)
+MAX_RANGES_PER_REQUEST = 1 << 20
+RangesPerRequest = Annotated[
+    int, msgspec.Meta(ge=1, le=MAX_RANGES_PER_REQUEST, description=f"an integer in 1..{MAX_RANGES_PER_REQUEST}")
+]
 
 _POST_BATCH_DEFAULT = -1
 _POST_BATCH_SIZE = f"{_POST_BATCH_DEFAULT} (library default) or >= 1"
 PostBatchSize = Annotated[int, msgspec.Meta(ge=_POST_BATCH_DEFAULT, description=_POST_BATCH_SIZE)]
 
 KVRole = Literal["kv_producer", "kv_consumer"]
+#: Mooncake's ``protocol`` key, which ATOM users write: the transport it names, as our ``backend``
+Protocol = Literal["tcp", "rdma"]
+_PROTOCOL_BACKEND = {"tcp": "tcp", "rdma": "moriio"}
 BackendName = Literal["auto", "tcp", "cma", "moriio"]
 LoadFailurePolicy = Literal["fail", "recompute"]
 PollCqMode = Literal["polling", "event"]
@@ -190,20 +200,27 @@ class ConfigError(ValueError):
 class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything ``--kv-transfer-config`` can set; owns the defaults.
 
-    The first group of keys is ATOM's (same names, same defaults) so an ATOM
-    launch line works unchanged; the second group is ours. Constructing one
-    validates every field (:class:`ConfigError` naming the key).
+    The first group of keys is ATOM's, with ATOM main's defaults (its MoRIIO
+    and Mooncake connectors', checked at ffdf3bb5d) so an ATOM launch line
+    works unchanged; the second group is ours. Constructing one validates
+    every field (:class:`ConfigError` naming the key).
+
+    Two more of ATOM's keys are read by :meth:`from_dict` only:
+    ``kv_connector_extra_config`` (an object of our keys, merged in, as ATOM's
+    offload connector reads its own) and ``connectors`` (ATOM's ``multi``
+    connector's list, refused with how to use it).
     """
 
     # --- ATOM's keys -------------------------------------------------------
-    kv_role: KVRole
+    kv_role: KVRole = "kv_producer"
     kv_connector: str = "atom_kv"
     proxy_ip: Optional[str] = None
     proxy_ping_port: Port = 36367
-    http_port: Optional[Port] = None
+    http_port: Optional[Port] = 8000
     handshake_port: Port = 6301
-    qp_per_transfer: PositiveInt = 1
-    num_worker_threads: PositiveInt = 1
+    protocol: Optional[Protocol] = None
+    qp_per_transfer: PositiveInt = 4
+    num_worker_threads: PositiveInt = 4
     post_batch_size: PostBatchSize = _POST_BATCH_DEFAULT
     max_send_wr: NonNegativeInt = 0
     max_cqe_num: NonNegativeInt = 0
@@ -225,6 +242,13 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     auth_window_s: PositiveSeconds = 30.0
     auth_replay_entries: PositiveInt = 65536
     tcp_streams: PositiveInt = 4
+    tcp_server_threads: PositiveInt = 4
+    tcp_max_connections: PositiveInt = 512
+    tcp_max_ranges_per_request: RangesPerRequest = 8192
+    tcp_read_timeout_s: PositiveSeconds = 10.0
+    tcp_idle_timeout_s: PositiveSeconds = 300.0
+    cma_grant_timeout_s: PositiveSeconds = 3.0
+    cma_grant_max_connections: PositiveInt = 64
     moriio_backend: MoriIOTransport = "rdma"
     poll_cq_mode: PollCqMode = "polling"
 
@@ -238,6 +262,13 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             setattr(self, name, value)  # e.g. an int given for a float key becomes a float
         if self.post_batch_size == 0:  # the one rule a range cannot say
             raise ConfigError(f"`post_batch_size` must be {_POST_BATCH_SIZE}, got 0")
+        if self.protocol is not None:
+            wanted = _PROTOCOL_BACKEND[self.protocol]
+            if self.backend == "auto":
+                self.backend = wanted
+            elif self.backend != wanted:
+                raise ConfigError(f"`protocol` {self.protocol!r} means `backend` {wanted!r}, but `backend` is "
+                                  f"{self.backend!r}; give only one of them")
 
     # --- helpers -----------------------------------------------------------
     @property
@@ -263,17 +294,18 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 f"kv-transfer-config: expected a JSON object like "
                 f'{{"kv_role": "kv_producer"}}, got {type(data).__name__}'
             )
+        data = _with_extra_config(data)
+        if "connectors" in data:
+            raise ConfigError(
+                "kv-transfer-config: `connectors` configures ATOM's `multi` connector; put atom-kv's keys in one "
+                'entry of it, {"kv_connector": "atom_kv", ...}, and `connectors` under "kv_connector": "multi"'
+            )
         fields = set(cls.__struct_fields__)
         for key in data:
             if key not in fields:
                 hint = difflib.get_close_matches(str(key), sorted(fields), n=1, cutoff=0.5)
                 suggestion = f"; did you mean `{hint[0]}`?" if hint else ""
                 raise ConfigError(f"kv-transfer-config: unknown key `{key}`{suggestion}")
-        if "kv_role" not in data:
-            raise ConfigError(
-                "kv-transfer-config: missing required key `kv_role` "
-                "(allowed: 'kv_producer', 'kv_consumer')"
-            )
         try:
             return cls(**data)
         except ConfigError as exc:
@@ -284,6 +316,26 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+_EXTRA = "kv_connector_extra_config"
+
+
+def _with_extra_config(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with the keys of ``kv_connector_extra_config`` merged in (a key given in both places
+    with different values is an error)."""
+    if _EXTRA not in data:
+        return data
+    extra = data[_EXTRA]
+    if not isinstance(extra, dict):
+        raise ConfigError(f"kv-transfer-config: `{_EXTRA}` must be an object of atom-kv keys, got {extra!r}")
+    merged = {k: v for k, v in data.items() if k != _EXTRA}
+    for key, value in extra.items():
+        if key in merged and merged[key] != value:
+            raise ConfigError(f"kv-transfer-config: `{key}` is {merged[key]!r} at the top level but {value!r} in "
+                              f"`{_EXTRA}`; give it once")
+        merged[key] = value
+    return merged
 
 
 def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:

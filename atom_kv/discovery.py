@@ -23,7 +23,7 @@ import zmq
 
 from atom_kv import wire
 from atom_kv.auth import PURPOSE_REGISTER, sign_fields
-from atom_kv.config import KVTransferConfig
+from atom_kv.config import KVTransferConfig, is_port
 from atom_kv.wire import RegisterPing
 
 __all__ = ["RegistrationPinger", "build_registration_pinger", "parse_proxy_address"]
@@ -47,7 +47,7 @@ def parse_proxy_address(address: str, default_port: int) -> tuple[str, int]:
         raise ValueError(f"proxy address {address!r} has no host")
     if not port_text:
         return host, default_port
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not port_text.isdigit() or not is_port(int(port_text), allow_zero=False):
         raise ValueError(f"proxy address {address!r}: port must be 1..65535")
     return host, int(port_text)
 

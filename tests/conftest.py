@@ -1,17 +1,12 @@
-"""Shared test helpers: free loopback ports and process hygiene."""
+"""Shared test fixtures: free loopback ports (one helper, from atom_kv.testing.ports)."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
+from atom_kv.testing.ports import free_port
 
-def free_port() -> int:
-    """A TCP port the OS says is free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]
 
 
 @pytest.fixture

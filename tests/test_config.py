@@ -79,8 +79,37 @@ def test_unknown_key_without_close_match():
     assert "did you mean" not in message
 
 
-def test_missing_role():
-    assert "`kv_role`" in _err("{}")
+def test_atoms_keys_take_atoms_defaults():
+    # ATOM main's MoRIIO/Mooncake connectors: kv_role kv_producer, http_port 8000, 4 QPs and 4 worker threads
+    cfg = parse_kv_transfer_config("{}")
+    assert (cfg.kv_role, cfg.http_port, cfg.qp_per_transfer, cfg.num_worker_threads, cfg.handshake_port) == (
+        "kv_producer", 8000, 4, 4, 6301)
+
+
+def test_atoms_protocol_key_names_the_backend():
+    assert parse_kv_transfer_config('{"protocol": "tcp"}').backend == "tcp"
+    assert parse_kv_transfer_config('{"protocol": "rdma"}').backend == "moriio"
+    assert parse_kv_transfer_config('{"protocol": "tcp", "backend": "tcp"}').backend == "tcp"
+    assert _err('{"protocol": "rdma", "backend": "tcp"}') == (
+        "kv-transfer-config: `protocol` 'rdma' means `backend` 'moriio', but `backend` is 'tcp'; give only one of them")
+    assert _err('{"protocol": "ib"}') == "kv-transfer-config: `protocol` must be one of 'tcp', 'rdma' or null, got 'ib'"
+
+
+def test_atoms_extra_config_object_holds_our_keys():
+    cfg = parse_kv_transfer_config(json.dumps(
+        {"kv_role": "kv_consumer", "kv_connector_extra_config": {"backend": "tcp", "transfer_retries": 0}}))
+    assert (cfg.kv_role, cfg.backend, cfg.transfer_retries) == ("kv_consumer", "tcp", 0)
+    assert _err('{"backend": "cma", "kv_connector_extra_config": {"backend": "tcp"}}') == (
+        "kv-transfer-config: `backend` is 'cma' at the top level but 'tcp' in `kv_connector_extra_config`; give it once")
+    assert _err('{"kv_connector_extra_config": {"abort_timout_s": 1}}') == (
+        "kv-transfer-config: unknown key `abort_timout_s`; did you mean `abort_timeout_s`?")
+    assert "must be an object of atom-kv keys" in _err('{"kv_connector_extra_config": [1]}')
+
+
+def test_atoms_multi_connector_list_is_refused_with_how_to_use_it():
+    message = _err('{"kv_connector": "multi", "connectors": [{"kv_connector": "atom_kv"}]}')
+    assert message.startswith("kv-transfer-config: `connectors` configures ATOM's `multi` connector")
+    assert '{"kv_connector": "atom_kv", ...}' in message
 
 
 @pytest.mark.parametrize(

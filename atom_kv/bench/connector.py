@@ -14,7 +14,6 @@ import json
 import logging
 import multiprocessing as mp
 import secrets
-import socket
 import statistics
 import time
 from typing import Any
@@ -31,6 +30,7 @@ from atom_kv.connector.scheduler import ConnectorScheduler
 from atom_kv.connector.consumer import ConsumerWorker
 from atom_kv.connector.producer import ProducerWorker
 from atom_kv.connector.types import ConnectorMetadata, SendSpec
+from atom_kv.testing.ports import free_port_range
 from atom_kv.transfer import ChunkedRegion, chunk_sizes, create_backend
 from atom_kv.wire import CompatInfo, HandshakeRequest
 
@@ -58,26 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run without an auth_token (by default both sides share a random one, so the "
                              "handshake is the challenge-response of a secured cluster)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
-
-
-def _free_base_port(n: int) -> int:
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            socks = []
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free port range on 127.0.0.1")
 
 
 def _caches(compat: CompatInfo, tp: int, num_blocks: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -263,7 +243,7 @@ def _run_tp(args: argparse.Namespace, tp: int) -> dict[str, Any]:
                         head_dim=args.head_dim, block_size=args.block_size)
     max_blocks = -(-max(args.tokens) // args.block_size)
     num_blocks = max(max_blocks, 2 * -(-args.overhead_tokens // args.block_size))
-    port = _free_base_port(tp)
+    port = free_port_range(tp)
     common = dict(backend=args.backend, handshake_port=port, transfer_timeout_s=120.0, handshake_timeout_s=10.0,
                   auth_token=secrets.token_hex(16) if getattr(args, "auth", True) else None)
     pcfg = KVTransferConfig.from_dict(dict(common, kv_role="kv_producer"))

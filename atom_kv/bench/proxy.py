@@ -29,7 +29,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 
 from atom_kv.proxy.settings import POLICIES
+from atom_kv.testing.ports import free_port
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEERS = ("vllm-router",)
@@ -117,13 +117,6 @@ def _serve_baseline(argv: list[str]) -> int:
 
 
 # ---------------------------------------------------------------------- processes
-def _free_port() -> int:
-    """A free port for a child that must be told its port up front (vllm-router, the baseline)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(cmd: list[str], log: Any, stdout: Any = subprocess.DEVNULL) -> subprocess.Popen:
     """Start a helper process; its stderr goes to ``log`` (never an unread pipe that could fill up)."""
     env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -163,7 +156,7 @@ class Target:
 
 def _start_ours(log: Any, prefills: list[str], decodes: list[str], prefill_policy: str,
                 decode_policy: str) -> Target:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(port), "--no-discovery",
            "--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--log-level", "WARNING"]
     for url in prefills:
@@ -177,10 +170,10 @@ def _start_vllm_router(log: Any, prefills: list[str], decodes: list[str], prefil
                        decode_policy: str) -> Target:
     exe = shutil.which("vllm-router")
     assert exe is not None
-    port = _free_port()
+    port = free_port()
     cmd = [exe, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
            "--prefill-policy", prefill_policy, "--decode-policy", decode_policy,
-           "--prometheus-port", str(_free_port()), "--log-level", "warning"]
+           "--prometheus-port", str(free_port()), "--log-level", "warning"]
     for url in prefills:
         cmd += ["--prefill", url]
     for url in decodes:
@@ -526,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
         if with_peer:
             targets.append(_start_vllm_router(log, prefills, decodes, args.policy, args.policy))
         if args.baseline:
-            port = _free_port()
+            port = free_port()
             baseline = Target("baseline", f"http://127.0.0.1:{port}", _start(
                 [sys.executable, "-m", "atom_kv.bench.proxy", "--port", str(port), "--prefill", prefills[0],
                  "--decode", decodes[0]], log))

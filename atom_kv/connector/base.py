@@ -14,15 +14,17 @@ an aggregator -> scheduler, once per step).
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput, SchedulerEvents
 
 __all__ = ["SchedulerHooks", "WorkerHooks", "KVCacheLayer"]
 
-#: One layer's cache: ``(k, v)`` tensors shaped ``[num_blocks, kv_heads, block_size, head_dim]``
-#: (this rank's heads), or one MLA latent tensor ``[num_blocks, block_size, latent_dim]``.
-KVCacheLayer = Union[tuple[Any, Any], Any]
+#: One layer's cache in the layout ``CompatInfo.layout`` names (``atom_kv.connector.cache_layouts``):
+#: a ``(k, v)`` pair (HND: ``[num_blocks, kv_heads, block_size, head_dim]``, this rank's heads), one MLA
+#: latent tensor ``[num_blocks, block_size, latent_dim]``, or a mapping of kind to tensor for layouts
+#: with more tensors per layer (``{"k", "v", "k_scale", "v_scale"}``, ``{"latent", "index"}``).
+KVCacheLayer = Union[tuple[Any, Any], Mapping[str, Any], Any]
 
 
 class SchedulerHooks(abc.ABC):
@@ -130,6 +132,12 @@ class WorkerHooks(abc.ABC):
     @abc.abstractmethod
     def get_finished(self) -> KVConnectorOutput:
         """Transfers that finished on this rank since the last call."""
+
+    @abc.abstractmethod
+    def set_engine_id(self, engine_id: str) -> None:
+        """Take the engine's id after construction, for engines whose rank
+        processes start before the one that names the engine (ATOM). Call
+        before the first step's ``start_load_kv``."""
 
     def stats(self) -> dict[str, float]:
         """Cumulative transfer statistics for metrics (bytes, seconds, ranges, retries, failures)."""

@@ -17,6 +17,7 @@ then applies). No confirmation within ``handshake_timeout_s`` fails it too.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import logging
 import threading
 import time
@@ -63,6 +64,12 @@ class ConsumerWorker(ConnectorWorker):
             stop=self._stop, name=self._name, budget_s=load_budget_s(cfg),
             local_heads=1 if self.compat.is_mla else self.compat.num_kv_heads // self.tp_size,
         )
+
+    def _renamed(self) -> None:
+        if self._peers is not None:
+            self._peers.rename(self.engine_id, self._name)
+        if self._reads is not None:
+            self._reads = dataclasses.replace(self._reads, name=self._name)
 
     # ------------------------------------------------------------------
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:

@@ -28,7 +28,7 @@ import zmq
 
 from atom_kv import wire
 from atom_kv._ratelimit import RateLimitedLog
-from atom_kv.auth import PURPOSE_DONE, PURPOSE_RELEASE, AuthError, ReplayWindow, new_nonce, verify_struct
+from atom_kv.auth import PURPOSE_DONE, PURPOSE_ISSUED, PURPOSE_RELEASE, AuthError, ReplayWindow, new_nonce, verify_struct
 from atom_kv.connector.confirm import DealerCache, DoneAckClient
 from atom_kv.connector.endpoints import connect_socket, tcp_endpoint
 from atom_kv.connector.handshake_auth import (
@@ -50,6 +50,7 @@ from atom_kv.wire import (
     HandshakeProof,
     HandshakeReply,
     HandshakeRequest,
+    Issued,
     PeerProof,
     PeerProofRequest,
     Release,
@@ -90,10 +91,14 @@ class HandshakeRejected(HandshakeError):
     the auth token; retrying won't help."""
 
 
-def compat_mismatch(here: CompatInfo, peer: CompatInfo) -> Optional[str]:
-    """``"KV layout mismatch: block_size 16 (here) vs 32 (peer)"`` or None when compatible."""
+def compat_mismatch(here: CompatInfo, peer: CompatInfo, here_is: str = "here", peer_is: str = "peer") -> Optional[str]:
+    """``"KV layout mismatch: block_size 16 (here) vs 32 (peer)"`` or None when compatible.
+
+    ``here_is``/``peer_is`` name the sides in the message (a refusal sent to the
+    other engine says ``prefill``/``decode``, so it reads right in either log).
+    """
     diffs = [
-        f"{name} {getattr(here, name)!r} (here) vs {getattr(peer, name)!r} (peer)"
+        f"{name} {getattr(here, name)!r} ({here_is}) vs {getattr(peer, name)!r} ({peer_is})"
         for name in here.__struct_fields__
         if getattr(here, name) != getattr(peer, name)
     ]
@@ -133,7 +138,8 @@ class HandshakeServer:
     builds the reply to a (proven) handshake; ``on_done(msg, respond)`` gets
     every checked done-reading notice (``respond`` is None unless it asked for
     a confirmation; it may be called later, from any thread); ``on_release``
-    every checked release; ``on_tick()`` runs on the server thread between
+    every checked release, ``on_issued`` every checked issue notice from the
+    engine's own scheduler; ``on_tick()`` runs on the server thread between
     polls (at least every 0.2 s).
     """
 
@@ -149,6 +155,7 @@ class HandshakeServer:
         on_done: Callable[[DoneReading, Optional[Callable[[DoneAck], None]]], None],
         on_release: Callable[[Release], None],
         stats: TransferStats,
+        on_issued: Optional[Callable[[Issued], None]] = None,
         on_tick: Optional[Callable[[], None]] = None,
         name: str,
         challenge_ttl_s: float = 10.0,
@@ -161,6 +168,7 @@ class HandshakeServer:
         self._responder = responder
         self._on_done = on_done
         self._on_release = on_release
+        self._on_issued = on_issued
         self._on_tick = on_tick
         self._stats = stats
         self._stop = threading.Event()
@@ -300,6 +308,10 @@ class HandshakeServer:
             self._send(identity, wire.encode(PeerProof(engine_id=engine_id, tp_rank=rank, proof=proof)))
         elif isinstance(msg, DoneReading):
             self._on_done_reading(identity, msg)
+        elif isinstance(msg, Issued):
+            what = f"issue of transfer {msg.transfer_id}"
+            if self._on_issued is not None and self._checked(PURPOSE_ISSUED, msg, what):
+                self._on_issued(msg)
         else:
             self._on_release_msg(msg)
 

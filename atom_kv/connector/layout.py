@@ -1,10 +1,15 @@
 """Pure address planning: which bytes of which remote rank land where.
 
-KV caches are block-major and head-major inside a block
-(``[num_blocks, kv_heads_local, block_size, head_dim]``), so one head's slice
-of one block is a contiguous ``head_bytes`` range, and a run of heads owned by
-one rank is contiguous too. A consumer rank reads, for every layer and kind
-(k, v or latent), the heads it owns from whichever producer rank holds them.
+Every supported KV layout (``atom_kv.connector.cache_layouts``) is block
+major, and inside a block ``units`` sub-blocks (ATOM's physical blocks when
+its ``block_ratio`` > 1, else 1), each head major: one head's slice of one
+unit is one contiguous ``head_bytes`` run, and a run of heads owned by one
+rank is contiguous too. How the bytes are arranged inside that run (HND,
+AITER's K/V shuffles) does not matter here; the handshake only lets engines
+with the same layout exchange them. A consumer rank reads, for every layer
+and kind (k, v, their scales, or an MLA latent), the heads it owns from
+whichever producer rank holds them: whole blocks when it owns all of that
+rank's heads, else one run per (unit, head range).
 """
 
 from __future__ import annotations
@@ -34,13 +39,20 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """One registered KV tensor of a rank: where its blocks are."""
+    """One registered KV tensor of a rank: where its blocks are.
+
+    ``units`` is how many head-major sub-blocks one block holds (1 unless the
+    engine stores a block as several physical blocks); a block is ``units``
+    runs of ``block_bytes // units`` bytes, each holding every head of the
+    rank in turn.
+    """
 
     layer: int
-    kind: str  # "k", "v" or "latent"
+    kind: str  # "k", "v", "k_scale", "v_scale", "latent" or "index"
     region: ChunkedRegion
     block_bytes: int
     num_blocks: int
+    units: int = 1
 
 
 @dataclass(frozen=True)
@@ -104,58 +116,85 @@ class ReadPlanner:
     head overlap; :meth:`plan` turns block runs into :class:`ReadOp` lists.
 
     ``local``/``remote`` are matched by ``(layer, kind)``; ``*_heads`` are the
-    heads per block on each side (1 for MLA). Raises :class:`LayoutError` for
-    missing tensors or inconsistent head sizes.
+    heads per unit on each side (1 for MLA). Every local tensor must have the
+    same ``units``; the peer's are taken to be the same (the handshake's
+    layout check guarantees it). Raises :class:`LayoutError` for missing
+    tensors, mixed sub-block counts or inconsistent head sizes.
+
+    Internally blocks become units: a block run ``(lb, rb, n)`` is the unit
+    run ``(lb*u, rb*u, n*u)`` and every offset is a unit stride, so one code
+    path serves every layout.
     """
 
     def __init__(self, local: Sequence[TensorLayout], remote: Sequence[TensorLayout], overlap: HeadOverlap,
                  *, local_heads: int, remote_heads: int) -> None:
         by_key = {(t.layer, t.kind): t for t in remote}
-        self._pairs: list[tuple[TensorLayout, TensorLayout, int, int, int]] = []
+        unit_counts = {t.units for t in local}
+        if len(unit_counts) > 1:
+            raise LayoutError(f"this rank's tensors mix {sorted(unit_counts)} sub-blocks per block")
+        self.units = unit_counts.pop() if unit_counts else 1
+        if self.units < 1:
+            raise LayoutError(f"a block must hold at least one sub-block, got {self.units}")
+        u = self.units
+        # (local tensor, remote tensor, bytes per read, local/remote byte offset in a unit, unit strides)
+        self._pairs: list[tuple[TensorLayout, TensorLayout, int, int, int, int, int]] = []
         self.full = overlap.count == local_heads == remote_heads
         self.single = True
         for lt in local:
             rt = by_key.get((lt.layer, lt.kind))
             if rt is None:
                 raise LayoutError(f"the remote rank has no {lt.kind} cache for layer {lt.layer}")
-            head_bytes = lt.block_bytes // local_heads
-            if rt.block_bytes != head_bytes * remote_heads:
+            if lt.block_bytes % (u * local_heads):
+                raise LayoutError(f"layer {lt.layer} {lt.kind}: a {lt.block_bytes}-byte block does not split into "
+                                  f"{u} sub-blocks of {local_heads} heads")
+            head_bytes = lt.block_bytes // (u * local_heads)
+            if rt.block_bytes != head_bytes * remote_heads * u:
                 raise LayoutError(
                     f"layer {lt.layer} {lt.kind}: remote block is {rt.block_bytes} bytes, expected "
-                    f"{head_bytes * remote_heads} ({remote_heads} heads of {head_bytes} bytes)"
+                    f"{head_bytes * remote_heads * u} ({remote_heads} heads of {head_bytes} bytes"
+                    + (f" in each of {u} sub-blocks)" if u > 1 else ")")
                 )
             size = overlap.count * head_bytes
-            self._pairs.append((lt, rt, size, overlap.local_first * head_bytes, overlap.remote_first * head_bytes))
+            self._pairs.append((lt, rt, size, overlap.local_first * head_bytes, overlap.remote_first * head_bytes,
+                                lt.block_bytes // u, rt.block_bytes // u))
             self.single = self.single and len(lt.region.region_ids) == 1 and len(rt.region.region_ids) == 1
         self._local_blocks = min((t.num_blocks for t in local), default=0)
-        self._remote_blocks = min((self._pairs[i][1].num_blocks for i in range(len(self._pairs))), default=0)
-        self._fast = [(lt.region.region_ids[0], lt.block_bytes, rt.region.region_ids[0], rt.block_bytes, size, le, re)
-                      for lt, rt, size, le, re in self._pairs] if self.single else []
+        self._remote_blocks = min((p[1].num_blocks for p in self._pairs), default=0)
+        self._fast = [(lt.region.region_ids[0], lus, rt.region.region_ids[0], rus, size, le, re)
+                      for lt, rt, size, le, re, lus, rus in self._pairs] if self.single else []
         # columns of _fast as int64 vectors, for plan_array
         self._cols = np.array(self._fast, dtype=np.int64).reshape(-1, 7).T if self.single else None
         # the same columns shaped (pairs, 1), ready to broadcast against runs
         self._colv = tuple(c[:, None] for c in self._cols) if self._cols is not None else ()
 
-    def plan(self, runs: Sequence[tuple[int, int, int]]) -> list[ReadOp]:
-        """The :class:`ReadOp` list for ``runs``; raises :class:`LayoutError` for out-of-range blocks."""
+    def _check_blocks(self, runs: Sequence[tuple[int, int, int]]) -> None:
         for lb, rb, n in runs:
             if lb < 0 or lb + n > self._local_blocks:
                 raise LayoutError(f"local block {lb + n - 1} is outside this rank's {self._local_blocks} blocks")
             if rb < 0 or rb + n > self._remote_blocks:
                 raise LayoutError(f"remote block {rb + n - 1} is outside the producer's {self._remote_blocks} blocks")
+
+    def _unit_runs(self, runs: Sequence[tuple[int, int, int]]) -> Sequence[tuple[int, int, int]]:
+        u = self.units
+        return runs if u == 1 else [(lb * u, rb * u, n * u) for lb, rb, n in runs]
+
+    def plan(self, runs: Sequence[tuple[int, int, int]]) -> list[ReadOp]:
+        """The :class:`ReadOp` list for ``runs``; raises :class:`LayoutError` for out-of-range blocks."""
+        self._check_blocks(runs)
+        runs = self._unit_runs(runs)
         if self.single:
             # one region per tensor and maximal runs: ops are final as built (nothing can merge)
             mk = tuple.__new__  # ReadOp(...) without the NamedTuple constructor's overhead
             if self.full:
-                return [mk(ReadOp, (lid, lb * lbb, rid, rb * rbb, n * size))
-                        for lid, lbb, rid, rbb, size, _, _ in self._fast for lb, rb, n in runs]
-            return [mk(ReadOp, (lid, (lb + j) * lbb + le, rid, (rb + j) * rbb + re, size))
-                    for lid, lbb, rid, rbb, size, le, re in self._fast for lb, rb, n in runs for j in range(n)]
+                return [mk(ReadOp, (lid, lb * lus, rid, rb * rus, n * size))
+                        for lid, lus, rid, rus, size, _, _ in self._fast for lb, rb, n in runs]
+            return [mk(ReadOp, (lid, (lb + j) * lus + le, rid, (rb + j) * rus + re, size))
+                    for lid, lus, rid, rus, size, le, re in self._fast for lb, rb, n in runs for j in range(n)]
         return self._plan_chunked(runs)
 
     def num_ops(self, runs: Sequence[tuple[int, int, int]]) -> int:
         """How many ops :meth:`plan` returns for ``runs`` (before chunk splits)."""
-        per = len(runs) if self.full else sum(n for _, _, n in runs)
+        per = len(runs) if self.full else sum(n for _, _, n in runs) * self.units
         return per * len(self._pairs)
 
     def plan_array(self, runs: Sequence[tuple[int, int, int]]) -> np.ndarray:
@@ -176,35 +215,35 @@ class ReadPlanner:
                 raise LayoutError(f"a local block is outside this rank's {self._local_blocks} blocks")
             if rb.min() < 0 or (rb + n).max() > self._remote_blocks:
                 raise LayoutError(f"a remote block is outside the producer's {self._remote_blocks} blocks")
-        lid, lbb, rid, rbb, size, le, re = self._colv
+        if self.units > 1:
+            lb, rb, n = lb * self.units, rb * self.units, n * self.units
+        lid, lus, rid, rus, size, le, re = self._colv
         if self.full:
             # the common case (whole heads, one region per tensor): fill the
             # (pairs, runs, 5) table in place, pair-major like plan()
             out = np.empty((len(self._pairs), len(r), 5), dtype=np.int64)
             out[:, :, 0] = lid
-            np.multiply(lbb, lb, out=out[:, :, 1])
+            np.multiply(lus, lb, out=out[:, :, 1])
             out[:, :, 2] = rid
-            np.multiply(rbb, rb, out=out[:, :, 3])
+            np.multiply(rus, rb, out=out[:, :, 3])
             np.multiply(size, n, out=out[:, :, 4])
             return out.reshape(-1, 5)
-        else:
-            # expand runs into single blocks
-            starts = np.repeat(np.cumsum(n) - n, n)
-            j = np.arange(int(n.sum()), dtype=np.int64) - starts
-            lbs, rbs = np.repeat(lb, n) + j, np.repeat(rb, n) + j
-            cols = (lid + 0 * lbs, lbs * lbb + le, rid + 0 * rbs, rbs * rbb + re, size + 0 * lbs)
+        # expand unit runs into single units
+        starts = np.repeat(np.cumsum(n) - n, n)
+        j = np.arange(int(n.sum()), dtype=np.int64) - starts
+        lu, ru = np.repeat(lb, n) + j, np.repeat(rb, n) + j
+        cols = (lid + 0 * lu, lu * lus + le, rid + 0 * ru, ru * rus + re, size + 0 * lu)
         return np.stack([c.ravel() for c in cols], axis=1)
 
     def _plan_chunked(self, runs: Sequence[tuple[int, int, int]]) -> list[ReadOp]:
         ops: list[ReadOp] = []
-        for lt, rt, size, le, re in self._pairs:
+        for lt, rt, size, le, re, lus, rus in self._pairs:
             for lb, rb, n in runs:
                 if self.full:
-                    ops.extend(split_pair(lt.region, lb * lt.block_bytes, rt.region, rb * rt.block_bytes, n * size))
+                    ops.extend(split_pair(lt.region, lb * lus, rt.region, rb * rus, n * size))
                     continue
                 for j in range(n):
-                    ops.extend(split_pair(lt.region, (lb + j) * lt.block_bytes + le,
-                                          rt.region, (rb + j) * rt.block_bytes + re, size))
+                    ops.extend(split_pair(lt.region, (lb + j) * lus + le, rt.region, (rb + j) * rus + re, size))
         return merge_ops(ops)
 
 

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+import msgspec
 import zmq
 
 from atom_kv.config import KVTransferConfig
@@ -88,6 +89,12 @@ class PeerTable:
         self._failures: dict[PeerKey, int] = {}
         self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix=thread_prefix)
 
+    def rename(self, engine_id: str, name: str) -> None:
+        """Handshake as ``engine_id`` from now on (see ``ConnectorWorker.set_engine_id``)."""
+        with self._lock:
+            self._request = msgspec.structs.replace(self._request, engine_id=engine_id)
+            self._name = name
+
     def get(self, spec: LoadSpec, remote_rank: int) -> tuple[PeerKey, cf.Future]:
         """The peer's key and its (maybe still running) handshake; starts one if none is cached."""
         key = (spec.remote_engine_id, spec.remote_host, producer_port(spec, remote_rank))
@@ -139,7 +146,7 @@ class PeerTable:
                                       self._stop, auth_token=self._config.auth_token)
             if not reply.ok:
                 raise HandshakeRejected(f"handshake with {host}:{port} refused: {reply.error}")
-            if reply.compat is not None and (err := compat_mismatch(self._request.compat, reply.compat)):
+            if reply.compat is not None and (err := compat_mismatch(self._request.compat, reply.compat, "decode", "prefill")):
                 raise HandshakeRejected(f"handshake with {host}:{port}: {err}")
             if key[0] and reply.engine_id and reply.engine_id != key[0]:
                 # a restarted producer: the KV this transfer names is gone

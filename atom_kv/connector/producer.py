@@ -9,8 +9,10 @@ in ``finished_sending`` at once), and answers confirmations.
 A read is confirmed (``DoneAck(valid=True)``) only when all of these hold:
 
 - the transfer is one this rank issued: learnt from ``ConnectorMetadata.sends``
-  in ``start_load_kv``. A notice that arrives before the rank learnt it is
-  not refused: its answer waits (bounded) for the next ``start_load_kv``;
+  in ``start_load_kv`` (or from the engine's scheduler directly, an
+  :class:`~atom_kv.wire.Issued` notice, for engines that send metadata only
+  with a batch). A notice that arrives before the rank learnt it is not
+  refused: its answer waits (bounded) for the rank to learn it;
 - the consumer read that transfer's blocks (the notice's digest of the block
   ids it read matches);
 - the blocks were not released before the notice arrived: by a release
@@ -23,15 +25,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
-from atom_kv.config import KVTransferConfig
 from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handshake_port
 from atom_kv.connector.types import ConnectorMetadata
 from atom_kv.connector.worker import ConnectorWorker
-from atom_kv.wire import DoneAck, DoneReading, HandshakeReply, HandshakeRequest, Release, blocks_digest
+from atom_kv.wire import DoneAck, DoneReading, HandshakeReply, HandshakeRequest, Issued, Release, blocks_digest
 
 __all__ = ["ProducerWorker"]
 
@@ -75,12 +76,6 @@ class ProducerWorker(ConnectorWorker):
 
     _server: Optional[HandshakeServer] = None  # until _start() made it
 
-    def __init__(self, config: KVTransferConfig, *, bind_host: Optional[str] = None, **identity: Any) -> None:
-        """``identity`` as for :class:`ConnectorWorker`; the handshake server listens on
-        ``bind_host`` (default: the rank's ``host``)."""
-        self._bind_host = bind_host if bind_host is not None else identity.get("host", "")
-        super().__init__(config, **identity)
-
     def _start(self) -> None:
         self._done: BoundedDict[str, _DoneState] = BoundedDict(MAX_PARTIAL_DONE)
         self._ended: BoundedDict[str, str] = BoundedDict(MAX_REMEMBERED)     # counted or released: tid -> how
@@ -94,13 +89,14 @@ class ProducerWorker(ConnectorWorker):
         cfg = self.config
         self._server = HandshakeServer(
             self._ctx,
-            bind_host=self._bind_host,
+            bind_host=self.bind_host,
             port=handshake_port(cfg.handshake_port, self.dp_rank, self.tp_size, self.tp_rank),
             auth_token=cfg.auth_token,
             identity=lambda: (self.engine_id, self.tp_rank),
             responder=self._answer_handshake,
             on_done=self._on_done_reading,
             on_release=self._on_release,
+            on_issued=self._on_issued,
             on_tick=self._expire_deferred,
             stats=self.stats_,
             name=f"atom-kv-hs-server-tp{self.tp_rank}",
@@ -140,7 +136,7 @@ class ProducerWorker(ConnectorWorker):
             regions = list(self._kv.regions)
         base = dict(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
                     dp_rank=self.dp_rank, compat=self.compat, backend=self.backend.name, host=self.host)
-        error = compat_mismatch(self.compat, req.compat)
+        error = compat_mismatch(self.compat, req.compat, "prefill", "decode")
         if error is None and not regions:
             error = "the producer has not registered its KV caches yet"
         if error is None and req.backend and req.backend != self.backend.name:
@@ -171,6 +167,15 @@ class ProducerWorker(ConnectorWorker):
         self._answer([(d, self._unissued(d.msg)) for d in evicted])
         if verdict is not None:
             self._answer([(_Deferred(msg, respond, 0.0), verdict)])
+
+    def _on_issued(self, msg: Issued) -> None:
+        """The engine's scheduler lent these blocks (ahead of the metadata that says so)."""
+        with self._lock:
+            if msg.transfer_id in self._released or msg.transfer_id in self._ended:
+                return
+            self._issued[msg.transfer_id] = list(msg.block_ids)
+            answers = self._resolve_deferred_locked()
+        self._answer(answers)
 
     def _on_release(self, msg: Release) -> None:
         tid = msg.transfer_id

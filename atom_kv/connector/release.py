@@ -1,13 +1,15 @@
-"""Telling a producer that nobody will read a transfer: the decode engine's releases.
+"""Telling a producer that nobody will read a transfer: the decode engine's releases
+(and the producer engine's own issue notices to its ranks).
 
 :class:`ReleaseSpec` names a transfer and the producer ranks holding it;
 :func:`release_spec_from_params` gets one from a request's
 ``kv_transfer_params`` (leniently: a request whose params fail validation
-elsewhere can still be released). :class:`ReleaseSender` owns the thread
-and the DEALER sockets that deliver :class:`~atom_kv.wire.Release` messages
-to every producer rank; :meth:`ReleaseSender.release` never blocks.
+elsewhere can still be released). :class:`NoticeSender` owns the thread and
+the DEALER sockets that deliver :class:`~atom_kv.wire.Release` (and
+:class:`~atom_kv.wire.Issued`) messages to every producer rank of a transfer;
+its methods never block.
 
-With an ``auth_token``, releases are signed (``ts``, ``nonce``, ``mac``), and
+With an ``auth_token``, notices are signed (``ts``, ``nonce``, ``mac``), and
 a producer rank first proves it knows the token
 (:class:`~atom_kv.wire.PeerProofRequest`, once per rank, remembered for
 ``PROVEN_TTL_S``): a host named in a client's ``kv_transfer_params`` that
@@ -32,14 +34,22 @@ import zmq
 from atom_kv import wire
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
-from atom_kv.auth import PURPOSE_RELEASE, new_nonce, sign_struct
+from atom_kv.auth import PURPOSE_ISSUED, PURPOSE_RELEASE, new_nonce, sign_struct
 from atom_kv.config import NonEmptyStr, NonNegativeInt, PeerPort, PositiveInt
 from atom_kv.connector.confirm import DealerCache
 from atom_kv.connector.handshake_auth import peer_proof
 from atom_kv.connector.types import LoadSpec
-from atom_kv.wire import HANDSHAKE_PROTOCOL_VERSION, PeerProof, PeerProofRequest, Release, WireError, handshake_port
+from atom_kv.wire import (
+    HANDSHAKE_PROTOCOL_VERSION,
+    Issued,
+    PeerProof,
+    PeerProofRequest,
+    Release,
+    WireError,
+    handshake_port,
+)
 
-__all__ = ["MAX_RELEASE_RANKS", "ReleaseSender", "ReleaseSpec", "release_spec_from_params"]
+__all__ = ["MAX_RELEASE_RANKS", "NoticeSender", "ReleaseSpec", "release_spec_from_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,21 +113,25 @@ def release_spec_from_params(raw: Any) -> Optional[ReleaseSpec]:
     return ReleaseSpec(tid, host, port, tp, dp)
 
 
+#: a notice and the purpose its signature is made for
+_Notice = tuple[Any, str]
+
+
 @dataclass
 class _Waiting:
-    """Releases for one producer rank that has not proven the token yet."""
+    """Notices for one producer rank that has not proven the token yet."""
 
     nonce: str
     deadline: float
     releases: deque = field(default_factory=lambda: deque(maxlen=_MAX_WAITING))
 
 
-class ReleaseSender:
+class NoticeSender:
     """Owns the sender thread (``name``), its DEALER sockets (LRU-bounded), the
-    producer ranks that proved the token, and the releases waiting for a proof.
+    producer ranks that proved the token, and the notices waiting for a proof.
 
     ``sender`` names this engine in the producer's log; ``proof_timeout_s``
-    bounds the wait for a producer rank's proof (releases to a rank that does
+    bounds the wait for a producer rank's proof (notices to a rank that does
     not answer in time are dropped, counted and logged at a bounded rate:
     the producer's lease frees the blocks later)."""
 
@@ -128,22 +142,31 @@ class ReleaseSender:
         self._proof_timeout_s = proof_timeout_s
         self._max_sockets = max_sockets
         self._name = name
-        self._queue: "queue.SimpleQueue[tuple[ReleaseSpec, str]]" = queue.SimpleQueue()
+        self._queue: "queue.SimpleQueue[tuple[list[tuple[str, int]], _Notice]]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
         self._wake_r = self._wake_w = -1
-        self.warnings = RateLimitedLog(logger, "undelivered releases")
+        self.warnings = RateLimitedLog(logger, "undelivered notices")
         self.counts = {"sent": 0, "dropped": 0, "unproven": 0}
 
     def release(self, spec: ReleaseSpec, reason: str) -> None:
         """Queue a release of ``spec.transfer_id`` to every producer rank (from any thread)."""
+        msg = Release(transfer_id=spec.transfer_id, reason=reason, sender=self._sender)
+        self._put(spec.targets(), (msg, PURPOSE_RELEASE))
+
+    def issue(self, spec: ReleaseSpec, block_ids: list[int]) -> None:
+        """Queue an :class:`~atom_kv.wire.Issued` notice to every rank of ``spec`` (a producer's own)."""
+        msg = Issued(transfer_id=spec.transfer_id, block_ids=list(block_ids))
+        self._put(spec.targets(), (msg, PURPOSE_ISSUED))
+
+    def _put(self, targets: list[tuple[str, int]], notice: _Notice) -> None:
         with self._lock:
             if self._closed:
                 return
             if self._thread is None:
                 self._start_locked()
-            self._queue.put((spec, reason))
+            self._queue.put((targets, notice))
         self._wake()
 
     def _start_locked(self) -> None:
@@ -202,21 +225,20 @@ class ReleaseSender:
         now = time.monotonic()
         while True:
             try:
-                spec, reason = self._queue.get_nowait()
+                targets, notice = self._queue.get_nowait()
             except queue.Empty:
                 return
-            msg = Release(transfer_id=spec.transfer_id, reason=reason, sender=self._sender)
-            for target in spec.targets():
+            for target in targets:
                 if self._token is None or proven.get(target, 0.0) > now:
-                    self._send(socks, target, msg)
+                    self._send(socks, target, notice)
                     continue
                 w = waiting.get(target)
                 if w is None:
                     w = waiting[target] = _Waiting(new_nonce(), now + self._proof_timeout_s)
                     self._ask_proof(socks, target, w)
                 if len(w.releases) == w.releases.maxlen:
-                    self._drop(target, 1, "too many releases wait for its proof")
-                w.releases.append(msg)
+                    self._drop(target, 1, "too many notices wait for its proof")
+                w.releases.append(notice)
 
     def _ask_proof(self, socks: DealerCache, target: tuple[str, int], w: _Waiting) -> None:
         try:
@@ -225,16 +247,17 @@ class ReleaseSender:
             w.deadline = 0.0  # given up on the next pass
             self.warnings.event("send", f"cannot ask {target[0]}:{target[1]} to prove the auth token: {exc}")
 
-    def _send(self, socks: DealerCache, target: tuple[str, int], msg: Release) -> None:
+    def _send(self, socks: DealerCache, target: tuple[str, int], notice: _Notice) -> None:
+        msg, purpose = notice
         if self._token is not None:
-            msg = sign_struct(self._token, PURPOSE_RELEASE, msg)
+            msg = sign_struct(self._token, purpose, msg)
         try:
             socks.get(*target).send(wire.encode(msg), zmq.NOBLOCK)
         except (zmq.ZMQError, ValueError) as exc:
             self._drop(target, 1, str(exc))
             return
         self.counts["sent"] += 1
-        logger.debug("%s: released transfer %s at %s:%d (%s)", self._name, msg.transfer_id, *target, msg.reason)
+        logger.debug("%s: sent %s of transfer %s to %s:%d", self._name, type(msg).__name__, msg.transfer_id, *target)
 
     def _poll(self, socks: DealerCache, proven: BoundedDict, waiting: BoundedDict) -> None:
         poller = zmq.Poller()
@@ -291,8 +314,8 @@ class ReleaseSender:
             self._drop(target, len(w.releases), "it did not prove the auth token (different auth_token, or none)")
             return
         proven[target] = time.monotonic() + PROVEN_TTL_S
-        for msg in w.releases:
-            self._send(socks, target, msg)
+        for notice in w.releases:
+            self._send(socks, target, notice)
 
     def _evicted(self, target: tuple[str, int], w: _Waiting) -> None:
         self._drop(target, len(w.releases), "too many producer ranks wait for a proof")
@@ -301,5 +324,5 @@ class ReleaseSender:
         if n <= 0:
             return
         self.counts["dropped"] += n
-        self.warnings.event("dropped", f"{self._name}: {n} release(s) not sent to {target[0]}:{target[1]}: {why} "
+        self.warnings.event("dropped", f"{self._name}: {n} notice(s) not sent to {target[0]}:{target[1]}: {why} "
                                        "(its lease frees the blocks)")

@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 from atom_kv._lru import BoundedDict, BoundedSet
 from atom_kv.config import FieldError, KVTransferConfig
 from atom_kv.connector.base import SchedulerHooks
-from atom_kv.connector.release import ReleaseSender, ReleaseSpec, release_spec_from_params
+from atom_kv.connector.release import NoticeSender, ReleaseSpec, release_spec_from_params
 from atom_kv.connector.types import (
     ConnectorMetadata,
     KVConnectorOutput,
@@ -133,8 +133,12 @@ class ConnectorScheduler(SchedulerHooks):
     engine, and (consumer) the sender of its releases.
 
     ``release_sender(spec, reason)`` replaces the built-in
-    :class:`~atom_kv.connector.release.ReleaseSender` (started on the first
-    release) when given."""
+    :class:`~atom_kv.connector.release.NoticeSender` (started on the first
+    release) when given. ``announce_sends`` (producer): also tell the engine's
+    own ranks at once which blocks each transfer lent (an
+    :class:`~atom_kv.wire.Issued` notice), for engines that pass the step's
+    metadata to their ranks only with their next batch (ATOM): a rank confirms
+    reads only of transfers it knows."""
 
     def __init__(
         self,
@@ -146,6 +150,7 @@ class ConnectorScheduler(SchedulerHooks):
         dp_rank: int = 0,
         block_size: int,
         release_sender: Optional[Callable[[ReleaseSpec, str], None]] = None,
+        announce_sends: bool = False,
     ) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -174,7 +179,8 @@ class ConnectorScheduler(SchedulerHooks):
         self._cancelled_out: list[str] = []
         self._failed_now: dict[str, str] = {}
         self._release_to = release_sender
-        self._sender: Optional[ReleaseSender] = None
+        self._announce_sends = announce_sends
+        self._sender: Optional[NoticeSender] = None
         self._releases_sent: BoundedSet[tuple[str, str, int]] = BoundedSet(MAX_RECENT_TRANSFERS)
         # timers (lazy deletion: a timer fires only if its state still matches)
         self._timers: list[_Timer] = []
@@ -326,10 +332,14 @@ class ConnectorScheduler(SchedulerHooks):
         if self._release_to is not None:
             self._release_to(spec, reason)
             return
+        self._notices().release(spec, reason)
+
+    def _notices(self) -> NoticeSender:
         if self._sender is None:
-            self._sender = ReleaseSender(auth_token=self.config.auth_token, sender=f"decode engine {self.engine_id}",
-                                         proof_timeout_s=self.config.handshake_timeout_s)
-        self._sender.release(spec, reason)
+            role = "prefill" if self.config.is_producer else "decode"
+            self._sender = NoticeSender(auth_token=self.config.auth_token, sender=f"{role} engine {self.engine_id}",
+                                        proof_timeout_s=self.config.handshake_timeout_s)
+        return self._sender
 
     def request_rejected(self, kv_transfer_params: Optional[dict]) -> None:
         self._release_params(kv_transfer_params, "the decode engine rejected the request")
@@ -495,6 +505,9 @@ class ConnectorScheduler(SchedulerHooks):
         self._leases[tid] = _Lease(rid, tid, blocks, deadline)
         self._lease_by_req[rid] = tid
         self._pending_sends.append(SendSpec(transfer_id=tid, block_ids=blocks))
+        if self._announce_sends:  # the ranks may see this step's metadata only with the next batch
+            self._notices().issue(ReleaseSpec(tid, self.host, self.config.handshake_port, self.tp_size, self.dp_rank),
+                                  blocks)
         self._add_timer(deadline, "lease", tid)
         if self._early_done.pop(tid, None) is not None:
             self._leases[tid].deadline = 0.0  # already read or released: free on the next update

@@ -52,10 +52,17 @@ def build_scheduler_hooks(
     tp_size: int,
     dp_rank: int = 0,
     block_size: int,
+    announce_sends: bool = False,
 ) -> SchedulerHooks:
-    """The scheduler-side connector of one engine (``host`` is what consumers dial)."""
+    """The scheduler-side connector of one engine (``host`` is what consumers dial).
+
+    ``announce_sends``: for an engine that hands ``build_connector_meta()`` to
+    its ranks only with its next batch (so a rank could learn late that a
+    transfer was issued, and a decode engine's read of it would not be
+    confirmed in time): the producer tells its ranks directly as well."""
     return ConnectorScheduler(
-        config, engine_id=engine_id, host=host, tp_size=tp_size, dp_rank=dp_rank, block_size=block_size
+        config, engine_id=engine_id, host=host, tp_size=tp_size, dp_rank=dp_rank, block_size=block_size,
+        announce_sends=announce_sends,
     )
 
 

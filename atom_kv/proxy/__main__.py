@@ -28,6 +28,7 @@ from typing import Any, Callable, Coroutine
 
 from hypercorn.utils import LifespanFailureError
 
+from atom_kv.config import is_port
 from atom_kv.proxy.app import create_app
 from atom_kv.proxy.server import listen_socket, serve_until_signalled
 from atom_kv.proxy.settings import POLICIES, ProxySettings
@@ -61,7 +62,7 @@ def _port(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value < 65536:
+    if not is_port(value):
         raise argparse.ArgumentTypeError(f"port out of range: {value}")
     return value
 

@@ -25,6 +25,7 @@ import zmq.asyncio
 
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_fields
+from atom_kv.config import is_port
 from atom_kv.proxy.metrics import ProxyMetrics
 from atom_kv.proxy.registry import Registration, Registry, RegistryFull
 from atom_kv.wire import PROTOCOL_VERSION, HelloPing, RegisterPing, WireError
@@ -82,7 +83,7 @@ def _port(text: str, what: str) -> int:
         port = int(text)
     except ValueError:
         raise WireError(f"{what}: not a port number: {text!r}") from None
-    if not 0 < port < 65536:
+    if not is_port(port, allow_zero=False):
         raise WireError(f"{what}: port out of range: {port}")
     return port
 
@@ -106,7 +107,7 @@ def to_registration(msg: RegisterPing | _MoriioPing) -> Registration:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
             raise WireError(f"request_address: bad port in {msg.request_address!r}") from None
-        if not 0 <= msg.handshake_port < 65536:
+        if not is_port(msg.handshake_port):
             raise WireError(f"handshake_port: port out of range: {msg.handshake_port}")
         return Registration(
             role=msg.role, base_url=f"{parts.scheme}://{parts.netloc}", host=parts.hostname, http_port=port,

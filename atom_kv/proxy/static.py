@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from atom_kv.config import is_port
+
 __all__ = ["StaticEngine", "parse_engine_spec"]
 
 _KEYS = ("tp", "dp", "engine_id", "notify_port")
@@ -38,7 +40,7 @@ def _port(text: str, what: str, spec: str) -> int:
         value = int(text)
     except ValueError:
         raise ValueError(f"{spec!r}: {what} must be a port number, got {text!r}") from None
-    if not 0 < value < 65536:
+    if not is_port(value, allow_zero=False):
         raise ValueError(f"{spec!r}: {what} must be 1..65535, got {value}")
     return value
 

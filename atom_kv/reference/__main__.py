@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import Any, Callable, Optional
 
-from atom_kv.config import ConfigError, parse_kv_transfer_config
+from atom_kv.config import ConfigError, is_port, parse_kv_transfer_config
 
 log = logging.getLogger("atom_kv.reference")
 
@@ -113,7 +113,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not getattr(args, flag) > 0:
             print(f"error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
-    if not 0 <= args.port < 65536:
+    if not is_port(args.port):
         print(f"error: --port must be in 0..65535 (0: the OS picks one), got {args.port}", file=sys.stderr)
         return 2
     for flag in ("tp", "num_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens",

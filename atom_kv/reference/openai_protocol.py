@@ -9,17 +9,8 @@ from typing import Any, Optional, Union
 from atom_kv.reference.request import RequestError
 from atom_kv.reference.tokenizer import ByteTokenizer
 
-__all__ = ["GenerateParams", "TokenizeParams", "parse_request", "parse_prompt", "parse_tokenize", "error_body",
+__all__ = ["GenerateParams", "TokenizeParams", "parse_request", "parse_prompt", "parse_tokenize",
            "completion_body", "chunk_body"]
-
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-                500: "InternalServerError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
-
-
-def error_body(message: str, status: int, param: Optional[str] = None) -> dict[str, Any]:
-    """vLLM's error shape."""
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "InternalServerError"),
-                      "param": param, "code": status}}
 
 
 @dataclass

@@ -16,14 +16,13 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
+from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER, error_body
 from atom_kv.reference.engine import EngineCore
 from atom_kv.reference.metrics import EngineMetrics
 from atom_kv.reference.openai_protocol import (
     GenerateParams,
     chunk_body,
     completion_body,
-    error_body,
     now_s,
     parse_request,
     parse_tokenize,
@@ -76,7 +75,7 @@ def _json(body: Any, status: int = 200, headers: Optional[dict[str, str]] = None
 
 def _error(message: str, status: int, param: Optional[str] = None,
            headers: Optional[dict[str, str]] = None) -> web.Response:
-    return _json(error_body(message, status, param), status=status, headers=headers)
+    return _json(error_body(status, message, param), status=status, headers=headers)
 
 
 def _with_side(headers: dict[str, str], out: RequestOutput) -> dict[str, str]:
@@ -271,7 +270,7 @@ class OpenAIServer:
                                   role=True))
         while True:
             if out.error:
-                await send(error_body(out.error, out.error_status))
+                await send(error_body(out.error_status, out.error))
                 break
             text = "".join(detok.push(t) for t in out.new_token_ids)
             if out.finished:

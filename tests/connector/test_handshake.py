@@ -2,6 +2,7 @@ import os
 import socket
 
 import msgpack
+import msgspec
 import zmq
 
 from atom_kv import wire
@@ -20,6 +21,18 @@ def test_compat_mismatch_message_names_the_fields():
     assert compat_mismatch(compat(), compat()) is None
 
 
+def test_compat_carries_the_kv_layout():
+    from atom_kv.wire import CompatInfo
+
+    atom_main = CompatInfo(**{**msgspec.structs.asdict(compat()), "layout": "aiter-shuffle"})
+    assert compat_mismatch(atom_main, compat(), "prefill", "decode") == (
+        "KV layout mismatch: layout 'aiter-shuffle' (prefill) vs 'hnd' (decode)")
+    # a peer that predates the field is read as the layout it has always had
+    old = msgspec.msgpack.encode({k: v for k, v in msgspec.structs.asdict(compat()).items() if k != "layout"})
+    assert msgspec.msgpack.decode(old, type=CompatInfo).layout == "hnd"
+    assert compat(is_mla=True).layout == "mla"
+
+
 def test_incompatible_consumer_gets_a_failed_load_with_the_reason():
     port = free_port()
     P, pw, _ = producer_engine(port)
@@ -29,7 +42,7 @@ def test_incompatible_consumer_gets_a_failed_load_with_the_reason():
         blocks = D.admit("d1", 20, params)
         run_until([P, D], lambda: "d1" in D.failed)
         reason = D.failed["d1"]
-        assert "model_id 'tiny' (here) vs 'other-model' (peer)" in reason
+        assert "model_id 'tiny' (prefill) vs 'other-model' (decode)" in reason
         assert D.pool.held == {} and dw.stats()["retries"] == 0  # refused handshakes are not retried
         # the consumer still told the producer it is done: the lease is released, not left to expire
         run_until([P], lambda: "r1" in P.freed)

@@ -17,7 +17,7 @@ from atom_kv import wire
 from atom_kv.auth import PURPOSE_DONE, PURPOSE_RELEASE, new_nonce, sign_struct
 from atom_kv.connector import ProducerWorker
 from atom_kv.connector.handshake_auth import client_proof
-from atom_kv.connector.release import ReleaseSender, ReleaseSpec
+from atom_kv.connector.release import NoticeSender, ReleaseSpec
 from tests.conftest import free_port
 from tests.connector.engines import run_until
 from tests.connector.inproc import consumer_engine, producer_engine
@@ -324,7 +324,7 @@ def test_an_ack_is_bound_to_the_notice_it_answers():
 def test_release_frees_the_producer_at_once_and_is_idempotent():
     port = free_port()
     P, pw, _ = producer_engine(port, auth_token=TOKEN)
-    sender = ReleaseSender(auth_token=TOKEN, sender="test", proof_timeout_s=2.0)
+    sender = NoticeSender(auth_token=TOKEN, sender="test", proof_timeout_s=2.0)
     try:
         P.prefill("r1", 40)
         t0 = time.monotonic()
@@ -387,3 +387,41 @@ def test_the_handshake_server_listens_only_on_the_given_host():
             socket.create_connection(("127.0.0.1", port), timeout=2)
     finally:
         w.close()
+
+
+def test_a_producer_that_announces_its_transfers_confirms_reads_before_it_steps():
+    """ATOM hands metadata to its ranks only with a batch: with ``announce_sends`` the
+    scheduler tells its ranks directly, so an idle producer still confirms in time."""
+    from atom_kv.connector import ConnectorScheduler
+    from tests.connector.kvutil import BLOCK
+
+    port = free_port()
+    P, pw, _ = producer_engine(port, auth_token=TOKEN, handshake_timeout_s=1.0)
+    P.sched.close()
+    P.sched = ConnectorScheduler(pw.config, engine_id="P", host="127.0.0.1", tp_size=1, block_size=BLOCK,
+                                 announce_sends=True)
+    peer = Dealer(port)
+    try:
+        blocks = P.prefill("r1", 40)["remote_block_ids"]  # no step: the metadata never reaches the rank
+        peer.send(_done("P-r1", blocks))
+        ack = peer.recv(wire.DoneAck, timeout_s=3)
+        assert ack.valid, ack.reason
+        assert pw.stats()["bad_messages"] == 0
+    finally:
+        peer.close()
+        pw.close()
+
+
+def test_outstanding_challenges_are_bounded_and_expire():
+    from atom_kv.connector.handshake_auth import Challenge, ChallengeTable
+
+    req = wire.HandshakeRequest(engine_id="x", tp_rank=0, tp_size=1, compat=compat(), backend="tcp")
+    table = ChallengeTable(capacity=3, ttl_s=1.0)
+    for i in range(5):  # a flood of handshakes nobody answers
+        table.add(f"n{i}", Challenge(b"id", "c" * 32, b"", req, table.new_deadline(now=100.0 + i * 0.1)))
+    assert len(table) == 3 and table.evicted == 2  # the oldest were dropped, and counted
+    assert table.take("n0", now=100.5) is None  # evicted
+    assert table.take("n2", now=100.5) is not None and table.take("n2", now=100.5) is None  # answered once
+    assert table.take("n3", now=105.0) is None  # answered too late
+    assert [c.deadline for c in table.expire(now=105.0)] == [pytest.approx(101.4)]
+    assert len(table) == 0

@@ -36,18 +36,6 @@ def http(method: str, url: str, body: Any = None, timeout: float = 5.0) -> tuple
         return status, raw
 
 
-def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    """Poll another process's state (there is no event to wait on across processes) until ``check()`` is truthy."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
-
-
 class _LineReader:
     """Reads a child's output lines on a named thread (stops at EOF), so a test can wait for one."""
 

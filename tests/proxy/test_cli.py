@@ -11,7 +11,8 @@ import time
 import msgpack
 import zmq
 
-from tests.proxy.procs import ENV, ROOT, FakeEngines, ProxyProcess, http, rss_bytes, wait_until
+from atom_kv.testing.polling import wait_until
+from tests.proxy.procs import ENV, ROOT, FakeEngines, ProxyProcess, http, rss_bytes
 
 
 def test_subprocess_registration_health_and_sigterm():
@@ -21,7 +22,7 @@ def test_subprocess_registration_health_and_sigterm():
         assert "discovery listening on tcp://127.0.0.1:" in "".join(proxy.lines)  # follows --host
         assert http("GET", proxy.url + "/health") == (503, {"status": "unavailable", "prefill": 0, "decode": 0})
         engines = FakeEngines("--discovery", proxy.discovery, "--dp-size", "2", "--ping-interval", "0.2")
-        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 200, 10, "the engines to register")
+        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 200, 10, interval=0.05, what="the engines to register")
         assert http("GET", proxy.url + "/health") == (200, {"status": "ok", "prefill": 1, "decode": 1})
         status, listing = http("GET", proxy.url + "/instances")
         assert status == 200
@@ -44,7 +45,7 @@ def test_static_engines_are_probed_up_and_down():
     proxy = ProxyProcess("--no-discovery", "--prefill", f"{engines.prefill[0]},6301,tp=2", "--decode",
                          engines.decode[0], "--probe-interval", "0.2", "--heartbeat-timeout", "2")
     try:
-        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 200, 10, "the static engines to be probed up")
+        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 200, 10, interval=0.05, what="the static engines to be probed up")
         status, listing = http("GET", proxy.url + "/instances")
         p, d = listing
         assert (p["source"], p["handshake_port"], p["tp_size"], p["max_model_len"]) == ("static", 6301, 2, 32768)
@@ -52,7 +53,7 @@ def test_static_engines_are_probed_up_and_down():
         status, answer = http("POST", proxy.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2})
         assert status == 200
         engines.kill()  # both engines vanish: the next probe finds nobody there
-        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 503, 5, "the proxy to notice")
+        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 503, 5, interval=0.05, what="the proxy to notice")
         status, listing = http("GET", proxy.url + "/instances")
         assert [i["state"] for i in listing] == ["down", "down"]
         assert http("POST", proxy.url + "/v1/completions", {"prompt": "hi"})[0] == 503
@@ -88,7 +89,7 @@ def test_decode_dying_mid_request_ends_its_clients_at_once():
             return events, resp.status, stream_done, time.monotonic() - killed
 
     try:
-        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 200, 10, "the static engines to be probed up")
+        wait_until(lambda: http("GET", proxy.url + "/health")[0] == 200, 10, interval=0.05, what="the static engines to be probed up")
         events, plain_status, stream_s, plain_s = asyncio.run(scenario())
         assert b'"error"' in events[-2] and b"interrupted" in events[-2]
         assert plain_status == 502
@@ -120,7 +121,7 @@ def test_a_huge_dp_size_ping_is_refused_without_growing_memory():
             status, text = http("GET", proxy.url + "/metrics")
             return b'atom_kv_proxy_rejected_registrations_total{reason="limits"} 3.0' in text
 
-        wait_until(refused, 10, "the pings to be refused")
+        wait_until(refused, 10, interval=0.05, what="the pings to be refused")
         assert rss_bytes(proxy.proc.pid) - before < 20 * 2**20
         assert http("GET", proxy.url + "/instances") == (200, [])
     finally:

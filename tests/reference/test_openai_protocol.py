@@ -2,11 +2,11 @@
 
 import pytest
 
+from atom_kv.openai_errors import error_body
 from atom_kv.reference.openai_protocol import (
     _UNSUPPORTED,
     chunk_body,
     completion_body,
-    error_body,
     parse_request,
     parse_tokenize,
 )
@@ -61,7 +61,7 @@ def test_chat_requires_messages():
 
 
 def test_response_shapes():
-    err = error_body("boom", 503)
+    err = error_body(503, "boom")
     assert err == {"error": {"message": "boom", "type": "ServiceUnavailableError", "param": None, "code": 503}}
     body = completion_body(rid="r", model="m", chat=False, text="hey", finish_reason="length", prompt_tokens=2,
                            completion_tokens=3, created=1, kv_transfer_params={"transfer_id": "t"})
@@ -71,7 +71,7 @@ def test_response_shapes():
                            completion_tokens=3, created=1, kv_transfer_params=None)
     assert chat["choices"][0]["message"] == {"role": "assistant", "content": "hey"}
     assert "kv_transfer_params" not in chat  # only answers that were part of a P/D exchange carry it
-    assert error_body("no", 405)["error"]["type"] == "MethodNotAllowedError"
+    assert error_body(405, "no")["error"]["type"] == "MethodNotAllowedError"
     chunk = chunk_body(rid="r", model="m", chat=True, created=1, text="a", finish_reason=None, role=True)
     assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
 

@@ -38,10 +38,10 @@ def cfg(**kw) -> KVTransferConfig:
 # --------------------------------------------------------------------------
 def test_rdma_attrs_defaults_leave_max_keys_to_library():
     attrs = rdma_config_attrs(cfg(), {})
-    assert attrs == {
-        "qp_per_transfer": 1,
+    assert attrs == {  # ATOM's defaults
+        "qp_per_transfer": 4,
         "post_batch_size": -1,
-        "num_worker_threads": 1,
+        "num_worker_threads": 4,
         "poll_cq_mode": "POLLING",
         "enable_notification": False,
     }

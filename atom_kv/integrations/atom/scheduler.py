@@ -1,0 +1,391 @@
+"""ATOM's scheduler-side connector (``"kv_connector": "atom_kv"``).
+
+ATOM's ``Scheduler`` builds it through ``KVConnectorFactory`` with the engine
+``Config`` and calls it with ``Sequence`` objects (integer ``seq.id``,
+``seq.kv_transfer_params`` in, ``seq.kv_transfer_params_output`` out). It
+translates those calls onto atom-kv's :class:`~atom_kv.engine_hooks.SchedulerHooks`
+and ATOM's aggregated :class:`KVConnectorOutput` back, once per poll, in
+:meth:`AtomKVScheduler.process_completions`.
+
+What ATOM main (ffdf3bb5d) does with each answer, and what this class does
+about the rest:
+
+- **Producer.** ATOM defers the blocks of *every* finished request of a
+  producer until ``finished_sending`` names it. Requests that lend their
+  blocks are named when every consumer rank has read them or their lease
+  (``abort_timeout_s``) expired; every other finished request at the next poll.
+- **Consumer, load done.** ``finished_recving`` names the request; ATOM
+  schedules its first decode.
+- **Consumer, load failed.** ATOM answers ``failed_recving`` by admitting the
+  request again, which asserts that it holds no blocks. So the connector
+  gives the blocks back first, then: ``load_failure_policy: recompute``
+  reports it failed (ATOM prefills it locally), ``fail`` ends it the way ATOM
+  ends a request whose client went away (status ``ABORTED``; the response's
+  finish reason is ``aborted``, the log says why).
+- **Consumer, aborted while loading.** ATOM drops an aborted waiting request
+  without freeing its blocks or telling the connector. The connector notices
+  (``seq.status``) at the next call, cancels the load, and frees the blocks
+  once no rank can still be writing them.
+
+Freeing a consumer's blocks needs ATOM's ``BlockManager``: the connector takes
+the one of the ``Scheduler`` that constructs it (the caller's ``self``; ATOM
+builds its connector inside ``Scheduler.__init__``), or the one passed in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import sys
+import threading
+import uuid
+from typing import Any, Optional
+
+from atom.kv_transfer.disaggregation.base import KVConnectorSchedulerBase
+from atom.kv_transfer.disaggregation.types import KVConnectorOutput as AtomKVConnectorOutput
+from atom.model_engine.sequence import SequenceStatus
+
+from atom_kv import engine_hooks
+from atom_kv._lru import BoundedSet
+from atom_kv.config import ConfigError
+from atom_kv.engine_hooks.types import ConnectorMetadata, KVConnectorOutput
+from atom_kv.integrations.atom.metadata import AtomKVMetadata
+from atom_kv.integrations.atom.settings import AtomEngine, advertised_host, require_completion_contract
+
+__all__ = ["AtomKVScheduler"]
+
+logger = logging.getLogger(__name__)
+
+_GONE = (SequenceStatus.ABORTED, SequenceStatus.FINISHED)
+_REMEMBERED = 65536  # finished or loaded sequence ids kept for duplicate calls
+#: ATOM's aggregated output has no reasons; each rank's worker logs its own.
+_RANK_FAILURE = "a TP rank could not load it (that rank's log names the cause)"
+
+
+class AtomKVScheduler(KVConnectorSchedulerBase):
+    """Owns the translation between ATOM's ``Sequence`` calls and atom-kv's
+    scheduler hooks, the sequences parked for a remote load, and the blocks
+    ATOM leaves the connector to free. Called only from ATOM's scheduler thread."""
+
+    is_offload = False
+
+    def __init__(self, config: Any, *, host: Optional[str] = None, block_manager: Any = None) -> None:
+        require_completion_contract(AtomKVConnectorOutput)
+        engine = AtomEngine.from_config(config)
+        kv = engine.kv
+        self.is_producer = kv.is_producer
+        self.engine_id = kv.engine_id or f"atom-{uuid.uuid4().hex[:12]}"
+        self.host = host or advertised_host()
+        self.block_size = engine.block_size
+        self._engine = engine
+        self._block_manager = block_manager if block_manager is not None else _constructing_block_manager()
+        if self._block_manager is None and not self.is_producer:
+            raise RuntimeError(
+                "atom_kv: a kv_consumer needs the BlockManager of the ATOM Scheduler that builds it (to free the "
+                "blocks of failed and aborted loads), and none was found on the call stack; this ATOM builds its "
+                "connector differently from ATOM main ffdf3bb5d (see docs/atom.md)"
+            )
+        # ATOM hands metadata to its ranks only with a batch: an idle producer's ranks hear of
+        # a finished prefill's transfer directly, so they can confirm its read in time
+        self._hooks = engine_hooks.build_scheduler_hooks(
+            kv, engine_id=self.engine_id, host=self.host, tp_size=engine.tp_size, dp_rank=engine.dp_rank,
+            block_size=engine.block_size, announce_sends=kv.is_producer,
+        )
+        # producer: finished sequences seen (ATOM reports some twice), and ids whose blocks ATOM may free now
+        self._finished: BoundedSet[int] = BoundedSet(_REMEMBERED)
+        self._free_now: list[int] = []
+        # matched, not yet allocated (both roles)
+        self._matched: dict[int, Any] = {}
+        # consumer: parked while loading / loaded, until ATOM runs or drops them / aborted while loading, until
+        # every rank stopped / never load again (prefill locally if admitted again)
+        self._parked: dict[int, Any] = {}
+        self._loaded: dict[int, Any] = {}
+        self._draining: dict[int, Any] = {}
+        self._local: BoundedSet[int] = BoundedSet(_REMEMBERED)
+        self._held: Optional[ConnectorMetadata] = None  # metadata built while idle, sent with the next batch
+        self._announcer: Optional[_Announcer] = None
+        if kv.proxy_addresses and engine.dp_rank == 0:
+            self._announcer = _Announcer(self, engine)
+        logger.info("atom_kv %s connector for engine %s (TP %d, DP rank %d, block %d) advertises %s",
+                    kv.kv_role, self.engine_id, engine.tp_size, engine.dp_rank, engine.block_size, self.host)
+
+    # ------------------------------------------------------------------
+    # admission
+    # ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, seq: Any) -> tuple[int, bool]:
+        """``(prompt tokens that arrive from the producer, True)`` for a consumer
+        request with ``do_remote_prefill``; ``(0, False)`` otherwise (producer:
+        registers a request with ``do_remote_decode``)."""
+        sid = seq.id
+        params = seq.kv_transfer_params
+        if self.is_producer:
+            self._hooks.get_num_new_matched_tokens(str(sid), seq.num_prompt_tokens, params)
+            if params and params.get("do_remote_decode"):
+                self._matched[sid] = seq  # until allocated: an abort before that must unregister it
+            return 0, False
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if sid in self._local or sid in self._parked or sid in self._loaded or sid in self._draining:
+            return 0, False  # loaded, failed or preempted before: its KV is computed here from now on
+        n, is_async = self._hooks.get_num_new_matched_tokens(str(sid), seq.num_prompt_tokens, params)
+        if is_async:
+            self._matched[sid] = seq
+        return n, is_async
+
+    def update_state_after_alloc(self, seq: Any) -> None:
+        """ATOM allocated the request's blocks: queue the load into ``seq.block_table``.
+
+        ATOM looks its prefix cache up after asking the connector, so only
+        here is the local hit (``seq.num_cached_tokens``) known: the request
+        is matched again with it, and only blocks past the hit are read.
+        """
+        sid = seq.id
+        if self._matched.pop(sid, None) is None or self.is_producer:
+            return
+        rid, cached = str(sid), int(seq.num_cached_tokens or 0)
+        remote, is_async = self._hooks.get_num_new_matched_tokens(rid, seq.num_prompt_tokens, seq.kv_transfer_params,
+                                                                  num_computed_tokens=cached)
+        self._hooks.update_state_after_alloc(rid, list(seq.block_table), remote)
+        if is_async:
+            self._parked[sid] = seq
+
+    def should_park_for_load_after_alloc(self, seq: Any) -> bool:
+        """ATOM parks the request (``WAITING_FOR_REMOTE_KVS``) while its load runs."""
+        return seq.id in self._parked
+
+    # ------------------------------------------------------------------
+    # every step
+    # ------------------------------------------------------------------
+    def build_connector_meta(self) -> AtomKVMetadata:
+        """This step's metadata for every TP rank (ATOM sends it before the forward), with
+        whatever was held back while ATOM was idle."""
+        self._reconcile()
+        step = self._hooks.build_connector_meta()
+        if self._held is not None:
+            step, self._held = _merged(self._held, step), None
+        return AtomKVMetadata(self.engine_id, step)
+
+    def process_completions(self, output: AtomKVConnectorOutput) -> AtomKVConnectorOutput:
+        """ATOM's aggregated worker output in, what ATOM's scheduler must act on out (ATOM's sequence ids).
+
+        Also where leases and load deadlines expire: ATOM polls every step and,
+        while any connector work is pending, when idle.
+        """
+        self._reconcile()
+        events = self._hooks.update_connector_output(KVConnectorOutput(
+            finished_sending=[str(x) for x in output.finished_sending or ()],
+            finished_recving=[str(x) for x in output.finished_recving or ()],
+            failed_recving={str(x): _RANK_FAILURE for x in getattr(output, "failed_recving", None) or ()},
+        ))
+        out = AtomKVConnectorOutput()
+        if self.is_producer:
+            freed = self._free_now + [int(rid) for rid in events.free]
+            self._free_now = []
+            for sid in freed:
+                self._finished.discard(sid)
+            out.finished_sending = set(freed)
+            return out
+        for rid in events.ready:
+            seq = self._parked.pop(int(rid), None)
+            if seq is None:
+                continue
+            self._loaded[seq.id] = seq
+            self._remember_local(seq.id)
+            out.finished_recving.add(seq.id)
+        for rid in events.recompute:
+            seq = self._give_back(int(rid))
+            if seq is not None:
+                out.failed_recving.add(seq.id)
+        for rid, reason in events.failed.items():
+            seq = self._give_back(int(rid))
+            if seq is not None:
+                logger.error("ATOM seq %s (request %s): %s; ending it (load_failure_policy: fail)", rid,
+                             getattr(seq, "external_request_id", None), reason)
+                seq.status = SequenceStatus.ABORTED  # ATOM's own abort path ends it at the next schedule
+        for rid in events.free:
+            seq = self._draining.pop(int(rid), None)
+            if seq is not None:
+                self._deallocate(seq)
+        return out
+
+    def has_pending_work(self) -> bool:
+        """True while a load, lease or block release is outstanding (ATOM keeps polling while idle).
+
+        ATOM asks only when idle, and sends metadata only with a batch: notices
+        for the ranks (released, cancelled transfers) wait here for the next
+        batch instead of keeping ATOM polling. That is safe because every
+        forward, the only thing that overwrites blocks, follows its batch's
+        metadata.
+        """
+        if self._hooks.has_pending():
+            step = self._hooks.build_connector_meta()
+            self._held = step if self._held is None else _merged(self._held, step)
+        return bool(self._hooks.has_pending() or self._free_now or self._parked or self._loaded or self._draining
+                    or self._matched)
+
+    # ------------------------------------------------------------------
+    # end of a request
+    # ------------------------------------------------------------------
+    def request_finished(self, seq: Any) -> None:
+        """A request finished or was aborted while running. A producer puts the
+        decode leg's parameters in ``seq.kv_transfer_params_output`` and keeps
+        the prompt's blocks while consumers read them."""
+        sid = seq.id
+        aborted = seq.status == SequenceStatus.ABORTED or getattr(seq, "leave_reason", None) == "aborted"
+        self._matched.pop(sid, None)
+        if self.is_producer:
+            if sid in self._finished:
+                return  # ATOM calls twice for a streamed request (stream output, then the finish loop)
+            self._finished.add(sid)
+            prompt_blocks = math.ceil(seq.num_prompt_tokens / self.block_size)
+            delay, params = self._hooks.request_finished(str(sid), list(seq.block_table[:prompt_blocks]),
+                                                         aborted=aborted)
+            if params is not None:
+                seq.kv_transfer_params_output = _decode_leg_params(seq, params)
+            if not delay:
+                self._free_now.append(sid)
+            return
+        self._loaded.pop(sid, None)
+        self._local.discard(sid)
+        delay, _ = self._hooks.request_finished(str(sid), list(seq.block_table), aborted=aborted)
+        if delay and self._parked.pop(sid, None) is not None:
+            self._draining[sid] = seq
+
+    def should_defer_free(self, seq: Any) -> bool:
+        """True while a rank may still write the request's blocks (a consumer) or
+        a consumer may still read them (a producer); ATOM then keeps them."""
+        if self.is_producer:
+            return seq.id in self._finished
+        return seq.id in self._draining
+
+    # ------------------------------------------------------------------
+    def _reconcile(self) -> None:
+        """Catch up with requests ATOM dropped without telling the connector
+        (an abort while matched, parked or loaded sets ``seq.status``)."""
+        for sid, seq in list(self._matched.items()):
+            if seq.status in _GONE:
+                del self._matched[sid]
+                self._hooks.request_finished(str(sid), [], aborted=True)
+        if self.is_producer:
+            return
+        for sid, seq in list(self._parked.items()):
+            if seq.status in _GONE:
+                del self._parked[sid]
+                delay, _ = self._hooks.request_finished(str(sid), list(seq.block_table), aborted=True)
+                if delay:
+                    self._draining[sid] = seq  # freed when every rank stopped (events.free)
+                else:
+                    self._deallocate(seq)
+        for sid, seq in list(self._loaded.items()):
+            if seq.status in _GONE:
+                del self._loaded[sid]
+                self._deallocate(seq)  # loaded, then aborted before its first decode
+            elif seq.status == SequenceStatus.RUNNING:
+                del self._loaded[sid]  # ATOM owns it now
+
+    def _give_back(self, sid: int) -> Any:
+        """A failed load: free its blocks so ATOM may admit the request again."""
+        seq = self._parked.pop(sid, None)
+        if seq is None:
+            return None
+        self._deallocate(seq)
+        self._remember_local(sid)
+        return seq
+
+    def _deallocate(self, seq: Any) -> None:
+        if seq.block_table:
+            logger.debug("ATOM seq %s: freeing %d blocks", seq.id, len(seq.block_table))
+            self._block_manager.deallocate(seq)
+
+    def _remember_local(self, sid: int) -> None:
+        self._local.add(sid)
+
+    def close(self) -> None:
+        """Stop announcing the engine and release the scheduler hooks' state."""
+        if self._announcer is not None:
+            self._announcer.close()
+        self._hooks.close()
+
+
+def _merged(first: ConnectorMetadata, then: ConnectorMetadata) -> ConnectorMetadata:
+    """Two steps' metadata as one (every field is a list of things to do)."""
+    return ConnectorMetadata(**{f: getattr(first, f) + getattr(then, f) for f in ConnectorMetadata.__struct_fields__})
+
+
+def _decode_leg_params(seq: Any, params: dict) -> dict:
+    """The producer's ``kv_transfer_params`` plus what ATOM's decode side uses:
+    the first sampled token (and drafts), which it appends before the first decode."""
+    out = dict(params)
+    out["first_token_id"] = int(seq.output_tokens[0]) if getattr(seq, "output_tokens", None) else None
+    drafts = getattr(seq, "spec_token_ids", None)
+    out["draft_token_ids"] = [int(t) for t in drafts] if drafts is not None and len(drafts) else []
+    out["prefix_cache_hit_tokens"] = int(getattr(seq, "prefix_cache_hit_tokens", 0) or 0)
+    return out
+
+
+def _constructing_block_manager(max_depth: int = 12) -> Any:
+    """The ``block_manager`` of the ATOM ``Scheduler`` whose ``__init__`` is building this connector.
+
+    ATOM main creates ``self.block_manager`` first and the connector later in
+    ``Scheduler.__init__`` (through ``get_kvconnector`` and the factory), so
+    the nearest caller frame whose ``self`` has a ``block_manager`` with
+    ``deallocate`` and a ``waiting`` queue is that scheduler.
+    """
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        bm = getattr(owner, "block_manager", None) if owner is not None else None
+        if bm is not None and callable(getattr(bm, "deallocate", None)) and hasattr(owner, "waiting"):
+            return bm
+        frame = frame.f_back
+    return None
+
+
+class _Announcer:
+    """Registers the engine with atom-kv's proxies once ATOM's HTTP server accepts connections.
+
+    ATOM builds its scheduler before its HTTP server listens; pinging earlier
+    would send requests to a port nobody answers yet.
+    """
+
+    def __init__(self, owner: AtomKVScheduler, engine: AtomEngine) -> None:
+        kv = engine.kv
+        if kv.http_port is None:
+            raise ConfigError("kv-transfer-config: `http_port` must be ATOM's --server-port to register with a proxy "
+                              "(`proxy_ip` is set), got null")
+        self.http_port = kv.http_port
+        self.host = owner.host
+        self._pinger = engine_hooks.build_registration_pinger(
+            kv, role="P" if kv.is_producer else "D", index=str(self.http_port), http_host=owner.host,
+            http_port=self.http_port, tp_size=engine.tp_size, dp_size=engine.dp_size, engine_id=owner.engine_id,
+            model=engine.model,
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="atom-kv-announce", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        waited = 0.0
+        while not self._stop.is_set():
+            try:
+                socket.create_connection((self.host, self.http_port), timeout=1.0).close()
+                break
+            except OSError:
+                pass
+            self._stop.wait(0.5)
+            waited += 0.5
+            if waited in (30.0, 120.0):
+                logger.warning("atom_kv: ATOM's HTTP server is still not accepting connections on %s:%d after "
+                               "%.0f s; check that kv_transfer_config's http_port equals ATOM's --server-port "
+                               "and that the server listens on %s (ATOM_HOST_IP)", self.host, self.http_port,
+                               waited, self.host)
+        if not self._stop.is_set():
+            self._pinger.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pinger.close()

@@ -1,0 +1,84 @@
+"""What the ATOM adapter reads from ATOM's ``Config``.
+
+ATOM passes its whole engine ``Config`` to a connector's constructor; the
+connector needs only ``kv_transfer_config`` (our :class:`KVTransferConfig`)
+and the engine's shape: TP size, data-parallel rank and size, block size and
+model. Read here once, for both sides.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from atom_kv.config import ConfigError, KVTransferConfig
+
+__all__ = ["AtomEngine", "advertised_host", "require_completion_contract"]
+
+#: The ATOM commit this adapter was written and tested against.
+ATOM_COMMIT_READ = "ffdf3bb5d"
+
+
+@dataclass(frozen=True)
+class AtomEngine:
+    """One ATOM engine (one data-parallel rank) as the connector sees it."""
+
+    kv: KVTransferConfig
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+    block_size: int
+    model: str
+
+    @classmethod
+    def from_config(cls, config: Any) -> "AtomEngine":
+        """Read ATOM's ``Config``; raises :class:`ConfigError` (one line) for a bad ``--kv-transfer-config``."""
+        raw = getattr(config, "kv_transfer_config", None)
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"kv-transfer-config: invalid JSON: {exc.msg}") from None
+        if not isinstance(raw, dict) or not raw:
+            raise ConfigError("kv-transfer-config: ATOM built the atom_kv connector without a --kv-transfer-config")
+        kv = KVTransferConfig.from_dict(dict(raw))
+        parallel = getattr(config, "parallel_config", None)
+        model = str(getattr(config, "model", "") or "")
+        return cls(
+            kv=kv,
+            tp_size=int(getattr(config, "tensor_parallel_size", 1) or 1),
+            dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+            dp_size=int(getattr(parallel, "data_parallel_size", 1) or 1),
+            block_size=int(config.kv_cache_block_size),
+            model=os.path.basename(model.rstrip("/")) or "unknown",
+        )
+
+
+def advertised_host() -> str:
+    """The address other engines dial to read this engine's KV: ATOM's own choice
+    (``ATOM_HOST_IP`` if set, else the address of the default route)."""
+    try:
+        from atom.utils.network import get_ip
+    except ImportError:
+        return os.environ.get("ATOM_HOST_IP") or "127.0.0.1"
+    return get_ip()
+
+
+def require_completion_contract(output_type: Any) -> None:
+    """Refuse an ATOM whose connector contract cannot report a failed load.
+
+    ATOM main's ``KVConnectorOutput`` has ``failed_recving`` and its scheduler
+    calls ``process_completions``: that is where a failed load, an expired
+    lease or a drained abort reaches ATOM. ATOM's first P/D commit (0c982ea92)
+    has neither, so a failed load would park its request forever and leases
+    could never expire; atom-kv does not run there rather than leak blocks.
+    """
+    fields = getattr(output_type, "__dataclass_fields__", {})
+    if "failed_recving" not in fields:
+        raise RuntimeError(
+            "atom_kv needs ATOM's failed-load contract (KVConnectorOutput.failed_recving and the scheduler's "
+            f"process_completions, ATOM main as of {ATOM_COMMIT_READ}); this ATOM has neither (its first P/D "
+            "commit 0c982ea92 or similar), so failed loads could not end and leases could not expire"
+        )

@@ -1,0 +1,58 @@
+"""The P/D scenario tests, collected by both ``test_atom_contract.py`` (the fake
+ATOM) and ``test_atom_real.py`` (ATOM itself), which import them after
+choosing the ``atom`` package. Not a test module of its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integrations import atom_scenarios as sc
+
+_NO_CMA = pytest.mark.skipif(bool(sc.cma_unavailable()), reason=sc.cma_unavailable() or "cma runs here")
+_SAME_HOST = "tcp" if sc.cma_unavailable() else "cma"
+
+__all__ = [
+    "test_pd_exchange", "test_pd_exchange_mla_replicated_latent",
+    "test_pd_exchange_block_of_two_physical_blocks_heterogeneous_tp", "test_pd_exchange_fp8_with_scales",
+    "test_engines_with_different_kv_layouts_refuse_each_other_in_one_line", "test_failed_load",
+    "test_abort_while_loading", "test_lease_expiry",
+]
+
+
+@pytest.mark.parametrize("p_tp,d_tp,backend", [(1, 1, "tcp"), (1, 2, "tcp"), (2, 1, "tcp"),
+                                               pytest.param(2, 2, "cma", marks=_NO_CMA),
+                                               pytest.param(1, 2, "cma", marks=_NO_CMA)])
+def test_pd_exchange(p_tp, d_tp, backend):
+    sc.exchange(p_tp, d_tp, backend)
+
+
+def test_pd_exchange_mla_replicated_latent():
+    sc.exchange(1, 2, "tcp", mla=True)
+
+
+def test_pd_exchange_block_of_two_physical_blocks_heterogeneous_tp():
+    sc.exchange(2, 1, _SAME_HOST, block_size=32)
+
+
+def test_pd_exchange_fp8_with_scales():
+    sc.exchange(1, 2, "tcp", fp8=True)
+
+
+def test_engines_with_different_kv_layouts_refuse_each_other_in_one_line():
+    lines = sc.layout_mismatch()
+    assert lines, "the decode engine logged no layout refusal"
+    assert all("\n" not in line for line in lines)
+    assert any("KV layout mismatch: layout 'aiter-shuffle' (prefill) vs 'aiter' (decode)" in line for line in lines)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_load(policy):
+    sc.failed_load(policy)
+
+
+def test_abort_while_loading():
+    sc.abort_while_loading()
+
+
+def test_lease_expiry():
+    sc.lease_expiry()

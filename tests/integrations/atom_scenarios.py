@@ -1,0 +1,178 @@
+"""P/D scenarios run against the fake ATOM (the contract test) and ATOM itself (ATOM_SRC).
+
+Each builds a producer and a consumer ``AtomEngine`` (``atom_pd``), runs
+requests through both the way ATOM and a proxy would, and checks the outputs,
+every prompt KV byte on every consumer rank, and that every block of both
+engines is free and no connector work is left at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from atom.model_engine.sequence import SequenceStatus
+
+from atom_kv.transfer import BackendUnavailable, create_backend
+from tests.conftest import free_port
+from tests.connector.kvutil import port_range
+from tests.integrations.atom_pd import AtomEngine, decode_params, expected_output, prefill_on, run_until
+
+def cma_unavailable() -> str:
+    """Why the same-host backend cannot run here ('' when it can)."""
+    try:
+        create_backend("cma").close()
+        return ""
+    except BackendUnavailable as exc:
+        return str(exc)
+
+
+PROMPTS = [list(range(5, 12)), list(range(30, 46)), list(range(100, 140))]  # 7, 16 (one full block) and 40 tokens
+
+
+def _engines(p_tp: int, d_tp: int, backend: str, *, p_kv: dict | None = None, d_kv: dict | None = None,
+             p_blocks: int = 64, **both) -> tuple[AtomEngine, AtomEngine]:
+    """A producer (seed 1) and a consumer (seed 2) engine: the consumer can tell read KV from its own."""
+    P = AtomEngine("P", "kv_producer", tp=p_tp, port=port_range(p_tp), seed=1, backend=backend,
+                   num_blocks=p_blocks, **both, **(p_kv or {}))
+    try:
+        D = AtomEngine("D", "kv_consumer", tp=d_tp, port=port_range(d_tp), seed=2, backend=backend,
+                       **both, **(d_kv or {}))
+    except BaseException:
+        P.close()
+        raise
+    D.remote_seed = P.seed
+    return P, D
+
+
+def exchange(p_tp: int, d_tp: int, backend: str, **layout) -> None:
+    """Prefill on P, read on D, decode on D: outputs as if colocated, every block freed on both.
+
+    ``layout``: ``mla=True``, ``fp8=True`` (with per-token scales), ``block_size=32`` (two physical blocks).
+    """
+    P, D = _engines(p_tp, d_tp, backend, **layout)
+    try:
+        prefilled = prefill_on(P, PROMPTS)
+        assert P.blocks_in_use() > 0  # held for the readers
+        dseqs = [D.add(p, 4, decode_params(s)) for p, s in zip(PROMPTS, prefilled)]
+        run_until([P, D], lambda: all(s.id in D.finished for s in dseqs) and P.idle() and D.idle())
+        assert D.errors == [], D.errors
+        for prompt, seq in zip(PROMPTS, dseqs):
+            assert seq.leave_reason == "max_tokens" and seq.output_tokens == expected_output(prompt, 4)
+            assert seq.id not in D.prefilled  # its prompt KV was read, not recomputed
+    finally:
+        P.close()
+        D.close()
+
+
+def _dead_params(prompt_len: int, block_size: int = 16) -> dict:
+    port = free_port()  # nothing listens: the handshake cannot complete
+    blocks = -(-prompt_len // block_size)
+    return dict(do_remote_prefill=True, do_remote_decode=False, remote_engine_id="gone", remote_host="127.0.0.1",
+                remote_port=port, remote_handshake_port=port, remote_block_ids=list(range(blocks)),
+                remote_tp_size=1, transfer_id="gone-1", first_token_id=7)
+
+
+def failed_load(policy: str, d_tp: int = 2) -> None:
+    """A load that cannot complete: ``recompute`` prefills locally, ``fail`` ends the request; blocks freed."""
+    D = AtomEngine("D", "kv_consumer", tp=d_tp, port=port_range(d_tp), seed=2, load_failure_policy=policy,
+                   handshake_timeout_s=0.3)
+    try:
+        prompt = PROMPTS[2]
+        seq = D.add(prompt, 3, _dead_params(len(prompt)))
+        run_until([D], lambda: seq.id in D.finished and D.idle(), timeout_s=20)
+        assert D.errors == [], D.errors
+        if policy == "recompute":
+            assert seq.leave_reason == "max_tokens" and seq.output_tokens == expected_output(prompt, 3)
+            assert seq.id in D.prefilled
+        else:
+            assert seq.leave_reason == "aborted" and seq.output_tokens == []
+            assert seq.id not in D.prefilled
+    finally:
+        D.close()
+
+
+def abort_while_loading(d_tp: int = 2) -> None:
+    """The client goes away while the load runs: the request ends, its blocks come back once no rank writes them."""
+    D = AtomEngine("D", "kv_consumer", tp=d_tp, port=port_range(d_tp), seed=2, handshake_timeout_s=2.0)
+    try:
+        prompt = PROMPTS[2]
+        seq = D.add(prompt, 3, _dead_params(len(prompt)))
+        run_until([D], lambda: seq.status == SequenceStatus.WAITING_FOR_REMOTE_KVS)
+        for _ in range(3):  # the load's metadata reached every rank: their reads are running
+            D.step()
+        assert D.blocks_in_use() == 3
+        D.abort(seq)
+        run_until([D], lambda: seq.id in D.finished)
+        assert seq.leave_reason == "aborted"
+        assert D.blocks_in_use() == 3  # a rank may still be writing them
+        run_until([D], D.idle, timeout_s=20)
+        assert seq.id not in D.prefilled and D.errors == []
+    finally:
+        D.close()
+
+
+def lease_expiry(backend: str = "tcp") -> None:
+    """Nobody reads: the producer frees the blocks after ``abort_timeout_s`` and reuses them; a consumer that
+    reads afterwards is told its read is invalid and recomputes instead of decoding another request's KV."""
+    prompt_a, prompt_b = list(range(200, 248)), list(range(300, 348))  # 3 blocks each; the producer has 3
+    P, D = _engines(1, 1, backend, p_kv={"abort_timeout_s": 0.5}, d_kv={"load_failure_policy": "recompute"},
+                    p_blocks=3)
+    try:
+        (a,) = prefill_on(P, [prompt_a])
+        run_until([P], P.idle, timeout_s=10)  # the lease expired: A's blocks are free again
+        (b,) = prefill_on(P, [prompt_b])      # B's prefill overwrote them
+        late = D.add(prompt_a, 3, decode_params(a))
+        run_until([P, D], lambda: late.id in D.finished and D.idle() and P.idle(), timeout_s=20)
+        assert D.errors == [], D.errors
+        assert late.leave_reason == "max_tokens" and late.output_tokens == expected_output(prompt_a, 3)
+        assert late.id in D.prefilled  # recomputed: the read was refused
+    finally:
+        P.close()
+        D.close()
+
+
+def prefix_hit(backend: str = "tcp") -> None:
+    """A decode engine with prefix caching (ATOM's default) reads only the blocks past its local hit: the
+    cached blocks keep its own KV, the rest is the producer's."""
+    shared = list(range(400, 448))                 # 3 blocks both requests start with
+    P, D = _engines(1, 2, backend, prefix_caching=True)
+    try:
+        first = D.add(shared + [7, 8], 2)          # computed on D: its blocks enter D's prefix cache
+        run_until([D], lambda: first.id in D.finished and D.idle())
+        prompt = shared + list(range(500, 540))    # 88 tokens: 3 blocks cached on D, 3 to read
+        (prefilled,) = prefill_on(P, [prompt])
+        seq = D.add(prompt, 3, decode_params(prefilled))
+        run_until([P, D], lambda: seq.id in D.finished and D.idle() and P.idle())
+        assert D.cached_at_alloc[seq.id] == 48, D.cached_at_alloc
+        assert D.errors == [], D.errors           # cached positions carry D's KV, the others P's
+        assert seq.id not in D.prefilled and seq.output_tokens == expected_output(prompt, 3)
+    finally:
+        P.close()
+        D.close()
+
+
+def layout_mismatch(backend: str = "tcp") -> list[str]:
+    """A decode engine with another KV layout (ATOM 0c982ea92's V, ``aiter``) than the prefill engine
+    (ATOM main's shuffled V, ``aiter-shuffle``): the handshake refuses, nothing is read, the request is
+    recomputed. Returns the decode engine's log lines that give the reason."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logging.getLogger("atom_kv").addHandler(handler)
+    P, D = _engines(1, 1, backend, d_kv={"load_failure_policy": "recompute", "shuffled_v": False})
+    try:
+        prompt = PROMPTS[2]
+        (prefilled,) = prefill_on(P, [prompt])
+        seq = D.add(prompt, 3, decode_params(prefilled))
+        run_until([P, D], lambda: seq.id in D.finished and D.idle() and P.idle())
+        assert D.errors == [] and seq.id in D.prefilled
+        assert seq.output_tokens == expected_output(prompt, 3)
+        return [line for line in lines if "KV layout mismatch" in line]
+    finally:
+        logging.getLogger("atom_kv").removeHandler(handler)
+        P.close()
+        D.close()

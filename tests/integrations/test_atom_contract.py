@@ -1,0 +1,183 @@
+"""(a) The ATOM adapter under exactly the calls ATOM makes, without ATOM installed.
+
+``fake_atom`` is ATOM main's connector contract written from reading ATOM
+(ffdf3bb5d): its factory, types, aggregator, ``Sequence``, ``BlockManager``
+and a ``Scheduler`` making the same connector calls in the same order. On it,
+both roles at TP 1 and 2 exchange real KV over tcp and cma, every prompt byte
+checked on every consumer rank, every block of both engines freed; plus a
+failed load under each policy, an abort during a load and a lease expiry.
+``test_atom_real.py`` runs the same scenarios against ATOM's own classes.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+import pytest
+
+from tests.integrations.atom_env import use_fake_atom
+
+_SKIP = use_fake_atom()
+if _SKIP:
+    pytest.skip(_SKIP, allow_module_level=True)
+
+import torch  # noqa: E402
+
+from atom.config import KVCacheTensor  # noqa: E402
+from atom.kv_transfer.disaggregation import KVConnectorFactory, KVConnectorOutput  # noqa: E402
+from atom.model_engine.sequence import Sequence  # noqa: E402
+from atom_kv.config import ConfigError  # noqa: E402
+from atom_kv.connector.cache_layouts import LayoutMismatch  # noqa: E402
+from atom_kv.integrations.atom.scheduler import AtomKVScheduler  # noqa: E402
+from atom_kv.integrations.atom.settings import require_completion_contract  # noqa: E402
+from atom_kv.integrations.atom.worker import AtomKVWorker  # noqa: E402
+from tests.integrations.atom_pd import atom_config  # noqa: E402
+from tests.integrations.atom_scenario_tests import *  # noqa: E402,F401,F403  (the shared P/D scenarios)
+
+
+# ----------------------------------------------------------------------
+# the contract, call by call
+# ----------------------------------------------------------------------
+def test_atom_builds_both_sides_by_name():
+    assert KVConnectorFactory.canonical_name("atom_kv") == "atom_kv"
+    assert KVConnectorFactory.canonical_name(" ATOM-KV ") == "atom_kv"
+    cfg = atom_config("kv_producer", tp=1, block_size=16, num_blocks=8, port=1, backend="tcp")
+    sched = KVConnectorFactory.create_connector(cfg, role="scheduler")
+    try:
+        assert isinstance(sched, AtomKVScheduler) and sched.is_producer and sched.is_offload is False
+    finally:
+        sched.close()
+
+
+def test_a_bad_config_is_one_line_naming_the_key():
+    cfg = atom_config("kv_consumer", tp=1, block_size=16, num_blocks=8, port=1, backend="tcp", handshake_prot=1)
+    with pytest.raises(ConfigError, match=r"^kv-transfer-config: unknown key `handshake_prot`; did you mean "
+                                          r"`handshake_port`\?$"):
+        AtomKVScheduler(cfg, block_manager=object())
+
+
+def test_an_atom_without_the_failed_load_contract_is_refused():
+    @dataclass
+    class FirstPDCommitOutput:  # ATOM 0c982ea92's KVConnectorOutput: no failed_recving
+        finished_sending: set = field(default_factory=set)
+        finished_recving: set = field(default_factory=set)
+        expected_finished_count: int = 0
+
+    with pytest.raises(RuntimeError, match="needs ATOM's failed-load contract"):
+        require_completion_contract(FirstPDCommitOutput)
+    require_completion_contract(KVConnectorOutput)
+
+
+def test_a_consumer_needs_the_schedulers_block_manager():
+    cfg = atom_config("kv_consumer", tp=1, block_size=16, num_blocks=8, port=1, backend="tcp")
+    with pytest.raises(RuntimeError, match="needs the BlockManager of the ATOM Scheduler"):
+        AtomKVScheduler(cfg)  # not built inside a Scheduler
+
+
+def test_producer_answers_for_every_finished_request():
+    """ATOM defers every finished request of a producer; requests that lend nothing are named at the next poll,
+    and the parameters of one that lends its blocks are set only once although ATOM reports it twice."""
+    cfg = atom_config("kv_producer", tp=1, block_size=4, num_blocks=8, port=1, backend="tcp")
+    sched = AtomKVScheduler(cfg, host="127.0.0.1")
+    try:
+        plain = Sequence([1, 2, 3], 4)
+        lent = Sequence([1, 2, 3, 4, 5], 4, kv_transfer_params={"do_remote_decode": True})
+        for seq, blocks in ((plain, [0]), (lent, [1, 2])):
+            assert sched.get_num_new_matched_tokens(seq) == (0, False)
+            seq.block_table = blocks
+            sched.update_state_after_alloc(seq)
+            seq.append_token(42)
+        for seq in (plain, lent, lent):
+            sched.request_finished(seq)
+        params = lent.kv_transfer_params_output
+        assert params["remote_block_ids"] == [1, 2] and params["first_token_id"] == 42
+        assert params["remote_host"] == "127.0.0.1" and params["remote_engine_id"] == sched.engine_id
+        assert plain.kv_transfer_params_output is None
+        assert sched.should_defer_free(lent) and sched.has_pending_work()
+        out = sched.process_completions(KVConnectorOutput())
+        assert out.finished_sending == {plain.id}
+        out = sched.process_completions(KVConnectorOutput(finished_sending={params["transfer_id"]}))
+        assert out.finished_sending == {lent.id} and not sched.has_pending_work()
+    finally:
+        sched.close()
+
+
+def test_metadata_pickles_for_the_model_runners():
+    cfg = atom_config("kv_producer", tp=1, block_size=4, num_blocks=8, port=1, backend="tcp")
+    sched = AtomKVScheduler(cfg, host="127.0.0.1")
+    try:
+        meta = pickle.loads(pickle.dumps(sched.build_connector_meta()))
+        assert meta.engine_id == sched.engine_id and meta.step.loads == [] and meta.reqs_to_recv == {}
+    finally:
+        sched.close()
+
+
+def _caches(k_shape, v_shape, layers=2):
+    return {f"layer_{i}": KVCacheTensor(layer_num=i, k_cache=torch.zeros(k_shape, dtype=torch.bfloat16),
+                                        v_cache=None if v_shape is None else torch.zeros(v_shape, dtype=torch.bfloat16))
+            for i in range(layers)}
+
+
+def test_unsupported_caches_are_refused_in_one_line():
+    cfg = atom_config("kv_consumer", tp=1, block_size=16, num_blocks=4, port=1, backend="tcp")
+    worker = AtomKVWorker(cfg, tp_rank=0, tp_size=1, dp_rank=0, host="127.0.0.1")
+    with pytest.raises(LayoutMismatch, match=r"^layer_0: v cache has shape \[4, 2, 2, 8, 8\], expected "
+                                             r"\[4, 2, 2, 16, 8\] \[blocks, heads, block/x, head_dim, x\] "
+                                             r"for layout aiter-shuffle$"):
+        worker.register_kv_caches(_caches((4, 2, 2, 16, 8), (4, 2, 2, 8, 8)), None, num_blocks=4)
+    with pytest.raises(LayoutMismatch, match="ATOM's scheduler has 8"):
+        worker.register_kv_caches(_caches((4, 2, 2, 16, 8), (4, 2, 2, 16, 8)), None, num_blocks=8)
+
+    class Regions:  # ATOM's KVTransferTensors of a model with per-request state
+        slot_regions = [object()]
+        swa_block_regions: list = []
+        staging_region = None
+
+    with pytest.raises(LayoutMismatch, match="per-request state outside the paged KV blocks"):
+        worker.register_kv_caches(_caches((4, 2, 2, 16, 8), (4, 2, 2, 16, 8)), Regions(), num_blocks=4)
+    worker.close()
+
+
+def test_registers_with_the_proxy_once_atoms_http_server_listens():
+    import socket
+
+    import msgpack
+    import zmq
+
+    from tests.conftest import free_port
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    discovery = router.bind_to_random_port("tcp://127.0.0.1")
+    http_port = free_port()
+    cfg = atom_config("kv_producer", tp=2, block_size=16, num_blocks=8, port=1, backend="tcp",
+                      proxy_ip=f"127.0.0.1:{discovery}", http_port=http_port, ping_interval_s=0.2)
+    sched = AtomKVScheduler(cfg, host="127.0.0.1")
+    http = socket.socket()
+    try:
+        assert not router.poll(1000), "registered before ATOM's HTTP server listens"
+        http.bind(("127.0.0.1", http_port))
+        http.listen()
+        assert router.poll(5000), "no registration after ATOM's HTTP server started listening"
+        ping = msgpack.unpackb(router.recv_multipart()[-1])
+        assert ping["type"] == "register" and ping["role"] == "P" and ping["tp_size"] == 2
+        assert ping["request_address"] == f"http://127.0.0.1:{http_port}/v1/completions"
+        assert ping["engine_id"] == sched.engine_id
+    finally:
+        sched.close()
+        http.close()
+        router.close(0)
+        ctx.term()
+
+
+def test_registering_again_starts_over_on_the_same_ports():
+    from tests.connector.kvutil import port_range
+
+    cfg = atom_config("kv_producer", tp=1, block_size=16, num_blocks=4, port=port_range(1), backend="tcp")
+    worker = AtomKVWorker(cfg, tp_rank=0, tp_size=1, dp_rank=0, host="127.0.0.1")
+    try:
+        for _ in range(2):  # ATOM reallocated its cache: the handshake port is free for the new registration
+            worker.register_kv_caches(_caches((4, 2, 2, 16, 8), (4, 2, 2, 16, 8)), None, num_blocks=4)
+    finally:
+        worker.close()

@@ -1,0 +1,46 @@
+"""(b) The ATOM adapter inside ATOM itself: ``ATOM_SRC`` names a ROCm/ATOM checkout.
+
+ATOM's own ``Scheduler``, ``BlockManager``, ``Sequence``, ``KVConnectorFactory``
+(which builds our scheduler-side connector by name inside ``Scheduler``),
+``KVCacheTensor`` and ``KVOutputAggregator``, for a producer and a consumer
+engine; the model runners' part (KV tensors as ATOM allocates them, the
+worker connectors, a deterministic "model") is played by ``atom_pd``. Real
+reads over tcp and cma, every prompt KV byte checked on every consumer rank,
+every block of both engines freed; a failed load under each policy, an abort
+during a load and a lease expiry. Skipped, with the reason, without ``ATOM_SRC``.
+
+Run (docs/atom.md, "Testing against ATOM"):
+``ATOM_SRC=/path/to/ATOM <venv with ATOM's deps>/bin/python -m pytest -q tests/integrations/test_atom_real.py``
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.integrations.atom_env import atom_commit, use_real_atom
+
+_SKIP = use_real_atom()
+if _SKIP:
+    pytest.skip(_SKIP, allow_module_level=True)
+
+from atom.kv_transfer.disaggregation import KVConnectorFactory  # noqa: E402
+from atom.model_engine.block_manager import BlockManager  # noqa: E402
+from atom.model_engine.scheduler import Scheduler  # noqa: E402
+from tests.integrations import atom_scenarios as sc  # noqa: E402
+from tests.integrations.atom_scenario_tests import *  # noqa: E402,F401,F403  (the shared P/D scenarios)
+
+
+def test_this_is_atom_itself(record_property):
+    src = os.environ["ATOM_SRC"]
+    commit = os.environ.get("ATOM_COMMIT") or atom_commit(src)
+    record_property("atom_commit", commit)
+    print(f"\nATOM from {src}, commit {commit}")
+    assert "fake_atom" not in Scheduler.__module__ and "fake_atom" not in (Scheduler.__init__.__code__.co_filename)
+    assert BlockManager.__module__ == "atom.model_engine.block_manager"
+    assert KVConnectorFactory.canonical_name("atom_kv") == "atom_kv"
+
+
+def test_prefix_hit_reads_only_uncached_blocks():
+    sc.prefix_hit()  # the fake ATOM has no prefix cache: this one runs against ATOM only
