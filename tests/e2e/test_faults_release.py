@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -191,23 +192,41 @@ def test_decode_engine_killed_with_requests_queued(cluster):
                what="the prefill engine's blocks to be free after the decode engine died")
 
 
-def test_the_handshake_port_listens_only_on_the_engines_host(cluster):
-    """The engines run with ``--host 127.0.0.1``: their handshake server binds that, not 0.0.0.0."""
-    port = json.loads(cluster._configs[_p(cluster)][1])["handshake_port"]
-    listening = _listeners()
-    assert ("127.0.0.1", port) in listening and ("0.0.0.0", port) not in listening, sorted(
-        a for a in listening if a[1] == port)
+def test_every_listener_of_an_engine_binds_its_host(cluster):
+    """The engines run with ``--host 127.0.0.1``: HTTP, the handshake server and the data path's
+    servers all listen there, none on 0.0.0.0."""
+    p = _p(cluster)
+    port = json.loads(cluster._configs[p][1])["handshake_port"]
+    listening = _listeners_of(cluster.engines[p].pid)
+    assert ("127.0.0.1", port) in listening and ("127.0.0.1", cluster.ports[p]) in listening, listening
+    assert len(listening) >= 3, listening  # HTTP, handshake, and the backend's read server(s)
+    assert {addr for addr, _ in listening} == {"127.0.0.1"}, listening
 
 
-def _listeners() -> set[tuple[str, int]]:
+def _listeners_of(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every listening TCP socket the process holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
     out = set()
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            lines = open(table).readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
             fields = line.split()
-            if fields[3] != "0A":  # LISTEN
+            if fields[3] != "0A" or fields[9] not in inodes:  # LISTEN, ours
                 continue
             hexaddr, hexport = fields[1].split(":")
-            addr = ".".join(str(int(hexaddr[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            if v6:
+                addr = "::" if int(hexaddr, 16) == 0 else hexaddr
+            else:
+                addr = ".".join(str(int(hexaddr[i:i + 2], 16)) for i in (6, 4, 2, 0))
             out.add((addr, int(hexport, 16)))
     return out
-
