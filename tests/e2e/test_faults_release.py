@@ -16,6 +16,8 @@ import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -113,6 +115,24 @@ def test_prompt_plus_max_tokens_overflowing_the_model_length(cluster):
         "prompt": "b" * 3800, "max_tokens": 500, "kv_transfer_params": params}, timeout=10)
     assert status == 400 and "maximum context length" in body["error"]["message"], body
     _all_free_within(cluster, _p(cluster))
+
+
+def test_a_load_failed_by_the_prefill_side_says_so(cluster):
+    """The decode engine names the prefill side in its error answer, so a proxy does not
+    open the healthy decode engine's breaker (``X-KV-Transfer-Failure: prefill``)."""
+    params = _prefill_by_hand(cluster, PROMPTS[0])
+    params = dict(params, do_remote_prefill=True, remote_engine_id="an-engine-that-restarted")
+    d = cluster.index_of("D", 1)
+    req = urllib.request.Request(cluster.engine_url(d) + "/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": PROMPTS[0], "max_tokens": 4,
+                                                  "kv_transfer_params": params}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == 502 and err.value.headers.get("X-KV-Transfer-Failure") == "prefill"
+    assert "restarted" in json.loads(err.value.read())["error"]["message"]
+    _all_free_within(cluster, d)
+    _all_free_within(cluster, _p(cluster))  # and the decode engine released the prefill's blocks
 
 
 # --- the proxy abandons the prefill: it releases it ------------------------------
