@@ -263,6 +263,15 @@ _BACKEND_LAYOUTS = {
 _SERVED_BACKENDS = "CPU_ATTN, FLASH_ATTN, FLEX_ATTENTION, TRITON_ATTN, ROCM_AITER_FA, ROCM_AITER_UNIFIED_ATTN"
 
 
+def _backend_layout(backend: type) -> Optional[str]:
+    """The layout of ``backend``, or of the backend it specialises (vLLM derives per-layer-kind
+    subclasses, e.g. for chunked local attention, that keep their base's KV cache)."""
+    for cls in backend.__mro__:
+        if cls.__name__ in _BACKEND_LAYOUTS:
+            return _BACKEND_LAYOUTS[cls.__name__]
+    return None
+
+
 def kv_layout(vllm_config: VllmConfig, layer_names: list[str]) -> str:
     """The atom-kv layout of these layers' caches, from the attention backends vLLM chose for them.
 
@@ -279,7 +288,7 @@ def kv_layout(vllm_config: VllmConfig, layer_names: list[str]) -> str:
             f"AtomKVConnector cannot tell which attention backend reads this engine's KV cache ({reason}); "
             f"it serves {_SERVED_BACKENDS} (--attention-backend)"
         ) from None
-    found = {f"{b.get_name()} ({b.__name__})": _BACKEND_LAYOUTS.get(b.__name__) for b in backends}
+    found = {f"{b.get_name()} ({b.__name__})": _backend_layout(b) for b in backends}
     unknown = sorted(name for name, layout in found.items() if layout is None)
     if unknown:
         raise UnsupportedKVCache(

@@ -195,6 +195,21 @@ def test_each_layer_registers_once_in_its_backends_layout(model_dir, attention, 
         connector.shutdown()
 
 
+def test_a_backend_vllm_derives_for_a_layer_kind_keeps_its_bases_layout(model_dir):
+    """vLLM subclasses a backend per layer kind (chunked local attention, ...); the KV cache stays the base's."""
+    from vllm.v1.attention.backend import subclass_attention_backend
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = make_vllm_config(model_dir, "kv_producer", base())
+    names = make_kv_cache_config(config, 32).kv_cache_groups[0].layer_names
+    derived = subclass_attention_backend("ChunkedLocalAttention_", CPUAttentionBackend,
+                                         CPUAttentionBackend.get_builder_cls())
+    for name in names:
+        config.compilation_config.static_forward_context[name].backend = derived
+    assert derived.__name__ == "ChunkedLocalAttention_CPUAttentionBackend"
+    assert kv_layout(config, names) == "vllm-cpu"
+
+
 @pytest.mark.parametrize("attention,needle", [
     ("ROCM_ATTN", "does not know how the ROCM_ATTN (RocmAttentionBackend) attention backend orders K and V"),
     (None, "this model's layers use attention backends with different ones"),
