@@ -69,8 +69,8 @@ test-engines-vllm: $(VLLM_STAMP)
 
 ifeq ($(strip $(ATOM_SRC)),)
 test-engines-atom:
-	@echo "test-engines: ATOM_SRC is not set, so the tests against ATOM itself do not run (the contract test ran" \
-	      "against the fake ATOM above); point ATOM_SRC at a ROCm/ATOM checkout to run them"
+	@echo "test-engines: ATOM_SRC is not set, so the tests against ATOM itself do not run (its contract test ran" \
+	      "against the fake ATOM in the vLLM environment); point ATOM_SRC at a ROCm/ATOM checkout to run them"
 else
 test-engines-atom: $(ATOM_STAMP)
 	@test -d "$(ATOM_SRC)/atom/model_engine" || { echo "test-engines: ATOM_SRC=$(ATOM_SRC) is not an ATOM" \
