@@ -23,6 +23,7 @@ import msgspec
 
 __all__ = [
     "MAX_PORT",
+    "MAX_RANGES_PER_REQUEST",
     "ConfigError",
     "FieldError",
     "KVTransferConfig",
@@ -33,6 +34,7 @@ __all__ = [
     "Port",
     "PositiveInt",
     "PositiveSeconds",
+    "RangesPerRequest",
     "convert_fields",
     "describe_type",
     "is_port",
@@ -55,6 +57,11 @@ NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0, le=_MAX_FLOAT, descriptio
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0, description=">= 0")]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1, description=">= 1")]
 NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")]
+#: ranges one tcp read request may name (bounds the request frames a read server accepts)
+MAX_RANGES_PER_REQUEST = 1 << 20
+RangesPerRequest = Annotated[
+    int, msgspec.Meta(ge=1, le=MAX_RANGES_PER_REQUEST, description=f"an integer in 1..{MAX_RANGES_PER_REQUEST}")
+]
 
 _POST_BATCH_DEFAULT = -1
 _POST_BATCH_SIZE = f"{_POST_BATCH_DEFAULT} (library default) or >= 1"
@@ -233,6 +240,13 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     peer_failure_threshold: PositiveInt = 3
     auth_token: Optional[str] = None
     tcp_streams: PositiveInt = 4
+    tcp_server_threads: PositiveInt = 4
+    tcp_max_connections: PositiveInt = 512
+    tcp_max_ranges_per_request: RangesPerRequest = 8192
+    tcp_read_timeout_s: PositiveSeconds = 10.0
+    tcp_idle_timeout_s: PositiveSeconds = 300.0
+    cma_grant_timeout_s: PositiveSeconds = 3.0
+    cma_grant_max_connections: PositiveInt = 64
     moriio_backend: MoriIOTransport = "rdma"
     poll_cq_mode: PollCqMode = "polling"
 

@@ -26,6 +26,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "AutoDescriptor",
     "BlockIds",
+    "CMA_PROTOCOL_VERSION",
+    "CmaChallenge",
     "CmaDescriptor",
     "CmaGrantReply",
     "CmaGrantRequest",
@@ -45,9 +47,11 @@ __all__ = [
     "RegionSpan",
     "RegisterPing",
     "RegistrationMessage",
+    "TCP_PROTOCOL_VERSION",
     "TcpDescriptor",
     "TcpHello",
     "TcpHelloReply",
+    "TcpServerHello",
     "TransferId",
     "WireError",
     "adoptable_transfer_id",
@@ -205,24 +209,37 @@ class ReadRange(msgspec.Struct, array_like=True, frozen=True):
     size: int
 
 
+#: version of the tcp read protocol (server hello, hello, hello reply, read
+#: request/reply); 2: the server speaks first and tokens are proven, never sent
+TCP_PROTOCOL_VERSION = 2
+#: version of the cma grant protocol (challenge, grant request, grant reply)
+CMA_PROTOCOL_VERSION = 2
+#: a data-path nonce: empty, or up to 128 characters (atom_kv's are 32 hex digits)
+Nonce = Annotated[str, msgspec.Meta(max_length=128)]
+#: a data-path proof: empty, or a hex HMAC-SHA256 (64 characters)
+Proof = Annotated[str, msgspec.Meta(max_length=128)]
+
+
 class ReadRequest(msgspec.Struct, tag_field="t", tag="rd", kw_only=True, array_like=True):
     """``ranges`` to send back in order. ``packed`` (when non-empty) carries
     the same thing in bulk: little-endian uint64 ``(region, offset, size)``
-    triples, used instead of ``ranges``."""
+    triples, used instead of ``ranges``. Only sent on an accepted connection
+    (after :class:`TcpHelloReply` with ``ok``), at most ``max_ranges`` ranges."""
 
     req_id: int
     ranges: list[ReadRange]
-    auth_token: Optional[str] = None
-    v: int = PROTOCOL_VERSION
+    v: int = TCP_PROTOCOL_VERSION
     packed: bytes = b""
 
 
 class ReadReply(msgspec.Struct, tag_field="t", tag="rd_ok", kw_only=True, array_like=True):
+    """Answer to one :class:`ReadRequest`; with ``ok``, ``total`` raw bytes follow."""
+
     req_id: int
     ok: bool
     total: int = 0
     error: str = ""
-    v: int = PROTOCOL_VERSION
+    v: int = TCP_PROTOCOL_VERSION
 
 
 # --------------------------------------------------------------------------
@@ -243,18 +260,42 @@ class MoriIODescriptor(msgspec.Struct, tag_field="t", tag="mori", kw_only=True, 
 # --------------------------------------------------------------------------
 # tcp backend: connection hello and descriptor
 # --------------------------------------------------------------------------
+class TcpServerHello(msgspec.Struct, tag_field="t", tag="tcp_server_hello", kw_only=True):
+    """First frame on a tcp backend connection, sent by the read server.
+
+    ``nonce`` is the server's challenge when it requires the ``auth_token``
+    (empty when it does not). ``ok`` is False when the server refuses the
+    connection outright (too many connections), with the reason in ``error``.
+    """
+
+    ok: bool = True
+    error: str = ""
+    nonce: Nonce = ""
+    v: int = TCP_PROTOCOL_VERSION
+
+
 class TcpHello(msgspec.Struct, tag_field="t", tag="tcp_hello", kw_only=True):
-    """First frame on a tcp backend connection: who reads, with which token."""
+    """The reader's answer to :class:`TcpServerHello`: who reads and, when the
+    server sent a nonce, the reader's ``nonce`` and its ``proof`` (an HMAC
+    keyed with the token over both nonces). The token itself never travels."""
 
     key: str = ""
-    auth_token: Optional[str] = None
-    v: int = PROTOCOL_VERSION
+    nonce: Nonce = ""
+    proof: Proof = ""
+    v: int = TCP_PROTOCOL_VERSION
 
 
 class TcpHelloReply(msgspec.Struct, tag_field="t", tag="tcp_hello_ok", kw_only=True):
+    """The server's verdict on a :class:`TcpHello`. When the server requires
+    the token, ``proof`` is its own HMAC over both nonces (the reader checks
+    it before sending a request). ``max_ranges``: the most ranges one
+    :class:`ReadRequest` may name on this connection."""
+
     ok: bool
     error: str = ""
-    v: int = PROTOCOL_VERSION
+    proof: Proof = ""
+    max_ranges: int = 0
+    v: int = TCP_PROTOCOL_VERSION
 
 
 class TcpDescriptor(msgspec.Struct, tag_field="t", tag="tcp_desc", kw_only=True):
@@ -289,19 +330,38 @@ class CmaDescriptor(msgspec.Struct, tag_field="t", tag="cma_desc", kw_only=True)
     v: int = PROTOCOL_VERSION
 
 
+class CmaChallenge(msgspec.Struct, tag_field="t", tag="cma_challenge", kw_only=True):
+    """First frame on a cma grant connection, sent by the grant endpoint:
+    its ``nonce`` when it requires the ``auth_token`` (empty otherwise), or
+    ``ok=False`` with the reason when it refuses the connection outright."""
+
+    ok: bool = True
+    error: str = ""
+    nonce: Nonce = ""
+    v: int = CMA_PROTOCOL_VERSION
+
+
 class CmaGrantRequest(msgspec.Struct, tag_field="t", tag="cma_grant", kw_only=True):
+    """A reader asking for the region table: its ``pid`` and, when challenged,
+    its ``nonce`` and ``proof`` (HMAC over both nonces; the token never travels)."""
+
     pid: int
     key: str = ""
-    auth_token: Optional[str] = None
-    v: int = PROTOCOL_VERSION
+    nonce: Nonce = ""
+    proof: Proof = ""
+    v: int = CMA_PROTOCOL_VERSION
 
 
 class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=True):
+    """The region table a reader may read, or the refusal. ``proof`` is the
+    endpoint's HMAC over both nonces when it requires the token."""
+
     ok: bool
     error: str = ""
     pid: int = 0
     regions: list[RegionSpan] = []
-    v: int = PROTOCOL_VERSION
+    proof: Proof = ""
+    v: int = CMA_PROTOCOL_VERSION
 
 
 class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=True):
@@ -436,6 +496,8 @@ def decode(data: bytes, type_: type[T]) -> T:
         return _decoder(type_).decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): {exc}") from None
+    except RecursionError:  # a few KiB of nested arrays (0x91 0x91 ...) exhaust the decoder's stack
+        raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): nested too deeply") from None
 
 
 def _type_name(type_: Any) -> str:

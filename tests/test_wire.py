@@ -181,6 +181,13 @@ def test_decode_error_names_the_type_and_size():
         wire.decode(b"", wire.HandshakeMessage)
 
 
+@pytest.mark.parametrize("type_", [wire.DoneAck, wire.HandshakeMessage, wire.RegistrationMessage])
+def test_deeply_nested_garbage_raises_only_wire_error(type_):
+    # msgpack arrays nested far deeper than any message: the decoder's recursion limit, not a crash
+    with pytest.raises(WireError, match="nested too deeply"):
+        wire.decode(b"\x81\xa1z" + b"\x91" * 100_000 + b"\xc0", type_)
+
+
 # --- kv_transfer_params -----------------------------------------------------------
 def _producer_params() -> dict:
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [4, 5],

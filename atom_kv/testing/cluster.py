@@ -83,13 +83,19 @@ class Cluster:
                 "--port-file", self._port_file(i), "--tp", str(spec.tp), "--num-blocks", str(spec.num_blocks),
                 "--log-level", "INFO", "--instance-index", str(i), *spec.extra_args, *self._configs[i]]
 
-    def _launch_engine(self, i: int, name: str, port: int) -> ManagedProcess:
+    def _launch_engine(self, i: int, name: str, port: int) -> None:
+        """Start engine ``i`` and record it as ``self.engines[i]`` before a held Ctrl-C is re-raised
+        (a process started but not yet recorded would be left behind by :meth:`close`)."""
         try:
             os.unlink(self._port_file(i))
         except FileNotFoundError:
             pass
         with interrupts_held():
-            return ManagedProcess(name, self.engine_argv(i, port), self.log_dir)
+            proc = ManagedProcess(name, self.engine_argv(i, port), self.log_dir)
+            if i < len(self.engines):
+                self.engines[i] = proc
+            else:
+                self.engines.append(proc)
 
     def start(self, timeout: float = 90.0) -> "Cluster":
         try:
@@ -103,7 +109,7 @@ class Cluster:
             self.ports = [0] * len(self.specs)
             self._configs = [self._engine_config(i) for i in range(len(self.specs))]
             for i, spec in enumerate(self.specs):
-                self.engines.append(self._launch_engine(i, f"engine{i}-{spec.role}", 0))
+                self._launch_engine(i, f"engine{i}-{spec.role}", 0)
             for i in range(len(self.specs)):
                 self.wait_engine(i, timeout)
             if self.with_proxy:
@@ -116,7 +122,7 @@ class Cluster:
     def restart_engine(self, i: int, timeout: float = 90.0) -> None:
         """Start engine ``i`` again (after a kill) with the same configuration and HTTP port, so
         the proxy sees the same instance come back."""
-        self.engines[i] = self._launch_engine(i, f"engine{i}-{self.specs[i].role}-restart", self.ports[i])
+        self._launch_engine(i, f"engine{i}-{self.specs[i].role}-restart", self.ports[i])
         self.wait_engine(i, timeout)
 
     def wait_engine(self, i: int, timeout: float) -> None:

@@ -54,12 +54,16 @@ def create_backend(
     config: Optional["KVTransferConfig"] = None,
     *,
     host: str = "127.0.0.1",
+    bind_host: Optional[str] = None,
     key: Optional[str] = None,
 ) -> TransferBackend:
     """Build the backend called ``name`` (see :data:`BACKENDS`).
 
-    ``host`` is the address peers use to reach this process; ``key`` a
-    process-unique name (engine id + ranks) used by backends that need one.
+    ``host`` is the address peers use to reach this process (written into
+    its descriptor); ``bind_host`` the address its listeners bind (the
+    engine's ``--host``; ``host`` when not given; all interfaces only when
+    it says ``"0.0.0.0"``); ``key`` a process-unique name (engine id +
+    ranks) used by backends that need one.
     Raises :class:`BackendUnavailable` with a one-line reason when the backend
     cannot run here.
     """
@@ -70,4 +74,4 @@ def create_backend(
     module_name, cls_name = target.split(":")
     module = importlib.import_module(module_name)
     cls = getattr(module, cls_name)
-    return cls(config, host=host, key=key)
+    return cls(config, host=host, bind_host=bind_host, key=key)

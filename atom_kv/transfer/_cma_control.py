@@ -1,107 +1,190 @@
-"""The cma backend's control endpoint: a tiny socket server (one named
-thread) in the serving process. A reader must present the ``auth_token`` (if
-set) and its pid; it gets back the region table it may read. It also proves
-the serving process is alive at ``add_peer`` time."""
+"""The cma backend's grant endpoint: a :class:`FrameServer` in the serving
+process that hands its region table to a reader (after challenge-response
+when an ``auth_token`` is set), plus :func:`request_grant`, the reader's side.
+A grant also proves the serving process is alive at ``add_peer`` time.
+
+One connection, one grant::
+
+    endpoint -> CmaChallenge(nonce)               nonce empty without a token
+    reader   -> CmaGrantRequest(pid, key, nonce, proof)
+    endpoint -> CmaGrantReply(ok, pid, regions, proof)
+
+Connections are served concurrently (one selector thread, two handler
+threads); each must send its request within ``cma_grant_timeout_s``.
+"""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import socket
-import threading
 import time
 from typing import Callable, Optional
 
 from atom_kv import wire
-from atom_kv.transfer._sockio import frame, recv_frame, wait_readable
+from atom_kv.wire import decode
+from atom_kv.transfer._events import EndpointEvents
+from atom_kv.transfer._frame_server import Conn, FrameServer, ServerLimits
+from atom_kv.transfer._sockio import HELLO_FRAME_MAX, frame, recv_frame
+from atom_kv.transfer._trust import (
+    AUTH_HINT,
+    PURPOSE_CMA_GRANT,
+    ReaderProof,
+    new_nonce,
+    peek_version,
+    reader_proof_ok,
+    server_proof,
+    version_refusal,
+)
+from atom_kv.transfer.base import TransferError
+
+__all__ = ["CmaControlServer", "request_grant"]
 
 log = logging.getLogger(__name__)
 
+#: threads answering grant requests (each answer is one small send)
+GRANT_THREADS = 2
+#: largest grant reply a reader accepts (about 150,000 regions)
+MAX_GRANT_REPLY = 4 << 20
+
 
 class CmaControlServer:
-    """Owns the listening socket and the thread answering grant requests."""
+    """Owns the grant endpoint of one cma backend: its :class:`FrameServer`
+    (socket, threads, connections) and the grant protocol. ``host`` is the
+    address written into descriptors; the socket listens on ``bind_host``."""
 
     def __init__(
-        self, host: str, auth_token: Optional[str], timeout_s: float,
-        spans: Callable[[], list[tuple[int, int, int]]], label: str,
+        self,
+        *,
+        bind_host: str,
+        host: str,
+        auth_token: Optional[str],
+        timeout_s: float,
+        max_connections: int,
+        spans: Callable[[], list[tuple[int, int, int]]],
+        label: str,
     ) -> None:
-        self._token = auth_token.encode() if auth_token else None
+        self._token = auth_token.encode("utf-8") if auth_token else None
         self._timeout = timeout_s
+        self._max_connections = max_connections
         self._spans = spans
         self._label = label
-        self._lsock = socket.create_server((host, 0), backlog=64)
         self.host = host
-        self.port = self._lsock.getsockname()[1]
-        self._wake_r, self._wake_w = os.pipe()
-        self._stop = threading.Event()
-        self.decode_errors = 0
-        self.auth_failures = 0
-        self.grants = 0
-        self._thread = threading.Thread(target=self._run, name=f"atomkv-cma-ctl-{self.port}", daemon=True)
-        self._thread.start()
+        self.events = EndpointEvents(log, f"{label} events")
+        limits = ServerLimits(
+            max_connections=max_connections, max_frame=HELLO_FRAME_MAX, read_timeout_s=timeout_s,
+            idle_timeout_s=timeout_s, threads=GRANT_THREADS,
+        )
+        self._server = FrameServer(
+            "atomkv-cma-ctl", label, bind_host, limits, self.events,
+            greet=self._greet, refuse_busy=self._busy, handle=self._answer,
+        )
+        self.port = self._server.port
+        self.bind_address = self._server.bind_address
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not wait_readable(self._lsock, self._wake_r, self._timeout):
-                    continue
-                conn, _ = self._lsock.accept()
-            except OSError:
-                if self._stop.is_set():
-                    return
-                log.exception("%s: accept failed", self._label)
-                continue
-            with conn:
-                try:
-                    self._answer(conn)
-                except (OSError, TimeoutError, ConnectionError) as exc:
-                    log.info("%s: grant connection dropped: %s", self._label, exc)
+    @property
+    def decode_errors(self) -> int:
+        return self.events["decode"]
 
-    def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(self._timeout)
-        data = recv_frame(conn, time.monotonic() + self._timeout)
+    @property
+    def auth_failures(self) -> int:
+        return self.events["auth"]
+
+    @property
+    def grants(self) -> int:
+        return self.events["granted"]
+
+    def stats(self) -> dict[str, int]:
+        """Event counts by key: granted, auth, version, decode, busy, oversized, timeout."""
+        return self.events.snapshot()
+
+    def _greet(self, conn: Conn) -> bytes:
+        if self._token is not None:
+            conn.nonce = new_nonce()
+        return wire.encode(wire.CmaChallenge(nonce=conn.nonce))
+
+    def _busy(self) -> bytes:
+        return wire.encode(wire.CmaChallenge(
+            ok=False, error=f"cma: the grant endpoint has {self._max_connections} connections open "
+                            "(cma_grant_max_connections); try again later",
+        ))
+
+    def _answer(self, conn: Conn, payload: bytearray) -> bool:
+        """Answer the one request of a connection; the connection then closes."""
+        who = f"{self._label}: reader at {conn.peer}"
         try:
-            req = wire.decode(data, wire.CmaGrantRequest)
+            req = decode(payload, wire.CmaGrantRequest)
         except wire.WireError as exc:
-            self.decode_errors += 1
-            log.warning("%s: bad grant request: %s", self._label, exc)
-            conn.sendall(frame(wire.encode(wire.CmaGrantReply(ok=False, error=f"cma: bad grant request: {exc}"))))
-            return
-        if self._token is not None and not hmac.compare_digest((req.auth_token or "").encode(), self._token):
-            self.auth_failures += 1
-            log.warning("%s: refused reader pid %d (%r): wrong or missing auth_token", self._label, req.pid, req.key)
-            reply = wire.CmaGrantReply(ok=False, error="cma: the peer rejected our auth_token (wrong or missing)")
-            conn.sendall(frame(wire.encode(reply)))
-            return
+            theirs = peek_version(payload)
+            if theirs is not None and theirs != wire.CMA_PROTOCOL_VERSION:
+                return self._refuse(conn, "version", who, version_refusal("cma", "reader", theirs,
+                                                                          wire.CMA_PROTOCOL_VERSION))
+            return self._refuse(conn, "decode", who, f"cma: bad grant request: {exc}")
+        who = f"{who} (pid {req.pid}, {req.key!r})"
+        if req.v != wire.CMA_PROTOCOL_VERSION:
+            return self._refuse(conn, "version", who, version_refusal("cma", "reader", req.v,
+                                                                      wire.CMA_PROTOCOL_VERSION))
+        proof = ""
+        if self._token is not None:
+            if not reader_proof_ok(self._token, PURPOSE_CMA_GRANT, conn.nonce, req.nonce, req.proof):
+                return self._refuse(conn, "auth", who, "cma: the grant endpoint refused this reader: wrong or "
+                                                       f"missing auth_token proof; {AUTH_HINT}")
+            proof = server_proof(self._token, PURPOSE_CMA_GRANT, conn.nonce, req.nonce)
         spans = [wire.RegionSpan(region=r, addr=a, size=s) for r, a, s in self._spans()]
-        self.grants += 1
-        log.info("%s: granted reader pid %d (%r) %d regions", self._label, req.pid, req.key, len(spans))
-        conn.sendall(frame(wire.encode(wire.CmaGrantReply(ok=True, pid=os.getpid(), regions=spans))))
+        self._send(conn, wire.CmaGrantReply(ok=True, pid=os.getpid(), regions=spans, proof=proof))
+        self.events.count("granted")
+        log.info("%s: granted %d regions", who, len(spans))
+        return False
+
+    def _refuse(self, conn: Conn, key: str, who: str, why: str) -> bool:
+        self.events.warn(key, f"{who}: refused: {why}")
+        self._send(conn, wire.CmaGrantReply(ok=False, error=why[:1024]))
+        return False
+
+    def _send(self, conn: Conn, reply: wire.CmaGrantReply) -> None:
+        conn.sock.settimeout(self._timeout)
+        conn.sock.sendall(frame(wire.encode(reply)))
 
     def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        os.write(self._wake_w, b"x")
-        self._thread.join(timeout=5)
-        self._lsock.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._server.close()
 
 
 def request_grant(
-    desc: wire.CmaDescriptor, key: str, auth_token: Optional[str], timeout_s: float
+    desc: wire.CmaDescriptor, key: str, auth_token: Optional[str], timeout_s: float,
+    events: Optional[EndpointEvents] = None,
 ) -> wire.CmaGrantReply:
-    """Ask a peer's control endpoint for its region table."""
+    """Ask a peer's grant endpoint for its region table, within ``timeout_s``.
+
+    Returns the endpoint's reply (``ok=False`` with the reason when it
+    refused); raises :class:`TransferError` when the endpoint cannot be
+    reached, is silent, speaks another protocol version, sends something
+    undecodable, or fails to prove it knows the token."""
     where = f"{desc.ctl_host}:{desc.ctl_port} (pid {desc.pid})"
     deadline = time.monotonic() + timeout_s
     try:
         with socket.create_connection((desc.ctl_host, desc.ctl_port), timeout=timeout_s) as sock:
-            sock.sendall(frame(wire.encode(wire.CmaGrantRequest(pid=os.getpid(), key=key, auth_token=auth_token))))
-            return wire.decode(recv_frame(sock, deadline), wire.CmaGrantReply)
+            challenge = decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.CmaChallenge)
+            if challenge.v != wire.CMA_PROTOCOL_VERSION:
+                raise TransferError(f"{version_refusal('cma', 'peer', challenge.v, wire.CMA_PROTOCOL_VERSION)} "
+                                    f"(grant endpoint {where})")
+            if not challenge.ok:
+                return wire.CmaGrantReply(ok=False, error=f"{challenge.error} (grant endpoint {where})")
+            proof = ReaderProof(auth_token, PURPOSE_CMA_GRANT, challenge.nonce, "cma", f"grant endpoint {where}")
+            request = wire.CmaGrantRequest(pid=os.getpid(), key=key, nonce=proof.nonce, proof=proof.proof)
+            sock.sendall(frame(wire.encode(request)))
+            reply = decode(recv_frame(sock, deadline, MAX_GRANT_REPLY), wire.CmaGrantReply)
     except wire.WireError as exc:
-        log.warning("cma: bad grant reply from %s: %s", where, exc)
-        return wire.CmaGrantReply(ok=False, error=f"cma: bad grant reply from {where}: {exc}")
-    except (OSError, TimeoutError) as exc:
-        return wire.CmaGrantReply(ok=False, error=f"cma: cannot reach peer control endpoint {where}: {exc or 'timed out'}")
+        if events is not None:
+            events.warn("bad_grant", f"cma: bad answer from grant endpoint {where}: {exc}")
+        raise TransferError(f"cma: bad answer from grant endpoint {where}: {exc}") from None
+    except TimeoutError:
+        raise TransferError(f"cma: grant endpoint {where} did not answer within {timeout_s:g}s "
+                            "(cma_grant_timeout_s)") from None
+    except OSError as exc:
+        raise TransferError(f"cma: cannot reach grant endpoint {where}: {exc}") from None
+    if reply.v != wire.CMA_PROTOCOL_VERSION:
+        raise TransferError(f"{version_refusal('cma', 'peer', reply.v, wire.CMA_PROTOCOL_VERSION)} "
+                            f"(grant endpoint {where})")
+    if reply.ok:
+        proof.check_server(reply.proof)
+    return reply

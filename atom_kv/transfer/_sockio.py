@@ -5,7 +5,6 @@ scatter/gather I/O straight between sockets and lists of memoryviews
 from __future__ import annotations
 
 import os
-import select
 import socket
 import struct
 import time
@@ -13,7 +12,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-__all__ = ["IOV_MAX", "FRAME_HEADER", "frame", "recv_frame", "recv_exact", "send_views", "recv_views", "wait_readable"]
+__all__ = [
+    "FRAME_HEADER", "HELLO_FRAME_MAX", "IOV_MAX", "FrameTooLarge", "PeerClosed", "frame", "recv_exact", "recv_frame",
+    "recv_views", "request_frame_limit", "send_views",
+]
 
 try:
     IOV_MAX = min(int(os.sysconf("SC_IOV_MAX")), 1024)
@@ -23,6 +25,15 @@ except (ValueError, OSError, AttributeError):
 FRAME_HEADER = struct.Struct("!I")
 #: frames carry msgpack headers, never bulk data
 MAX_FRAME = 64 << 20
+#: the largest frame accepted before the other side is authenticated (hellos,
+#: challenges, grant requests) and the largest reply header a reader accepts
+HELLO_FRAME_MAX = 4096
+
+
+def request_frame_limit(max_ranges: int) -> int:
+    """Largest ``ReadRequest`` frame naming ``max_ranges`` ranges: each range
+    takes at most 28 bytes as a msgpack array (24 packed), plus the header."""
+    return 256 + 28 * max_ranges
 
 
 class PeerClosed(ConnectionError):
@@ -55,17 +66,17 @@ def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) ->
     return buf
 
 
-def recv_frame(sock: socket.socket, deadline: Optional[float] = None) -> bytes:
+class FrameTooLarge(ConnectionError):
+    """The other side announced a frame beyond the limit (nothing allocated)."""
+
+
+def recv_frame(sock: socket.socket, deadline: Optional[float] = None, limit: int = MAX_FRAME) -> bytes:
+    """One length-prefixed frame; a length beyond ``limit`` raises
+    :class:`FrameTooLarge` before anything is allocated for it."""
     (length,) = FRAME_HEADER.unpack(recv_exact(sock, FRAME_HEADER.size, deadline))
-    if length > MAX_FRAME:
-        raise ConnectionError(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+    if length > limit:
+        raise FrameTooLarge(f"the peer announced a {length}-byte frame; the limit is {limit}")
     return bytes(recv_exact(sock, length, deadline))
-
-
-def wait_readable(sock: socket.socket, wake_fd: int, timeout: float) -> bool:
-    """Block until ``sock`` is readable (True) or ``wake_fd``/timeout (False)."""
-    ready, _, _ = select.select([sock, wake_fd], [], [], timeout)
-    return sock in ready
 
 
 def _advance(ends: np.ndarray, pos: int) -> tuple[int, int]:

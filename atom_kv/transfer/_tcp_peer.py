@@ -15,9 +15,12 @@ from typing import Optional
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.wire import decode
+from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._jobs import JobWorkers, ReadState
 from atom_kv.transfer._regions import RegionTable
-from atom_kv.transfer._sockio import frame, recv_frame, recv_views
+from atom_kv.transfer._sockio import HELLO_FRAME_MAX, PeerClosed, frame, recv_frame, recv_views
+from atom_kv.transfer._trust import PURPOSE_TCP_READ, ReaderProof, version_refusal
 from atom_kv.transfer.base import TransferError
 
 log = logging.getLogger(__name__)
@@ -33,8 +36,18 @@ class Job:
     deadline: float
 
 
+class _Stale(Exception):
+    """A reused connection turned out closed before any reply byte arrived
+    (the server dropped it while idle): reconnect and send the request again."""
+
+
 class TcpPeer:
-    """Connections and worker threads for reading from one remote process."""
+    """Connections and worker threads for reading from one remote process.
+
+    Each connection authenticates the server before sending a request (when
+    this engine has an ``auth_token``); ``max_ranges`` is the most ranges the
+    server accepts in one request. ``events`` counts what went wrong with
+    this peer's replies ("bad_reply", "stale")."""
 
     def __init__(
         self,
@@ -47,6 +60,7 @@ class TcpPeer:
         streams: int,
         connect_timeout_s: float,
         io_timeout_s: float,
+        events: EndpointEvents,
     ) -> None:
         self.peer_id = peer_id
         self.desc = desc
@@ -55,10 +69,12 @@ class TcpPeer:
         self._token = auth_token
         self._connect_timeout = connect_timeout_s
         self._io_timeout = io_timeout_s
+        self._events = events
         self._lock = threading.Lock()
         self._socks: list[Optional[socket.socket]] = [None] * streams
         self._req_seq = 0
-        # one connection up front: proves the peer is alive and accepts our token
+        self.max_ranges = 0
+        # one connection up front: proves the peer is alive, knows our token and says its limits
         self._socks[0] = self._connect()
         self._workers = JobWorkers(
             f"atomkv-tcp-read-{desc.port}", streams, self._run_job,
@@ -78,19 +94,44 @@ class TcpPeer:
             raise TransferError(f"tcp: cannot connect to peer {where}: {exc}") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.sendall(frame(wire.encode(wire.TcpHello(key=self._key, auth_token=self._token))))
-            reply = wire.decode(recv_frame(sock, deadline), wire.TcpHelloReply)
-        except wire.WireError as exc:
+            self.max_ranges = self._authenticate(sock, where, deadline)
+        except BaseException:
             sock.close()
-            log.warning("tcp: peer %s sent a bad hello reply: %s", where, exc)
-            raise TransferError(f"tcp: peer {where} sent a bad hello reply: {exc}") from None
-        except (OSError, TimeoutError) as exc:
-            sock.close()
-            raise TransferError(f"tcp: handshake with peer {where} failed: {exc or type(exc).__name__}") from None
-        if not reply.ok:
-            sock.close()
-            raise TransferError(f"{reply.error} (peer {where})")
+            raise
         return sock
+
+    def _authenticate(self, sock: socket.socket, where: str, deadline: float) -> int:
+        """The reader's side of the hello (see ``_tcp_server``); returns the
+        server's ``max_ranges`` or raises :class:`TransferError`."""
+        try:
+            try:
+                greeting = decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.TcpServerHello)
+            except TimeoutError:
+                raise TransferError(
+                    f"tcp: peer {where} sent no server hello within {self._connect_timeout:g}s "
+                    "(an atom-kv older than protocol v2 does not speak first?)"
+                ) from None
+            if greeting.v != wire.TCP_PROTOCOL_VERSION:
+                raise TransferError(f"{version_refusal('tcp', 'peer', greeting.v, wire.TCP_PROTOCOL_VERSION)} "
+                                    f"(peer {where})")
+            if not greeting.ok:
+                raise TransferError(f"{greeting.error} (peer {where})")
+            proof = ReaderProof(self._token, PURPOSE_TCP_READ, greeting.nonce, "tcp", where)
+            sock.sendall(frame(wire.encode(wire.TcpHello(key=self._key, nonce=proof.nonce, proof=proof.proof))))
+            reply = decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.TcpHelloReply)
+        except wire.WireError as exc:
+            self._events.warn("bad_reply", f"tcp: peer {where} sent a bad hello: {exc}")
+            raise TransferError(f"tcp: peer {where} sent a bad hello: {exc}") from None
+        except (OSError, TimeoutError) as exc:
+            raise TransferError(f"tcp: handshake with peer {where} failed: {exc or type(exc).__name__}") from None
+        if reply.v != wire.TCP_PROTOCOL_VERSION:
+            raise TransferError(f"{version_refusal('tcp', 'peer', reply.v, wire.TCP_PROTOCOL_VERSION)} (peer {where})")
+        if not reply.ok:
+            raise TransferError(f"{reply.error} (peer {where})")
+        proof.check_server(reply.proof)
+        if reply.max_ranges < 1:
+            raise TransferError(f"tcp: peer {where} announced max_ranges={reply.max_ranges}; expected >= 1")
+        return reply.max_ranges
 
     def submit(self, job: Job) -> None:
         self._workers.submit(job)
@@ -103,21 +144,38 @@ class TcpPeer:
     def _run_job(self, idx: int, job: Job) -> Optional[str]:
         state = job.state
         what = f"tcp read {state.rid} from {self.desc.host}:{self.desc.port}"
-        if time.monotonic() >= job.deadline:
-            return f"{what}: timed out before it could be sent"
-        sock = self._socks[idx]
-        try:
-            if sock is None:
-                sock = self._socks[idx] = self._connect()
-        except TransferError as exc:
-            return f"{what}: {exc}"
-        table = job.table
+        for attempt in (1, 2):
+            if time.monotonic() >= job.deadline:
+                return f"{what}: timed out before it could be sent"
+            reused = self._socks[idx] is not None
+            try:
+                if not reused:
+                    self._socks[idx] = self._connect()
+            except TransferError as exc:
+                return f"{what}: {exc}"
+            try:
+                return self._request(self._socks[idx], job, what, may_be_stale=reused and attempt == 1)
+            except _Stale:
+                self._events.count("stale")
+                log.debug("%s: connection %d was closed by the server while idle; reconnecting", what, idx)
+                self._drop(idx)
+        return f"{what}: connection failed twice"  # not reached: a fresh connection never raises _Stale
+
+    def _request(self, sock: socket.socket, job: Job, what: str, *, may_be_stale: bool) -> Optional[str]:
+        """Send one request on ``sock`` and receive its bytes into the destination."""
+        state, table = job.state, job.table
         req_id = self._next_req_id()
         packed = np.ascontiguousarray(table[:, 2:5]).astype("<u8").tobytes()
         try:
             sock.settimeout(self._io_timeout)
-            sock.sendall(frame(wire.encode(wire.ReadRequest(req_id=req_id, ranges=[], packed=packed))))
-            reply = wire.decode(recv_frame(sock, job.deadline), wire.ReadReply)
+            try:
+                sock.sendall(frame(wire.encode(wire.ReadRequest(req_id=req_id, ranges=[], packed=packed))))
+                head = recv_frame(sock, job.deadline, HELLO_FRAME_MAX)
+            except (PeerClosed, ConnectionResetError, BrokenPipeError):
+                if may_be_stale:
+                    raise _Stale() from None
+                raise
+            reply = decode(head, wire.ReadReply)
             if not reply.ok:
                 return f"{what}: {reply.error}"
             sizes = table[:, 4]
@@ -130,16 +188,22 @@ class TcpPeer:
             recv_views(sock, views, sizes, job.deadline, state.handle.done)
             return None
         except wire.WireError as exc:
-            log.warning("%s: bad reply: %s", what, exc)
-            self._drop(idx)
+            self._events.warn("bad_reply", f"{what}: bad reply: {exc}")
+            self._drop_sock(sock)
             return f"{what}: bad reply: {exc}"
         except (OSError, TimeoutError) as exc:
-            self._drop(idx)
+            self._drop_sock(sock)
             if state.handle.done():
                 return None
             if isinstance(exc, TimeoutError):
                 return f"{what}: timed out"
             return f"{what}: connection failed: {exc}"
+
+    def _drop_sock(self, sock: socket.socket) -> None:
+        for i, s in enumerate(self._socks):
+            if s is sock:
+                self._drop(i)
+                return
 
     def _drop(self, idx: int) -> None:
         sock, self._socks[idx] = self._socks[idx], None

@@ -1,162 +1,220 @@
-"""The serving half of the tcp backend: a listening socket and one named
-thread per reader connection that answers ``ReadRequest`` frames by sending
-straight from registered memory, after bounds-checking every range."""
+"""The serving half of the tcp backend: a :class:`FrameServer` whose handler
+authenticates readers (challenge-response when an ``auth_token`` is set) and
+answers ``ReadRequest`` frames by sending straight from registered memory,
+after bounds-checking every range.
+
+Protocol on one connection (frames are 4-byte big-endian length + msgpack)::
+
+    server -> TcpServerHello(nonce)              nonce empty without a token
+    reader -> TcpHello(key, nonce, proof)        proof: HMAC over both nonces
+    server -> TcpHelloReply(ok, proof, max_ranges)
+    reader -> ReadRequest ... server -> ReadReply + raw bytes, repeated
+"""
 
 from __future__ import annotations
 
-import hmac
 import logging
-import os
-import socket
-import threading
-from typing import Optional
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.wire import decode
+from atom_kv.transfer._events import EndpointEvents
+from atom_kv.transfer._frame_server import Conn, FrameServer, ServerLimits
 from atom_kv.transfer._regions import RegionTable, out_of_bounds
-from atom_kv.transfer._sockio import (
-    PeerClosed,
-    frame,
-    recv_frame,
-    send_views,
-    wait_readable,
+from atom_kv.transfer._sockio import frame, request_frame_limit, send_views
+from atom_kv.transfer._trust import (
+    AUTH_HINT,
+    PURPOSE_TCP_READ,
+    new_nonce,
+    peek_version,
+    reader_proof_ok,
+    server_proof,
+    version_refusal,
 )
+
+if TYPE_CHECKING:
+    from atom_kv.config import KVTransferConfig
+
+__all__ = ["TcpReadServer", "TcpServerSettings"]
 
 log = logging.getLogger(__name__)
 
-#: a request may name at most this many ranges (bounds the view list we build)
-MAX_RANGES_PER_REQUEST = 1 << 20
+#: longest error text put in a reply
+_MAX_ERROR_CHARS = 1024
+
+
+@dataclass(frozen=True)
+class TcpServerSettings:
+    """The read server's bounds, from the ``tcp_*`` config keys."""
+
+    max_connections: int
+    max_ranges: int
+    read_timeout_s: float
+    idle_timeout_s: float
+    threads: int
+    send_timeout_s: float
+
+    @classmethod
+    def from_config(cls, cfg: "KVTransferConfig") -> "TcpServerSettings":
+        return cls(
+            max_connections=cfg.tcp_max_connections,
+            max_ranges=cfg.tcp_max_ranges_per_request,
+            read_timeout_s=cfg.tcp_read_timeout_s,
+            idle_timeout_s=cfg.tcp_idle_timeout_s,
+            threads=cfg.tcp_server_threads,
+            send_timeout_s=cfg.transfer_timeout_s,
+        )
 
 
 class TcpReadServer:
-    """Owns the listening socket, the accept thread and the per-connection
-    serving threads of one tcp backend."""
+    """Owns one tcp backend's serving side: the :class:`FrameServer` (socket,
+    threads, connections) and the read protocol on top of it. ``host`` is
+    the address written into descriptors; the socket listens on ``bind_host``."""
 
     def __init__(
-        self, regions: RegionTable, host: str, auth_token: Optional[str], io_timeout_s: float, label: str
+        self,
+        regions: RegionTable,
+        *,
+        bind_host: str,
+        host: str,
+        auth_token: Optional[str],
+        settings: TcpServerSettings,
+        label: str,
     ) -> None:
         self._regions = regions
-        self._token = auth_token.encode() if auth_token else None
-        self._io_timeout = io_timeout_s
+        self._token = auth_token.encode("utf-8") if auth_token else None
+        self._settings = settings
         self._label = label
-        self._lsock = socket.create_server((host, 0), backlog=128)
         self.host = host
-        self.port = self._lsock.getsockname()[1]
-        self._wake_r, self._wake_w = os.pipe()
-        self._lock = threading.Lock()
-        self._conns: dict[int, tuple[socket.socket, threading.Thread]] = {}
-        self._stop = threading.Event()
-        self._seq = 0
-        #: counters, readable by tests and metrics
-        self.decode_errors = 0
-        self.rejected_ranges = 0
-        self.auth_failures = 0
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name=f"atomkv-tcp-accept-{self.port}", daemon=True
+        self.events = EndpointEvents(log, f"{label} events")
+        limits = ServerLimits(
+            max_connections=settings.max_connections,
+            max_frame=request_frame_limit(settings.max_ranges),
+            read_timeout_s=settings.read_timeout_s,
+            idle_timeout_s=settings.idle_timeout_s,
+            threads=settings.threads,
         )
-        self._accept_thread.start()
+        self._server = FrameServer(
+            "atomkv-tcp", label, bind_host, limits, self.events,
+            greet=self._greet, refuse_busy=self._busy, handle=self._handle,
+        )
+        self.port = self._server.port
+        self.bind_address = self._server.bind_address
 
-    # ------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if not wait_readable(self._lsock, self._wake_r, self._io_timeout):
-                    continue
-                conn, addr = self._lsock.accept()
-            except OSError:
-                if self._stop.is_set():
-                    return
-                log.exception("%s: accept failed", self._label)
-                continue
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                if self._stop.is_set():
-                    conn.close()
-                    return
-                self._seq += 1
-                cid = self._seq
-                t = threading.Thread(
-                    target=self._serve, args=(cid, conn, addr),
-                    name=f"atomkv-tcp-serve-{self.port}-{cid}", daemon=True,
-                )
-                self._conns[cid] = (conn, t)
-            t.start()
+    # -- counters (tests, metrics) -----------------------------------------
+    @property
+    def decode_errors(self) -> int:
+        return self.events["decode"]
 
-    def _serve(self, cid: int, conn: socket.socket, addr: tuple) -> None:
-        who = f"{self._label} conn {cid} from {addr[0]}:{addr[1]}"
-        try:
-            conn.settimeout(self._io_timeout)
-            if not self._hello(conn, who):
-                return
-            while not self._stop.is_set():
-                try:
-                    if not wait_readable(conn, self._wake_r, self._io_timeout):
-                        continue
-                    data = recv_frame(conn)
-                except (PeerClosed, ConnectionError, TimeoutError, OSError):
-                    return
-                self._answer(conn, data, who)
-        except (ConnectionError, TimeoutError, OSError) as exc:
-            if not self._stop.is_set():
-                log.info("%s: connection dropped: %s", who, exc)
-        finally:
-            with self._lock:
-                self._conns.pop(cid, None)
-            conn.close()
+    @property
+    def rejected_ranges(self) -> int:
+        return self.events["ranges"]
 
-    def _hello(self, conn: socket.socket, who: str) -> bool:
-        try:
-            hello = wire.decode(recv_frame(conn), wire.TcpHello)
-        except wire.WireError as exc:
-            self.decode_errors += 1
-            log.warning("%s: bad hello: %s", who, exc)
-            conn.sendall(frame(wire.encode(wire.TcpHelloReply(ok=False, error=f"bad hello: {exc}"))))
-            return False
+    @property
+    def auth_failures(self) -> int:
+        return self.events["auth"]
+
+    @property
+    def connections(self) -> int:
+        return self._server.connections
+
+    def stats(self) -> dict[str, int]:
+        """Event counts by key: auth, version, decode, ranges, malformed,
+        busy, oversized, timeout, idle, accept."""
+        return self.events.snapshot()
+
+    # -- handshake ---------------------------------------------------------
+    def _greet(self, conn: Conn) -> bytes:
         if self._token is not None:
-            given = (hello.auth_token or "").encode()
-            if not hmac.compare_digest(given, self._token):
-                self.auth_failures += 1
-                log.warning("%s: rejected reader %r: wrong or missing auth_token", who, hello.key)
-                reply = wire.TcpHelloReply(ok=False, error="tcp: the peer rejected our auth_token (wrong or missing)")
-                conn.sendall(frame(wire.encode(reply)))
-                return False
-        conn.sendall(frame(wire.encode(wire.TcpHelloReply(ok=True))))
+            conn.nonce = new_nonce()
+        return wire.encode(wire.TcpServerHello(nonce=conn.nonce))
+
+    def _busy(self) -> bytes:
+        return wire.encode(wire.TcpServerHello(
+            ok=False, error=f"tcp: the read server has {self._settings.max_connections} connections open "
+                            "(tcp_max_connections); try again later",
+        ))
+
+    def _handle(self, conn: Conn, payload: bytearray) -> bool:
+        if not conn.authenticated:
+            return self._hello(conn, payload)
+        self._answer(conn, payload)
         return True
 
-    def _answer(self, conn: socket.socket, data: bytes, who: str) -> None:
+    def _hello(self, conn: Conn, payload: bytearray) -> bool:
+        who = f"{self._label}: reader at {conn.peer}"
         try:
-            req = wire.decode(data, wire.ReadRequest)
+            hello = decode(payload, wire.TcpHello)
         except wire.WireError as exc:
-            self.decode_errors += 1
-            log.warning("%s: undecodable read request: %s", who, exc)
-            conn.sendall(frame(wire.encode(wire.ReadReply(req_id=-1, ok=False, error=str(exc)))))
+            theirs = peek_version(payload)
+            if theirs is not None and theirs != wire.TCP_PROTOCOL_VERSION:
+                return self._refuse_hello(conn, "version", who, version_refusal("tcp", "reader", theirs,
+                                                                                wire.TCP_PROTOCOL_VERSION))
+            return self._refuse_hello(conn, "decode", who, f"tcp: bad hello: {exc}")
+        if hello.v != wire.TCP_PROTOCOL_VERSION:
+            return self._refuse_hello(conn, "version", who, version_refusal("tcp", "reader", hello.v,
+                                                                            wire.TCP_PROTOCOL_VERSION))
+        proof = ""
+        if self._token is not None:
+            if not reader_proof_ok(self._token, PURPOSE_TCP_READ, conn.nonce, hello.nonce, hello.proof):
+                return self._refuse_hello(
+                    conn, "auth", f"{who} ({hello.key!r})",
+                    f"tcp: the read server refused this reader: wrong or missing auth_token proof; {AUTH_HINT}",
+                )
+            proof = server_proof(self._token, PURPOSE_TCP_READ, conn.nonce, hello.nonce)
+        conn.authenticated = True
+        self._send(conn, wire.TcpHelloReply(ok=True, proof=proof, max_ranges=self._settings.max_ranges),
+                   self._settings.read_timeout_s)
+        log.debug("%s (%r): accepted", who, hello.key)
+        return True
+
+    def _refuse_hello(self, conn: Conn, key: str, who: str, why: str) -> bool:
+        self.events.warn(key, f"{who}: refused: {why}")
+        self._send(conn, wire.TcpHelloReply(ok=False, error=why[:_MAX_ERROR_CHARS]), self._settings.read_timeout_s)
+        return False
+
+    def _send(self, conn: Conn, msg: wire.TcpHelloReply | wire.ReadReply, timeout_s: float) -> None:
+        conn.sock.settimeout(timeout_s)
+        conn.sock.sendall(frame(wire.encode(msg)))
+
+    # -- reads -------------------------------------------------------------
+    def _answer(self, conn: Conn, data: bytearray) -> None:
+        who = f"{self._label}: reader at {conn.peer}"
+        try:
+            req = decode(data, wire.ReadRequest)
+        except wire.WireError as exc:
+            self.events.warn("decode", f"{who}: undecodable read request: {exc}")
+            self._send(conn, wire.ReadReply(req_id=-1, ok=False, error=str(exc)[:_MAX_ERROR_CHARS]),
+                       self._settings.read_timeout_s)
             return
         rid = req.req_id
         if req.packed:
             if len(req.packed) % 24:
-                self._refuse(conn, rid, who, "packed ranges are not a whole number of (region, offset, size) triples")
+                self._refuse(conn, rid, "malformed", who,
+                             "packed ranges are not a whole number of (region, offset, size) triples")
                 return
             table = np.frombuffer(req.packed, dtype="<u8").reshape(-1, 3).astype(np.int64)
         else:
             try:
                 table = np.array([(r.region, r.offset, r.size) for r in req.ranges], dtype=np.int64).reshape(-1, 3)
             except OverflowError:  # msgpack ints reach 2**64 - 1 and down to -2**63
-                self.rejected_ranges += 1
-                self._refuse(conn, rid, who, "a range field does not fit in a signed 64-bit integer")
+                self._refuse(conn, rid, "ranges", who, "a range field does not fit in a signed 64-bit integer")
                 return
-        if len(table) > MAX_RANGES_PER_REQUEST:
-            self._refuse(conn, rid, who, f"{len(table)} ranges in one request (limit {MAX_RANGES_PER_REQUEST})")
+        if len(table) > self._settings.max_ranges:
+            self._refuse(conn, rid, "malformed", who,
+                         f"{len(table)} ranges in one request (limit {self._settings.max_ranges}, "
+                         "tcp_max_ranges_per_request)")
             return
         regions, offsets, sizes = table[:, 0], table[:, 1], table[:, 2]
         bad = out_of_bounds(regions, offsets, sizes, self._regions.sizes)
         if bad is not None:
-            self.rejected_ranges += 1
             r, o, s = (int(x) for x in table[bad])
-            self._refuse(
-                conn, rid, who,
-                f"range {bad} (region {r}, offset {o}, size {s}) is outside the registered regions",
-            )
+            self._refuse(conn, rid, "ranges", who,
+                         f"range {bad} (region {r}, offset {o}, size {s}) is outside the registered regions")
             return
         total = int(sizes.sum())
         head = frame(wire.encode(wire.ReadReply(req_id=rid, ok=True, total=total)))
@@ -165,33 +223,14 @@ class TcpReadServer:
         lengths = np.empty(len(views), dtype=np.int64)
         lengths[0] = len(head)
         lengths[1:] = sizes
-        send_views(conn, views, lengths)
+        send_views(conn.sock, views, lengths, time.monotonic() + self._settings.send_timeout_s)
         log.debug("%s: request %d: sent %d bytes in %d ranges", who, rid, total, len(table))
 
-    def _refuse(self, conn: socket.socket, rid: int, who: str, why: str) -> None:
-        log.warning("%s: request %d refused: %s", who, rid, why)
-        conn.sendall(frame(wire.encode(wire.ReadReply(req_id=rid, ok=False, error=f"tcp: {why}"))))
+    def _refuse(self, conn: Conn, rid: int, key: str, who: str, why: str) -> None:
+        self.events.warn(key, f"{who}: request {rid} refused: {why}")
+        self._send(conn, wire.ReadReply(req_id=rid, ok=False, error=f"tcp: {why}"[:_MAX_ERROR_CHARS]),
+                   self._settings.read_timeout_s)
 
     # ------------------------------------------------------------------
     def close(self) -> None:
-        if self._stop.is_set():
-            return
-        self._stop.set()
-        os.write(self._wake_w, b"x")
-        with self._lock:
-            conns = list(self._conns.values())
-        for conn, _ in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._accept_thread.join(timeout=5)
-        try:
-            self._lsock.close()
-        except OSError:
-            pass
-        for _, t in conns:
-            t.join(timeout=5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
+        self._server.close()

@@ -3,6 +3,8 @@ namespace, and the kernel allows it), ``tcp`` otherwise.
 
 Memory is registered with both inner backends (same region ids) and the
 exported descriptor carries both descriptors plus this host's identity.
+When a same-host peer's cma grant fails or times out, the peer is read over
+tcp instead (a warning, counted as "cma_fallbacks").
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from atom_kv import wire
 from atom_kv.transfer._cma_sys import cma_unavailable_reason
+from atom_kv.wire import decode
+from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError
@@ -28,20 +32,28 @@ log = logging.getLogger(__name__)
 
 class AutoBackend(TransferBackend):
     """Owns one tcp and (when usable here) one cma backend and routes each
-    peer to the best of them."""
+    peer to the best of them. Both listen on ``bind_host`` (``host`` when not
+    given) and advertise ``host``."""
 
     name = "auto"
     accepts_op_arrays = True
 
-    def __init__(self, config: Optional["KVTransferConfig"] = None, *, host: str = "127.0.0.1", key: Optional[str] = None) -> None:
-        self._tcp = TcpBackend(config, host=host, key=key)
+    def __init__(
+        self,
+        config: Optional["KVTransferConfig"] = None,
+        *,
+        host: str = "127.0.0.1",
+        bind_host: Optional[str] = None,
+        key: Optional[str] = None,
+    ) -> None:
+        self._tcp = TcpBackend(config, host=host, bind_host=bind_host, key=key)
         self._cma: Optional[TransferBackend] = None
         self.cma_unavailable: Optional[str] = cma_unavailable_reason()
         if self.cma_unavailable is None:
             from atom_kv.transfer.cma import CmaBackend
 
             try:
-                self._cma = CmaBackend(config, host=host, key=key)
+                self._cma = CmaBackend(config, host=host, bind_host=bind_host, key=key)
             except BackendUnavailable as exc:
                 self.cma_unavailable = str(exc)
         if self.cma_unavailable:
@@ -50,6 +62,7 @@ class AutoBackend(TransferBackend):
         self._lock = threading.Lock()
         self._life = Lifecycle("auto", self._lock)
         self._routes: dict[str, tuple[TransferBackend, str]] = {}
+        self.events = EndpointEvents(log, "auto cma fallbacks")
 
     def _inner(self) -> list[TransferBackend]:
         return [b for b in (self._tcp, self._cma) if b is not None]
@@ -72,7 +85,7 @@ class AutoBackend(TransferBackend):
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()
         try:
-            desc = wire.decode(descriptor, wire.AutoDescriptor)
+            desc = decode(descriptor, wire.AutoDescriptor)
         except wire.WireError as exc:
             log.warning("auto: bad peer descriptor: %s", exc)
             raise TransferError(f"auto: bad peer descriptor: {exc}") from None
@@ -82,8 +95,10 @@ class AutoBackend(TransferBackend):
             chosen, inner_desc = self._cma, desc.cma
         try:
             inner_id = chosen.add_peer(inner_desc)
-        except BackendUnavailable as exc:
-            log.warning("auto: cma refused for a same-host peer (%s); falling back to tcp", exc)
+        except TransferError as exc:  # kernel refusal, grant refused, silent or unreachable endpoint
+            if chosen is self._tcp:
+                raise
+            self.events.warn("cma_fallbacks", f"auto: cma failed for a same-host peer ({exc}); falling back to tcp")
             chosen = self._tcp
             inner_id = chosen.add_peer(desc.tcp)
         peer_id = f"auto/{inner_id}"
@@ -95,6 +110,14 @@ class AutoBackend(TransferBackend):
     def backend_for(self, peer_id: str) -> str:
         """Name of the inner backend serving ``peer_id`` ("cma" or "tcp")."""
         return self._routes[peer_id][0].name
+
+    def stats(self) -> dict[str, int]:
+        """"cma_fallbacks" plus the inner backends' counts, prefixed "tcp_"/"cma_"."""
+        out = self.events.snapshot()
+        out.setdefault("cma_fallbacks", 0)
+        for be in self._inner():
+            out.update({f"{be.name}_{k}": v for k, v in be.stats().items()})
+        return out
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:

@@ -185,6 +185,11 @@ class TransferBackend(abc.ABC):
     def close(self) -> None:
         """Stop threads, close sockets, deregister memory. Idempotent."""
 
+    def stats(self) -> dict[str, int]:
+        """Event counts of this endpoint by reason (connections refused or
+        dropped, bad frames, fallbacks); empty for backends that keep none."""
+        return {}
+
     def __enter__(self) -> "TransferBackend":
         return self
 

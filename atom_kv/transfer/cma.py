@@ -2,8 +2,9 @@
 attach), zero copies beyond the kernel's single one.
 
 The serving process allows itself to be read (``PR_SET_PTRACER``) when it
-registers memory and runs a small control endpoint that hands the region
-table to readers presenting the ``auth_token``. The reading side bounds-checks
+registers memory and runs a small grant endpoint that hands the region
+table to readers that prove they know the ``auth_token`` (challenge-response,
+see ``_trust``; the token never travels). The reading side bounds-checks
 every range against that table and issues up to IOV_MAX ranges per syscall
 from two named worker threads that split big reads.
 """
@@ -22,6 +23,8 @@ import numpy as np
 from atom_kv import wire
 from atom_kv.transfer._cma_control import CmaControlServer, request_grant
 from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
+from atom_kv.wire import decode
+from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._jobs import JobWorkers, ReadState
 from atom_kv.transfer._lifecycle import Lifecycle
@@ -57,19 +60,32 @@ class _Job:
 
 
 class CmaBackend(TransferBackend):
-    """Owns registered regions, the control endpoint, granted peers and the
-    reader threads of one process's cma endpoint."""
+    """Owns registered regions, the grant endpoint, granted peers and the
+    reader threads of one process's cma endpoint.
+
+    ``host`` is the address readers are told to reach the grant endpoint at;
+    it listens on ``bind_host`` (``host`` when not given)."""
 
     name = "cma"
     accepts_op_arrays = True
 
-    def __init__(self, config: Optional["KVTransferConfig"] = None, *, host: str = "127.0.0.1", key: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        config: Optional["KVTransferConfig"] = None,
+        *,
+        host: str = "127.0.0.1",
+        bind_host: Optional[str] = None,
+        key: Optional[str] = None,
+    ) -> None:
         cfg = resolve_config(config)
         self._sys = CmaSys()
         self._host = host
+        self._bind_host = bind_host or host
         self._key = key or f"cma-{os.getpid()}-{id(self):x}"
         self._token = cfg.auth_token
-        self._ctl_timeout = cfg.handshake_timeout_s
+        self._grant_timeout = cfg.cma_grant_timeout_s
+        self._grant_max_connections = cfg.cma_grant_max_connections
+        self.reader_events = EndpointEvents(log, f"cma {self._key} reader events")
         self._regions = RegionTable()
         self._lock = threading.Lock()
         self._life = Lifecycle("cma", self._lock, key=self._key)
@@ -87,7 +103,9 @@ class CmaBackend(TransferBackend):
             self._life.check_open()
             if self._ctl is None:
                 self._ctl = CmaControlServer(
-                    self._host, self._token, self._ctl_timeout, self._regions.spans, f"cma control {self._key}"
+                    bind_host=self._bind_host, host=self._host, auth_token=self._token,
+                    timeout_s=self._grant_timeout, max_connections=self._grant_max_connections,
+                    spans=self._regions.spans, label=f"cma grant endpoint {self._key}",
                 )
             return self._ctl
 
@@ -113,7 +131,7 @@ class CmaBackend(TransferBackend):
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()
         try:
-            desc = wire.decode(descriptor, wire.CmaDescriptor)
+            desc = decode(descriptor, wire.CmaDescriptor)
         except wire.WireError as exc:
             log.warning("cma %s: bad peer descriptor: %s", self._key, exc)
             raise TransferError(f"cma: bad peer descriptor: {exc}") from None
@@ -121,7 +139,7 @@ class CmaBackend(TransferBackend):
             raise TransferError(
                 f"cma: peer {desc.key or desc.pid} is on another host (or pid namespace); use backend 'tcp' instead"
             )
-        grant = request_grant(desc, self._key, self._token, self._ctl_timeout)
+        grant = request_grant(desc, self._key, self._token, self._grant_timeout, self.reader_events)
         if not grant.ok:
             raise TransferError(grant.error)
         if grant.pid != desc.pid:
@@ -210,6 +228,15 @@ class CmaBackend(TransferBackend):
             return f"cma read {job.state.rid}: {exc}"
         return None
 
+    def stats(self) -> dict[str, int]:
+        """Event counts: the grant endpoint's ("granted", "auth", "decode",
+        "busy", "timeout", ...) and, prefixed "reader_", this side's."""
+        with self._lock:
+            ctl = self._ctl
+        out = dict(ctl.stats()) if ctl is not None else {}
+        out.update({f"reader_{k}": v for k, v in self.reader_events.snapshot().items()})
+        return out
+
     # -- lifecycle ------------------------------------------------------
     def close(self) -> None:
         with self._lock:
@@ -224,4 +251,5 @@ class CmaBackend(TransferBackend):
             ctl.close()
         self._life.stop_deadlines()
         self._regions.clear()
+        self.reader_events.flush()
         log.info("cma %s: closed", self._key)

@@ -80,7 +80,11 @@ def _default_device() -> int:
 
 class MoriIOBackend(TransferBackend):
     """A MORI-IO endpoint: owns the ``IOEngine``, registered regions, imported
-    peers, cached sessions and the completion thread of one TP rank."""
+    peers, cached sessions and the completion thread of one TP rank.
+
+    The ``IOEngine`` listens on ``host``, the address it also advertises
+    (``IOEngineConfig`` has one address); ``bind_host`` is accepted for the
+    common backend signature."""
 
     name = "moriio"
     accepts_op_arrays = True
@@ -92,6 +96,7 @@ class MoriIOBackend(TransferBackend):
         config: Optional[KVTransferConfig] = None,
         *,
         host: str = "127.0.0.1",
+        bind_host: Optional[str] = None,
         key: Optional[str] = None,
         import_fn: Optional[ImportFn] = None,
         sysfs_dir: Optional[str] = None,

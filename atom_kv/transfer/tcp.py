@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.wire import decode
+from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._jobs import ReadState
 from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer._regions import RegionTable, begin_read, resolve_config, split_large
 from atom_kv.transfer._tcp_peer import Job, TcpPeer
-from atom_kv.transfer._tcp_server import TcpReadServer
+from atom_kv.transfer._tcp_server import TcpReadServer, TcpServerSettings
 from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
 
 if TYPE_CHECKING:
@@ -39,9 +41,11 @@ MIN_JOB_BYTES = 256 << 10
 MAX_JOB_RANGES = 8192
 
 
-def plan_jobs(table: np.ndarray, streams: int) -> list[np.ndarray]:
+def plan_jobs(table: np.ndarray, streams: int, max_ranges: int = MAX_JOB_RANGES) -> list[np.ndarray]:
     """Cut a merged op table into request-sized batches, so that the work
-    spreads over ``streams`` connections."""
+    spreads over ``streams`` connections and no request names more than
+    ``max_ranges`` ranges (the server's limit)."""
+    max_ranges = max(1, min(MAX_JOB_RANGES, max_ranges))
     total = int(table[:, 4].sum())
     target = min(MAX_JOB_BYTES, max(MIN_JOB_BYTES, -(-total // streams)))
     table = split_large(table, target)
@@ -50,23 +54,37 @@ def plan_jobs(table: np.ndarray, streams: int) -> list[np.ndarray]:
     cuts = np.flatnonzero(np.diff(job_of)) + 1
     jobs = []
     for piece in np.split(table, cuts):
-        for i in range(0, len(piece), MAX_JOB_RANGES):
-            jobs.append(piece[i : i + MAX_JOB_RANGES])
+        for i in range(0, len(piece), max_ranges):
+            jobs.append(piece[i : i + max_ranges])
     return jobs
 
 
 class TcpBackend(TransferBackend):
     """Owns this process's registered regions, its read server (started on
-    first registration or export) and one :class:`TcpPeer` per added peer."""
+    first registration or export) and one :class:`TcpPeer` per added peer.
+
+    ``host`` is the address peers are told to connect to; the read server
+    listens on ``bind_host`` (``host`` when not given: never all interfaces
+    unless asked with ``"0.0.0.0"``)."""
 
     name = "tcp"
     accepts_op_arrays = True
 
-    def __init__(self, config: Optional["KVTransferConfig"] = None, *, host: str = "127.0.0.1", key: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        config: Optional["KVTransferConfig"] = None,
+        *,
+        host: str = "127.0.0.1",
+        bind_host: Optional[str] = None,
+        key: Optional[str] = None,
+    ) -> None:
         cfg = resolve_config(config)
         self._host = host
+        self._bind_host = bind_host or host
         self._key = key or f"tcp-{os.getpid()}-{id(self):x}"
         self._token = cfg.auth_token
+        self._settings = TcpServerSettings.from_config(cfg)
+        self.reader_events = EndpointEvents(log, f"tcp {self._key} reader events")
         self._streams = cfg.tcp_streams
         self._connect_timeout = cfg.handshake_timeout_s
         self._io_timeout = cfg.transfer_timeout_s
@@ -85,7 +103,8 @@ class TcpBackend(TransferBackend):
             self._life.check_open()
             if self._server is None:
                 self._server = TcpReadServer(
-                    self._regions, self._host, self._token, self._io_timeout, f"tcp server {self._key}"
+                    self._regions, bind_host=self._bind_host, host=self._host, auth_token=self._token,
+                    settings=self._settings, label=f"tcp server {self._key}",
                 )
             return self._server
 
@@ -104,14 +123,14 @@ class TcpBackend(TransferBackend):
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()
         try:
-            desc = wire.decode(descriptor, wire.TcpDescriptor)
+            desc = decode(descriptor, wire.TcpDescriptor)
         except wire.WireError as exc:
             log.warning("tcp %s: bad peer descriptor: %s", self._key, exc)
             raise TransferError(f"tcp: bad peer descriptor: {exc}") from None
         peer_id = f"tcp:{desc.key or desc.host}:{desc.port}#{next(self._peer_seq)}"
         peer = TcpPeer(
             peer_id, desc, self._regions, key=self._key, auth_token=self._token, streams=self._streams,
-            connect_timeout_s=self._connect_timeout, io_timeout_s=self._io_timeout,
+            connect_timeout_s=self._connect_timeout, io_timeout_s=self._io_timeout, events=self.reader_events,
         )
         with self._lock:
             closed = self._life.closed
@@ -139,13 +158,23 @@ class TcpBackend(TransferBackend):
         handle, table = begin_read(f"tcp read {rid}", ops, self._regions.sizes, refusal=refusal)
         if table is None:
             return handle
-        jobs = plan_jobs(table, peer.streams)
+        jobs = plan_jobs(table, peer.streams, peer.max_ranges)
         state = ReadState(handle, rid, len(jobs))
         self._life.watch(handle, timeout_s, f"tcp read {rid} from {peer_id}")
         deadline = handle.started + timeout_s
         for piece in jobs:
             peer.submit(Job(state, piece, deadline))
         return handle
+
+    def stats(self) -> dict[str, int]:
+        """Event counts: the read server's ("auth", "decode", "busy",
+        "oversized", "timeout", "idle", ...) and, prefixed "reader_", this
+        side's ("reader_bad_reply", "reader_stale")."""
+        with self._lock:
+            server = self._server
+        out = dict(server.stats()) if server is not None else {}
+        out.update({f"reader_{k}": v for k, v in self.reader_events.snapshot().items()})
+        return out
 
     # -- lifecycle ------------------------------------------------------
     def close(self) -> None:
@@ -161,4 +190,5 @@ class TcpBackend(TransferBackend):
             server.close()
         self._life.stop_deadlines()
         self._regions.clear()
+        self.reader_events.flush()
         log.info("tcp %s: closed", self._key)

@@ -1,16 +1,20 @@
-"""Backend-specific behaviour: auto's routing, cma's kernel-facing pieces."""
+"""Backend-specific behaviour: auto's routing and its fallback to tcp, cma's
+kernel-facing pieces and its grant endpoint under silent connections."""
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import socket
+import time
 
 import numpy as np
 import pytest
 
 from atom_kv import wire
 from atom_kv.config import KVTransferConfig
-from atom_kv.transfer import ReadOp, TransferError, create_backend
+from atom_kv.transfer import ReadOp, TransferBackend, TransferError, create_backend
 from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason, refusal_message
 from atom_kv.transfer._hostid import host_identity
 
@@ -118,3 +122,99 @@ def test_backends_build_without_a_config() -> None:
             buf = np.zeros(4096, dtype=np.uint8)
             assert be.register_memory(buf.ctypes.data, 4096) == [0]
             assert be.export_descriptor()
+
+
+# -- the grant endpoint under silent connections, and auto's fallback -------------
+def _grant_cfg(**extra: object) -> KVTransferConfig:
+    return KVTransferConfig(kv_role="kv_consumer", transfer_timeout_s=2, handshake_timeout_s=2, **extra)
+
+
+def _served(name: str, cfg: KVTransferConfig, buf: np.ndarray) -> TransferBackend:
+    be = create_backend(name, cfg, key=f"served-{name}")
+    be.register_memory(buf.ctypes.data, buf.nbytes, align=4096)
+    return be
+
+
+@needs_cma
+def test_cma_grant_is_served_in_time_despite_three_silent_connections() -> None:
+    from tests.transfer._raw import closed_by_peer
+
+    src = np.arange(1 << 14, dtype=np.uint32).view(np.uint8)
+    cfg = _grant_cfg(cma_grant_timeout_s=2.0)
+    with _served("cma", cfg, src) as a, create_backend("cma", cfg, key="reader") as b:
+        desc = wire.decode(a.export_descriptor(), wire.CmaDescriptor)
+        silent = [socket.create_connection((desc.ctl_host, desc.ctl_port), timeout=5) for _ in range(3)]
+        try:
+            t0 = time.monotonic()
+            peer = b.add_peer(a.export_descriptor())
+            assert time.monotonic() - t0 < 1.0, "the grant waited behind silent connections"
+            dst = np.zeros_like(src)
+            b.register_memory(dst.ctypes.data, dst.nbytes, align=4096)
+            h = b.read(peer, [ReadOp(0, 0, 0, 0, src.nbytes)], timeout_s=2)
+            assert h.wait(4) and h.error is None and np.array_equal(dst, src)
+            for s in silent:  # and the silent ones are dropped at their timeout, counted
+                assert closed_by_peer(s, 5)
+        finally:
+            for s in silent:
+                s.close()
+        stats = a.stats()
+        assert stats["granted"] == 1 and stats["timeout"] == 3
+
+
+def _auto_pair(cfg: KVTransferConfig, src: np.ndarray, dst: np.ndarray):
+    a = _served("auto", cfg, src)
+    b = create_backend("auto", cfg, key="reader")
+    b.register_memory(dst.ctypes.data, dst.nbytes, align=4096)
+    return a, b
+
+
+def _read_all(b: TransferBackend, peer: str, src: np.ndarray, dst: np.ndarray) -> None:
+    dst[:] = 0
+    h = b.read(peer, [ReadOp(0, 0, 0, 0, src.nbytes)], timeout_s=2)
+    assert h.wait(4) and h.error is None, h.error
+    assert np.array_equal(dst, src)
+
+
+@needs_cma
+def test_auto_falls_back_to_tcp_when_the_grant_endpoint_is_silent(caplog: pytest.LogCaptureFixture) -> None:
+    src = np.arange(1 << 14, dtype=np.uint32).view(np.uint8)
+    dst = np.zeros_like(src)
+    a, b = _auto_pair(_grant_cfg(cma_grant_timeout_s=0.5), src, dst)
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) and never says a word
+    try:
+        desc = wire.decode(a.export_descriptor(), wire.AutoDescriptor)
+        cma = wire.decode(desc.cma, wire.CmaDescriptor)
+        cma.ctl_port = silent.getsockname()[1]
+        desc.cma = wire.encode(cma)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="atom_kv.transfer"):
+            peer = b.add_peer(wire.encode(desc))
+        assert time.monotonic() - t0 < 2.5
+        assert b.backend_for(peer) == "tcp"  # type: ignore[attr-defined]
+        _read_all(b, peer, src, dst)
+        assert b.stats()["cma_fallbacks"] == 1
+        assert any("falling back to tcp" in r.getMessage() and "did not answer" in r.getMessage()
+                   for r in caplog.records)
+    finally:
+        silent.close()
+        b.close()
+        a.close()
+
+
+@needs_cma
+def test_auto_falls_back_to_tcp_when_the_grant_is_refused() -> None:
+    src = np.arange(1 << 14, dtype=np.uint32).view(np.uint8)
+    dst = np.zeros_like(src)
+    a, b = _auto_pair(_grant_cfg(cma_grant_max_connections=1, cma_grant_timeout_s=5), src, dst)
+    try:
+        blob = a.export_descriptor()
+        cma = wire.decode(wire.decode(blob, wire.AutoDescriptor).cma, wire.CmaDescriptor)
+        with socket.create_connection((cma.ctl_host, cma.ctl_port), timeout=5) as hog:
+            hog.recv(1)  # the endpoint's one connection is taken (its challenge arrived)
+            peer = b.add_peer(blob)
+        assert b.backend_for(peer) == "tcp"  # type: ignore[attr-defined]
+        _read_all(b, peer, src, dst)
+        assert b.stats()["cma_fallbacks"] == 1 and a.stats()["cma_busy"] == 1
+    finally:
+        b.close()
+        a.close()

@@ -14,6 +14,7 @@ from atom_kv import wire
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer.tcp import TcpBackend
 from atom_kv.transfer._sockio import frame, recv_exact, recv_frame
+from tests.transfer._raw import tcp_login
 
 SIZE = 64 * 1024
 
@@ -31,8 +32,8 @@ def served() -> Iterator[tuple[TcpBackend, np.ndarray, wire.TcpDescriptor]]:
 
 
 def _connect(desc: wire.TcpDescriptor, token: str | None = "tok") -> socket.socket:
-    s = socket.create_connection((desc.host, desc.port), timeout=2)
-    s.sendall(frame(wire.encode(wire.TcpHello(key="raw", auth_token=token))))
+    s, reply = tcp_login(desc.host, desc.port, token)
+    assert reply.ok, reply.error
     return s
 
 
@@ -44,9 +45,9 @@ def _request(s: socket.socket, req_id: int, triples: list[tuple[int, int, int]])
 
 def test_hello_with_wrong_token_is_refused(served) -> None:
     be, _, desc = served
-    with _connect(desc, token="nope") as s:
-        reply = wire.decode(recv_frame(s), wire.TcpHelloReply)
-        assert not reply.ok and "auth_token" in reply.error
+    s, reply = tcp_login(desc.host, desc.port, "nope")
+    with s:
+        assert not reply.ok and "auth_token" in reply.error and not reply.proof
         assert s.recv(1) == b""  # server hung up
     assert be.server.auth_failures == 1
 
@@ -54,7 +55,6 @@ def test_hello_with_wrong_token_is_refused(served) -> None:
 def test_malicious_ranges_refused_then_good_read(served) -> None:
     be, buf, desc = served
     with _connect(desc) as s:
-        assert wire.decode(recv_frame(s), wire.TcpHelloReply).ok
         evil = [
             [(3, 16 * 1024 - 10, 20)],  # past the last region's end
             [(4, 0, 1)],  # no such region
@@ -79,7 +79,6 @@ def test_malicious_ranges_refused_then_good_read(served) -> None:
 def test_garbage_frames_are_counted_and_survived(served) -> None:
     be, buf, desc = served
     with _connect(desc) as s:
-        assert wire.decode(recv_frame(s), wire.TcpHelloReply).ok
         s.sendall(frame(b"\xc1not msgpack"))
         reply = wire.decode(recv_frame(s), wire.ReadReply)
         assert not reply.ok
@@ -94,7 +93,6 @@ def test_garbage_frames_are_counted_and_survived(served) -> None:
 def test_legacy_ranges_list_is_served(served) -> None:
     _, buf, desc = served
     with _connect(desc) as s:
-        assert wire.decode(recv_frame(s), wire.TcpHelloReply).ok
         req = wire.ReadRequest(req_id=1, ranges=[wire.ReadRange(2, 5, 7)])
         s.sendall(frame(wire.encode(req)))
         reply = wire.decode(recv_frame(s), wire.ReadReply)
@@ -104,7 +102,6 @@ def test_legacy_ranges_list_is_served(served) -> None:
 def test_legacy_ranges_beyond_int64_are_refused_and_survived(served) -> None:
     be, buf, desc = served
     with _connect(desc) as s:
-        assert wire.decode(recv_frame(s), wire.TcpHelloReply).ok
         for i, rng in enumerate([wire.ReadRange(2**64 - 1, 0, 1), wire.ReadRange(0, 2**63, 1)]):
             s.sendall(frame(wire.encode(wire.ReadRequest(req_id=i, ranges=[rng]))))
             reply = wire.decode(recv_frame(s), wire.ReadReply)
@@ -119,7 +116,8 @@ def test_legacy_ranges_beyond_int64_are_refused_and_survived(served) -> None:
 def test_bad_hello_frame(served) -> None:
     be, _, desc = served
     with socket.create_connection((desc.host, desc.port), timeout=2) as s:
+        assert wire.decode(recv_frame(s), wire.TcpServerHello).nonce  # the challenge comes first
         s.sendall(frame(b"junk"))
         reply = wire.decode(recv_frame(s), wire.TcpHelloReply)
-        assert not reply.ok
+        assert not reply.ok and "bad hello" in reply.error
     assert be.server.decode_errors == 1

@@ -1,0 +1,420 @@
+"""The serving loop shared by the tcp read server and the cma grant endpoint:
+one selector thread multiplexes every connection, a fixed pool of handler
+threads answers complete frames.
+
+What it guarantees whatever the peers do:
+
+- **Bounded threads**: 1 selector thread + ``limits.threads`` handlers, however
+  many connections are open.
+- **Bounded connections**: at most ``limits.max_connections``; one more is sent
+  the protocol's refusal frame and closed (counted as "busy").
+- **No allocation before authentication**: until the handler marks a
+  connection authenticated, a frame may announce at most
+  :data:`HELLO_FRAME_MAX` bytes; afterwards at most ``limits.max_frame``. A
+  bigger announcement drops the connection ("oversized") before any buffer
+  is allocated for it.
+- **Timeouts**: the hello must arrive within ``limits.read_timeout_s`` of the
+  accept, every later frame within ``read_timeout_s`` of its first byte
+  ("timeout"), and an authenticated connection with no frame for
+  ``limits.idle_timeout_s`` is closed ("idle").
+
+The protocol plugs in three callables: ``greet(conn)`` returns the frame sent
+right after accept (the server hello, which may carry a challenge nonce);
+``refuse_busy()`` the frame that refuses a connection over the limit; and
+``handle(conn, payload)`` runs in a handler thread with the connection to
+itself (blocking sends with deadlines are fine there) and returns whether to
+keep the connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from atom_kv.transfer._events import EndpointEvents
+from atom_kv.transfer._sockio import FRAME_HEADER, HELLO_FRAME_MAX, frame
+
+__all__ = ["Conn", "FrameServer", "ServerLimits", "listen"]
+
+log = logging.getLogger(__name__)
+
+_ACCEPT_BURST = 64
+#: after a failed accept (EMFILE: out of file descriptors) stop accepting this long
+_ACCEPT_PAUSE_S = 0.5
+_LISTEN = object()
+_WAKE = object()
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The bounds one :class:`FrameServer` enforces (see the module doc)."""
+
+    max_connections: int
+    max_frame: int
+    read_timeout_s: float
+    idle_timeout_s: float
+    threads: int
+
+
+class Conn:
+    """One accepted connection. The selector thread owns it while it waits for
+    a frame; a handler thread owns it while it answers one. ``authenticated``
+    and ``nonce`` belong to the protocol."""
+
+    __slots__ = ("cid", "sock", "peer", "authenticated", "nonce", "data", "_header", "_hgot", "_buf", "_bgot",
+                 "deadline", "_busy")
+
+    def __init__(self, cid: int, sock: socket.socket, peer: str) -> None:
+        self.cid = cid
+        self.sock = sock
+        self.peer = peer
+        self.authenticated = False
+        self.nonce = ""
+        #: protocol-specific per-connection state
+        self.data: object = None
+        self._header = bytearray(FRAME_HEADER.size)
+        self._hgot = 0
+        self._buf: Optional[bytearray] = None
+        self._bgot = 0
+        self.deadline = float("inf")
+        self._busy = False
+
+    def _reset_frame(self) -> None:
+        self._hgot = 0
+        self._buf = None
+        self._bgot = 0
+
+
+def listen(bind_host: str) -> socket.socket:
+    """A listening TCP socket on ``bind_host`` (IPv4 or IPv6), OS-assigned port."""
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    return socket.create_server((bind_host, 0), family=family, backlog=128)
+
+
+class FrameServer:
+    """Owns a listening socket, the selector thread, the handler threads and
+    every open connection of one endpoint. ``name`` names the threads
+    ("atomkv-tcp-<port>"); ``label`` starts every log line; ``events`` counts."""
+
+    def __init__(
+        self,
+        name: str,
+        label: str,
+        bind_host: str,
+        limits: ServerLimits,
+        events: EndpointEvents,
+        *,
+        greet: Callable[[Conn], bytes],
+        refuse_busy: Callable[[], bytes],
+        handle: Callable[[Conn, bytearray], bool],
+    ) -> None:
+        self._label = label
+        self._limits = limits
+        self.events = events
+        self._greet = greet
+        self._refuse_busy = refuse_busy
+        self._handle = handle
+        self._lsock = listen(bind_host)
+        self._lsock.setblocking(False)
+        self.port: int = self._lsock.getsockname()[1]
+        self.bind_address: tuple = self._lsock.getsockname()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._lsock, selectors.EVENT_READ, _LISTEN)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._lock = threading.Lock()
+        self._conns: dict[int, Conn] = {}
+        self._returned: list[tuple[Conn, bool]] = []
+        self._seq = 0
+        self._next_check = float("inf")
+        self._accept_resume_at: Optional[float] = None
+        self._stop = threading.Event()
+        self._closed = False
+        self._work: "queue.Queue[Optional[tuple[Conn, bytearray]]]" = queue.Queue()
+        self._handlers = [
+            threading.Thread(target=self._handler_loop, name=f"{name}-{self.port}-handler-{i}", daemon=True)
+            for i in range(limits.threads)
+        ]
+        self._thread = threading.Thread(target=self._selector_loop, name=f"{name}-{self.port}-io", daemon=True)
+        for t in self._handlers:
+            t.start()
+        self._thread.start()
+
+    @property
+    def connections(self) -> int:
+        """Connections open right now."""
+        with self._lock:
+            return len(self._conns)
+
+    # -- selector thread ------------------------------------------------
+    def _selector_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                timeout = None if self._next_check == float("inf") else max(0.0, self._next_check - now)
+                for key, _ in self._sel.select(timeout):
+                    if self._stop.is_set():
+                        break
+                    if key.data is _LISTEN:
+                        self._accept()
+                    elif key.data is _WAKE:
+                        self._drain_wake()
+                    else:
+                        self._on_readable(key.data)
+                self._take_back_returned()
+                self._expire(time.monotonic())
+        except Exception:  # a bug must not leave the endpoint silently deaf
+            log.exception("%s: serving loop failed; closing the endpoint", self._label)
+            self._stop.set()
+        finally:
+            self._sel.close()
+            self._lsock.close()
+
+    def _arm(self, conn: Conn, deadline: float) -> None:
+        conn.deadline = deadline
+        if deadline < self._next_check:
+            self._next_check = deadline
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPT_BURST):
+            try:
+                sock, addr = self._lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: count, pause accepting (no spinning), keep serving
+                self.events.warn("accept", f"{self._label}: accept failed: {exc}; pausing accepts "
+                                           f"for {_ACCEPT_PAUSE_S}s")
+                self._sel.unregister(self._lsock)
+                self._accept_resume_at = time.monotonic() + _ACCEPT_PAUSE_S
+                self._next_check = min(self._next_check, self._accept_resume_at)
+                return
+            peer = f"{addr[0]}:{addr[1]}"
+            sock.setblocking(False)
+            with self._lock:
+                full = len(self._conns) >= self._limits.max_connections
+                if not full:
+                    self._seq += 1
+                    conn = Conn(self._seq, sock, peer)
+                    self._conns[conn.cid] = conn
+            if full:
+                self.events.warn("busy", f"{self._label}: refused a connection from {peer}: "
+                                         f"{self._limits.max_connections} connections already open")
+                _send_small(sock, frame(self._refuse_busy()))
+                sock.close()
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not _send_small(sock, frame(self._greet(conn))):
+                self._close(conn)
+                continue
+            self._arm(conn, time.monotonic() + self._limits.read_timeout_s)
+            self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _on_readable(self, conn: Conn) -> None:
+        sock = conn.sock
+        try:
+            while True:
+                if conn._buf is None:
+                    if conn._hgot == 0 and conn.authenticated:  # a new frame begins: it has read_timeout_s
+                        k = sock.recv_into(conn._header)
+                        if k:
+                            self._arm(conn, time.monotonic() + self._limits.read_timeout_s)
+                    else:
+                        k = sock.recv_into(memoryview(conn._header)[conn._hgot:])
+                    if k == 0:
+                        self._drop(conn, None)
+                        return
+                    conn._hgot += k
+                    if conn._hgot < FRAME_HEADER.size:
+                        continue
+                    (length,) = FRAME_HEADER.unpack(conn._header)
+                    limit = self._limits.max_frame if conn.authenticated else HELLO_FRAME_MAX
+                    if length > limit:
+                        stage = "a request" if conn.authenticated else "its hello (before authenticating)"
+                        self._drop(conn, ("oversized", f"{self._label}: dropped {conn.peer}: it announced a "
+                                                       f"{length}-byte frame for {stage}; the limit is {limit}"))
+                        return
+                    conn._buf = bytearray(length)
+                    conn._bgot = 0
+                    if length == 0:
+                        self._dispatch(conn)
+                        return
+                else:
+                    k = sock.recv_into(memoryview(conn._buf)[conn._bgot:])
+                    if k == 0:
+                        self._drop(conn, None)
+                        return
+                    conn._bgot += k
+                    if conn._bgot == len(conn._buf):
+                        self._dispatch(conn)
+                        return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(conn, None, f"{exc}")
+
+    def _dispatch(self, conn: Conn) -> None:
+        payload = conn._buf
+        assert payload is not None
+        conn._reset_frame()
+        self._sel.unregister(conn.sock)
+        conn._busy = True
+        conn.deadline = float("inf")
+        self._work.put((conn, payload))
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def _take_back_returned(self) -> None:
+        with self._lock:
+            returned, self._returned = self._returned, []
+        now = time.monotonic()
+        for conn, keep in returned:
+            conn._busy = False
+            if not keep or self._stop.is_set():
+                self._close(conn)
+                continue
+            try:
+                conn.sock.setblocking(False)
+                self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            except (OSError, ValueError):
+                self._close(conn)
+                continue
+            timeout = self._limits.idle_timeout_s if conn.authenticated else self._limits.read_timeout_s
+            self._arm(conn, now + timeout)
+
+    def _expire(self, now: float) -> None:
+        if now < self._next_check:
+            return
+        if self._accept_resume_at is not None and now >= self._accept_resume_at:
+            self._accept_resume_at = None
+            self._sel.register(self._lsock, selectors.EVENT_READ, _LISTEN)
+        with self._lock:
+            waiting = [c for c in self._conns.values() if not c._busy]
+        nxt = float("inf")
+        for conn in waiting:
+            if conn.deadline <= now:
+                if not conn.authenticated:
+                    self._drop(conn, ("timeout", f"{self._label}: dropped {conn.peer}: no complete hello within "
+                                                 f"{self._limits.read_timeout_s:g}s"))
+                elif conn._hgot or conn._buf is not None:
+                    self._drop(conn, ("timeout", f"{self._label}: dropped {conn.peer}: a request frame did not "
+                                                 f"complete within {self._limits.read_timeout_s:g}s"))
+                else:
+                    self.events.count("idle")
+                    log.debug("%s: closed %s: idle for %.0fs", self._label, conn.peer, self._limits.idle_timeout_s)
+                    self._drop(conn, None)
+            elif conn.deadline < nxt:
+                nxt = conn.deadline
+        if self._accept_resume_at is not None:
+            nxt = min(nxt, self._accept_resume_at)
+        self._next_check = nxt
+
+    def _drop(self, conn: Conn, warning: Optional[tuple[str, str]], info: str = "") -> None:
+        """Close a connection the selector owns; ``warning`` = (counter key, message)."""
+        if warning is not None:
+            self.events.warn(*warning)
+        elif info:
+            log.debug("%s: connection from %s dropped: %s", self._label, conn.peer, info)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError, OSError):
+            pass
+        self._close(conn)
+
+    def _close(self, conn: Conn) -> None:
+        with self._lock:
+            self._conns.pop(conn.cid, None)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    # -- handler threads ------------------------------------------------
+    def _handler_loop(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            conn, payload = item
+            keep = False
+            if not self._stop.is_set():
+                try:
+                    keep = self._handle(conn, payload)
+                except (OSError, TimeoutError) as exc:
+                    log.info("%s: connection from %s dropped while answering: %s", self._label, conn.peer,
+                             exc or type(exc).__name__)
+                except Exception:  # a bug must drop this connection, not the handler thread
+                    log.exception("%s: unexpected error answering %s", self._label, conn.peer)
+            self._give_back(conn, keep)
+
+    def _give_back(self, conn: Conn, keep: bool) -> None:
+        with self._lock:
+            self._returned.append((conn, keep))
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending) or closed (shutting down)
+
+    # -- lifecycle ------------------------------------------------------
+    def close(self) -> None:
+        """Stop accepting, stop the threads, close every connection. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:  # wakes handlers blocked in a send
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        for _ in self._handlers:
+            self._work.put(None)
+        for t in self._handlers:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
+        with self._lock:
+            conns = list(self._conns.values())
+            self._conns.clear()
+            self._returned.clear()
+        for conn in conns:
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+        self.events.flush()
+
+
+def _send_small(sock: socket.socket, data: bytes) -> bool:
+    """Send a small frame on a fresh non-blocking socket; False if it did not all go."""
+    try:
+        return sock.send(data) == len(data)
+    except OSError:
+        return False
