@@ -27,14 +27,25 @@ clean:
 	rm -rf $(VENV)
 
 # `make test-engines`: the tests that drive real engines' schedulers through our
-# adapters (tests/integrations/), in their own environment: vLLM 0.32 from PyPI
-# (about 6 GB; the CPU torch pin first, then vLLM, whose torchvision/torchaudio/
-# torchcodec do not load against the CPU torch and are removed). Built once,
-# like .venv; VLLM_VENV=/path reuses an environment built elsewhere.
+# adapters (tests/integrations/), each engine in its own environment, built once
+# and stamped like .venv; VLLM_VENV=/path and ATOM_VENV=/path reuse environments
+# built elsewhere.
+# - vLLM 0.32 from PyPI (about 6 GB): the CPU torch pin first, then vLLM, whose
+#   torchvision/torchaudio/torchcodec do not load against the CPU torch and are
+#   removed. Runs tests/integrations with ATOM_SRC unset: the vLLM tests, and
+#   the ATOM contract test against the fake ATOM.
+# - ATOM: the CPU torch pin first, then ATOM's pure-Python dependencies
+#   ($(ATOM_REQUIREMENTS)), then this package. Runs tests/integrations
+#   against the ATOM checkout ATOM_SRC names, and only when it is set; a checkout
+#   without .git needs ATOM_COMMIT=<its commit>, which the test records.
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+ATOM_VENV ?= .venv-atom
+ATOM_STAMP := $(ATOM_VENV)/.installed
+ATOM_REQUIREMENTS := tests/integrations/atom-requirements.txt
+ENGINE_TESTS := -m pytest -q -p no:cacheprovider -rs tests/integrations
 
-.PHONY: test-engines
+.PHONY: test-engines test-engines-vllm test-engines-atom
 
 $(VLLM_STAMP): pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
@@ -44,5 +55,28 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet -e '.[test]'
 	touch $(VLLM_STAMP)
 
-test-engines: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations
+$(ATOM_STAMP): pyproject.toml $(ATOM_REQUIREMENTS)
+	$(PY) -m venv $(ATOM_VENV)
+	$(ATOM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(ATOM_VENV)/bin/pip install --quiet -r $(ATOM_REQUIREMENTS)
+	$(ATOM_VENV)/bin/pip install --quiet -e '.[test]'
+	touch $(ATOM_STAMP)
+
+test-engines: test-engines-vllm test-engines-atom
+
+test-engines-vllm: $(VLLM_STAMP)
+	env -u ATOM_SRC -u ATOM_COMMIT $(VLLM_VENV)/bin/python $(ENGINE_TESTS)
+
+ifeq ($(strip $(ATOM_SRC)),)
+test-engines-atom:
+	@echo "test-engines: ATOM_SRC is not set, so the tests against ATOM itself do not run (its contract test ran" \
+	      "against the fake ATOM in the vLLM environment); point ATOM_SRC at a ROCm/ATOM checkout to run them"
+else
+test-engines-atom: $(ATOM_STAMP)
+	@test -d "$(ATOM_SRC)/atom/model_engine" || { echo "test-engines: ATOM_SRC=$(ATOM_SRC) is not an ATOM" \
+	    "checkout (no atom/model_engine in it)" >&2; exit 2; }
+	@test -n "$(ATOM_COMMIT)" || test -e "$(ATOM_SRC)/.git" || { echo "test-engines: ATOM_SRC=$(ATOM_SRC) has" \
+	    "no .git; say which ATOM commit it holds: ATOM_COMMIT=<sha>" >&2; exit 2; }
+	@echo "test-engines: ATOM from $(ATOM_SRC), commit $(if $(ATOM_COMMIT),$(ATOM_COMMIT),as its .git says)"
+	ATOM_SRC="$(ATOM_SRC)" ATOM_COMMIT="$(ATOM_COMMIT)" $(ATOM_VENV)/bin/python $(ENGINE_TESTS)
+endif

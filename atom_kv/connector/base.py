@@ -22,8 +22,9 @@ __all__ = ["SchedulerHooks", "WorkerHooks", "KVCacheLayer"]
 
 #: One layer's cache in the layout ``CompatInfo.layout`` names (``atom_kv.connector.cache_layouts``):
 #: a ``(k, v)`` pair (HND: ``[num_blocks, kv_heads, block_size, head_dim]``, this rank's heads), one MLA
-#: latent tensor ``[num_blocks, block_size, latent_dim]``, or a mapping of kind to tensor for layouts
-#: with more tensors per layer (``{"k", "v", "k_scale", "v_scale"}``, ``{"latent", "index"}``).
+#: latent tensor ``[num_blocks, block_size, latent_dim]``, vLLM's one K-and-V tensor per layer
+#: (``vllm-hnd``, ``vllm-cpu``), or a mapping of kind to tensor for layouts with more tensors per
+#: layer (``{"k", "v", "k_scale", "v_scale"}``, ``{"latent", "index"}``).
 KVCacheLayer = Union[tuple[Any, Any], Mapping[str, Any], Any]
 
 

@@ -25,11 +25,24 @@ layout            ``k`` / ``v``                       ``k_scale`` / ``v_scale``
 ``mla``           ``latent`` token major: ``[P*p, 1, L]`` or ``[P, p, L]``, one
                   per layer, the same on every rank; ``index`` (DeepSeek-V3.2's
                   indexer keys) likewise
+``vllm-hnd``      one ``kv`` tensor ``[P, h, p, C]``, ``C = d_k + d_v``: each
+                  token's row is its K then its V
+``vllm-cpu``      one ``kv`` tensor ``[P, h, p, 2d]`` holding, per (block, head),
+                  the ``p`` K rows and then the ``p`` V rows (``[P, h, 2, p, d]``)
 ================= =================================== ==========================
 
 ATOM at 0c982ea92 allocates ``aiter``; ATOM main (ffdf3bb5d) allocates
 ``aiter-shuffle`` and, for MLA models, ``mla`` with ``p = 1``. The reference
 engine uses ``hnd`` with ``block_ratio`` 1.
+
+vLLM 0.32 allocates one tensor per layer, logically ``[blocks, kv_heads,
+block_size, C]`` (HND, its ``LBHNC``), whose rows the attention backend
+interprets: its GPU and ROCm backends (FLASH_ATTN, TRITON_ATTN, ROCm AITER FA
+without the shuffled cache, ROCM_AITER_UNIFIED_ATTN, FLEX_ATTENTION) as K
+then V per token (``vllm-hnd``), its CPU backend (CPU_ATTN) as the block's K
+rows followed by its V rows (``vllm-cpu``). Same shape, different bytes, so
+they are two layouts. vLLM's MLA caches (``[blocks, 1, block_size, L]``) are
+``mla``.
 """
 
 from __future__ import annotations
@@ -39,16 +52,20 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 __all__ = [
-    "HEAD_MAJOR", "KINDS", "LAYOUT_NAMES", "KVLayout", "LayoutMismatch", "TensorGeometry", "describe_tensor",
+    "FUSED", "HEAD_MAJOR", "KINDS", "LAYOUT_NAMES", "KVLayout", "LayoutMismatch", "TensorGeometry", "describe_tensor",
     "detect_layout",
 ]
 
+#: Layouts with one tensor per layer holding K and V together (kind ``kv``).
+FUSED = ("vllm-hnd", "vllm-cpu")
 #: Layouts whose units are head major (a TP rank holds a slice of the heads).
-HEAD_MAJOR = ("hnd", "aiter", "aiter-shuffle")
+HEAD_MAJOR = ("hnd", "aiter", "aiter-shuffle") + FUSED
 LAYOUT_NAMES = HEAD_MAJOR + ("mla",)
-#: Tensor kinds per layer: KV and fp8 scales for head-major layouts, latent and indexer keys for MLA.
+#: Tensor kinds per layer: KV and fp8 scales for head-major layouts, one fused
+#: ``kv`` tensor for vLLM's, latent and indexer keys for MLA.
 KINDS = {"hnd": ("k", "v"), "aiter": ("k", "v", "k_scale", "v_scale"),
-         "aiter-shuffle": ("k", "v", "k_scale", "v_scale"), "mla": ("latent", "index")}
+         "aiter-shuffle": ("k", "v", "k_scale", "v_scale"), "vllm-hnd": ("kv",), "vllm-cpu": ("kv",),
+         "mla": ("latent", "index")}
 _AITER_PACK_BYTES = 16
 
 
@@ -73,6 +90,11 @@ class KVLayout:
     @property
     def is_mla(self) -> bool:
         return self.name == "mla"
+
+    @property
+    def is_fused(self) -> bool:
+        """One tensor per layer holding K and V (kind ``kv``)."""
+        return self.name in FUSED
 
     @property
     def units(self) -> int:
@@ -150,7 +172,7 @@ def describe_tensor(layout: KVLayout, kind: str, shape: Sequence[int], element_s
         return _describe_token_major(layout, kind, shape, element_size, block_size)
     r, p = layout.block_ratio, block_size // layout.block_ratio
     x = _AITER_PACK_BYTES // element_size if _AITER_PACK_BYTES % element_size == 0 else 0
-    if layout.name != "hnd" and not kind.endswith("_scale") and x == 0:
+    if layout.name.startswith("aiter") and not kind.endswith("_scale") and x == 0:
         raise LayoutMismatch(f"{layout.name} packs 16 bytes; {element_size}-byte elements do not divide them")
     if layout.name == "aiter-shuffle" and kind == "v" and p % x:
         raise LayoutMismatch(f"aiter-shuffle V packs {x} tokens; {p}-token physical blocks cannot hold them")
@@ -159,6 +181,9 @@ def describe_tensor(layout: KVLayout, kind: str, shape: Sequence[int], element_s
                              f"a multiple of block_ratio {r}")
     P = shape[0]
     d = head_dim if head_dim is not None else _head_dim(layout.name, kind, shape, x)
+    if layout.name == "vllm-cpu" and d % 2:
+        raise LayoutMismatch(f"kv cache rows are {d} wide; vllm-cpu keeps a block's K rows and V rows at "
+                             "equal widths, so a row must be even")
     want = _expected(layout.name, kind, P, heads, p, d, x)
     if shape != want:
         raise LayoutMismatch(f"{kind} cache has shape {list(shape)}, expected {_show(layout.name, kind, want)} "
@@ -182,8 +207,8 @@ def _describe_token_major(layout: KVLayout, kind: str, shape: tuple[int, ...], e
 def _head_dim(name: str, kind: str, shape: tuple[int, ...], x: int) -> int:
     if kind.endswith("_scale") or len(shape) < 4:
         return 0
-    if name == "hnd" or (name == "aiter" and kind == "v"):
-        return shape[3] if name == "hnd" else shape[2]
+    if name in ("hnd",) + FUSED or (name == "aiter" and kind == "v"):
+        return shape[2] if name == "aiter" else shape[3]
     if kind == "k":
         return shape[2] * x
     return shape[3]  # aiter-shuffle v: [P, h, p/x, d, x]
@@ -193,7 +218,7 @@ def _expected(name: str, kind: str, P: int, h: int, p: int, d: int, x: int) -> t
     """The shape ``kind`` must have (``x`` > 0 for AITER's packed tensors)."""
     if kind.endswith("_scale"):
         return (P, h, p)
-    if name == "hnd":
+    if name == "hnd" or name in FUSED:
         return (P, h, p, d)
     if kind == "k":
         return (P, h, d // x, p, x)
@@ -208,5 +233,6 @@ def _show(name: str, kind: str, want: tuple[int, ...]) -> str:
         ("aiter", "k"): "[blocks, heads, head_dim/x, block, x]", ("aiter", "v"): "[blocks, heads, head_dim, block]",
         ("aiter-shuffle", "k"): "[blocks, heads, head_dim/x, block, x]",
         ("aiter-shuffle", "v"): "[blocks, heads, block/x, head_dim, x]",
+        ("vllm-hnd", "kv"): "[blocks, heads, block, K|V]", ("vllm-cpu", "kv"): "[blocks, heads, block, 2*head_dim]",
     }.get((name, kind), "[blocks, heads, block]")
     return f"{list(want)} {symbolic}"

@@ -4,7 +4,8 @@
 to ``register_kv_caches`` into a list of :class:`KVTensor` (layer, kind,
 tensor, block_bytes, num_blocks, units). It checks every tensor against the
 layout ``CompatInfo.layout`` names; the layouts themselves (HND, ATOM's AITER
-K/V and shuffled V, MLA, ``block_ratio``) are described in
+K/V and shuffled V, MLA, ``block_ratio``, vLLM's one-tensor-per-layer
+``vllm-hnd`` and ``vllm-cpu``) are described in
 :mod:`atom_kv.connector.cache_layouts`. All keep one head's slice of one unit
 (a block, or a physical block) a contiguous byte run.
 
@@ -28,8 +29,8 @@ __all__ = ["KVTensor", "RegisteredKV", "compat_layout", "describe_kv_caches", "p
 
 class KVTensor(NamedTuple):
     """One cache tensor of this rank: ``kind`` is "k", "v", "k_scale", "v_scale",
-    "latent" or "index"; ``block_bytes`` the bytes of one block (this rank's
-    heads), stored as ``units`` head-major sub-blocks."""
+    "kv" (K and V in one tensor), "latent" or "index"; ``block_bytes`` the bytes
+    of one block (this rank's heads), stored as ``units`` head-major sub-blocks."""
 
     layer: int
     kind: str
@@ -61,9 +62,9 @@ def compat_layout(compat: CompatInfo) -> KVLayout:
 def describe_kv_caches(kv_caches: Sequence[KVCacheLayer], compat: CompatInfo, tp_size: int) -> list[KVTensor]:
     """Validate the engine's caches (one entry per layer) and describe each tensor.
 
-    An entry is a ``(k, v)`` pair, one MLA latent tensor, or a mapping of
-    kind to tensor. Raises ``ValueError`` with one line naming the layer and
-    what was expected.
+    An entry is a ``(k, v)`` pair, one tensor (an MLA latent, or the ``kv``
+    tensor of a fused layout), or a mapping of kind to tensor. Raises
+    ``ValueError`` with one line naming the layer and what was expected.
     """
     if len(kv_caches) != compat.num_layers:
         raise ValueError(f"got {len(kv_caches)} KV cache layers, compat says num_layers={compat.num_layers}")
@@ -72,7 +73,7 @@ def describe_kv_caches(kv_caches: Sequence[KVCacheLayer], compat: CompatInfo, tp
     out: list[KVTensor] = []
     for layer, entry in enumerate(kv_caches):
         for kind, t in _named(layer, entry, layout):
-            width = compat.head_dim if kind in ("k", "v", "latent") else None
+            width = compat.head_dim if kind in ("k", "v", "kv", "latent") else None
             try:
                 g = describe_tensor(layout, kind, t.shape, t.element_size(), block_size=compat.block_size,
                                     heads=heads, head_dim=width)
@@ -91,6 +92,11 @@ def _named(layer: int, entry: Any, layout: KVLayout) -> list[tuple[str, Any]]:
         return list(entry.items())
     if layout.is_mla:
         return [("latent", entry)]
+    if layout.is_fused:
+        if isinstance(entry, (tuple, list)):
+            raise ValueError(f"layer {layer}: layout {layout.label} keeps K and V in one tensor per layer, "
+                             f"got {len(entry)} tensors")
+        return [("kv", entry)]
     if not isinstance(entry, (tuple, list)) or len(entry) != 2:
         raise ValueError(f"layer {layer}: expected a (k, v) pair of tensors")
     return [("k", entry[0]), ("v", entry[1])]

@@ -48,7 +48,7 @@ class TensorLayout:
     """
 
     layer: int
-    kind: str  # "k", "v", "k_scale", "v_scale", "latent" or "index"
+    kind: str  # "k", "v", "k_scale", "v_scale", "kv", "latent" or "index"
     region: ChunkedRegion
     block_bytes: int
     num_blocks: int

@@ -166,6 +166,10 @@ def parse_settings(vllm_config: VllmConfig) -> tuple[KVTransferConfig, Optional[
         )
     extra["kv_role"] = role
     config = KVTransferConfig.from_dict(extra)
+    if config.proxy_addresses and "http_port" not in extra:
+        # atom-kv's default (ATOM's server port) says nothing about vLLM's --port
+        raise ConfigError("kv_connector_extra_config: `http_port` is required with `proxy_ip` "
+                          "(set it to vLLM's --port, where the proxy sends requests)")
     if "load_failure_policy" in extra:
         logger.warning("kv_connector_extra_config: `load_failure_policy` is ignored under vLLM; vLLM's own "
                        "kv_load_failure_policy (%s) decides what a failed load does", vkv.kv_load_failure_policy)
@@ -243,19 +247,75 @@ def kv_shape(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tp_size: i
                   content=spec.head_size + (0 if is_mla else spec.head_size_v))
 
 
-def hooks_layers(shape: _Shape, kv_caches: dict[str, torch.Tensor], layer_names: list[str],
-                 layout_name: str) -> tuple[list[Any], CompatInfo]:
+#: How vLLM 0.32's attention backends read one (block, head) slice of a layer's
+#: ``[num_blocks, kv_heads, block_size, C]`` cache, by backend class: which bytes
+#: two engines exchange, hence the layout atom-kv names in the handshake
+#: (:mod:`atom_kv.connector.cache_layouts`). The same shape holds K and V in
+#: two orders, so a backend not listed here is refused rather than guessed.
+_BACKEND_LAYOUTS = {
+    "CPUAttentionBackend": "vllm-cpu",  # CPU_ATTN: the block's K rows, then its V rows
+    "FlashAttentionBackend": "vllm-hnd",  # FLASH_ATTN: each token's K, then its V
+    "FlexAttentionBackend": "vllm-hnd",  # FLEX_ATTENTION
+    "TritonAttentionBackend": "vllm-hnd",  # TRITON_ATTN
+    "AiterFlashAttentionBackend": "vllm-hnd",  # ROCM_AITER_FA (its shuffled cache is refused by attention_spec)
+    "RocmAiterUnifiedAttentionBackend": "vllm-hnd",  # ROCM_AITER_UNIFIED_ATTN
+}
+_SERVED_BACKENDS = "CPU_ATTN, FLASH_ATTN, FLEX_ATTENTION, TRITON_ATTN, ROCM_AITER_FA, ROCM_AITER_UNIFIED_ATTN"
+
+
+def _backend_layout(backend: type) -> Optional[str]:
+    """The layout of ``backend``, or of the backend it specialises (vLLM derives per-layer-kind
+    subclasses, e.g. for chunked local attention, that keep their base's KV cache)."""
+    for cls in backend.__mro__:
+        if cls.__name__ in _BACKEND_LAYOUTS:
+            return _BACKEND_LAYOUTS[cls.__name__]
+    return None
+
+
+def kv_layout(vllm_config: VllmConfig, layer_names: list[str]) -> str:
+    """The atom-kv layout of these layers' caches, from the attention backends vLLM chose for them.
+
+    Raises :class:`UnsupportedKVCache` (one line) for a backend atom-kv does not
+    know, for layers whose backends disagree, or when vLLM cannot say.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    try:
+        backends = get_current_attn_backends(vllm_config, layer_names)
+    except Exception as exc:  # vLLM's selector, when no model layer is registered
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise UnsupportedKVCache(
+            f"AtomKVConnector cannot tell which attention backend reads this engine's KV cache ({reason}); "
+            f"it serves {_SERVED_BACKENDS} (--attention-backend)"
+        ) from None
+    found = {f"{b.get_name()} ({b.__name__})": _backend_layout(b) for b in backends}
+    unknown = sorted(name for name, layout in found.items() if layout is None)
+    if unknown:
+        raise UnsupportedKVCache(
+            f"AtomKVConnector does not know how the {', '.join(unknown)} attention backend orders K and V "
+            f"inside a KV block; it serves {_SERVED_BACKENDS}: choose one with --attention-backend"
+        )
+    layouts = set(found.values())
+    if len(layouts) != 1:
+        raise UnsupportedKVCache(
+            f"AtomKVConnector needs one KV layout for every layer; this model's layers use attention backends "
+            f"with different ones ({', '.join(f'{n}: {lay}' for n, lay in sorted(found.items()))})"
+        )
+    return layouts.pop()
+
+
+def hooks_layers(shape: _Shape, kv_caches: dict[str, torch.Tensor], layer_names: list[str], *, layout: str,
+                 resolved: str) -> tuple[list[Any], CompatInfo]:
     """vLLM's per-layer caches as atom-kv's ``register_kv_caches`` takes them, and the matching CompatInfo.
 
-    vLLM keeps one tensor per layer, ``[num_blocks, kv_heads, block_size, K|V]`` in
-    the HND layout (K and V side by side in each token's row), so one head's
-    slice of a block is one contiguous run, as atom-kv's planner needs. The hooks
-    take per-layer ``(k, v)`` pairs of such head-major tensors; a fused layer has
-    no separate V tensor, so consecutive layers travel as the two members of one
-    pair (every byte is read once; an odd last layer is paired with itself).
-    Both engines of a pair run this adapter, so they agree on the pairing; the
-    CompatInfo describes the pairs, so an engine with another layout is refused
-    at the handshake. MLA layers (one latent row per token) register one by one.
+    vLLM keeps one tensor per layer, ``[num_blocks, kv_heads, block_size, C]`` in
+    the HND layout, so one head's slice of a block is one contiguous run, as
+    atom-kv's planner needs. ``layout`` (from :func:`kv_layout`: ``vllm-hnd`` or
+    ``vllm-cpu``) says how K and V share that run; each layer registers once, as
+    one ``kv`` tensor. MLA layers (one latent row per token) register as ``mla``.
+    ``resolved`` is vLLM's own name for the layout it allocated, for errors.
+    The CompatInfo carries ``layout``, so an engine with another one is refused
+    at the handshake.
     """
     tensors: list[torch.Tensor] = []
     seen: set[int] = set()
@@ -276,17 +336,18 @@ def hooks_layers(shape: _Shape, kv_caches: dict[str, torch.Tensor], layer_names:
         if not t.is_contiguous():
             raise UnsupportedKVCache(
                 f"layer {name}: KV cache is not laid out head-major per block (vLLM resolved the "
-                f"{layout_name} layout); AtomKVConnector needs HND (LBHNC): unset VLLM_KV_CACHE_LAYOUT "
+                f"{resolved} layout); AtomKVConnector needs HND (LBHNC): unset VLLM_KV_CACHE_LAYOUT "
                 "or set it to HND, with an attention backend that supports it"
             )
         tensors.append(t)
     if shape.is_mla:
+        layout = "mla"
         layers: list[Any] = [t.view(shape.num_blocks, shape.block_size, shape.content) for t in tensors]
     else:
-        layers = [(tensors[i], tensors[min(i + 1, len(tensors) - 1)]) for i in range(0, len(tensors), 2)]
+        layers = tensors
     compat = CompatInfo(model_id=shape.model_id, dtype=_dtype_name(shape.spec.dtype), num_layers=len(layers),
                         num_kv_heads=shape.total_kv_heads, head_dim=shape.content, block_size=shape.block_size,
-                        is_mla=shape.is_mla)
+                        is_mla=shape.is_mla, layout=layout)
     return layers, compat
 
 
@@ -368,9 +429,6 @@ class _SchedulerSide:
         self._local_hits: dict[str, int] = {}
         self.pinger = None
         if config.proxy_addresses and place.dp_rank == 0:
-            if config.http_port is None:
-                raise ConfigError("kv_connector_extra_config: `http_port` is required with `proxy_ip` "
-                                  "(set it to vLLM's --port, where the proxy sends requests)")
             self.pinger = engine_hooks.build_registration_pinger(
                 config, role="P" if config.is_producer else "D", index=str(place.dp_rank), http_host=place.host,
                 http_port=config.http_port, tp_size=place.tp_size, dp_size=place.dp_size,
@@ -475,9 +533,10 @@ class _WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         shape = kv_shape(self.vllm_config, self.kv_cache_config, self.place.tp_size)
-        layout = self.vllm_config.cache_config.kv_cache_layout or "unresolved"
+        resolved = self.vllm_config.cache_config.kv_cache_layout or "unresolved"
         names = list(self.kv_cache_config.kv_cache_groups[0].layer_names)
-        layers, compat = hooks_layers(shape, kv_caches, names, layout)
+        layout = "mla" if shape.is_mla else kv_layout(self.vllm_config, names)
+        layers, compat = hooks_layers(shape, kv_caches, names, layout=layout, resolved=resolved)
         hooks = engine_hooks.build_worker_hooks(
             self.config, engine_id=self.place.engine_id, host=self.place.host, tp_rank=self.tp_rank,
             tp_size=self.place.tp_size, dp_rank=self.place.dp_rank, compat=compat,
@@ -488,8 +547,8 @@ class _WorkerSide:
             hooks.close()
             raise
         self.hooks = hooks
-        logger.info("AtomKVConnector rank %d/%d of engine %s: %d KV layers registered (%s)", self.tp_rank,
-                    self.place.tp_size, self.place.engine_id, len(names), "MLA" if shape.is_mla else "HND")
+        logger.info("AtomKVConnector rank %d/%d of engine %s: %d KV layers registered, layout %s", self.tp_rank,
+                    self.place.tp_size, self.place.engine_id, len(layers), compat.layout)
 
     def start_load_kv(self, meta: AtomKVConnectorMetadata) -> None:
         self.ledger.step(meta.hooks.loads, meta.free_sending, meta.abandon)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from atom_kv.connector.cache_layouts import (
+    KINDS,
     KVLayout,
     LayoutMismatch,
     describe_tensor,
@@ -29,6 +30,8 @@ def _shape(layout: KVLayout, kind: str, blocks: int, heads: int, block_size: int
         return (P, heads, p)
     if layout.name == "hnd":
         return (P, heads, p, d)
+    if layout.is_fused:
+        return (P, heads, p, 2 * d)  # a token's K and V (vllm-hnd), or K rows then V rows (vllm-cpu)
     if kind == "k":
         return (P, heads, d // X, p, X)
     return (P, heads, d, p) if layout.name == "aiter" else (P, heads, p // X, d, X)
@@ -44,12 +47,16 @@ def _tagged(layout: KVLayout, kind: str, blocks: int, heads: int, block_size: in
     return t
 
 
-@pytest.mark.parametrize("name", ["hnd", "aiter", "aiter-shuffle"])
+def _kinds(name: str) -> tuple[str, ...]:
+    return KINDS[name] if name != "mla" else ("latent",)
+
+
+@pytest.mark.parametrize("name", ["hnd", "aiter", "aiter-shuffle", "vllm-hnd", "vllm-cpu"])
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_every_unit_head_slice_is_one_contiguous_run(name, ratio):
     layout = KVLayout(name, ratio)
     blocks, heads, bs = 3, 4, 16
-    for kind in (("k", "v") if name == "hnd" else ("k", "v", "k_scale", "v_scale")):
+    for kind in _kinds(name):
         t = _tagged(layout, kind, blocks, heads, bs, seed=1)
         g = describe_tensor(layout, kind, t.shape, t.itemsize, block_size=bs, heads=heads)
         assert (g.num_blocks, g.units, g.heads) == (blocks, ratio, heads)
@@ -120,12 +127,13 @@ def _execute(ops, local: dict[int, np.ndarray], remote: dict[int, np.ndarray]) -
         dst[loff:loff + size] = src[roff:roff + size]
 
 
-@pytest.mark.parametrize("name,ratio", [("aiter-shuffle", 2), ("aiter", 4), ("hnd", 1)])
+@pytest.mark.parametrize("name,ratio", [("aiter-shuffle", 2), ("aiter", 4), ("hnd", 1), ("vllm-hnd", 1),
+                                        ("vllm-cpu", 2)])
 @pytest.mark.parametrize("local_tp,local_rank,remote_tp", [(2, 1, 1), (1, 0, 2), (2, 0, 2)])
 def test_heterogeneous_tp_reads_move_exactly_the_owned_heads(name, ratio, local_tp, local_rank, remote_tp):
     total_heads, bs, blocks = 4, 16, 6
     layout = KVLayout(name, ratio)
-    kinds = ("k", "v") if name == "hnd" else ("k", "v", "k_scale", "v_scale")
+    kinds = _kinds(name)
     lh, rh = total_heads // local_tp, total_heads // remote_tp
     local = {(0, kind): _tagged(layout, kind, blocks, lh, bs, seed=9) for kind in kinds}
     locals_by_id = {}
@@ -172,3 +180,20 @@ def test_planner_refuses_tensors_with_mixed_sub_blocks():
     local = [TensorLayout(0, "k", region, 32, 2, 2), TensorLayout(0, "v", region, 32, 2, 1)]
     with pytest.raises(Exception, match="mix"):
         ReadPlanner(local, local, head_overlaps(2, 1, 0, 1)[0], local_heads=2, remote_heads=2)
+
+
+def test_vllm_fused_layouts_one_kv_tensor_per_layer():
+    # vLLM 0.32: [blocks, kv_heads, block_size, K|V], float32 K and V of 16 each
+    for name in ("vllm-hnd", "vllm-cpu"):
+        g = describe_tensor(KVLayout(name), "kv", (8, 2, 16, 32), 4, block_size=16, heads=2)
+        assert (g.num_blocks, g.block_bytes, g.units, g.heads, g.head_dim) == (8, 2 * 16 * 32 * 4, 1, 2, 32)
+        with pytest.raises(LayoutMismatch, match="has no 'k' tensor"):
+            describe_tensor(KVLayout(name), "k", (8, 2, 16, 32), 4, block_size=16, heads=2)
+    with pytest.raises(LayoutMismatch, match=r"expected \[8, 2, 16, 32\] \[blocks, heads, block, K\|V\] "
+                                             r"for layout vllm-hnd"):
+        describe_tensor(KVLayout("vllm-hnd"), "kv", (8, 4, 16, 16), 4, block_size=16, heads=2, head_dim=32)
+    with pytest.raises(LayoutMismatch, match="vllm-cpu keeps a block's K rows and V rows at equal widths"):
+        describe_tensor(KVLayout("vllm-cpu"), "kv", (8, 2, 16, 33), 4, block_size=16, heads=2)
+    # the same shape in two byte orders: two labels, so the handshake tells them apart
+    assert KVLayout("vllm-hnd").label != KVLayout("vllm-cpu").label
+    assert KVLayout.parse("vllm-cpu/ratio=2") == KVLayout("vllm-cpu", 2)

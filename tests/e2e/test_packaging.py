@@ -1,5 +1,9 @@
 """`pip install atom-kv` (no extras) in a fresh virtualenv: no torch, and the proxy and the
-connector work; what needs torch says, in one line, which extra to install.
+connector work; what needs torch says, in one line, which extra to install. The wheel
+is built the way it ships: pyproject.toml plus setup.py's build step, which adds
+``atom_kv_atom.pth`` (ATOM's processes learn the ``atom_kv`` connector name from it), and
+that file is in the wheel, lands in site-packages and costs a process without ATOM
+nothing but one small import.
 
 Builds a wheel of this checkout and installs it, with its dependencies, into a new
 virtualenv (pip's cache and configured indexes; the network when they miss). The
@@ -15,9 +19,11 @@ import signal
 import subprocess
 import sys
 import venv
+import zipfile
 
 import pytest
 
+from atom_kv.integrations.atom.hook import PTH_NAME, pth_text
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.ports import free_port
 from atom_kv.testing.processes import REPO_ROOT
@@ -35,7 +41,7 @@ def plain_install(tmp_path_factory):
     # build from a copy: an in-tree build would leave build/ and *.egg-info in the checkout
     shutil.copytree(os.path.join(REPO_ROOT, "atom_kv"), src / "atom_kv",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):  # everything the release build reads
         shutil.copy(os.path.join(REPO_ROOT, name), src / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", "--quiet"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(root / "dist"), str(src)],
@@ -46,12 +52,13 @@ def plain_install(tmp_path_factory):
     python = str(env_dir / "bin" / "python")
     subprocess.run([*pip, "--python", python, "install", "--no-compile", str(wheel)], check=True, timeout=600,
                    cwd=root)
-    return python, str(root)
+    return python, str(root), str(wheel)
 
 
-def _run(plain_install, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    python, cwd = plain_install
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # only the installed copy is importable
+def _run(plain_install, *args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    python, cwd, _ = plain_install
+    # only the installed copy is importable
+    env = {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ATOM_KV_ATOM_HOOK")}, **(env or {})}
     return subprocess.run([python, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -64,6 +71,31 @@ def test_plain_install_has_no_torch_and_imports_the_installed_copy(plain_install
     assert location.startswith(os.path.join(plain_install[1], "venv")), location
 
 
+def test_the_wheel_ships_the_atom_pth_at_its_root(plain_install):
+    with zipfile.ZipFile(plain_install[2]) as zf:
+        names = zf.namelist()
+        assert PTH_NAME in names, f"{PTH_NAME} is not at the wheel's root: {sorted(n for n in names if '/' not in n)}"
+        assert zf.read(PTH_NAME).decode() == pth_text()
+        record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+        assert any(line.split(",")[0] == PTH_NAME for line in zf.read(record).decode().splitlines())
+
+
+def test_installed_pth_arms_the_atom_hook_at_start_up_and_nothing_else(plain_install):
+    """Every Python start in the environment runs the .pth: it puts the watcher for ATOM's factory in
+    place and imports neither ATOM nor torch nor the connector; `hook-status` finds it where pip put it."""
+    probe = ("import sys, sysconfig, os; "
+             "print(os.path.isfile(os.path.join(sysconfig.get_paths()['purelib'], %r)), "
+             "any(type(f).__name__ == 'FactoryWatcher' for f in sys.meta_path), "
+             "sorted(m for m in sys.modules if m.split('.')[0] in ('atom', 'torch', 'zmq', 'numpy')))" % PTH_NAME)
+    proc = _run(plain_install, "-c", probe)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout.strip() == "True True []", proc.stdout
+    off = _run(plain_install, "-c", probe, env={"ATOM_KV_ATOM_HOOK": "0"})
+    assert off.returncode == 0 and off.stdout.strip() == "True False []", off.stdout + off.stderr
+    status = _run(plain_install, "-m", "atom_kv.integrations.atom", "hook-status")
+    assert status.returncode == 0 and status.stdout.strip().endswith(": installed"), status.stdout + status.stderr
+
+
 def test_connector_and_tcp_backend_import_without_torch(plain_install):
     proc = _run(plain_install, "-c", "import atom_kv.connector, atom_kv.transfer.tcp, atom_kv.engine_hooks")
     assert proc.returncode == 0, proc.stderr
@@ -72,7 +104,7 @@ def test_connector_and_tcp_backend_import_without_torch(plain_install):
 def test_proxy_runs_without_torch(plain_install):
     proc = _run(plain_install, "-m", "atom_kv.proxy", "--help")
     assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stderr
-    python, cwd = plain_install
+    python, cwd, _ = plain_install
     port = free_port()  # the proxy cannot report a port it picked itself
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proxy = subprocess.Popen([python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(port),

@@ -1,20 +1,30 @@
 """vLLM's real v1 Scheduler on both sides of a P/D pair, with AtomKVConnector
 loaded by ``kv_connector_module_path``: whole request lives over real tcp and
-cma reads between CPU KV caches, every byte checked, every block given back."""
+cma reads between CPU KV caches, every byte checked, every block given back;
+and engines whose KV layouts differ refusing each other at the handshake."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable here; `make test-engines` runs these tests "
                                    "in their own environment (see docs/vllm.md)")
 
+import torch  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from atom_kv.connector import ConnectorScheduler, create_worker  # noqa: E402
 from atom_kv.transfer import BackendUnavailable, create_backend  # noqa: E402
+from atom_kv.wire import CompatInfo  # noqa: E402
+from tests.connector.engines import Engine, LocalRank  # noqa: E402
+from tests.connector.engines import run_until as connector_run_until  # noqa: E402
+from tests.connector.kvutil import config as kv_config  # noqa: E402
 from tests.connector.kvutil import port_range  # noqa: E402
 from tests.integrations.vllm_engine import (  # noqa: E402
     BLOCK,
+    HEAD,
     LAYERS,
     SENTINEL,
     VllmEngine,
@@ -55,14 +65,17 @@ class Pair:
     """A producer and a consumer engine; closes both."""
 
     def __init__(self, model_dir, backend: str = "tcp", *, p_tp: int = 1, d_tp: int = 1,
-                 policy: str = "fail", p_overrides: dict | None = None, async_scheduling: bool = True) -> None:
+                 policy: str = "fail", p_overrides: dict | None = None, async_scheduling: bool = True,
+                 p_attention: str = "CPU_ATTN", d_attention: str = "CPU_ATTN") -> None:
         self.P = VllmEngine(make_vllm_config(model_dir, "kv_producer",
                                              extra(backend, port_range(p_tp), **(p_overrides or {})),
-                                             tp_size=p_tp, async_scheduling=async_scheduling), NUM_BLOCKS)
+                                             tp_size=p_tp, async_scheduling=async_scheduling,
+                                             attention_backend=p_attention), NUM_BLOCKS)
         try:
             self.D = VllmEngine(make_vllm_config(model_dir, "kv_consumer", extra(backend, port_range(d_tp)),
                                                  tp_size=d_tp, failure_policy=policy,
-                                                 async_scheduling=async_scheduling), NUM_BLOCKS)
+                                                 async_scheduling=async_scheduling, attention_backend=d_attention),
+                                NUM_BLOCKS)
         except BaseException:
             self.P.close()
             raise
@@ -173,10 +186,10 @@ def test_whole_life_prefill_hold_load_decode_free(pair_factory, backend, schedul
     # the decode engine computed only the last prompt token and what followed
     assert D.computed["d-1"][0] == (44, 1)
     run_until([P, D], lambda: empty(P) and empty(D))
-    # stats: each byte of the three blocks read once per layer pair member (the odd layer twice)
+    # stats: every byte of the three blocks read exactly once, in each of the (odd count of) layers
     nbytes = sum(s.get("bytes", 0) for s in seen["stats"])
     page = 2 * 16 * 2 * BLOCK * 4  # heads x (K|V) x block x float32
-    assert nbytes == 3 * page * (LAYERS + LAYERS % 2)
+    assert nbytes == 3 * page * LAYERS
     assert sum(s.get("transfers", 0) for s in seen["stats"]) == 1
 
 
@@ -208,6 +221,9 @@ def test_mixed_tensor_parallel_sizes(pair_factory, p_tp, d_tp):
     seen = decode(pair, "d-3", prompt, params)
     assert seen["bytes_equal"] and seen["pattern"] == ""
     assert seen["finish"] == 1
+    # the decode ranks together read each byte of the five blocks once, however the heads were split
+    page = 2 * 16 * 2 * BLOCK * 4
+    assert sum(s.get("bytes", 0) for s in seen["stats"]) == 5 * page * LAYERS
     run_until([pair.P, pair.D], lambda: empty(pair.P) and empty(pair.D))
 
 
@@ -237,7 +253,7 @@ def test_local_prefix_hit_reads_only_the_uncached_blocks(pair_factory):
         assert got[2:4].equal(producer[2:4]), "an uncached block differs from the producer's"
     # only the two uncached blocks crossed the wire, and D computed just the last prompt token
     page = 2 * 16 * 2 * BLOCK * 4
-    assert sum(s.get("bytes", 0) for s in seen["stats"]) == 2 * page * (LAYERS + LAYERS % 2)
+    assert sum(s.get("bytes", 0) for s in seen["stats"]) == 2 * page * LAYERS
     assert D.computed["d-4b"][0] == (len(second) - 1, 1)
     run_until([P, D], lambda: empty(P) and empty(D))
 
@@ -337,3 +353,93 @@ def test_a_transfer_id_minted_by_the_router_names_both_legs(pair_factory):
     seen = decode(pair, "d-12", prompt, params)
     assert seen["bytes_equal"] and seen["finish"] == 1
     run_until([pair.P, pair.D], lambda: empty(pair.P) and empty(pair.D))
+
+
+class LogLines(logging.Handler):
+    """The atom_kv warnings logged while it is installed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def atom_kv_warnings():
+    handler = LogLines()
+    logging.getLogger("atom_kv").addHandler(handler)
+    yield handler.lines
+    logging.getLogger("atom_kv").removeHandler(handler)
+
+
+def test_vllm_engines_whose_backends_order_kv_differently_refuse_each_other(pair_factory, atom_kv_warnings):
+    """CPU_ATTN keeps a block's K rows then its V rows, TRITON_ATTN each token's K then V: the same tensor
+    shape with other bytes. The handshake refuses in one line naming both layouts; nothing is read, vLLM
+    recomputes, every block comes back."""
+    pair = pair_factory("tcp", policy="recompute", p_attention="CPU_ATTN", d_attention="TRITON_ATTN")
+    P, D = pair.P, pair.D
+    prompt = prompt_of(13, 40)
+    params = pair.prefill("p-13", prompt)
+    seen = decode(pair, "d-13", prompt, params, max_tokens=2, verify_load=False)
+    assert seen.get("recv_step") and seen["invalid"], "the refused load must be reported with its blocks"
+    assert seen["finish"] == 1 and D.computed["d-13"][0][0] == 0  # recomputed from the first token
+    assert not any(s.get("bytes") for s in seen.get("stats", [])), "nothing may be read across layouts"
+    refusals = [line for line in atom_kv_warnings if "KV layout mismatch" in line]
+    assert refusals and all("\n" not in line for line in refusals)
+    assert any("KV layout mismatch: layout 'vllm-cpu' (prefill) vs 'vllm-hnd' (decode)" in line
+               for line in refusals), refusals
+    run_until([P, D], lambda: empty(P) and empty(D))
+
+
+def _other_engine_caches(layout: str, num_blocks: int, model_id: str) -> tuple[list, CompatInfo]:
+    """A decode rank of another engine, agreeing with the vLLM prefill engine on everything it can:
+    the reference engine's ``hnd`` (separate K and V tensors of the same row width), or ATOM main's
+    ``aiter-shuffle`` (AITER-packed K and shuffled V)."""
+    if layout == "hnd":
+        caches = [tuple(torch.full((num_blocks, 2, BLOCK, 2 * HEAD), -1.0) for _ in "kv") for _ in range(LAYERS)]
+        width = 2 * HEAD
+    else:
+        x = 4  # 16 bytes of float32
+        caches = [{"k": torch.full((num_blocks, 2, HEAD // x, BLOCK, x), -1.0),
+                   "v": torch.full((num_blocks, 2, BLOCK // x, HEAD, x), -1.0)} for _ in range(LAYERS)]
+        width = HEAD
+    compat = CompatInfo(model_id=model_id, dtype="float32", num_layers=LAYERS, num_kv_heads=2,
+                        head_dim=width, block_size=BLOCK, layout=layout)
+    return caches, compat
+
+
+@pytest.mark.parametrize("layout", ["hnd", "aiter-shuffle"])
+def test_a_vllm_engine_and_an_engine_of_another_layout_refuse_each_other(pair_factory, atom_kv_warnings,
+                                                                          layout):
+    """A vLLM prefill engine and a decode engine of another layout (atom-kv's reference engine, ATOM):
+    without the layout in the handshake the ``hnd`` pair would agree on every other field and exchange
+    wrong bytes silently. Refused in one line naming both layouts; the decode engine recomputes."""
+    pair = pair_factory("tcp")
+    P = pair.P
+    params = pair.prefill("p-14", prompt_of(14, 40))
+    prefill_compat = P.ranks[0].connector.worker_side.hooks.compat
+    assert prefill_compat.layout == "vllm-cpu"
+    caches, compat = _other_engine_caches(layout, NUM_BLOCKS, prefill_compat.model_id)
+    cfg = kv_config("kv_consumer", port_range(1), load_failure_policy="recompute")
+    worker = create_worker(cfg, engine_id="other", host="127.0.0.1", tp_rank=0, tp_size=1, compat=compat)
+    D = Engine(ConnectorScheduler(cfg, engine_id="other", host="127.0.0.1", tp_size=1, block_size=BLOCK),
+               [LocalRank(worker)], NUM_BLOCKS)
+    try:
+        worker.register_kv_caches(caches)
+        blocks = D.admit("d-14", 40, params)
+        connector_run_until([D], lambda: "d-14" in D.recompute or "d-14" in D.failed)
+        assert "d-14" in D.recompute
+        assert all(bool((t == -1.0).all()) for layer in caches
+                   for t in (layer.values() if isinstance(layer, dict) else layer)), "bytes crossed layouts"
+        refusals = [line for line in atom_kv_warnings if "KV layout mismatch" in line]
+        assert refusals and all("\n" not in line for line in refusals)
+        assert any(f"layout 'vllm-cpu' (prefill) vs '{layout}' (decode)" in line for line in refusals), refusals
+        if layout == "hnd":  # the layout is the only difference
+            assert any(line.endswith("KV layout mismatch: layout 'vllm-cpu' (prefill) vs 'hnd' (decode)")
+                       for line in refusals), refusals
+        assert len(blocks) == 3
+    finally:
+        worker.close()
+        D.sched.close()

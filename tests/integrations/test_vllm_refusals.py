@@ -1,6 +1,8 @@
 """What AtomKVConnector refuses, each with one line: bad ``kv_connector_extra_config``,
 vLLM settings it does not support, and KV caches it cannot serve (refused at
-``register_kv_caches``, and at the scheduler for the config's own groups)."""
+``register_kv_caches``, and at the scheduler for the config's own groups); and
+what it registers instead: each layer once, in the layout its attention
+backend gives it."""
 
 from __future__ import annotations
 
@@ -23,9 +25,23 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
 from atom_kv.config import ConfigError  # noqa: E402
-from atom_kv.integrations.vllm import AtomKVConnector, UnsupportedKVCache  # noqa: E402
+from atom_kv.connector.kv_caches import describe_kv_caches  # noqa: E402
+from atom_kv.integrations.vllm import (  # noqa: E402
+    AtomKVConnector,
+    UnsupportedKVCache,
+    hooks_layers,
+    kv_layout,
+    kv_shape,
+)
 from tests.conftest import free_port  # noqa: E402
-from tests.integrations.vllm_engine import BLOCK, HEAD, make_kv_cache_config, make_vllm_config, write_tiny_model  # noqa: E402
+from tests.integrations.vllm_engine import (  # noqa: E402
+    BLOCK,
+    HEAD,
+    StandInAttention,
+    make_kv_cache_config,
+    make_vllm_config,
+    write_tiny_model,
+)
 
 
 @pytest.fixture(scope="module")
@@ -151,16 +167,81 @@ def test_more_tp_ranks_than_kv_heads_is_refused(model_dir):
     assert "2 KV heads over TP 4" in str(info.value)
 
 
-def test_registered_layers_reach_the_hooks_as_pairs(model_dir):
-    """Three fused layers become two (k, v) pairs, the odd one paired with itself; the handshake's
-    compatibility info says so (another layout is refused there)."""
+@pytest.mark.parametrize("attention,layout", [
+    ("CPU_ATTN", "vllm-cpu"), ("TRITON_ATTN", "vllm-hnd"), ("FLASH_ATTN", "vllm-hnd"), ("ROCM_AITER_FA", "vllm-hnd"),
+    ("ROCM_AITER_UNIFIED_ATTN", "vllm-hnd"), ("FLEX_ATTENTION", "vllm-hnd"),
+])
+def test_each_layer_registers_once_in_its_backends_layout(model_dir, attention, layout):
+    """Three fused layers are three ``kv`` tensors, each vLLM's own (no pairing, nothing read twice); the
+    layout comes from the attention backend the model's layers run, and goes into the handshake."""
+    config = make_vllm_config(model_dir, "kv_producer", base(), attention_backend=attention)
+    kv_cache_config = make_kv_cache_config(config, 32)
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    try:
+        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
+        names = kv_cache_config.kv_cache_groups[0].layer_names
+        assert kv_layout(config, names) == layout
+        connector.register_kv_caches(caches)
+        compat = connector.worker_side.hooks.compat
+        assert compat.layout == layout and compat.num_layers == 3 and compat.head_dim == 2 * HEAD
+        assert compat.num_kv_heads == 2 and compat.block_size == BLOCK and not compat.is_mla
+        shape = kv_shape(config, kv_cache_config, 1)
+        layers, _ = hooks_layers(shape, caches, names, layout=layout, resolved="LBHNC")
+        described = describe_kv_caches(layers, compat, 1)
+        assert [(t.layer, t.kind) for t in described] == [(0, "kv"), (1, "kv"), (2, "kv")]
+        assert [t.tensor.data_ptr() for t in described] == [caches[n].data_ptr() for n in names]
+        assert all(t.block_bytes == 2 * BLOCK * 2 * HEAD * 4 and t.num_blocks == 32 for t in described)
+    finally:
+        connector.shutdown()
+
+
+def test_a_backend_vllm_derives_for_a_layer_kind_keeps_its_bases_layout(model_dir):
+    """vLLM subclasses a backend per layer kind (chunked local attention, ...); the KV cache stays the base's."""
+    from vllm.v1.attention.backend import subclass_attention_backend
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = make_vllm_config(model_dir, "kv_producer", base())
+    names = make_kv_cache_config(config, 32).kv_cache_groups[0].layer_names
+    derived = subclass_attention_backend("ChunkedLocalAttention_", CPUAttentionBackend,
+                                         CPUAttentionBackend.get_builder_cls())
+    for name in names:
+        config.compilation_config.static_forward_context[name].backend = derived
+    assert derived.__name__ == "ChunkedLocalAttention_CPUAttentionBackend"
+    assert kv_layout(config, names) == "vllm-cpu"
+
+
+@pytest.mark.parametrize("attention,needle", [
+    ("ROCM_ATTN", "does not know how the ROCM_ATTN (RocmAttentionBackend) attention backend orders K and V"),
+    (None, "this model's layers use attention backends with different ones"),
+])
+def test_backends_without_a_known_kv_order_are_refused_at_register(model_dir, attention, needle):
     config, connector = create(model_dir, "kv_producer", base(), side=KVConnectorRole.WORKER)
     try:
+        names = make_kv_cache_config(config, 32).kv_cache_groups[0].layer_names
+        if attention is None:  # one layer on another backend than the others
+            config.compilation_config.static_forward_context[names[1]] = StandInAttention("TRITON_ATTN")
+        else:
+            for name in names:
+                config.compilation_config.static_forward_context[name] = StandInAttention(attention)
         caches = allocate_kv_cache(make_kv_cache_config(config, 32), torch.device("cpu"), KVCacheLayout.LBHNC)
-        connector.register_kv_caches(caches)
-        hooks = connector.worker_side.hooks
-        assert hooks.compat.num_layers == 2 and hooks.compat.head_dim == 2 * HEAD
-        assert hooks.compat.num_kv_heads == 2 and hooks.compat.block_size == BLOCK and not hooks.compat.is_mla
+        with pytest.raises(UnsupportedKVCache) as info:
+            connector.register_kv_caches(caches)
+        assert needle in str(info.value) and "\n" not in str(info.value)
+        assert connector.worker_side.hooks is None
+    finally:
+        connector.shutdown()
+
+
+def test_no_attention_layers_and_no_backend_vllm_can_name_is_refused(model_dir):
+    config, connector = create(model_dir, "kv_producer", base(), side=KVConnectorRole.WORKER)
+    try:
+        config.compilation_config.static_forward_context.clear()  # vLLM's selector has no platform here
+        caches = allocate_kv_cache(make_kv_cache_config(config, 32), torch.device("cpu"), KVCacheLayout.LBHNC)
+        with pytest.raises(UnsupportedKVCache) as info:
+            connector.register_kv_caches(caches)
+        assert str(info.value).startswith("AtomKVConnector cannot tell which attention backend reads this "
+                                          "engine's KV cache (")
+        assert "\n" not in str(info.value)
     finally:
         connector.shutdown()
 

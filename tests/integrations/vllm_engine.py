@@ -2,7 +2,10 @@
 our connector loaded by ``kv_connector_module_path``, one worker-side connector
 per TP rank over real CPU KV tensors (allocated by vLLM's own
 ``allocate_kv_cache`` in the HND layout), and a stand-in model that writes a
-known KV pattern for every token it "computes".
+known KV pattern for every token it "computes". The model's attention layers
+are stand-ins too: registered where vLLM's model registers them, each names
+the real vLLM attention backend class a model would have chosen (CPU_ATTN by
+default, as on a CPU host), which is what tells the connector its KV layout.
 
 Each step follows vLLM's model-runner mixin: bind the metadata, forward,
 ``start_load_kv``, ``wait_for_save``, ``get_transfer_results``, load errors,
@@ -26,7 +29,9 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -41,10 +46,10 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from atom_kv.integrations.vllm import AtomKVConnector
 
 BLOCK = 16
-LAYERS = 3  # odd on purpose: the last layer travels paired with itself
+LAYERS = 3  # odd on purpose: each layer registers (and is read) once, whatever the count
 KV_HEADS = 2
 HEAD = 16
-CONTENT = 2 * HEAD  # K then V per token row
+CONTENT = 2 * HEAD  # a token's row: K and V (how they share it is the backend's business)
 EOS = 255
 SENTINEL = -7.0
 
@@ -63,10 +68,28 @@ def write_tiny_model(folder: Path) -> Path:
     return folder
 
 
+class StandInAttention(AttentionLayerBase):
+    """STAND-IN for a model's attention layer: only which vLLM attention backend it runs (no weights, no kernels)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = AttentionBackendEnum[backend].get_class()
+
+    def get_attn_backend(self) -> type:
+        return self.backend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> None:
+        return None
+
+
+def layer_names(count: int = LAYERS) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(count)]
+
+
 def make_vllm_config(model_dir: Path, role: str, extra: dict[str, Any], *, tp_size: int = 1,
                      failure_policy: str = "fail", max_batched_tokens: int = 512,
-                     async_scheduling: bool = True) -> VllmConfig:
-    """A real VllmConfig whose kv_transfer_config names our module (async scheduling: vLLM's default)."""
+                     async_scheduling: bool = True, attention_backend: str = "CPU_ATTN") -> VllmConfig:
+    """A real VllmConfig whose kv_transfer_config names our module (async scheduling: vLLM's default), with
+    the model's attention layers registered as stand-ins running ``attention_backend``."""
     model = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
                         seed=0)
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_batched_tokens, max_model_len=1024,
@@ -80,6 +103,9 @@ def make_vllm_config(model_dir: Path, role: str, extra: dict[str, Any], *, tp_si
                         device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=tp_size))
     # vLLM's engine core resolves the layout from the connector's preference (HND)
     config.cache_config.kv_cache_layout = KVCacheLayout.LBHNC.name
+    # where a loaded model's attention layers live (vLLM's connectors look their backends up there)
+    for name in layer_names():
+        config.compilation_config.static_forward_context[name] = StandInAttention(attention_backend)
     return config
 
 
@@ -87,7 +113,7 @@ def make_kv_cache_config(vllm_config: VllmConfig, num_blocks: int) -> KVCacheCon
     """One full-attention group, every layer in one backing allocation, layer-outermost (as vLLM plans it)."""
     tp = vllm_config.parallel_config.tensor_parallel_size
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=KV_HEADS // tp, head_size=HEAD, dtype=torch.float32)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    names = layer_names()
     page = spec.page_size_bytes
     tensor = KVCacheTensor(size=page * num_blocks * LAYERS, layers=names, layer_stride=page * num_blocks,
                            block_stride=page)
