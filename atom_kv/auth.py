@@ -14,6 +14,10 @@ Small pure helpers the whole package uses (no sockets, no threads):
 - :class:`ReplayWindow`: remembers nonces for ``window_s`` seconds, bounded
   in memory; a message whose timestamp is outside the window or whose nonce
   was already seen is refused.
+- :func:`sign_struct` / :func:`verify_struct`: the same ``ts``/``nonce``/``mac``
+  scheme for msgspec Structs with those three fields (the notices on a
+  producer's handshake port: :class:`~atom_kv.wire.DoneReading`,
+  :class:`~atom_kv.wire.Release`); :func:`struct_payload` is what they sign.
 """
 
 from __future__ import annotations
@@ -23,28 +27,57 @@ import hmac
 import os
 import time
 from collections import OrderedDict
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
 
 import msgspec
 
 __all__ = [
+    "PURPOSE_DONE",
+    "PURPOSE_DONE_ACK",
+    "PURPOSE_HANDSHAKE_CLIENT",
+    "PURPOSE_HANDSHAKE_REPLY",
+    "PURPOSE_HANDSHAKE_SERVER",
+    "PURPOSE_ISSUED",
+    "PURPOSE_PEER_PROOF",
     "PURPOSE_REGISTER",
+    "PURPOSE_RELEASE",
     "AuthError",
     "ReplayWindow",
     "canonical",
     "mac",
     "new_nonce",
     "sign_fields",
+    "sign_struct",
+    "struct_payload",
     "verify_fields",
     "verify_mac",
+    "verify_struct",
 ]
 
 PURPOSE_REGISTER = "atom-kv/register/v1"
 """Registration pings (engine rank 0 -> proxy discovery port)."""
+PURPOSE_HANDSHAKE_SERVER = "atom-kv/handshake-server/v1"
+"""A producer rank's proof in its handshake challenge (both nonces, its identity)."""
+PURPOSE_HANDSHAKE_CLIENT = "atom-kv/handshake-client/v1"
+"""A consumer rank's answer to the challenge (both nonces, the request it sent)."""
+PURPOSE_HANDSHAKE_REPLY = "atom-kv/handshake-reply/v1"
+"""The sealed handshake reply (both nonces, the reply's bytes)."""
+PURPOSE_PEER_PROOF = "atom-kv/peer-proof/v1"
+"""A producer rank proving the token before it is sent signed notices."""
+PURPOSE_DONE = "atom-kv/done/v1"
+"""Done-reading notices (consumer rank -> producer rank)."""
+PURPOSE_DONE_ACK = "atom-kv/done-ack/v1"
+"""Done-reading confirmations, bound to the notice's nonce."""
+PURPOSE_RELEASE = "atom-kv/release/v1"
+"""Releases (decode engine or proxy -> every producer rank of a transfer)."""
+PURPOSE_ISSUED = "atom-kv/issued/v1"
+"""A producer scheduler's issued transfers (-> its own ranks)."""
 
 NONCE_BYTES = 16
 
 _sorted_encoder = msgspec.msgpack.Encoder(order="sorted")
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class AuthError(Exception):
@@ -137,6 +170,33 @@ class ReplayWindow:
         if len(self._seen) >= self.max_entries:
             raise AuthError("replay", f"replay window full ({self.max_entries} nonces in {self.window_s:g}s)")
         self._seen[nonce] = now
+
+
+def struct_payload(msg: msgspec.Struct, **extra: Any) -> bytes:
+    """What a Struct's ``mac`` covers: :func:`canonical` of its fields (plus ``extra``)."""
+    fields = msgspec.structs.asdict(msg)
+    fields.update(extra)
+    return canonical(fields)
+
+
+def sign_struct(token: str | bytes, purpose: str, msg: S, *, now: float | None = None) -> S:
+    """A copy of ``msg`` (a Struct with ``ts``, ``nonce`` and ``mac`` fields) with
+    a fresh timestamp and nonce, signed."""
+    fresh = msgspec.structs.replace(msg, ts=float(time.time() if now is None else now), nonce=new_nonce(), mac=None)
+    return msgspec.structs.replace(fresh, mac=mac(token, purpose, struct_payload(fresh)))
+
+
+def verify_struct(
+    token: str | bytes, purpose: str, msg: msgspec.Struct, replay: ReplayWindow, *, now: float | None = None,
+) -> None:
+    """Check a Struct signed by :func:`sign_struct`; raise :class:`AuthError` if it
+    fails. The MAC is checked first, so only proven messages use up the replay window."""
+    given = getattr(msg, "mac", None)
+    if not given:
+        raise AuthError("auth", "missing mac")
+    if not verify_mac(token, purpose, struct_payload(msg), given):
+        raise AuthError("auth", "wrong mac")
+    replay.admit(getattr(msg, "nonce", None), getattr(msg, "ts", None), now)
 
 
 def verify_fields(

@@ -239,6 +239,8 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     transfer_retry_backoff_ms: NonNegativeFloat = 50.0
     peer_failure_threshold: PositiveInt = 3
     auth_token: Optional[str] = None
+    auth_window_s: PositiveSeconds = 30.0
+    auth_replay_entries: PositiveInt = 65536
     tcp_streams: PositiveInt = 4
     tcp_server_threads: PositiveInt = 4
     tcp_max_connections: PositiveInt = 512

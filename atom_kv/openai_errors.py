@@ -11,7 +11,14 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["ERROR_TYPES", "error_type", "error_body", "error_bytes", "sse_error_event"]
+__all__ = ["ERROR_TYPES", "KV_TRANSFER_FAILURE_HEADER", "error_type", "error_body", "error_bytes", "sse_error_event"]
+
+#: Response header a decode engine sets on an error caused by the prefill side
+#: (its KV could not be read: handshake refused or failed, a read failed, the
+#: producer no longer held the blocks). The value names the side: ``prefill``.
+#: A proxy then charges the prefill instance, not the decode engine, and
+#: retries with a fresh pair if the client has seen nothing yet.
+KV_TRANSFER_FAILURE_HEADER = "X-KV-Transfer-Failure"
 
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",

@@ -15,6 +15,8 @@ and the signature keys ``ts``/``nonce``/``mac`` are extra keys older peers ignor
 from __future__ import annotations
 
 import functools
+import hashlib
+import struct
 from typing import Annotated, Any, Literal, Mapping, Optional, TypeVar, Union, get_args
 
 import msgspec
@@ -34,12 +36,19 @@ __all__ = [
     "CompatInfo",
     "DoneAck",
     "DoneReading",
+    "HANDSHAKE_PROTOCOL_VERSION",
+    "HandshakeChallenge",
     "HandshakeMessage",
+    "HandshakeProof",
     "HandshakeReply",
+    "HandshakeReplyMessage",
     "HandshakeRequest",
     "HelloPing",
+    "Issued",
     "KVTransferParams",
     "MoriIODescriptor",
+    "PeerProof",
+    "PeerProofRequest",
     "ReadRange",
     "ReadReply",
     "ReadRequest",
@@ -47,6 +56,8 @@ __all__ = [
     "RegionSpan",
     "RegisterPing",
     "RegistrationMessage",
+    "Release",
+    "SealedHandshakeReply",
     "TCP_PROTOCOL_VERSION",
     "TcpDescriptor",
     "TcpHello",
@@ -55,8 +66,11 @@ __all__ = [
     "TransferId",
     "WireError",
     "adoptable_transfer_id",
+    "blocks_digest",
     "decode",
     "encode",
+    "handshake_port",
+    "peek_version",
 ]
 
 PROTOCOL_VERSION = 1
@@ -144,18 +158,61 @@ class RegionInfo(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
     num_blocks: int
 
 
+#: version of what travels on a producer rank's handshake port (handshake,
+#: peer proofs, done-reading, done-ack, release); 2: tokens are proven by
+#: challenge-response, never sent
+HANDSHAKE_PROTOCOL_VERSION = 2
+#: a nonce on the handshake port: empty, or up to 128 characters (atom-kv's are 32 hex digits)
+HandshakeNonce = Annotated[str, msgspec.Meta(max_length=128)]
+#: a MAC on the handshake port: empty, or a hex HMAC-SHA256 (64 characters)
+HandshakeMac = Annotated[str, msgspec.Meta(max_length=128)]
+
+
+def handshake_port(base: int, dp_rank: int, tp_size: int, tp_rank: int) -> int:
+    """Rank ``tp_rank`` of data-parallel group ``dp_rank`` listens on ``base + dp_rank*tp_size + tp_rank``."""
+    return base + dp_rank * tp_size + tp_rank
+
+
 class HandshakeRequest(msgspec.Struct, tag_field="t", tag="hs", kw_only=True):
+    """A consumer rank asking a producer rank for its descriptor and regions.
+
+    With an ``auth_token`` the consumer sends its challenge ``nonce``; the
+    producer then answers with a :class:`HandshakeChallenge` instead of the
+    reply. Nothing here is derived from the token."""
+
     engine_id: str
     tp_rank: int
     tp_size: int
     compat: CompatInfo
     backend: str
     host: str = ""
-    auth_token: Optional[str] = None
-    v: int = PROTOCOL_VERSION
+    nonce: HandshakeNonce = ""
+    v: int = HANDSHAKE_PROTOCOL_VERSION
+
+
+class HandshakeChallenge(msgspec.Struct, tag_field="t", tag="hs_challenge", kw_only=True):
+    """The producer proves it knows the token first: ``proof`` is an HMAC over
+    both nonces and the fields here; ``nonce`` is its challenge to the consumer."""
+
+    engine_id: str
+    tp_rank: int
+    nonce: HandshakeNonce
+    proof: HandshakeMac
+    v: int = HANDSHAKE_PROTOCOL_VERSION
+
+
+class HandshakeProof(msgspec.Struct, tag_field="t", tag="hs_proof", kw_only=True):
+    """The consumer's answer to a :class:`HandshakeChallenge` (``nonce`` is the
+    producer's): an HMAC over both nonces and the request it sent."""
+
+    nonce: HandshakeNonce
+    proof: HandshakeMac
+    v: int = HANDSHAKE_PROTOCOL_VERSION
 
 
 class HandshakeReply(msgspec.Struct, tag_field="t", tag="hs_ok", kw_only=True):
+    """The producer rank's answer: its descriptor and regions, or the refusal in ``error``."""
+
     ok: bool
     error: str = ""
     engine_id: str = ""
@@ -167,37 +224,117 @@ class HandshakeReply(msgspec.Struct, tag_field="t", tag="hs_ok", kw_only=True):
     host: str = ""
     descriptor: bytes = b""
     regions: list[RegionInfo] = []
-    v: int = PROTOCOL_VERSION
+    v: int = HANDSHAKE_PROTOCOL_VERSION
+
+
+class SealedHandshakeReply(msgspec.Struct, tag_field="t", tag="hs_sealed", kw_only=True):
+    """A :class:`HandshakeReply` (its bytes in ``reply``) after a challenge-response,
+    with an HMAC over both nonces and those bytes, so nobody can alter it."""
+
+    reply: bytes
+    mac: HandshakeMac
+    v: int = HANDSHAKE_PROTOCOL_VERSION
+
+
+class PeerProofRequest(msgspec.Struct, tag_field="t", tag="proof_req", kw_only=True):
+    """"Prove you know the token": sent before any signed notice goes to a
+    producer rank that has not proven it yet."""
+
+    nonce: HandshakeNonce
+    v: int = HANDSHAKE_PROTOCOL_VERSION
+
+
+class PeerProof(msgspec.Struct, tag_field="t", tag="proof", kw_only=True):
+    """The answer to a :class:`PeerProofRequest`: an HMAC over the nonce and
+    the fields here (empty when the producer has no token)."""
+
+    engine_id: str
+    tp_rank: int
+    proof: HandshakeMac = ""
+    v: int = HANDSHAKE_PROTOCOL_VERSION
 
 
 class DoneReading(msgspec.Struct, tag_field="t", tag="done", kw_only=True):
-    """Consumer rank ``tp_rank`` of ``tp_size`` finished (or gave up) reading."""
+    """Consumer rank ``tp_rank`` of ``tp_size`` finished (or gave up) reading.
+
+    ``block_offset``/``num_blocks``/``blocks_digest`` say which of the
+    transfer's blocks it read (:func:`blocks_digest` of
+    ``remote_block_ids[block_offset:block_offset + num_blocks]``); the producer
+    confirms only a read of its own blocks of that transfer. With a token,
+    signed (``ts``, ``nonce``, ``mac``; :func:`atom_kv.auth.sign_struct`)."""
 
     transfer_id: str
     engine_id: str
     tp_rank: int
     tp_size: int
     ok: bool = True
-    auth_token: Optional[str] = None
-    #: ask the producer rank to answer with a :class:`DoneAck` (older peers ignore it)
+    #: ask the producer rank to answer with a :class:`DoneAck`
     want_ack: bool = False
-    v: int = PROTOCOL_VERSION
+    block_offset: int = 0
+    num_blocks: int = 0
+    blocks_digest: str = ""
+    ts: Optional[float] = None
+    nonce: Optional[HandshakeNonce] = None
+    mac: Optional[HandshakeMac] = None
+    v: int = HANDSHAKE_PROTOCOL_VERSION
 
 
 class DoneAck(msgspec.Struct, tag_field="t", tag="done_ack", kw_only=True):
     """Producer rank ``tp_rank``'s answer to a ``DoneReading(want_ack=True)``:
-    ``valid`` is False when it had already released the transfer's blocks
-    (they may hold another request's KV), with the reason."""
+    ``valid`` is False when the read cannot be trusted (the blocks were
+    released, the transfer is not this producer's, or the consumer read other
+    blocks), with the reason. With a token, ``mac`` covers the fields and the
+    :class:`DoneReading`'s nonce, so an old ack never answers a new question."""
 
     transfer_id: str
     tp_rank: int
     valid: bool
     reason: str = ""
-    v: int = PROTOCOL_VERSION
+    mac: Optional[HandshakeMac] = None
+    v: int = HANDSHAKE_PROTOCOL_VERSION
+
+
+class Release(msgspec.Struct, tag_field="t", tag="release", kw_only=True):
+    """Nobody will read ``transfer_id``: a producer rank frees its blocks as if
+    every consumer had finished. Sent by a decode engine that rejected, aborted
+    or finished the request and by a proxy that abandoned the prefill;
+    idempotent. ``sender`` and ``reason`` are for the producer's log. With a
+    token, signed (``ts``, ``nonce``, ``mac``; :func:`atom_kv.auth.sign_struct`)."""
+
+    transfer_id: str
+    reason: str = ""
+    sender: str = ""
+    ts: Optional[float] = None
+    nonce: Optional[HandshakeNonce] = None
+    mac: Optional[HandshakeMac] = None
+    v: int = HANDSHAKE_PROTOCOL_VERSION
+
+
+class Issued(msgspec.Struct, tag_field="t", tag="issued", kw_only=True):
+    """A producer engine's scheduler telling its own ranks that ``block_ids``
+    are lent to readers under ``transfer_id``, for engines whose per-step
+    metadata reaches the ranks only with their next batch (ATOM): a rank
+    confirms reads only of transfers it knows were issued. Signed like
+    :class:`Release`."""
+
+    transfer_id: str
+    block_ids: list[int]
+    ts: Optional[float] = None
+    nonce: Optional[HandshakeNonce] = None
+    mac: Optional[HandshakeMac] = None
+    v: int = HANDSHAKE_PROTOCOL_VERSION
 
 
 #: what arrives on a producer rank's handshake port
-HandshakeMessage = Union[HandshakeRequest, DoneReading]
+HandshakeMessage = Union[HandshakeRequest, HandshakeProof, PeerProofRequest, DoneReading, Release, Issued]
+#: what a consumer receives on its handshake connection
+HandshakeReplyMessage = Union[HandshakeReply, HandshakeChallenge, SealedHandshakeReply]
+
+
+def blocks_digest(block_ids: Any) -> str:
+    """A short digest of a list of block ids (which blocks a consumer read)."""
+    ids = [int(b) for b in block_ids]
+    return hashlib.blake2b(struct.pack(f"<{len(ids)}q", *ids), digest_size=16).hexdigest()
 
 
 # --------------------------------------------------------------------------
@@ -498,6 +635,23 @@ def decode(data: bytes, type_: type[T]) -> T:
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): {exc}") from None
     except RecursionError:  # a few KiB of nested arrays (0x91 0x91 ...) exhaust the decoder's stack
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): nested too deeply") from None
+
+
+class _Versioned(msgspec.Struct):
+    v: Any = None
+
+
+_version_decoder = msgspec.msgpack.Decoder(_Versioned)
+
+
+def peek_version(data: bytes) -> Optional[int]:
+    """The ``v`` of a map-shaped message that failed to decode, when it has an
+    integer one (to refuse a newer peer by naming both versions), else None."""
+    try:
+        v = _version_decoder.decode(data).v
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
 def _type_name(type_: Any) -> str:

@@ -66,12 +66,50 @@ def test_hello_is_its_own_type():
 
 def test_handshake_family_round_trip():
     compat = CompatInfo(model_id="m", dtype="float16", num_layers=2, num_kv_heads=4, head_dim=16, block_size=16)
-    req = HandshakeRequest(engine_id="e", tp_rank=1, tp_size=2, compat=compat, backend="tcp", auth_token="t")
-    done = DoneReading(transfer_id="x", engine_id="e", tp_rank=0, tp_size=1)
-    assert wire.decode(wire.encode(req), wire.HandshakeMessage) == req
-    assert wire.decode(wire.encode(done), wire.HandshakeMessage) == done
+    req = HandshakeRequest(engine_id="e", tp_rank=1, tp_size=2, compat=compat, backend="tcp", nonce="n" * 32)
+    done = DoneReading(transfer_id="x", engine_id="e", tp_rank=0, tp_size=1, block_offset=2, num_blocks=3,
+                       blocks_digest=wire.blocks_digest([4, 5, 6]), ts=1.0, nonce="m" * 32, mac="a" * 64)
+    release = wire.Release(transfer_id="x", reason="client_gone", sender="proxy", ts=1.0, nonce="m" * 32)
+    proof = wire.HandshakeProof(nonce="p" * 32, proof="b" * 64)
+    for msg in (req, done, release, proof, wire.PeerProofRequest(nonce="q" * 32)):
+        assert wire.decode(wire.encode(msg), wire.HandshakeMessage) == msg
     reply = HandshakeReply(ok=True, compat=compat, descriptor=b"\x00\x01")
     assert wire.decode(wire.encode(reply), wire.HandshakeReply) == reply
+    challenge = wire.HandshakeChallenge(engine_id="P", tp_rank=0, nonce="p" * 32, proof="c" * 64)
+    sealed = wire.SealedHandshakeReply(reply=wire.encode(reply), mac="d" * 64)
+    for msg in (reply, challenge, sealed):
+        assert wire.decode(wire.encode(msg), wire.HandshakeReplyMessage) == msg
+
+
+def test_no_message_has_a_field_for_the_token():
+    """Tokens are proven, never sent: no Struct on the wire can carry one."""
+    import msgspec
+
+    structs = [obj for name in wire.__all__
+               if isinstance(obj := getattr(wire, name), type) and issubclass(obj, msgspec.Struct)]
+    assert len(structs) >= 25
+    carrying = sorted(s.__name__ for s in structs if any("token" in f for f in s.__struct_fields__))
+    assert carrying == [], carrying
+
+
+def test_handshake_port_messages_carry_their_protocol_version():
+    for msg in (DoneReading(transfer_id="x", engine_id="e", tp_rank=0, tp_size=1), wire.Release(transfer_id="x"),
+                wire.PeerProofRequest(nonce=""), wire.DoneAck(transfer_id="x", tp_rank=0, valid=True)):
+        assert msgpack.unpackb(wire.encode(msg))["v"] == wire.HANDSHAKE_PROTOCOL_VERSION == 2
+
+
+def test_peek_version_reads_v_from_messages_that_do_not_decode():
+    newer = msgpack.packb({"t": "hs", "v": 999, "something": "else"})
+    with pytest.raises(WireError):
+        wire.decode(newer, wire.HandshakeMessage)
+    assert wire.peek_version(newer) == 999
+    for junk in (b"", os.urandom(32), msgpack.packb([1, 2]), msgpack.packb({"v": "2"}), msgpack.packb({"v": True})):
+        assert wire.peek_version(junk) is None
+
+
+def test_blocks_digest_depends_on_the_ids_and_their_order():
+    assert wire.blocks_digest([1, 2, 3]) == wire.blocks_digest((1, 2, 3))
+    assert len({wire.blocks_digest(ids) for ids in ([1, 2, 3], [3, 2, 1], [1, 2], [1, 2, 4], [])}) == 5
 
 
 def test_read_family_round_trip():
@@ -149,7 +187,7 @@ def test_done_ack_round_trip_and_want_ack_default():
     assert wire.decode(wire.encode(ack), wire.DoneAck) == ack
     ok = wire.DoneAck(transfer_id="P-2", tp_rank=0, valid=True)
     back = wire.decode(wire.encode(ok), wire.DoneAck)
-    assert back.valid and back.reason == "" and back.v == wire.PROTOCOL_VERSION
+    assert back.valid and back.reason == "" and back.v == wire.HANDSHAKE_PROTOCOL_VERSION
     # an old peer's DoneReading (no want_ack key) decodes with want_ack=False
     old = msgpack.packb({"t": "done", "transfer_id": "x", "engine_id": "e", "tp_rank": 0, "tp_size": 1})
     assert wire.decode(old, wire.HandshakeMessage).want_ack is False
@@ -177,7 +215,8 @@ def test_done_ack_garbage_raises_only_wire_error(junk):
 def test_decode_error_names_the_type_and_size():
     with pytest.raises(WireError, match=r"^bad DoneAck message \(1 bytes\): "):
         wire.decode(b"\xc1", wire.DoneAck)
-    with pytest.raises(WireError, match=r"^bad HandshakeRequest or DoneReading message \(0 bytes\)"):
+    names = "HandshakeRequest or HandshakeProof or PeerProofRequest or DoneReading or Release or Issued"
+    with pytest.raises(WireError, match=rf"^bad {names} message \(0 bytes\)"):
         wire.decode(b"", wire.HandshakeMessage)
 
 

@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import multiprocessing as mp
+import secrets
 import statistics
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from atom_kv.connector.layout import TensorLayout, block_runs, head_overlaps, pl
 from atom_kv.connector.scheduler import ConnectorScheduler
 from atom_kv.connector.consumer import ConsumerWorker
 from atom_kv.connector.producer import ProducerWorker
+from atom_kv.connector.types import ConnectorMetadata, SendSpec
 from atom_kv.testing.ports import free_port_range
 from atom_kv.transfer import ChunkedRegion, chunk_sizes, create_backend
 from atom_kv.wire import CompatInfo, HandshakeRequest
@@ -52,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overhead-tokens", type=int, default=16,
                         help="prompt length for the CPU overhead figure (short: on a CPU-only host the data "
                              "copy shares the cores and caches with the hooks and inflates their CPU time)")
+    parser.add_argument("--no-auth", dest="auth", action="store_false",
+                        help="run without an auth_token (by default both sides share a random one, so the "
+                             "handshake is the challenge-response of a secured cluster)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
 
 
@@ -72,8 +77,13 @@ def _producer_main(conn: Any, cfg_dict: dict, compat_dict: dict, tp_rank: int, t
         conn.send(f"{type(exc).__name__}: {exc}")
         return
     conn.send("ready")
-    while conn.recv() != "stop":
-        conn.send(worker.get_finished())  # drain done-reading bookkeeping
+    while True:
+        msg = conn.recv()
+        if msg == "stop":
+            break
+        # the transfers a producer engine's scheduler would have issued (only those are confirmed)
+        worker.start_load_kv(ConnectorMetadata(sends=[SendSpec(transfer_id=t, block_ids=b) for t, b in msg]))
+        conn.send(worker.get_finished())  # and drain its done-reading bookkeeping
     worker.close()
     conn.send("stopped")
 
@@ -81,8 +91,10 @@ def _producer_main(conn: Any, cfg_dict: dict, compat_dict: dict, tp_rank: int, t
 class _Consumer:
     """The consumer engine: scheduler + TP workers in this process, hook CPU time accounted."""
 
-    def __init__(self, cfg: KVTransferConfig, compat: CompatInfo, tp: int, num_blocks: int) -> None:
+    def __init__(self, cfg: KVTransferConfig, compat: CompatInfo, tp: int, num_blocks: int,
+                 producers: list[Any]) -> None:
         self.tp = tp
+        self._producers = producers  # pipes to the producer ranks' processes
         self.workers = [ConsumerWorker(cfg, engine_id="bench-D", host="127.0.0.1", tp_rank=r, tp_size=tp,
                                        compat=compat) for r in range(tp)]
         self.caches = [_caches(compat, tp, num_blocks, 0.0) for _ in range(tp)]
@@ -111,6 +123,11 @@ class _Consumer:
             all_params.append({"do_remote_prefill": True, "remote_block_ids": remote, "remote_engine_id": "bench-P",
                                "remote_host": "127.0.0.1", "remote_port": port, "remote_handshake_port": port,
                                "remote_tp_size": self.tp, "remote_dp_rank": 0, "transfer_id": f"bench-P-{rid}"})
+        sends = [(p["transfer_id"], remote) for p, (_, _, remote) in zip(all_params, requests)]
+        for conn in self._producers:
+            conn.send(sends)
+        for conn in self._producers:
+            conn.recv()
         c0 = time.thread_time()
         for rid, params, (tokens, local, _) in zip(rids, all_params, requests):
             self.sched.get_num_new_matched_tokens(rid, tokens, params)
@@ -155,6 +172,7 @@ class _Consumer:
         return total
 
     def close(self) -> None:
+        self.sched.close()
         for w in self.workers:
             w.close()
 
@@ -186,7 +204,8 @@ class _BareReader:
                     req = HandshakeRequest(engine_id=f"bench-bare-{r}", tp_rank=r, tp_size=consumer.tp,
                                            compat=compat, backend=be.name, host="127.0.0.1")
                     reply = request_handshake(self._ctx, "127.0.0.1",
-                                              handshake_port(port, 0, consumer.tp, ov.remote_rank), req, 10.0)
+                                              handshake_port(port, 0, consumer.tp, ov.remote_rank), req, 10.0,
+                                              auth_token=cfg.auth_token)
                     if not reply.ok:
                         raise RuntimeError(reply.error)
                     peer = be.add_peer(reply.descriptor)
@@ -225,7 +244,8 @@ def _run_tp(args: argparse.Namespace, tp: int) -> dict[str, Any]:
     max_blocks = -(-max(args.tokens) // args.block_size)
     num_blocks = max(max_blocks, 2 * -(-args.overhead_tokens // args.block_size))
     port = free_port_range(tp)
-    common = dict(backend=args.backend, handshake_port=port, transfer_timeout_s=120.0, handshake_timeout_s=10.0)
+    common = dict(backend=args.backend, handshake_port=port, transfer_timeout_s=120.0, handshake_timeout_s=10.0,
+                  auth_token=secrets.token_hex(16) if getattr(args, "auth", True) else None)
     pcfg = KVTransferConfig.from_dict(dict(common, kv_role="kv_producer"))
     ccfg = KVTransferConfig.from_dict(dict(common, kv_role="kv_consumer"))
     ctx = mp.get_context("spawn")
@@ -242,7 +262,7 @@ def _run_tp(args: argparse.Namespace, tp: int) -> dict[str, Any]:
             status = conn.recv() if conn.poll(120) else "no answer within 120 s"
             if status != "ready":
                 raise RuntimeError(f"{p.name} did not start: {status}")
-        consumer = _Consumer(ccfg, compat, tp, num_blocks)
+        consumer = _Consumer(ccfg, compat, tp, num_blocks, [conn for _, conn in procs])
         block_bytes = 2 * args.layers * args.kv_heads * args.block_size * args.head_dim * 2  # all ranks
         result: dict[str, Any] = {"tp": tp, "rows": []}
         # first contact

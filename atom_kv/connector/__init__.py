@@ -7,7 +7,7 @@ Engines use it through :mod:`atom_kv.engine_hooks`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.aggregator import KVOutputAggregator
@@ -26,11 +26,13 @@ __all__ = [
 ]
 
 
-def create_worker(config: KVTransferConfig, *, bind_host: str = "0.0.0.0", **identity: Any) -> ConnectorWorker:
+def create_worker(config: KVTransferConfig, *, bind_host: Optional[str] = None, **identity: Any) -> ConnectorWorker:
     """The worker of one TP rank for ``config.kv_role``: a :class:`ProducerWorker`
-    (its handshake server listens on ``bind_host``) or a :class:`ConsumerWorker`.
+    or a :class:`ConsumerWorker`. Its listeners (handshake server, the backend's
+    servers) bind ``bind_host``, by default the rank's ``host``: never every
+    interface unless ``"0.0.0.0"`` is asked for.
     ``identity``: the keyword arguments of :class:`ConnectorWorker` (engine_id,
     host, tp_rank, tp_size, dp_rank, compat, backend)."""
     if config.is_producer:
         return ProducerWorker(config, bind_host=bind_host, **identity)
-    return ConsumerWorker(config, **identity)
+    return ConsumerWorker(config, bind_host=bind_host, **identity)

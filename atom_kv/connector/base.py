@@ -74,7 +74,9 @@ class SchedulerHooks(abc.ABC):
     def update_connector_output(self, output: KVConnectorOutput, now: Optional[float] = None) -> SchedulerEvents:
         """Ingest the finished sets aggregated over all ranks (empty is fine),
         expire leases and load timeouts, and say what the engine must do.
-        Call once per engine step, and at least every second when idle."""
+        Call once per engine step, and at least every second when idle; while
+        ``has_pending()`` a producer should step within a fraction of a second
+        (a release arrives on a worker and only takes effect in a step)."""
 
     @abc.abstractmethod
     def request_finished(
@@ -83,7 +85,24 @@ class SchedulerHooks(abc.ABC):
         """The request finished (or was aborted). Returns ``(delay_free, kv_transfer_params)``:
         when ``delay_free`` the engine keeps the blocks until a later
         ``SchedulerEvents.free`` names the request; the params go in the
-        response (a producer's carry the ``transfer_id`` it used)."""
+        response (a producer's carry the ``transfer_id`` it used).
+
+        Call it for every request the scheduler saw, whatever its state (waiting
+        for blocks, waiting for remote KV, running): on a consumer, a request
+        that ends before its remote KV was read releases the producer's blocks
+        at once (a release message to every producer rank)."""
+
+    def request_rejected(self, kv_transfer_params: Optional[dict]) -> None:
+        """The engine dropped a request the connector never saw: refused up front
+        (bad ``max_tokens``, a prompt longer than the model, a bad parameter),
+        aborted while it waited for admission, or failed with the engine.
+
+        Pass the request's ``kv_transfer_params`` as the client sent them (any
+        value; ``None`` is fine). On a consumer, when they name a remote prefill
+        (``do_remote_prefill``, ``transfer_id``, ``remote_host``, a handshake
+        port), every producer rank is told to release its blocks now instead of
+        holding them for ``abort_timeout_s``. Non-blocking, safe to call for
+        any rejection; from the scheduler's thread like every hook."""
 
     def has_pending(self) -> bool:
         """True while any transfer or lease is outstanding (the engine keeps ticking)."""

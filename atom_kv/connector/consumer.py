@@ -23,14 +23,14 @@ import threading
 import time
 from typing import Optional
 
-from atom_kv.connector.handshake import DoneAckClient, DoneNotifier
+from atom_kv.connector.confirm import DoneAckClient
 from atom_kv.connector.layout import LayoutError, block_runs, head_overlaps
 from atom_kv.connector.peers import PeerTable, producer_port
 from atom_kv.connector.reads import LoadState, RankRead, ReadContext
 from atom_kv.connector.scheduler import load_budget_s
 from atom_kv.connector.types import ConnectorMetadata, LoadSpec
 from atom_kv.connector.worker import ConnectorWorker
-from atom_kv.wire import DoneReading, HandshakeRequest
+from atom_kv.wire import DoneReading, HandshakeRequest, blocks_digest
 
 __all__ = ["ConsumerWorker"]
 
@@ -39,13 +39,12 @@ logger = logging.getLogger(__name__)
 
 class ConsumerWorker(ConnectorWorker):
     """Owns a decode rank's in-flight loads, its peers and handshake pool,
-    its read pool, the done-reading notifier and the confirmation clients."""
+    its read pool and the confirmation clients."""
 
     role = "kv_consumer"
 
     # what close() may find before _start() ran to the end
     _peers: Optional[PeerTable] = None
-    _notifier: Optional[DoneNotifier] = None
     _read_pool: Optional[cf.ThreadPoolExecutor] = None
     _reads: Optional[ReadContext] = None
 
@@ -54,10 +53,8 @@ class ConsumerWorker(ConnectorWorker):
         self._loads: dict[str, LoadState] = {}
         self._tls = threading.local()  # each read thread's DoneAckClient
         self._ack_clients: list[DoneAckClient] = []
-        self._notifier = DoneNotifier(self._ctx, name=f"atom-kv-notify-tp{rank}", stats=self.stats_)
         request = HandshakeRequest(engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size,
-                                   compat=self.compat, backend=self.backend.name, host=self.host,
-                                   auth_token=cfg.auth_token)
+                                   compat=self.compat, backend=self.backend.name, host=self.host)
         self._peers = PeerTable(self._ctx, self.backend, cfg, request, stats=self.stats_, stop=self._stop,
                                 name=self._name, thread_prefix=f"atom-kv-hs-client-tp{rank}")
         self._read_pool = cf.ThreadPoolExecutor(max(4, cfg.num_worker_threads),
@@ -82,8 +79,6 @@ class ConsumerWorker(ConnectorWorker):
                 st = self._loads.get(rid)
                 if st is not None:
                     st.cancelled = True
-        for spec in metadata.skipped_loads:  # nothing to read: the producer may free the blocks now
-            self._notify_done(spec, ok=True)
         for spec in metadata.loads:
             self._start_load(spec, now)
 
@@ -103,7 +98,6 @@ class ConsumerWorker(ConnectorWorker):
                 raise LayoutError("this rank has not registered its KV caches")
         except LayoutError as exc:
             self._fail_load(rid, str(exc))
-            self._notify_done(spec, ok=False)
             return
         ranks = {o.remote_rank for o in overlaps}
         st = LoadState(spec, now, set(ranks), frozenset(ranks))
@@ -149,40 +143,28 @@ class ConsumerWorker(ConnectorWorker):
         if error is not None:
             logger.warning("%s: request %s: load of transfer %s failed: %s",
                            self._name, rid, st.spec.transfer_id, error)
-        if st.error is not None:
-            self._notify_done(st.spec, ok=False)
 
     def _confirm_reads(self, st: LoadState) -> Optional[str]:
-        """Send ``DoneReading(want_ack)`` to the producer ranks read from (a
-        plain notice to the others) and wait for their acks; the reason the
-        load cannot be trusted, or None."""
+        """Send ``DoneReading(want_ack)`` to the producer ranks read from (they
+        proved the token in their handshake) and wait for their acks; the
+        reason the load cannot be trusted, or None."""
         spec = st.spec
-        self._notify_done(spec, ok=True, skip=st.read_ranks)
         client: Optional[DoneAckClient] = getattr(self._tls, "ack_client", None)
         if client is None:
-            client = self._tls.ack_client = DoneAckClient(self._ctx, stats=self.stats_)
+            client = self._tls.ack_client = DoneAckClient(self._ctx, stats=self.stats_,
+                                                          auth_token=self.config.auth_token)
             with self._lock:
                 self._ack_clients.append(client)
         targets = {r: (spec.remote_host, producer_port(spec, r)) for r in sorted(st.read_ranks)}
-        msg = self._done_msg(spec, ok=True, want_ack=True)
+        msg = DoneReading(transfer_id=spec.transfer_id, engine_id=self.engine_id, tp_rank=self.tp_rank,
+                          tp_size=self.tp_size, ok=True, want_ack=True, block_offset=spec.remote_block_offset,
+                          num_blocks=len(spec.remote_block_ids), blocks_digest=blocks_digest(spec.remote_block_ids))
         try:
             return client.confirm(targets, msg, self.config.handshake_timeout_s, self._stop)
         except Exception as exc:  # never lose a load to a bug: fail it clearly
             logger.exception("%s: request %s: confirming transfer %s crashed", self._name, spec.request_id,
                              spec.transfer_id)
             return f"internal error while confirming the read: {exc}"
-
-    def _notify_done(self, spec: LoadSpec, *, ok: bool, skip: frozenset[int] = frozenset()) -> None:
-        if self._notifier is None:
-            return
-        msg = self._done_msg(spec, ok=ok)
-        for rank in range(spec.remote_tp_size):
-            if rank not in skip:
-                self._notifier.send(spec.remote_host, producer_port(spec, rank), msg)
-
-    def _done_msg(self, spec: LoadSpec, *, ok: bool, want_ack: bool = False) -> DoneReading:
-        return DoneReading(transfer_id=spec.transfer_id, engine_id=self.engine_id, tp_rank=self.tp_rank,
-                           tp_size=self.tp_size, ok=ok, auth_token=self.config.auth_token, want_ack=want_ack)
 
     # ------------------------------------------------------------------
     def num_loading(self) -> int:
@@ -199,5 +181,3 @@ class ConsumerWorker(ConnectorWorker):
             clients, self._ack_clients = self._ack_clients, []
         for client in clients:  # their threads have ended with the read pool
             client.close()
-        if self._notifier is not None:
-            self._notifier.close()

@@ -1,46 +1,85 @@
-"""The handshake side channel: a producer rank's ROUTER server, the
-consumer's one-shot handshake request, and the done-reading notifier.
+"""The handshake side channel: a producer rank's ROUTER server and the
+consumer's handshake request.
 
 The server answers :class:`~atom_kv.wire.HandshakeRequest` with a
 :class:`~atom_kv.wire.HandshakeReply` (backend descriptor, region list,
-compat info) and hands :class:`~atom_kv.wire.DoneReading` to a callback;
-when the callback returns a :class:`~atom_kv.wire.DoneAck` (the consumer asked
-for one with ``want_ack``), it goes back to the sender on the same identity.
-Anything else on the port is logged, counted and dropped.
+compat info); with an ``auth_token`` it first runs the challenge-response of
+:mod:`atom_kv.connector.handshake_auth` and seals the reply. It answers
+:class:`~atom_kv.wire.PeerProofRequest`, and hands
+:class:`~atom_kv.wire.DoneReading` and :class:`~atom_kv.wire.Release` (checked:
+signed, fresh, never replayed) to callbacks; a confirmation
+(:class:`~atom_kv.wire.DoneAck`) goes back to the sender, signed, whenever the
+callback answers (at once, or later from another thread). Anything else on
+the port, and every refusal, is counted and logged at a bounded rate.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+import msgspec
 import zmq
 
 from atom_kv import wire
-from atom_kv._lru import BoundedDict
+from atom_kv._ratelimit import RateLimitedLog
+from atom_kv.auth import PURPOSE_DONE, PURPOSE_ISSUED, PURPOSE_RELEASE, AuthError, ReplayWindow, new_nonce, verify_struct
+from atom_kv.connector.confirm import DealerCache, DoneAckClient
+from atom_kv.connector.endpoints import connect_socket, tcp_endpoint
+from atom_kv.connector.handshake_auth import (
+    Challenge,
+    ChallengeTable,
+    ack_mac,
+    client_proof,
+    peer_proof,
+    reply_mac,
+    server_proof,
+)
 from atom_kv.connector.stats import TransferStats
-from atom_kv.wire import CompatInfo, DoneAck, DoneReading, HandshakeReply, HandshakeRequest, WireError
+from atom_kv.wire import (
+    HANDSHAKE_PROTOCOL_VERSION,
+    CompatInfo,
+    DoneAck,
+    DoneReading,
+    HandshakeChallenge,
+    HandshakeProof,
+    HandshakeReply,
+    HandshakeRequest,
+    Issued,
+    PeerProof,
+    PeerProofRequest,
+    Release,
+    SealedHandshakeReply,
+    WireError,
+    handshake_port,
+)
 
 __all__ = [
+    "DealerCache",
+    "DoneAckClient",
     "HandshakeError",
     "HandshakeRejected",
     "HandshakeServer",
-    "DoneNotifier",
-    "DoneAckClient",
-    "compat_mismatch",
-    "request_handshake",
     "MAX_MESSAGE_BYTES",
+    "compat_mismatch",
+    "handshake_port",
+    "request_handshake",
+    "version_refusal",
 ]
 
 logger = logging.getLogger(__name__)
 
 #: Largest frame the handshake port accepts; bigger ones drop the connection.
 MAX_MESSAGE_BYTES = 1 << 20
+#: Challenges a producer rank remembers at once (the oldest is dropped past it).
+MAX_CHALLENGES = 4096
 _POLL_MS = 200
-_CLOSE_LINGER_MS = 500
+_BATCH = 64  # messages handled between two housekeeping passes
 
 
 class HandshakeError(RuntimeError):
@@ -48,7 +87,8 @@ class HandshakeError(RuntimeError):
 
 
 class HandshakeRejected(HandshakeError):
-    """The peer answered and refused (auth, compat); retrying won't help."""
+    """The peer answered and refused (auth, compat, version), or did not prove
+    the auth token; retrying won't help."""
 
 
 def compat_mismatch(here: CompatInfo, peer: CompatInfo, here_is: str = "here", peer_is: str = "peer") -> Optional[str]:
@@ -65,13 +105,43 @@ def compat_mismatch(here: CompatInfo, peer: CompatInfo, here_is: str = "here", p
     return "KV layout mismatch: " + "; ".join(diffs) if diffs else None
 
 
-def handshake_port(base: int, dp_rank: int, tp_size: int, tp_rank: int) -> int:
-    """Rank ``tp_rank`` of data-parallel group ``dp_rank`` listens on ``base + dp_rank*tp_size + tp_rank``."""
-    return base + dp_rank * tp_size + tp_rank
+def version_refusal(peer_version: Any) -> str:
+    """The one line that refuses a peer speaking another handshake protocol version."""
+    return (f"handshake protocol version {peer_version} (peer) is not version {HANDSHAKE_PROTOCOL_VERSION} "
+            "(here): run the same atom-kv release on the prefill and decode engines")
 
 
+def _decode(data: bytes, type_: Any) -> Any:
+    """``wire.decode`` that also names a version mismatch (``HandshakeRejected``)
+    and survives msgpack nested too deeply (``WireError``)."""
+    try:
+        msg = wire.decode(data, type_)
+    except (WireError, RecursionError) as exc:
+        v = wire.peek_version(data)
+        if v is not None and v != HANDSHAKE_PROTOCOL_VERSION:
+            raise HandshakeRejected(version_refusal(v)) from None
+        raise WireError(str(exc) if isinstance(exc, WireError) else "message nested too deeply") from None
+    if msg.v != HANDSHAKE_PROTOCOL_VERSION:
+        raise HandshakeRejected(version_refusal(msg.v))
+    return msg
+
+
+# ---------------------------------------------------------------------------
+# producer side
+# ---------------------------------------------------------------------------
 class HandshakeServer:
-    """Owns a producer rank's ROUTER socket and the thread that serves it."""
+    """Owns a producer rank's ROUTER socket, the thread that serves it, the
+    outstanding challenges, the replay window of signed notices and the
+    rate-limited log of refusals.
+
+    ``identity()`` is the rank's current ``(engine_id, tp_rank)``; ``responder``
+    builds the reply to a (proven) handshake; ``on_done(msg, respond)`` gets
+    every checked done-reading notice (``respond`` is None unless it asked for
+    a confirmation; it may be called later, from any thread); ``on_release``
+    every checked release, ``on_issued`` every checked issue notice from the
+    engine's own scheduler; ``on_tick()`` runs on the server thread between
+    polls (at least every 0.2 s).
+    """
 
     def __init__(
         self,
@@ -80,102 +150,305 @@ class HandshakeServer:
         bind_host: str,
         port: int,
         auth_token: Optional[str],
+        identity: Callable[[], tuple[str, int]],
         responder: Callable[[HandshakeRequest], HandshakeReply],
-        on_done: Callable[[DoneReading], Optional[DoneAck]],
+        on_done: Callable[[DoneReading, Optional[Callable[[DoneAck], None]]], None],
+        on_release: Callable[[Release], None],
         stats: TransferStats,
+        on_issued: Optional[Callable[[Issued], None]] = None,
+        on_tick: Optional[Callable[[], None]] = None,
         name: str,
+        challenge_ttl_s: float = 10.0,
+        auth_window_s: float = 30.0,
+        replay_entries: int = 65536,
+        log_interval_s: float = 10.0,
     ) -> None:
-        self._auth = auth_token
+        self._token = auth_token
+        self._identity = identity
         self._responder = responder
         self._on_done = on_done
+        self._on_release = on_release
+        self._on_issued = on_issued
+        self._on_tick = on_tick
         self._stats = stats
         self._stop = threading.Event()
+        self._challenges = ChallengeTable(MAX_CHALLENGES, challenge_ttl_s)
+        self._replay = ReplayWindow(auth_window_s, replay_entries)
+        self.port = port
+        self.warnings = RateLimitedLog(logger, f"refused messages on handshake port {port}",
+                                       interval_s=log_interval_s)
+        self._outbox: "queue.SimpleQueue[tuple[bytes, bytes]]" = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.SNDHWM, 1024)
         try:
-            self._sock.bind(f"tcp://{bind_host}:{port}")
-        except zmq.ZMQError as exc:
-            self._sock.close(0)
+            endpoint, ipv6 = tcp_endpoint(bind_host, port)
+            if ipv6:
+                self._sock.setsockopt(zmq.IPV6, 1)
+            self._sock.bind(endpoint)
+        except (zmq.ZMQError, ValueError) as exc:
+            self._close_fds()
             raise HandshakeError(
                 f"cannot listen for handshakes on {bind_host}:{port} "
                 f"(handshake_port + dp_rank*tp_size + tp_rank): {exc}"
             ) from None
-        self.port = port
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
+    # -- the serving thread ------------------------------------------------
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not poller.poll(_POLL_MS):
-                    continue
-                try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                except zmq.ZMQError as exc:
-                    if self._stop.is_set():
-                        break
-                    logger.warning("handshake server: receive failed: %s", exc)
-                    continue
-                try:
-                    self._handle(frames)
-                except Exception:  # a bug in a handler must not kill the server
-                    self._stats.add(bad_messages=1)
-                    logger.exception("handshake server: failed to handle a message")
+                events = dict(poller.poll(_POLL_MS))
+                if self._wake_r in events:
+                    self._drain_wake()
+                self._send_outbox()
+                if self._sock in events:
+                    self._receive_batch()
+                self._housekeeping()
         finally:
             self._sock.close(0)
 
+    def _receive_batch(self) -> None:
+        for _ in range(_BATCH):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                if not self._stop.is_set():
+                    logger.warning("handshake server: receive failed: %s", exc)
+                return
+            try:
+                self._handle(frames)
+            except Exception:  # a bug in a handler must not kill the server
+                self._stats.add(bad_messages=1)
+                logger.exception("handshake server: failed to handle a message")
+
+    def _housekeeping(self) -> None:
+        for ch in self._challenges.expire():
+            self._refuse("unanswered", f"handshake from engine {ch.request.engine_id} rank {ch.request.tp_rank} "
+                                       f"({ch.request.host or 'unknown host'}) never answered the challenge: the "
+                                       "decode engine could not verify this engine's proof (different auth_token?)")
+        if self._challenges.evicted:
+            n, self._challenges.evicted = self._challenges.evicted, 0
+            self._refuse("challenges_full", f"dropped {n} outstanding handshake challenge(s): more than "
+                                            f"{MAX_CHALLENGES} handshakes in flight")
+        self.warnings.flush()
+        if self._on_tick is not None:
+            try:
+                self._on_tick()
+            except Exception:
+                logger.exception("handshake server: periodic callback failed")
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _send_outbox(self) -> None:
+        while True:
+            try:
+                identity, data = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._send(identity, data)
+
+    def _send(self, identity: bytes, data: bytes) -> None:
+        try:
+            self._sock.send_multipart([identity, data], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._refuse("send", f"answer dropped: {exc}")
+
+    def post(self, identity: bytes, data: bytes) -> None:
+        """Send ``data`` to ``identity`` from any thread (queued for the server thread)."""
+        if threading.current_thread() is self._thread:
+            self._send(identity, data)
+            return
+        self._outbox.put((identity, data))
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+    # -- messages ------------------------------------------------------------
     def _handle(self, frames: list[bytes]) -> None:
         identity, payloads = frames[0], frames[1:]
         if len(payloads) == 2 and payloads[0] == b"":
             payloads = payloads[1:]  # REQ-style envelope
         if len(payloads) != 1:
-            self._bad(f"expected 1 payload frame, got {len(payloads)}")
+            self._refuse("frames", f"expected 1 payload frame, got {len(payloads)}")
             return
+        data = payloads[0]
         try:
-            msg = wire.decode(payloads[0], wire.HandshakeMessage)
+            msg = _decode(data, wire.HandshakeMessage)
+        except HandshakeRejected as exc:  # another protocol version: say so to a handshake
+            self._refuse("version", str(exc))
+            self._send(identity, wire.encode(HandshakeReply(ok=False, error=str(exc))))
+            return
         except WireError as exc:
-            self._bad(str(exc))
+            self._refuse("decode", str(exc))
             return
-        if isinstance(msg, DoneReading):
-            if self._auth is not None and msg.auth_token != self._auth:
-                self._bad(f"done-reading for transfer {msg.transfer_id} with a wrong auth token")
-                return
-            if not 0 <= msg.tp_rank < msg.tp_size <= 4096:
-                self._bad(f"done-reading for transfer {msg.transfer_id}: rank {msg.tp_rank} of {msg.tp_size}")
-                return
-            self._stats.add(done_received=1)
-            ack = self._on_done(msg)
-            if ack is not None:
-                try:
-                    self._sock.send_multipart([identity, wire.encode(ack)], zmq.NOBLOCK)
-                except zmq.ZMQError as exc:
-                    logger.warning("handshake server: done ack for transfer %s dropped: %s", msg.transfer_id, exc)
-            return
-        if self._auth is not None and msg.auth_token != self._auth:
-            self._stats.add(bad_messages=1)
-            logger.warning("handshake from engine %s rank %d rejected: wrong auth token", msg.engine_id, msg.tp_rank)
-            reply = HandshakeReply(ok=False, error="handshake rejected: wrong auth_token")
+        if isinstance(msg, HandshakeRequest):
+            self._on_request(identity, data, msg)
+        elif isinstance(msg, HandshakeProof):
+            self._on_proof(identity, msg)
+        elif isinstance(msg, PeerProofRequest):
+            engine_id, rank = self._identity()
+            proof = peer_proof(self._token, msg.nonce, engine_id, rank) if self._token is not None else ""
+            self._send(identity, wire.encode(PeerProof(engine_id=engine_id, tp_rank=rank, proof=proof)))
+        elif isinstance(msg, DoneReading):
+            self._on_done_reading(identity, msg)
+        elif isinstance(msg, Issued):
+            what = f"issue of transfer {msg.transfer_id}"
+            if self._on_issued is not None and self._checked(PURPOSE_ISSUED, msg, what):
+                self._on_issued(msg)
         else:
-            reply = self._responder(msg)
-        try:
-            self._sock.send_multipart([identity, wire.encode(reply)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            logger.warning("handshake server: reply to engine %s dropped: %s", msg.engine_id, exc)
+            self._on_release_msg(msg)
 
-    def _bad(self, why: str) -> None:
+    def _on_request(self, identity: bytes, data: bytes, req: HandshakeRequest) -> None:
+        if self._token is None:
+            self._send(identity, wire.encode(self._responder(req)))
+            return
+        who = f"engine {req.engine_id} rank {req.tp_rank} ({req.host or 'unknown host'})"
+        if len(req.nonce) < 16:
+            self._refuse("auth", f"handshake from {who} without a challenge: it has no auth_token")
+            self._send(identity, wire.encode(HandshakeReply(
+                ok=False, error="handshake rejected: this prefill engine requires an auth_token; configure the "
+                                "same auth_token on the decode engine")))
+            return
+        p_nonce = new_nonce()
+        engine_id, rank = self._identity()
+        self._challenges.add(p_nonce, Challenge(identity, req.nonce, data, req, self._challenges.new_deadline()))
+        challenge = HandshakeChallenge(engine_id=engine_id, tp_rank=rank, nonce=p_nonce,
+                                       proof=server_proof(self._token, req.nonce, p_nonce, engine_id, rank))
+        self._send(identity, wire.encode(challenge))
+
+    def _on_proof(self, identity: bytes, msg: HandshakeProof) -> None:
+        if self._token is None:
+            self._refuse("auth", "handshake proof, but no auth_token is configured here")
+            self._send(identity, wire.encode(HandshakeReply(
+                ok=False, error="handshake rejected: this prefill engine has no auth_token")))
+            return
+        ch = self._challenges.take(msg.nonce)
+        if ch is None or not hmac.compare_digest(ch.identity, identity):
+            self._refuse("challenge", "handshake proof for an unknown or expired challenge")
+            self._send(identity, wire.encode(HandshakeReply(
+                ok=False, error="handshake rejected: unknown or expired challenge; retry the handshake")))
+            return
+        expected = client_proof(self._token, ch.c_nonce, msg.nonce, ch.request_bytes)
+        if not hmac.compare_digest(expected, msg.proof):
+            self._refuse("auth", f"handshake from engine {ch.request.engine_id} rank {ch.request.tp_rank} "
+                                 f"({ch.request.host or 'unknown host'}): wrong auth_token")
+            self._send(identity, wire.encode(HandshakeReply(ok=False, error="handshake rejected: wrong auth_token")))
+            return
+        reply = wire.encode(self._responder(ch.request))
+        sealed = SealedHandshakeReply(reply=reply, mac=reply_mac(self._token, ch.c_nonce, msg.nonce, reply))
+        self._send(identity, wire.encode(sealed))
+
+    def _on_done_reading(self, identity: bytes, msg: DoneReading) -> None:
+        if not 0 <= msg.tp_rank < msg.tp_size <= 4096:
+            self._refuse("rank", f"done-reading for transfer {msg.transfer_id}: rank {msg.tp_rank} of {msg.tp_size}")
+            return
+        if not self._checked(PURPOSE_DONE, msg, f"done-reading for transfer {msg.transfer_id} "
+                                                f"from engine {msg.engine_id} rank {msg.tp_rank}"):
+            return
+        self._stats.add(done_received=1)
+        respond = None
+        if msg.want_ack:
+            nonce = msg.nonce or ""
+
+            def respond(ack: DoneAck) -> None:
+                if self._token is not None:
+                    ack = msgspec.structs.replace(ack, mac=ack_mac(self._token, ack, nonce))
+                self.post(identity, wire.encode(ack))
+
+        self._on_done(msg, respond)
+
+    def _on_release_msg(self, msg: Release) -> None:
+        if not self._checked(PURPOSE_RELEASE, msg, f"release of transfer {msg.transfer_id} "
+                                                   f"from {msg.sender or 'an unnamed sender'}"):
+            return
+        self._stats.add(releases_received=1)
+        self._on_release(msg)
+
+    def _checked(self, purpose: str, msg: Any, what: str) -> bool:
+        if self._token is None:
+            return True
+        try:
+            verify_struct(self._token, purpose, msg, self._replay)
+        except AuthError as exc:
+            self._refuse(exc.reason, f"{what}: {exc}")
+            return False
+        return True
+
+    def _refuse(self, reason: str, why: str) -> None:
         self._stats.add(bad_messages=1)
-        logger.warning("handshake port %d: dropped a bad message: %s", self.port, why)
+        self.warnings.event(reason, f"handshake port {self.port}: refused: {why}")
+
+    def refusals(self) -> dict[str, int]:
+        """Every refusal so far, by reason (``auth``, ``stale``, ``replay``, ``version``, ``decode``, ...)."""
+        return self.warnings.counts()
+
+    # -- lifecycle -------------------------------------------------------------
+    def _close_fds(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._sock.close(0)
 
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------------------
+# consumer side
+# ---------------------------------------------------------------------------
+class _Exchange:
+    """One handshake connection: a DEALER socket and bounded receives."""
+
+    def __init__(self, ctx: zmq.Context, host: str, port: int, timeout_s: float,
+                 stop: Optional[threading.Event]) -> None:
+        self.where = f"{host}:{port}"
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._stop = stop
+        self.sock = connect_socket(ctx, zmq.DEALER, host, port, {zmq.MAXMSGSIZE: 64 * MAX_MESSAGE_BYTES})
+
+    def send(self, msg: msgspec.Struct) -> bytes:
+        data = wire.encode(msg)
+        self.sock.send(data, zmq.NOBLOCK)
+        return data
+
+    def receive(self) -> Any:
+        while True:
+            left = self._deadline - time.monotonic()
+            if left <= 0 or (self._stop is not None and self._stop.is_set()):
+                raise HandshakeError(f"no handshake reply from {self.where} within {self._timeout_s:g} s")
+            if self.sock.poll(min(left, 0.25) * 1000, zmq.POLLIN):
+                frames = self.sock.recv_multipart()
+                try:
+                    return _decode(frames[-1], wire.HandshakeReplyMessage)
+                except WireError as exc:
+                    raise HandshakeError(f"bad handshake reply from {self.where}: {exc}") from None
 
 
 def request_handshake(
@@ -185,184 +458,61 @@ def request_handshake(
     request: HandshakeRequest,
     timeout_s: float,
     stop: Optional[threading.Event] = None,
+    auth_token: Optional[str] = None,
 ) -> HandshakeReply:
-    """Send one handshake and wait (at most ``timeout_s``) for the reply."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, 64 * MAX_MESSAGE_BYTES)
+    """Handshake with the producer rank at ``host:port`` (at most ``timeout_s``).
+
+    With ``auth_token``: the request carries a fresh nonce, and nothing derived
+    from the token is sent unless the peer first proves it knows the token
+    (:mod:`atom_kv.connector.handshake_auth`). Raises :class:`HandshakeRejected`
+    for refusals and peers that cannot prove the token, :class:`HandshakeError`
+    for timeouts and garbage."""
+    if auth_token is not None:
+        request = msgspec.structs.replace(request, nonce=new_nonce())
     try:
-        sock.connect(f"tcp://{host}:{port}")
-        sock.send(wire.encode(request), zmq.NOBLOCK)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or (stop is not None and stop.is_set()):
-                raise HandshakeError(f"no handshake reply from {host}:{port} within {timeout_s:g} s")
-            if sock.poll(min(left, 0.25) * 1000, zmq.POLLIN):
-                frames = sock.recv_multipart()
-                try:
-                    return wire.decode(frames[-1], wire.HandshakeReply)
-                except WireError as exc:
-                    raise HandshakeError(f"bad handshake reply from {host}:{port}: {exc}") from None
+        ex = _Exchange(ctx, host, port, timeout_s, stop)
+    except (zmq.ZMQError, ValueError) as exc:
+        raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
+    try:
+        sent = ex.send(request)
+        first = ex.receive()
+        if auth_token is None:
+            if isinstance(first, HandshakeReply):
+                return first
+            if isinstance(first, HandshakeChallenge):
+                raise HandshakeRejected(f"{ex.where} requires an auth_token and none is configured here; set the "
+                                        "prefill engine's auth_token on this engine too")
+            raise HandshakeError(f"unexpected {type(first).__name__} from {ex.where}")
+        return _proven_handshake(ex, auth_token, request, sent, first)
     except zmq.ZMQError as exc:
         raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
     finally:
-        sock.close(0)
+        ex.sock.close(0)
 
 
-class DealerCache:
-    """Owns connected DEALER sockets keyed by (host, port), least recently used
-    first out past ``max_sockets``. Single-threaded, like the sockets."""
-
-    def __init__(self, ctx: zmq.Context, max_sockets: int, options: dict[int, int]) -> None:
-        self._ctx = ctx
-        self._options = options
-        self._socks: BoundedDict[tuple[str, int], zmq.Socket] = BoundedDict(
-            max_sockets, on_evict=lambda _key, sock: sock.close(0)
-        )
-
-    def get(self, host: str, port: int) -> zmq.Socket:
-        key = (host, port)
-        sock = self._socks.get(key)
-        if sock is not None:
-            self._socks.touch(key)
-            return sock
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        for option, value in self._options.items():
-            sock.setsockopt(option, value)
-        sock.connect(f"tcp://{host}:{port}")
-        self._socks[key] = sock
-        return sock
-
-    def drop(self, host: str, port: int) -> None:
-        sock = self._socks.pop((host, port), None)
-        if sock is not None:
-            sock.close(0)
-
-    def close(self, linger_ms: int = 0) -> None:
-        for sock in self._socks.values():
-            sock.close(linger=linger_ms)
-        self._socks.clear()
-
-
-class DoneNotifier:
-    """Owns the DEALER sockets that carry done-reading notices to producer
-    ranks, and the one thread that uses them (sockets are single-threaded)."""
-
-    def __init__(self, ctx: zmq.Context, *, name: str, stats: TransferStats, max_sockets: int = 256) -> None:
-        self._stats = stats
-        self._queue: "queue.Queue[Optional[tuple[str, int, bytes]]]" = queue.Queue()
-        self._socks = DealerCache(ctx, max_sockets, {zmq.SNDHWM: 4096, zmq.SNDTIMEO: 0})
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._closed = False
-        self._thread.start()
-
-    def send(self, host: str, port: int, msg: DoneReading) -> None:
-        if not self._closed:
-            self._queue.put((host, port, wire.encode(msg)))
-
-    def _run(self) -> None:
-        try:
-            while True:
-                try:
-                    item = self._queue.get(timeout=1.0)
-                except queue.Empty:
-                    if self._closed:
-                        break
-                    continue
-                if item is None:
-                    break
-                host, port, data = item
-                try:
-                    self._socks.get(host, port).send(data, zmq.NOBLOCK)
-                    self._stats.add(done_sent=1)
-                except zmq.ZMQError as exc:
-                    logger.warning("done-reading notice to %s:%d dropped: %s", host, port, exc)
-        finally:
-            self._socks.close(linger_ms=_CLOSE_LINGER_MS)  # let queued notices go out, briefly
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-
-
-class DoneAckClient:
-    """Owns one thread's DEALER sockets (one per producer rank, LRU-bounded)
-    for done-reading confirmations. Only the thread that uses it may call it."""
-
-    def __init__(self, ctx: zmq.Context, *, stats: TransferStats, max_sockets: int = 64) -> None:
-        self._stats = stats
-        self._socks = DealerCache(ctx, max_sockets, {zmq.MAXMSGSIZE: MAX_MESSAGE_BYTES, zmq.SNDHWM: 1024})
-
-    def _socket(self, host: str, port: int) -> zmq.Socket:
-        return self._socks.get(host, port)
-
-    def _drop(self, host: str, port: int) -> None:
-        self._socks.drop(host, port)
-
-    def confirm(
-        self,
-        targets: dict[int, tuple[str, int]],
-        msg: DoneReading,
-        timeout_s: float,
-        stop: threading.Event,
-    ) -> Optional[str]:
-        """Send ``msg`` (``want_ack=True``) to every producer rank in ``targets``
-        (rank -> host, port) and wait up to ``timeout_s`` for each one's
-        :class:`DoneAck`. Returns None when every rank confirmed the read as
-        valid, else the reason the read cannot be trusted."""
-        data = wire.encode(msg)
-        waiting: dict[zmq.Socket, tuple[int, str, int]] = {}
-        poller = zmq.Poller()
-        for rank, (host, port) in targets.items():
-            try:
-                sock = self._socket(host, port)
-                sock.send(data, zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                self._drop(host, port)
-                return f"cannot ask producer rank {rank} at {host}:{port} to confirm the read: {exc}"
-            self._stats.add(done_sent=1)
-            waiting[sock] = (rank, host, port)
-            poller.register(sock, zmq.POLLIN)
-        deadline = time.monotonic() + timeout_s
-        while waiting:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                rank, host, port = next(iter(waiting.values()))
-                for _, h, p in list(waiting.values()):
-                    self._drop(h, p)  # a late ack must not linger in a reused socket
-                return f"no confirmation from producer rank {rank} at {host}:{port} within {timeout_s:g} s"
-            if stop.is_set():
-                return "connector closing"
-            for sock, _ in poller.poll(min(left, 0.25) * 1000):
-                rank, host, port = waiting[sock]
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                except zmq.ZMQError as exc:
-                    self._drop(host, port)
-                    return f"no confirmation from producer rank {rank} at {host}:{port}: {exc}"
-                try:
-                    ack = wire.decode(frames[-1], wire.DoneAck)
-                except WireError as exc:
-                    self._stats.add(bad_messages=1)
-                    logger.warning("done ack from %s:%d for transfer %s: %s", host, port, msg.transfer_id, exc)
-                    self._drop(host, port)
-                    return f"bad confirmation from producer rank {rank} at {host}:{port}: {exc}"
-                if ack.transfer_id != msg.transfer_id or ack.tp_rank != rank:
-                    logger.debug("ignoring a stale done ack for transfer %s from %s:%d", ack.transfer_id, host, port)
-                    continue
-                if not ack.valid:
-                    return ack.reason or f"producer rank {rank} at {host}:{port} no longer holds transfer {ack.transfer_id}"
-                poller.unregister(sock)
-                del waiting[sock]
-        return None
-
-    def close(self) -> None:
-        self._socks.close()
+def _proven_handshake(ex: _Exchange, token: str, request: HandshakeRequest, sent: bytes, first: Any) -> HandshakeReply:
+    if isinstance(first, HandshakeReply):
+        if not first.ok:
+            raise HandshakeRejected(f"handshake with {ex.where} refused: {first.error}")
+        raise HandshakeRejected(f"{ex.where} answered without proving the auth token (is auth_token configured "
+                                "on the prefill engine?); its reply is not trusted")
+    if not isinstance(first, HandshakeChallenge):
+        raise HandshakeError(f"unexpected {type(first).__name__} from {ex.where}")
+    expected = server_proof(token, request.nonce, first.nonce, first.engine_id, first.tp_rank)
+    if not hmac.compare_digest(expected, first.proof):
+        raise HandshakeRejected(f"{ex.where} did not prove it knows the auth token (a different auth_token, or "
+                                "not a prefill engine of this cluster); nothing was sent to it")
+    ex.send(HandshakeProof(nonce=first.nonce, proof=client_proof(token, request.nonce, first.nonce, sent)))
+    second = ex.receive()
+    if isinstance(second, HandshakeReply):
+        if not second.ok:
+            raise HandshakeRejected(f"handshake with {ex.where} refused: {second.error}")
+        raise HandshakeRejected(f"{ex.where} sent an unsealed reply after the challenge; not trusted")
+    if not isinstance(second, SealedHandshakeReply):
+        raise HandshakeError(f"unexpected {type(second).__name__} from {ex.where}")
+    if not hmac.compare_digest(reply_mac(token, request.nonce, first.nonce, second.reply), second.mac):
+        raise HandshakeRejected(f"the handshake reply from {ex.where} was altered (wrong MAC); not trusted")
+    try:
+        return _decode(second.reply, HandshakeReply)
+    except WireError as exc:
+        raise HandshakeError(f"bad handshake reply from {ex.where}: {exc}") from None

@@ -143,7 +143,7 @@ class PeerTable:
         t0 = time.perf_counter()
         try:
             reply = request_handshake(self._ctx, host, port, self._request, self._config.handshake_timeout_s,
-                                      self._stop)
+                                      self._stop, auth_token=self._config.auth_token)
             if not reply.ok:
                 raise HandshakeRejected(f"handshake with {host}:{port} refused: {reply.error}")
             if reply.compat is not None and (err := compat_mismatch(self._request.compat, reply.compat, "decode", "prefill")):

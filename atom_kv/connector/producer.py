@@ -3,10 +3,21 @@
 The rank serves its handshake port: it answers handshakes with its backend
 descriptor and registered regions, counts done-reading notices per transfer
 until every consumer rank reported (then the transfer is in
-``finished_sending``), and answers confirmations. A read is confirmed only if
-the scheduler had not released the transfer's blocks (its lease expired)
-before the notice arrived: releases arrive in ``ConnectorMetadata.released``,
-learnt in ``start_load_kv`` before the step's forward can overwrite them.
+``finished_sending``), takes releases (nobody will read the transfer: it is
+in ``finished_sending`` at once), and answers confirmations.
+
+A read is confirmed (``DoneAck(valid=True)``) only when all of these hold:
+
+- the transfer is one this rank issued: learnt from ``ConnectorMetadata.sends``
+  in ``start_load_kv`` (or from the engine's scheduler directly, an
+  :class:`~atom_kv.wire.Issued` notice, for engines that send metadata only
+  with a batch). A notice that arrives before the rank learnt it is not
+  refused: its answer waits (bounded) for the rank to learn it;
+- the consumer read that transfer's blocks (the notice's digest of the block
+  ids it read matches);
+- the blocks were not released before the notice arrived: by a release
+  message, or by the scheduler (``ConnectorMetadata.released``, learnt in
+  ``start_load_kv`` before the step's forward can overwrite them).
 """
 
 from __future__ import annotations
@@ -14,14 +25,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Callable, Optional
 
-from atom_kv._lru import BoundedDict, BoundedSet
-from atom_kv.config import KVTransferConfig
+from atom_kv._lru import BoundedDict
+from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handshake_port
 from atom_kv.connector.types import ConnectorMetadata
 from atom_kv.connector.worker import ConnectorWorker
-from atom_kv.wire import DoneAck, DoneReading, HandshakeReply, HandshakeRequest
+from atom_kv.wire import DoneAck, DoneReading, HandshakeReply, HandshakeRequest, Issued, Release, blocks_digest
 
 __all__ = ["ProducerWorker"]
 
@@ -31,6 +42,14 @@ logger = logging.getLogger(__name__)
 MAX_PARTIAL_DONE = 65536
 #: finished or released transfer ids remembered, at most
 MAX_REMEMBERED = 65536
+#: transfers whose confirmations wait for the rank to learn them, at most
+MAX_DEFERRED_TRANSFERS = 4096
+#: confirmations waiting on one transfer, at most
+MAX_DEFERRED_PER_TRANSFER = 64
+#: longest a confirmation waits for the rank to learn its transfer
+MAX_DEFER_S = 5.0
+
+_LEASE_EXPIRED = "its lease expired after abort_timeout_s"
 
 
 @dataclass
@@ -40,40 +59,70 @@ class _DoneState:
     first_seen: float = field(default_factory=time.monotonic)
 
 
+@dataclass
+class _Deferred:
+    """A confirmation asked for before the rank learnt the transfer."""
+
+    msg: DoneReading
+    respond: Callable[[DoneAck], None]
+    deadline: float
+
+
 class ProducerWorker(ConnectorWorker):
-    """Owns a prefill rank's handshake server and the done-reading and
-    release bookkeeping of its transfers."""
+    """Owns a prefill rank's handshake server and the done-reading, release
+    and confirmation bookkeeping of its transfers."""
 
     role = "kv_producer"
 
     _server: Optional[HandshakeServer] = None  # until _start() made it
 
-    def __init__(self, config: KVTransferConfig, *, bind_host: str = "0.0.0.0", **identity: Any) -> None:
-        """``identity`` as for :class:`ConnectorWorker`; the handshake server listens on ``bind_host``."""
-        self._bind_host = bind_host
-        super().__init__(config, **identity)
-
     def _start(self) -> None:
         self._done: BoundedDict[str, _DoneState] = BoundedDict(MAX_PARTIAL_DONE)
-        self._completed: BoundedSet[str] = BoundedSet(MAX_REMEMBERED)
-        self._released: BoundedSet[str] = BoundedSet(MAX_REMEMBERED)  # transfers whose blocks the scheduler freed
+        self._ended: BoundedDict[str, str] = BoundedDict(MAX_REMEMBERED)     # counted or released: tid -> how
+        self._released: BoundedDict[str, str] = BoundedDict(MAX_REMEMBERED)  # reads no longer confirmed: tid -> why
+        self._issued: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # live transfers' blocks
+        self._deferred: BoundedDict[str, list[_Deferred]] = BoundedDict(
+            MAX_DEFERRED_TRANSFERS, on_evict=self._deferred_evicted)
+        self._evicted: list[_Deferred] = []
+        self._refusals = RateLimitedLog(logger, "refused confirmations")
+        self._defer_s = min(MAX_DEFER_S, self.config.handshake_timeout_s / 2)
+        cfg = self.config
         self._server = HandshakeServer(
             self._ctx,
-            bind_host=self._bind_host,
-            port=handshake_port(self.config.handshake_port, self.dp_rank, self.tp_size, self.tp_rank),
-            auth_token=self.config.auth_token,
+            bind_host=self.bind_host,
+            port=handshake_port(cfg.handshake_port, self.dp_rank, self.tp_size, self.tp_rank),
+            auth_token=cfg.auth_token,
+            identity=lambda: (self.engine_id, self.tp_rank),
             responder=self._answer_handshake,
             on_done=self._on_done_reading,
+            on_release=self._on_release,
+            on_issued=self._on_issued,
+            on_tick=self._expire_deferred,
             stats=self.stats_,
             name=f"atom-kv-hs-server-tp{self.tp_rank}",
+            challenge_ttl_s=cfg.handshake_timeout_s,
+            auth_window_s=cfg.auth_window_s,
+            replay_entries=cfg.auth_replay_entries,
         )
+
+    @property
+    def handshake_server(self) -> Optional[HandshakeServer]:
+        return self._server
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         with self._lock:
+            for send in metadata.sends:
+                if send.transfer_id not in self._released:
+                    self._issued[send.transfer_id] = list(send.block_ids)
             for tid in metadata.released:
                 self._done.pop(tid, None)
-                self._completed.add(tid)
-                self._released.add(tid)
+                self._issued.pop(tid, None)
+                why = self._ended.get(tid) or _LEASE_EXPIRED
+                self._ended[tid] = why
+                if tid not in self._released:
+                    self._released[tid] = why
+            answers = self._resolve_deferred_locked()
+        self._answer(answers)
         for spec in metadata.loads:  # only a consumer reads; a mis-wired engine hears so at once
             why = "this engine is not a kv_consumer"
             logger.warning("%s: request %s: cannot load remote KV: %s", self._name, spec.request_id, why)
@@ -98,27 +147,120 @@ class ProducerWorker(ConnectorWorker):
             return HandshakeReply(ok=False, error=error, **base)
         return HandshakeReply(ok=True, descriptor=self.backend.export_descriptor(), regions=regions, **base)
 
-    def _on_done_reading(self, msg: DoneReading) -> Optional[DoneAck]:
-        ack: Optional[DoneAck] = None
-        if msg.want_ack and msg.ok:
-            # checked under the lock that start_load_kv marks releases under
-            with self._lock:
-                released = msg.transfer_id in self._released
-            if released:
-                why = (f"producer released transfer {msg.transfer_id} before the read was confirmed "
-                       f"(lease expired after abort_timeout_s)")
-                logger.warning("%s: consumer %s rank %d read transfer %s after its lease expired; "
-                               "telling it the read is invalid", self._name, msg.engine_id, msg.tp_rank,
-                               msg.transfer_id)
-                ack = DoneAck(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, valid=False, reason=why)
+    def _on_done_reading(self, msg: DoneReading, respond: Optional[Callable[[DoneAck], None]]) -> None:
+        if respond is None or not msg.ok:
+            self._count_done(msg)
+            if respond is not None:
+                respond(self._ack(msg, False, "the consumer reported that it did not read the blocks"))
+            return
+        with self._lock:
+            verdict = self._verdict_locked(msg)
+            if verdict is None:
+                waiting = self._deferred.get(msg.transfer_id)
+                if waiting is None:
+                    waiting = self._deferred[msg.transfer_id] = []  # may evict the oldest transfer's
+                if len(waiting) < MAX_DEFERRED_PER_TRANSFER:
+                    waiting.append(_Deferred(msg, respond, time.monotonic() + self._defer_s))
+                else:
+                    verdict = self._ack(msg, False, f"too many confirmations wait for transfer {msg.transfer_id}")
+            evicted, self._evicted = self._evicted, []
+        self._answer([(d, self._unissued(d.msg)) for d in evicted])
+        if verdict is not None:
+            self._answer([(_Deferred(msg, respond, 0.0), verdict)])
+
+    def _on_issued(self, msg: Issued) -> None:
+        """The engine's scheduler lent these blocks (ahead of the metadata that says so)."""
+        with self._lock:
+            if msg.transfer_id in self._released or msg.transfer_id in self._ended:
+                return
+            self._issued[msg.transfer_id] = list(msg.block_ids)
+            answers = self._resolve_deferred_locked()
+        self._answer(answers)
+
+    def _on_release(self, msg: Release) -> None:
+        tid = msg.transfer_id
+        why = f"released by {msg.sender or 'a peer'}" + (f" ({msg.reason})" if msg.reason else "")
+        with self._lock:
+            if tid in self._released or tid in self._ended:
+                return  # idempotent: already counted or released
+            self._done.pop(tid, None)
+            self._issued.pop(tid, None)
+            self._ended[tid] = why
+            self._released[tid] = why
+            self._finished_send.append(tid)
+            waiting = self._deferred.pop(tid, None) or []
+        logger.info("%s: transfer %s %s; freeing its blocks", self._name, tid, why)
+        self._answer([(d, self._ack(d.msg, False, f"producer {why} before the read was confirmed")) for d in waiting])
+
+    # ------------------------------------------------------------------
+    def _ack(self, msg: DoneReading, valid: bool, reason: str = "") -> DoneAck:
+        return DoneAck(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, valid=valid, reason=reason)
+
+    def _unissued(self, msg: DoneReading) -> DoneAck:
+        return self._ack(msg, False, f"transfer {msg.transfer_id} was not issued by producer {self.engine_id} "
+                                     f"rank {self.tp_rank}")
+
+    def _verdict_locked(self, msg: DoneReading) -> Optional[DoneAck]:
+        """The answer to a confirmation, or None while the rank has not learnt the transfer."""
+        tid = msg.transfer_id
+        why = self._released.get(tid)
+        if why is not None:
+            return self._ack(msg, False, f"producer released transfer {tid} before the read was confirmed ({why})")
+        blocks = self._issued.get(tid)
+        if blocks is None:
+            return None
+        end = msg.block_offset + msg.num_blocks
+        if (msg.num_blocks <= 0 or msg.block_offset < 0 or end > len(blocks)
+                or blocks_digest(blocks[msg.block_offset:end]) != msg.blocks_digest):
+            return self._ack(msg, False, f"the consumer read blocks that are not transfer {tid}'s (blocks "
+                                         f"{msg.block_offset}..{end} of {len(blocks)}, digest mismatch)")
+        return self._ack(msg, True)
+
+    def _resolve_deferred_locked(self) -> list[tuple[_Deferred, DoneAck]]:
+        answers = []
+        for tid in [t for t in self._deferred if t in self._issued or t in self._released]:
+            for d in self._deferred.pop(tid):
+                verdict = self._verdict_locked(d.msg)
+                answers.append((d, verdict if verdict is not None else self._unissued(d.msg)))
+        return answers
+
+    def _expire_deferred(self) -> None:
+        """Answer the confirmations that waited too long (the handshake server calls it between polls)."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._deferred:
+                return
+            answers = []
+            for tid in list(self._deferred):
+                waiting = self._deferred[tid]
+                late = [d for d in waiting if d.deadline <= now]
+                if not late:
+                    continue
+                waiting[:] = [d for d in waiting if d.deadline > now]
+                if not waiting:
+                    del self._deferred[tid]
+                answers += [(d, self._unissued(d.msg)) for d in late]
+        self._answer(answers)
+
+    def _deferred_evicted(self, _tid: str, waiting: list[_Deferred]) -> None:
+        self._evicted.extend(waiting)  # answered by the caller, outside the lock
+
+    def _answer(self, answers: list[tuple[_Deferred, DoneAck]]) -> None:
+        for d, ack in answers:
+            if ack.valid:
+                self._count_done(d.msg)
             else:
-                ack = DoneAck(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, valid=True)
-        self._count_done(msg)
-        return ack
+                self._refusals.event(_refusal_key(ack.reason), f"{self._name}: not confirming the read of transfer "
+                                     f"{ack.transfer_id} by engine {d.msg.engine_id} rank {d.msg.tp_rank}: "
+                                     f"{ack.reason}")
+            try:
+                d.respond(ack)
+            except Exception:
+                logger.exception("%s: answering a confirmation of transfer %s failed", self._name, ack.transfer_id)
 
     def _count_done(self, msg: DoneReading) -> None:
         with self._lock:
-            if msg.transfer_id in self._completed:
+            if msg.transfer_id in self._ended:
                 return
             st = self._done.get(msg.transfer_id)
             if st is None:  # bounded even if notices never complete
@@ -128,7 +270,7 @@ class ProducerWorker(ConnectorWorker):
             if len(st.ranks) < st.tp_size:
                 return
             del self._done[msg.transfer_id]
-            self._completed.add(msg.transfer_id)
+            self._ended[msg.transfer_id] = "every consumer rank had finished reading"
             self._finished_send.append(msg.transfer_id)
         logger.debug("%s: transfer %s read by all %d consumer ranks (last %s)", self._name, msg.transfer_id,
                      msg.tp_size, "ok" if msg.ok else "gave up")
@@ -143,3 +285,13 @@ class ProducerWorker(ConnectorWorker):
         if self._server is not None:
             self._server.close()
         self._close_backend()
+
+
+def _refusal_key(reason: str) -> str:
+    if "released" in reason:
+        return "released"
+    if "not issued" in reason:
+        return "unissued"
+    if "digest" in reason:
+        return "blocks"
+    return "other"

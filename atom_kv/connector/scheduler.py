@@ -17,14 +17,20 @@ Consumer (``kv_consumer``)::
     get_num_new_matched_tokens(do_remote_prefill) -> matched (blocks cached
         locally, num_computed_tokens, are not read again)
     update_state_after_alloc -> queued (LoadSpec in the next metadata), or,
-        when the whole prompt was cached, skipped (the workers tell the
-        producer it may free the blocks)
+        when nothing will be read (the whole prompt was cached, or the engine
+        loads none of the remote tokens), released
     build_connector_meta -> loading (deadline = now + load budget)
     finished_recving (reads done and confirmed by every producer rank read
         from) -> ready | failed_recving (incl. the producer's lease expired
         first, or no confirmation) / deadline -> failed or recompute
     abort while loading -> cancelled (metadata.cancelled) -> free once every
         rank reported (or the load deadline passed)
+
+    Every end of a remote prefill here (read, failed, timed out, aborted at
+    any point, skipped, params refused, request rejected by the engine:
+    ``request_rejected``) sends one release to every producer rank
+    (:mod:`atom_kv.connector.release`), so the producer frees the blocks at
+    once instead of at its lease's end. Releases are idempotent.
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from atom_kv._lru import BoundedSet
+from atom_kv._lru import BoundedDict, BoundedSet
 from atom_kv.config import FieldError, KVTransferConfig
 from atom_kv.connector.base import SchedulerHooks
+from atom_kv.connector.release import NoticeSender, ReleaseSpec, release_spec_from_params
 from atom_kv.connector.types import (
     ConnectorMetadata,
     KVConnectorOutput,
@@ -122,7 +129,16 @@ class _Timer:
 
 
 class ConnectorScheduler(SchedulerHooks):
-    """Owns per-request transfer state, producer leases and load timeouts for one engine."""
+    """Owns per-request transfer state, producer leases and load timeouts for one
+    engine, and (consumer) the sender of its releases.
+
+    ``release_sender(spec, reason)`` replaces the built-in
+    :class:`~atom_kv.connector.release.NoticeSender` (started on the first
+    release) when given. ``announce_sends`` (producer): also tell the engine's
+    own ranks at once which blocks each transfer lent (an
+    :class:`~atom_kv.wire.Issued` notice), for engines that pass the step's
+    metadata to their ranks only with their next batch (ATOM): a rank confirms
+    reads only of transfers it knows."""
 
     def __init__(
         self,
@@ -133,6 +149,8 @@ class ConnectorScheduler(SchedulerHooks):
         tp_size: int,
         dp_rank: int = 0,
         block_size: int,
+        release_sender: Optional[Callable[[ReleaseSpec, str], None]] = None,
+        announce_sends: bool = False,
     ) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
@@ -150,7 +168,7 @@ class ConnectorScheduler(SchedulerHooks):
         self._tid_owner: dict[str, str] = {}    # the same, by transfer id
         self._leases: dict[str, _Lease] = {}
         self._lease_by_req: dict[str, str] = {}
-        self._early_done: BoundedSet[str] = BoundedSet(MAX_EARLY_DONE)
+        self._early_done: BoundedDict[str, float] = BoundedDict(MAX_EARLY_DONE)  # tid -> when reported
         self._recent_tids: BoundedSet[str] = BoundedSet(MAX_RECENT_TRANSFERS)
         self._pending_sends: list[SendSpec] = []
         self._released: list[str] = []
@@ -158,9 +176,12 @@ class ConnectorScheduler(SchedulerHooks):
         self._matched: dict[str, _Match] = {}
         self._loads: dict[str, _Load] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
-        self._skipped_loads: list[LoadSpec] = []
         self._cancelled_out: list[str] = []
         self._failed_now: dict[str, str] = {}
+        self._release_to = release_sender
+        self._announce_sends = announce_sends
+        self._sender: Optional[NoticeSender] = None
+        self._releases_sent: BoundedSet[tuple[str, str, int]] = BoundedSet(MAX_RECENT_TRANSFERS)
         # timers (lazy deletion: a timer fires only if its state still matches)
         self._timers: list[_Timer] = []
         self._seq = itertools.count()
@@ -187,12 +208,16 @@ class ConnectorScheduler(SchedulerHooks):
         if not kv_transfer_params or num_prompt_tokens <= 0:
             return 0, False
         params = self._parse_params(request_id, kv_transfer_params, "prefilling locally")
-        if params is None or not params.do_remote_prefill:
+        if params is None:
+            self._release_params(kv_transfer_params, "the decode engine refused its kv_transfer_params")
+            return 0, False
+        if not params.do_remote_prefill:
             return 0, False
         missing = params.missing_for_load()
         if missing is not None:
             logger.warning("request %s: ignoring kv_transfer_params (missing `%s`); prefilling locally",
                            request_id, missing)
+            self._release_params(kv_transfer_params, f"kv_transfer_params lack `{missing}`")
             return 0, False
         match = self._matched[request_id] = _Match(params, num_prompt_tokens, num_computed_tokens)
         if match.remote_tokens == 0:
@@ -241,6 +266,8 @@ class ConnectorScheduler(SchedulerHooks):
             self._skip_load(request_id, match)
             return
         if num_external_tokens <= 0:
+            # the engine computes the prompt itself (vLLM does for prompt-logprobs requests)
+            self._release(self._release_of(match), "the decode engine loads none of the remote tokens")
             return
         remote_blocks = match.params.remote_block_ids or []
         cached = match.num_computed_tokens // self.block_size
@@ -273,15 +300,49 @@ class ConnectorScheduler(SchedulerHooks):
             remote_handshake_port=p.producer_handshake_port or 0,
             remote_tp_size=p.producer_tp_size,
             remote_dp_rank=p.producer_dp_rank,
+            remote_block_offset=match.num_computed_tokens // self.block_size,
         )
 
     def _skip_load(self, request_id: str, match: _Match) -> None:
-        """Nothing to read (the whole prompt is cached here): the workers tell
-        the producer ranks they may free the transfer's blocks now."""
-        spec = self._load_spec(request_id, match, [], [])
-        self._skipped_loads.append(spec)
+        """Nothing to read (the whole prompt is cached here): the producer may free the blocks now."""
         logger.debug("request %s: all %d prompt tokens cached locally; releasing transfer %s",
-                     request_id, match.num_prompt_tokens, spec.transfer_id)
+                     request_id, match.num_prompt_tokens, match.params.transfer_id)
+        self._release(self._release_of(match), "the whole prompt was cached on the decode engine")
+
+    # ------------------------------------------------------------------
+    # releases (consumer)
+    # ------------------------------------------------------------------
+    @staticmethod
+    def _release_of(match: _Match) -> ReleaseSpec:
+        p = match.params
+        return ReleaseSpec(p.transfer_id or "", p.remote_host or "", p.producer_handshake_port or 0,
+                           p.producer_tp_size, p.producer_dp_rank)
+
+    def _release_params(self, raw: Any, reason: str) -> None:
+        spec = release_spec_from_params(raw)
+        if spec is not None:
+            self._release(spec, reason)
+
+    def _release(self, spec: ReleaseSpec, reason: str) -> None:
+        """Tell every producer rank of ``spec`` that this engine will not read it (once)."""
+        key = (spec.transfer_id, spec.host, spec.handshake_port)
+        if not spec.transfer_id or not spec.host or not spec.handshake_port or key in self._releases_sent:
+            return
+        self._releases_sent.add(key)
+        if self._release_to is not None:
+            self._release_to(spec, reason)
+            return
+        self._notices().release(spec, reason)
+
+    def _notices(self) -> NoticeSender:
+        if self._sender is None:
+            role = "prefill" if self.config.is_producer else "decode"
+            self._sender = NoticeSender(auth_token=self.config.auth_token, sender=f"{role} engine {self.engine_id}",
+                                        proof_timeout_s=self.config.handshake_timeout_s)
+        return self._sender
+
+    def request_rejected(self, kv_transfer_params: Optional[dict]) -> None:
+        self._release_params(kv_transfer_params, "the decode engine rejected the request")
 
     # ------------------------------------------------------------------
     # per step
@@ -301,13 +362,11 @@ class ConnectorScheduler(SchedulerHooks):
             sends=self._pending_sends,
             released=self._released,
             cancelled=self._cancelled_out,
-            skipped_loads=self._skipped_loads,
         )
         self._pending_loads = {}
         self._pending_sends = []
         self._released = []
         self._cancelled_out = []
-        self._skipped_loads = []
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput, now: Optional[float] = None) -> SchedulerEvents:
@@ -318,7 +377,7 @@ class ConnectorScheduler(SchedulerHooks):
                 self._free_lease(tid, events, "all consumer ranks finished reading")
             else:
                 # reported before request_finished created the lease (or late): remember a bounded few
-                self._early_done.add(tid)
+                self._early_done[tid] = now
         for rid in output.finished_recving:
             load = self._loads.get(rid)
             if load is None or load.state == _QUEUED:
@@ -330,6 +389,7 @@ class ConnectorScheduler(SchedulerHooks):
             else:
                 events.ready.append(rid)
                 logger.debug("request %s: remote KV loaded in %.3f s", rid, now - load.started)
+                self._release(ReleaseSpec.from_load(load.spec), "read")
         for rid, reason in output.failed_recving.items():
             load = self._loads.get(rid)
             if load is None or load.state == _QUEUED:
@@ -339,15 +399,23 @@ class ConnectorScheduler(SchedulerHooks):
                 events.free.append(rid)
                 logger.info("request %s: aborted load drained (%s); freeing its blocks", rid, reason)
             else:
-                self._apply_policy(rid, reason, events)
+                self._apply_policy(rid, reason, events, load)
         for rid, reason in self._failed_now.items():
-            if self._loads.pop(rid, None) is not None:
-                self._apply_policy(rid, reason, events)
+            load = self._loads.pop(rid, None)
+            if load is not None:
+                self._apply_policy(rid, reason, events, load)
         self._failed_now.clear()
         self._expire(now, events)
         return events
 
     def _expire(self, now: float, events: SchedulerEvents) -> None:
+        early = []
+        for tid, at in self._early_done.items():  # oldest first
+            if now - at <= self.config.abort_timeout_s:
+                break
+            early.append(tid)
+        for tid in early:  # a report whose lease never came: forgotten after one lease time
+            del self._early_done[tid]
         while self._timers and self._timers[0].deadline <= now:
             timer = heapq.heappop(self._timers)
             if timer.kind == "lease":
@@ -374,9 +442,11 @@ class ConnectorScheduler(SchedulerHooks):
                     f"timed out after {now - load.started:.1f} s waiting for remote KV of transfer "
                     f"{load.spec.transfer_id} from {load.spec.remote_host}:{load.spec.remote_handshake_port}",
                     events,
+                    load,
                 )
 
-    def _apply_policy(self, rid: str, reason: str, events: SchedulerEvents) -> None:
+    def _apply_policy(self, rid: str, reason: str, events: SchedulerEvents, load: _Load) -> None:
+        self._release(ReleaseSpec.from_load(load.spec), f"the load failed: {reason}"[:200])
         if self.config.load_failure_policy == "recompute":
             logger.warning("request %s: remote KV load failed (%s); recomputing the prefill locally", rid, reason)
             events.recompute.append(rid)
@@ -435,17 +505,23 @@ class ConnectorScheduler(SchedulerHooks):
         self._leases[tid] = _Lease(rid, tid, blocks, deadline)
         self._lease_by_req[rid] = tid
         self._pending_sends.append(SendSpec(transfer_id=tid, block_ids=blocks))
+        if self._announce_sends:  # the ranks may see this step's metadata only with the next batch
+            self._notices().issue(ReleaseSpec(tid, self.host, self.config.handshake_port, self.tp_size, self.dp_rank),
+                                  blocks)
         self._add_timer(deadline, "lease", tid)
-        if self._early_done.discard(tid):
-            self._leases[tid].deadline = 0.0  # already read: free on the next update
+        if self._early_done.pop(tid, None) is not None:
+            self._leases[tid].deadline = 0.0  # already read or released: free on the next update
             self._add_timer(0.0, "lease", tid)
         logger.debug("request %s: holding %d blocks for transfer %s", rid, len(blocks), tid)
         return True, params
 
     def _consumer_finished(self, rid: str, aborted: bool) -> tuple[bool, Optional[dict]]:
         match = self._matched.pop(rid, None)
-        if match is not None and match.remote_tokens == 0:
-            self._skip_load(rid, match)  # served from the local cache; the engine never allocated through us
+        if match is not None:
+            if match.remote_tokens == 0:
+                self._skip_load(rid, match)  # served from the local cache; the engine never allocated through us
+            else:
+                self._release(self._release_of(match), "the request ended before its blocks were allocated")
         load = self._loads.get(rid)
         if load is None:
             return False, None
@@ -454,18 +530,19 @@ class ConnectorScheduler(SchedulerHooks):
             self._pending_loads.pop(rid, None)
             self._failed_now.pop(rid, None)
             logger.info("request %s: aborted before its load started", rid)
+            self._release(ReleaseSpec.from_load(load.spec), "the request was aborted before its load started")
             return False, None
         if load.state == _LOADING:
             load.state = _CANCELLED
             self._cancelled_out.append(rid)
             logger.info("request %s: %s while loading remote KV; blocks held until every rank stops",
                         rid, "aborted" if aborted else "finished")
+            self._release(ReleaseSpec.from_load(load.spec), "the request was aborted while loading")
         return True, None
 
     # ------------------------------------------------------------------
     def has_pending(self) -> bool:
-        return bool(self._leases or self._loads or self._pending_sends or self._released or self._cancelled_out
-                    or self._skipped_loads)
+        return bool(self._leases or self._loads or self._pending_sends or self._released or self._cancelled_out)
 
     def num_leases(self) -> int:
         return len(self._leases)
@@ -485,3 +562,5 @@ class ConnectorScheduler(SchedulerHooks):
         self._pending_loads.clear()
         self._matched.clear()
         self._timers.clear()
+        if self._sender is not None:
+            self._sender.close()

@@ -26,6 +26,9 @@ class LoadSpec(msgspec.Struct, kw_only=True, array_like=True):
     remote_handshake_port: int
     remote_tp_size: int = 1
     remote_dp_rank: int = 0
+    #: where ``remote_block_ids`` start in the transfer's block list (blocks
+    #: before it were cached locally and are not read)
+    remote_block_offset: int = 0
 
 
 class SendSpec(msgspec.Struct, kw_only=True, array_like=True):
@@ -40,11 +43,8 @@ class ConnectorMetadata(msgspec.Struct, kw_only=True):
 
     loads: list[LoadSpec] = []
     sends: list[SendSpec] = []
-    released: list[str] = []   # producer transfer ids whose blocks were freed (done or lease expired)
+    released: list[str] = []   # producer transfer ids whose blocks were freed (done, released or lease expired)
     cancelled: list[str] = []  # consumer request ids aborted while loading
-    #: consumer loads found unnecessary (the whole prompt was in the local
-    #: prefix cache): each rank tells the producer ranks they may free the blocks
-    skipped_loads: list[LoadSpec] = []
 
 
 class KVConnectorOutput(msgspec.Struct, kw_only=True):

@@ -50,7 +50,11 @@ class ConnectorWorker(WorkerHooks):
         dp_rank: int = 0,
         compat: CompatInfo,
         backend: Optional[TransferBackend] = None,
+        bind_host: Optional[str] = None,
     ) -> None:
+        """``host`` is the address peers dial; the rank's listeners (handshake
+        server, the backend's servers) bind ``bind_host``, by default ``host``:
+        never every interface unless ``"0.0.0.0"`` is asked for."""
         if config.kv_role != self.role:
             raise ValueError(f"{type(self).__name__} serves kv_role {self.role!r}, the config says {config.kv_role!r}")
         if not 0 <= tp_rank < tp_size:
@@ -60,6 +64,7 @@ class ConnectorWorker(WorkerHooks):
         self.config = config
         self.engine_id = engine_id
         self.host = host
+        self.bind_host = bind_host if bind_host is not None else host
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.dp_rank = dp_rank
@@ -75,7 +80,7 @@ class ConnectorWorker(WorkerHooks):
         self._finished_recv: list[str] = []
         self._failed_recv: dict[str, str] = {}
         self.backend = backend or create_backend(
-            config.backend, config, host=host, key=f"{engine_id}-dp{dp_rank}-tp{tp_rank}"
+            config.backend, config, host=host, bind_host=self.bind_host, key=f"{engine_id}-dp{dp_rank}-tp{tp_rank}"
         )
         self._ctx = zmq.Context()
         try:

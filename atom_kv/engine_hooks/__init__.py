@@ -12,6 +12,8 @@ in :mod:`atom_kv.connector` (which never imports this package).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector import ConnectorScheduler, KVOutputAggregator, create_worker
 from atom_kv.connector.base import KVCacheLayer, SchedulerHooks, WorkerHooks
@@ -50,10 +52,17 @@ def build_scheduler_hooks(
     tp_size: int,
     dp_rank: int = 0,
     block_size: int,
+    announce_sends: bool = False,
 ) -> SchedulerHooks:
-    """The scheduler-side connector of one engine (``host`` is what consumers dial)."""
+    """The scheduler-side connector of one engine (``host`` is what consumers dial).
+
+    ``announce_sends``: for an engine that hands ``build_connector_meta()`` to
+    its ranks only with its next batch (so a rank could learn late that a
+    transfer was issued, and a decode engine's read of it would not be
+    confirmed in time): the producer tells its ranks directly as well."""
     return ConnectorScheduler(
-        config, engine_id=engine_id, host=host, tp_size=tp_size, dp_rank=dp_rank, block_size=block_size
+        config, engine_id=engine_id, host=host, tp_size=tp_size, dp_rank=dp_rank, block_size=block_size,
+        announce_sends=announce_sends,
     )
 
 
@@ -66,9 +75,12 @@ def build_worker_hooks(
     tp_size: int,
     dp_rank: int = 0,
     compat: CompatInfo,
+    bind_host: Optional[str] = None,
 ) -> WorkerHooks:
     """The worker-side connector of one TP rank, for ``config.kv_role``
-    (producers start their handshake server here)."""
+    (producers start their handshake server here, listening on ``bind_host``:
+    by default ``host``, the address other engines dial)."""
     return create_worker(
-        config, engine_id=engine_id, host=host, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, compat=compat
+        config, engine_id=engine_id, host=host, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, compat=compat,
+        bind_host=bind_host,
     )

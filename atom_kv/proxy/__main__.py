@@ -130,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heartbeat-timeout", type=_positive, default=d.heartbeat_timeout,
                    help="evict an instance not heard from (ping or probe) for this many seconds (default %(default)s)")
     g.add_argument("--registration-token", default=None,
-                   help="accept only pings signed with this shared token (the engines' auth_token)")
+                   help="accept only pings signed with this shared token, and sign releases with it: the engines' "
+                        "auth_token (one cluster secret)")
+    g.add_argument("--no-release", dest="release_prefills", action="store_false",
+                   help="do not send releases to prefill engines for abandoned prefills (for engines that do not "
+                        "speak atom-kv's handshake port; their blocks then wait for their lease)")
     g.add_argument("--registration-window", type=_positive, default=d.registration_window_s,
                    help="seconds a signed ping's timestamp may differ from now; nonces are remembered this long "
                         "(default %(default)s)")
@@ -190,6 +194,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         discovery_port=args.discovery_port, heartbeat_timeout=args.heartbeat_timeout, policy=args.policy,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         registration_token=args.registration_token, registration_window_s=args.registration_window,
+        release_prefills=args.release_prefills,
         max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
         static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
         probe_interval_s=args.probe_interval, probe_timeout=args.probe_timeout,

@@ -28,7 +28,7 @@ from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_field
 from atom_kv.config import is_port
 from atom_kv.proxy.metrics import ProxyMetrics
 from atom_kv.proxy.registry import Registration, Registry, RegistryFull
-from atom_kv.wire import HelloPing, RegisterPing, WireError
+from atom_kv.wire import PROTOCOL_VERSION, HelloPing, RegisterPing, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +253,10 @@ class DiscoveryListener:
             logger.debug("HELLO ping ignored")
             return
         who = msg.request_address if isinstance(msg, RegisterPing) else msg.http_address
+        if isinstance(msg, RegisterPing) and msg.v != PROTOCOL_VERSION:
+            self._refuse("version", who, f"registration protocol version {msg.v} (engine) is not version "
+                                         f"{PROTOCOL_VERSION} (proxy): run the same atom-kv release on both")
+            return
         if self.registration_token is not None:
             if not isinstance(msg, RegisterPing):
                 self._refuse("auth", who, "unsigned (MoRIIO) ping while --registration-token is set")

@@ -50,6 +50,10 @@ class ProxyMetrics:
             "atom_kv_proxy_abandoned_prefills", "Prefills whose KV no decode leg will read, by reason",
             ["reason"], registry=r,
         )
+        self.releases = Counter(
+            "atom_kv_proxy_releases", "Release messages to prefill ranks: sent (queued) or dropped (not queued), "
+            "and abandoned prefills whose producer address was unknown (no_address)", ["outcome"], registry=r,
+        )
         self.rejected_registrations = Counter(
             "atom_kv_proxy_rejected_registrations", "Registrations refused", ["reason"], registry=r
         )
@@ -65,6 +69,8 @@ class ProxyMetrics:
         self.client_disconnects = Counter(
             "atom_kv_proxy_client_disconnects", "Requests cancelled because the client went away", registry=r
         )
+        for outcome in ("sent", "dropped", "no_address"):
+            self.releases.labels(outcome)
         for role in ("prefill", "decode"):
             self.instances.labels(role)
             self.evictions.labels(role)

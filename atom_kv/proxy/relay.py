@@ -3,9 +3,16 @@
 Failures before the client has seen a byte re-plan the whole pair (a fresh
 prefill on a different instance; stale ``kv_transfer_params`` are never
 reused). A client disconnect cancels whichever leg is running, so the
-engines abort. Whenever a prefill was sent but no decode leg took it over,
-:meth:`Relay._abandon_prefill` is called, from one place
-(:meth:`Relay._run_pair`).
+engines abort. Whenever a prefill was sent but no decode leg took it over
+(a retry onto another pair, the client gone, the decode engine unreachable
+or refusing before its first byte, the proxy shutting down), the prefill is
+abandoned from one place (:meth:`Relay._run_pair`): its producer ranks get a
+release (:mod:`atom_kv.proxy.release`), so its blocks are free at once.
+
+A decode engine that answers an error with ``X-KV-Transfer-Failure: prefill``
+could not read the prefill's KV (handshake refused, read failed, lease
+expired): the failure is charged to the prefill instance, not to the decode
+engine, and the pair is re-planned with a different prefill.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.health import UpstreamHealth
 from atom_kv.proxy.legs import decode_request, prefill_request, wants_stream_usage
@@ -28,6 +36,7 @@ from atom_kv.proxy.policies import (
     Policy, RouteContext, estimate_prompt_tokens, prompt_text, token_id_prompt_lengths,
 )
 from atom_kv.proxy.registry import ROLE_NAMES, Instance, Registry, Role
+from atom_kv.proxy.release import ProducerAddress, Releaser
 from atom_kv.proxy.settings import ProxySettings
 from atom_kv.proxy.sse import EventFramer, patch_usage
 from atom_kv.proxy.stream import DecodeStream, ResponseStream
@@ -46,7 +55,7 @@ class _Retryable(Exception):
         super().__init__(error.message)
         self.error = error
         self.inst = inst
-        self.kind = kind  # "unreachable", "rejected" or "bad_response"
+        self.kind = kind  # "unreachable", "rejected", "bad_response" or "kv_transfer"
 
 
 @dataclass
@@ -89,6 +98,8 @@ def _abandon_reason(stage: str, exc: BaseException) -> str:
         return "client_gone"
     if stage == "prefill":
         return "prefill_failed"
+    if isinstance(exc, _Retryable) and exc.kind == "kv_transfer":
+        return "kv_transfer_failed"
     if isinstance(exc, UpstreamResponseError) or (isinstance(exc, _Retryable) and exc.kind == "rejected"):
         return "decode_rejected"
     return "decode_unreachable"
@@ -105,6 +116,9 @@ class Relay:
         self.health = health
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
+        self.releaser = (Releaser(metrics, token=settings.registration_token,
+                                  log_interval_s=settings.log_summary_interval_s)
+                         if settings.release_prefills else None)
         self._models_rr = 0
         self._uses_text = any(p.uses_text for p in policies.values())
         self._prefill_timeout = aiohttp.ClientTimeout(total=settings.prefill_timeout, connect=settings.connect_timeout)
@@ -133,6 +147,8 @@ class Relay:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+        if self.releaser is not None:
+            await self.releaser.close()  # releases queued by requests cancelled at shutdown still go out
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -197,6 +213,7 @@ class Relay:
         transfer_id = uuid.uuid4().hex  # one id for both legs, known before the prefill answers
         stage = "check"
         result: RelayResult | None = None
+        prefill_kv: dict[str, Any] | None = None
         try:
             await self._check_context(req, p, d)
             stage = "prefill"
@@ -214,19 +231,29 @@ class Relay:
             return result
         except BaseException as exc:
             if stage in ("prefill", "decode"):
-                self._abandon_prefill(transfer_id, p.inst, _abandon_reason(stage, exc))
+                self._abandon_prefill(transfer_id, p, _abandon_reason(stage, exc), prefill_kv)
             raise
         finally:
             p.credit()
             if result is None or result.stream is None:
                 d.credit()
 
-    def _abandon_prefill(self, transfer_id: str, prefill: Instance, reason: str) -> None:
+    def _abandon_prefill(self, transfer_id: str, prefill: Pick, reason: str,
+                         prefill_kv: dict[str, Any] | None) -> None:
         """The proxy abandoned the prefill of ``transfer_id`` on ``prefill``: no decode
-        leg will read its KV. The single place to tell the producer to release the
-        blocks (today: counted and logged; the engines' release message comes later)."""
+        leg will read its KV. Counted, and every producer rank is told to release
+        the blocks (where they listen: the prefill's answer when it came, else the
+        instance's registration and the DP rank this proxy chose)."""
         self.metrics.abandoned_prefills.labels(reason).inc()
-        logger.debug("abandoned prefill of transfer %s on %s (%s)", transfer_id, prefill.base_url, reason)
+        inst = prefill.inst
+        logger.debug("abandoned prefill of transfer %s on %s (%s)", transfer_id, inst.base_url, reason)
+        if self.releaser is None or inst.source == "moriio":  # vLLM's MoRIIO engines speak another protocol
+            return
+        address = ProducerAddress.of(prefill_kv, inst, prefill.rank)
+        if address is None:
+            self.metrics.releases.labels("no_address").inc()
+            return
+        self.releaser.release(transfer_id, address, reason)
 
     def _headers(self, request_id: str, rank: int, auth: str | None) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id, "X-data-parallel-rank": str(rank)}
@@ -361,12 +388,24 @@ class Relay:
             raise self._transport_error(exc, d, "decode") from None
         if resp.status != 200:
             try:
+                if resp.headers.get(KV_TRANSFER_FAILURE_HEADER, "").lower() == "prefill":
+                    await self._prefill_side_failure(resp, p, d)
                 await self._error_status(resp, d, "decode")
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
                 raise self._transport_error(exc, d, "decode") from None
             finally:
                 resp.release()
         return resp
+
+    async def _prefill_side_failure(self, resp: aiohttp.ClientResponse, p: Pick, d: Pick) -> None:
+        """The decode engine could not read the prefill's KV: charge the prefill
+        instance (the decode engine answered as it should) and re-plan the pair."""
+        body = await resp.read()
+        self.health.succeeded(d.inst)
+        self.health.failed(p.inst, "kv_transfer")
+        text = body[:300].decode("utf-8", "replace")
+        raise _Retryable(ProxyError(502, f"decode instance {d.inst.base_url} could not read the KV of prefill "
+                                         f"instance {p.inst.base_url}: {text}"), p.inst, "kv_transfer")
 
     async def _respond(self, resp: aiohttp.ClientResponse, req: _Request, d: Pick,
                        prompt_tokens: int | None) -> RelayResult:

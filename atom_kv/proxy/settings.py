@@ -29,7 +29,8 @@ class ProxySettings:
     balance_rel_threshold: float = 1.5  # ... and max load > min load * this
     cache_max_chars: int = 4 * 1024 * 1024  # cache_aware: prompt characters remembered per engine
     # registration
-    registration_token: str | None = None
+    registration_token: str | None = None  # also signs releases: the engines' auth_token (one cluster secret)
+    release_prefills: bool = True  # tell a prefill engine when its KV will not be read (atom-kv engines)
     registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
     max_instances: int = 256
     max_tp_size: int = 512

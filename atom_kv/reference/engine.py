@@ -149,6 +149,12 @@ class EngineCore:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def reject(self, kv_transfer_params: Any) -> None:
+        """A request was refused before :meth:`submit` queued it (bad parameters, too
+        long); a decode engine releases the producer's KV it names. Any thread."""
+        if self._hooks is not None and isinstance(kv_transfer_params, dict):
+            self._commands.put(("reject", kv_transfer_params))
+
     def snapshot(self) -> dict[str, Any]:
         s = self.scheduler
         return {
@@ -217,6 +223,8 @@ class EngineCore:
             self._requests[req.request_id] = req
             self.scheduler.add(req)
             log.debug("request %s queued (%d prompt tokens)", req.request_id, req.num_prompt)
+        elif kind == "reject":
+            self._hooks.request_rejected(payload)
         elif kind == "abort":
             if self._requests.pop(payload, None) is not None and self.scheduler.abort(payload):
                 self.counters["requests_aborted"] += 1

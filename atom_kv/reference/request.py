@@ -77,6 +77,8 @@ class RequestOutput:
     stop_reason: Union[str, int, None] = None
     error: Optional[str] = None
     error_status: int = 500
+    #: the side that caused ``error`` when it is not this engine: "prefill" for a failed KV load
+    error_side: Optional[str] = None
     kv_transfer_params: Optional[dict] = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

@@ -203,8 +203,8 @@ class Scheduler:
             if req.request_id == request_id:
                 self.waiting.remove(req)
                 req.state = RequestState.FINISHED
-                if self.hooks is not None:
-                    self.hooks.request_finished(request_id, [], aborted=True)
+                if self.hooks is not None:  # the connector never saw it: it may still name a producer's KV
+                    self.hooks.request_rejected(req.kv_transfer_params)
                 return True
         req = self.running.get(request_id) or self.waiting_remote.get(request_id)
         if req is None:
@@ -217,6 +217,8 @@ class Scheduler:
         outs = []
         for req in [*self.waiting, *self.waiting_remote.values(), *self.running.values()]:
             outs.append(RequestOutput(req.request_id, finished=True, error=message, error_status=503))
+            if self.hooks is not None:  # no read will happen here: release the producers' KV
+                self.hooks.request_rejected(req.kv_transfer_params)
         self.waiting.clear()
         self.waiting_remote.clear()
         self.running.clear()
@@ -249,9 +251,8 @@ class Scheduler:
             req.state = RequestState.FINISHED
             self.blocks.free(req.block_ids)
             req.block_ids = []
-            outputs.append(
-                RequestOutput(rid, finished=True, error=f"KV transfer failed: {reason}", error_status=502)
-            )
+            outputs.append(RequestOutput(rid, finished=True, error=f"KV transfer failed: {reason}", error_status=502,
+                                         error_side="prefill"))
         for rid in events.free:
             blocks = self.held.pop(rid, None)
             if blocks is None:

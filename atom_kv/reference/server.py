@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from atom_kv.openai_errors import error_body
+from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER, error_body
 from atom_kv.reference.engine import EngineCore
 from atom_kv.reference.metrics import EngineMetrics
 from atom_kv.reference.openai_protocol import (
@@ -76,6 +76,13 @@ def _json(body: Any, status: int = 200, headers: Optional[dict[str, str]] = None
 def _error(message: str, status: int, param: Optional[str] = None,
            headers: Optional[dict[str, str]] = None) -> web.Response:
     return _json(error_body(status, message, param), status=status, headers=headers)
+
+
+def _with_side(headers: dict[str, str], out: RequestOutput) -> dict[str, str]:
+    """``headers``, plus the header naming the prefill side when it caused the error."""
+    if out.error_side is None:
+        return headers
+    return {**headers, KV_TRANSFER_FAILURE_HEADER: out.error_side}
 
 
 class _ClientGone(Exception):
@@ -174,6 +181,7 @@ class OpenAIServer:
             params = parse_request(body, self.tokenizer, chat=chat, default_max_tokens=self.default_max_tokens,
                                    served_model=self.model_id)
         except RequestError as exc:
+            self.engine.reject(body.get("kv_transfer_params") if isinstance(body, dict) else None)
             return _error(exc.message, exc.status, exc.param, headers=headers)
         req = Request(request_id=rid, prompt_ids=params.prompt_ids, max_tokens=params.max_tokens,
                       temperature=params.temperature, seed=params.seed,
@@ -187,6 +195,7 @@ class OpenAIServer:
             except RequestError as exc:
                 finished = True
                 log.info("request %s rejected: %s", rid, exc.message)
+                self.engine.reject(params.kv_transfer_params)
                 return _error(exc.message, exc.status, exc.param, headers=headers)
             log.debug("request %s: %d prompt tokens, max_tokens %d, stream=%s", rid, len(params.prompt_ids),
                       params.max_tokens, params.stream)
@@ -218,7 +227,7 @@ class OpenAIServer:
         while True:
             out = await self._next(request, queue)
             if out.error:
-                return _error(out.error, out.error_status, headers=headers), True
+                return _error(out.error, out.error_status, headers=_with_side(headers, out)), True
             token_ids += out.new_token_ids
             if out.finished:
                 body = completion_body(
@@ -234,7 +243,7 @@ class OpenAIServer:
         created = now_s()
         out = await self._next(request, queue)
         if out.error:  # failed before the first token: a plain HTTP error
-            return _error(out.error, out.error_status, headers=headers), True
+            return _error(out.error, out.error_status, headers=_with_side(headers, out)), True
         resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)

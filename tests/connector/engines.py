@@ -5,7 +5,7 @@ get_finished -> aggregate -> update_connector_output)."""
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, ClassVar, Optional, Protocol, Sequence
 
 from atom_kv.connector.aggregator import KVOutputAggregator
 from atom_kv.connector.scheduler import ConnectorScheduler
@@ -30,9 +30,16 @@ class LocalRank:
 
 
 class Engine:
-    """Scheduler + aggregator + ranks + a block pool; records every event."""
+    """Scheduler + aggregator + ranks + a block pool; records every event.
+
+    Every Engine made during a test has its scheduler closed when the test
+    ends (``tests/connector/conftest.py``): a consumer's scheduler owns the
+    thread that sends releases."""
+
+    made: ClassVar[list["Engine"]] = []  # test-only registry, emptied after every test
 
     def __init__(self, scheduler: ConnectorScheduler, ranks: Sequence[Rank], num_blocks: int) -> None:
+        Engine.made.append(self)
         self.sched = scheduler
         self.ranks = list(ranks)
         self.agg = KVOutputAggregator(len(self.ranks))

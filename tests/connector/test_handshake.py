@@ -6,6 +6,8 @@ import msgspec
 import zmq
 
 from atom_kv import wire
+from atom_kv.auth import PURPOSE_DONE, new_nonce, sign_struct
+from atom_kv.connector.handshake_auth import client_proof
 from atom_kv.connector.handshake import compat_mismatch
 from tests.conftest import free_port
 from tests.connector.engines import run_until
@@ -67,15 +69,20 @@ def test_garbage_on_the_handshake_port_is_counted_and_survived():
             [msgpack.packb({"t": "hs", "engine_id": 5})],          # right tag, wrong fields
             [msgpack.packb([1, 2, 3])],                            # valid msgpack, wrong shape
             [b"frame-1", b"frame-2", b"frame-3"],                  # multi-frame junk
-            [wire.encode(wire.DoneReading(transfer_id="P-x", engine_id="evil", tp_rank=0, tp_size=1))],  # no token
-            [wire.encode(wire.DoneReading(transfer_id="P-x", engine_id="e", tp_rank=7, tp_size=2, auth_token="tok"))],
+            [wire.encode(wire.DoneReading(transfer_id="P-x", engine_id="evil", tp_rank=0, tp_size=1))],  # unsigned
+            [wire.encode(sign_struct("tok", PURPOSE_DONE,
+                                     wire.DoneReading(transfer_id="P-x", engine_id="e", tp_rank=7, tp_size=2)))],
         ]
         for frames in junk:
             raw.send_multipart(frames)
-        # a handshake with the wrong token is refused, with a reply
+        # a handshake answered with the wrong token is refused, with a reply
         bad_hs = wire.HandshakeRequest(engine_id="x", tp_rank=0, tp_size=1, compat=compat(), backend="tcp",
-                                       auth_token="wrong")
+                                       nonce=new_nonce())
         raw.send(wire.encode(bad_hs))
+        assert raw.poll(5000)
+        challenge = wire.decode(raw.recv_multipart()[-1], wire.HandshakeChallenge)
+        raw.send(wire.encode(wire.HandshakeProof(nonce=challenge.nonce, proof=client_proof(
+            "wrong", bad_hs.nonce, challenge.nonce, wire.encode(bad_hs)))))
         assert raw.poll(5000)
         reply = wire.decode(raw.recv_multipart()[-1], wire.HandshakeReply)
         assert not reply.ok and "auth_token" in reply.error
@@ -116,13 +123,15 @@ def test_close_stops_every_named_thread_and_is_idempotent():
         started = [t for t in threading.enumerate() if t not in before]
         names = sorted(t.name for t in started)
         assert any(n.startswith("atom-kv-hs-server") for n in names), names
-        assert any(n.startswith("atom-kv-read") for n in names) and any(n.startswith("atom-kv-notify") for n in names)
+        assert any(n.startswith("atom-kv-read") for n in names) and "atom-kv-release" in names
         assert not [n for n in names if n.startswith("Thread-")], names  # every thread is named
         pw.close()
         dw.close()
+        D.sched.close()
         closed = True
         dw.close()  # idempotent
         pw.close()
+        D.sched.close()
         assert [t.name for t in started if t.is_alive()] == []
     finally:
         if not closed:

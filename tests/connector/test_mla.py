@@ -1,6 +1,6 @@
 """MLA caches (one latent per token, replicated on every rank): a consumer
-rank reads the latent from a single producer rank, and still tells every
-producer rank it is done."""
+rank reads the latent from a single producer rank, and every producer rank
+still learns that the transfer is over (the consumer's release)."""
 
 from atom_kv.connector import ConnectorScheduler, ConsumerWorker, ProducerWorker
 from tests.connector.engines import Engine, LocalRank, run_until
@@ -33,7 +33,8 @@ def test_mla_latent_from_one_producer_rank_of_two():
         pairs = list(zip(blocks, params["remote_block_ids"]))
         assert check_blocks(dcache, pairs, 0, 1, NB, is_mla=True) == ""
         assert cw.stats()["handshakes"] == 1  # only rank 0 was read from
-        assert [pw.stats()["done_received"] for pw in pws] == [1, 1]  # both producer ranks were told
+        assert [pw.stats()["done_received"] for pw in pws] == [1, 0]  # the rank read from confirmed
+        assert [pw.stats()["releases_received"] for pw in pws] == [1, 1]  # and both were released
     finally:
         for w in (*pws, cw):
             w.close()

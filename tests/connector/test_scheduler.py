@@ -13,9 +13,17 @@ def producer(**kw) -> ConnectorScheduler:
                               host="10.0.0.1", tp_size=2, dp_rank=1, block_size=16)
 
 
-def consumer(**kw) -> ConnectorScheduler:
-    return ConnectorScheduler(config("kv_consumer", 7100, **kw), engine_id="D", host="10.0.0.2",
-                              tp_size=1, block_size=16)
+class Consumer(ConnectorScheduler):
+    """A consumer scheduler whose releases are recorded in ``sent`` (no sockets)."""
+
+    def __init__(self, **kw) -> None:
+        self.sent: list = []
+        super().__init__(config("kv_consumer", 7100, **kw), engine_id="D", host="10.0.0.2", tp_size=1,
+                         block_size=16, release_sender=lambda spec, reason: self.sent.append((spec, reason)))
+
+
+def consumer(**kw) -> Consumer:
+    return Consumer(**kw)
 
 
 def params(blocks=(5, 6, 7), tid="P-r1") -> dict:
@@ -287,18 +295,19 @@ def test_whole_prompt_cached_loads_nothing_and_releases_the_transfer():
     s.update_state_after_alloc("d1", [1, 2, 3], 0)
     meta = s.build_connector_meta()
     assert meta.loads == []
-    (skipped,) = meta.skipped_loads
-    assert (skipped.transfer_id, skipped.remote_host, skipped.remote_handshake_port, skipped.remote_tp_size) == (
-        "P-r1", "10.0.0.1", 7000, 2)
-    assert s.build_connector_meta().skipped_loads == [] and not s.has_pending()
+    ((spec, reason),) = s.sent
+    assert (spec.transfer_id, spec.host, spec.handshake_port, spec.tp_size, spec.dp_rank) == (
+        "P-r1", "10.0.0.1", 7000, 2, 1)
+    assert "cached" in reason and not s.has_pending()
     assert s.request_finished("d1", [1, 2, 3]) == (False, None)
+    assert len(s.sent) == 1  # once
 
 
 def test_whole_prompt_cached_without_alloc_call_releases_at_finish():
     s = consumer()
     assert s.get_num_new_matched_tokens("d1", 40, params(), num_computed_tokens=40) == (0, False)
     assert s.request_finished("d1", [1, 2, 3]) == (False, None)
-    assert [x.transfer_id for x in s.build_connector_meta().skipped_loads] == ["P-r1"]
+    assert [spec.transfer_id for spec, _ in s.sent] == ["P-r1"]
 
 
 def test_cached_tokens_beyond_the_remote_blocks_fail_clearly():
@@ -353,3 +362,86 @@ def test_an_aborted_request_frees_its_adopted_transfer_id():
     assert s.request_finished("r1", [5], aborted=True) == (False, None)
     s.get_num_new_matched_tokens("r2", 40, {"do_remote_decode": True, "transfer_id": "retry-me"})
     assert s.request_finished("r2", [5])[1]["transfer_id"] == "retry-me"
+
+
+# --- releases: every end of a remote prefill on the decode side tells the producer -----
+def _released(s: Consumer) -> list[tuple[str, str]]:
+    return [(spec.transfer_id, reason) for spec, reason in s.sent]
+
+
+def test_release_when_aborted_before_the_load_started():
+    s = consumer()
+    s.get_num_new_matched_tokens("d1", 40, params())
+    s.update_state_after_alloc("d1", [1, 2, 3], 40)
+    assert s.request_finished("d1", [1, 2, 3], aborted=True) == (False, None)
+    ((spec, reason),) = s.sent
+    assert spec.targets() == [("10.0.0.1", 7002), ("10.0.0.1", 7003)]  # dp rank 1 of tp 2: both ranks
+    assert "aborted before its load started" in reason and s.build_connector_meta().loads == []
+
+
+def test_release_when_aborted_while_loading_and_only_once():
+    s = consumer()
+    s.get_num_new_matched_tokens("d1", 40, params())
+    s.update_state_after_alloc("d1", [1, 2, 3], 40)
+    s.build_connector_meta()
+    assert s.request_finished("d1", [1, 2, 3], aborted=True) == (True, None)
+    assert _released(s) == [("P-r1", "the request was aborted while loading")]
+    assert s.update_connector_output(Out(failed_recving={"d1": "cancelled"})).free == ["d1"]
+    assert len(s.sent) == 1
+
+
+def test_release_when_matched_but_never_allocated():
+    s = consumer()
+    assert s.get_num_new_matched_tokens("d1", 40, params()) == (40, True)
+    assert s.request_finished("d1", [], aborted=True) == (False, None)
+    assert _released(s) == [("P-r1", "the request ended before its blocks were allocated")]
+
+
+def test_release_when_the_engine_loads_none_of_the_remote_tokens():
+    s = consumer()
+    assert s.get_num_new_matched_tokens("d1", 40, params()) == (40, True)
+    s.update_state_after_alloc("d1", [1, 2, 3], 0)  # vLLM: prompt logprobs, or a partial local hit
+    assert _released(s) == [("P-r1", "the decode engine loads none of the remote tokens")]
+    assert s.build_connector_meta().loads == [] and not s.has_pending()
+
+
+@pytest.mark.parametrize("change", [{"remote_block_ids": "abc"}, {"remote_block_ids": None},
+                                    {"remote_engine_id": 7}])
+def test_release_when_the_params_are_refused(change):
+    s = consumer()
+    assert s.get_num_new_matched_tokens("d1", 40, {**params(), **change}) == (0, False)
+    assert [tid for tid, _ in _released(s)] == ["P-r1"]
+
+
+def test_release_for_a_request_the_engine_rejected_before_scheduling():
+    s = consumer()
+    s.request_rejected(params(tid="P-r9"))
+    s.request_rejected(params(tid="P-r9"))  # once
+    s.request_rejected(None)
+    s.request_rejected("garbage")  # type: ignore[arg-type]
+    s.request_rejected({**params(tid="P-r8"), "do_remote_prefill": False})
+    s.request_rejected({**params(tid="P-r7"), "remote_tp_size": 100_000})  # would be 100k messages: refused
+    s.request_rejected({**params(tid="P-r6"), "remote_handshake_port": 65535})  # ports past 65535
+    s.request_rejected({**params(tid="P-r5"), "remote_block_ids": "not a list", "remote_dp_size": "x"})
+    assert _released(s) == [("P-r9", "the decode engine rejected the request"),
+                            ("P-r5", "the decode engine rejected the request")]
+
+
+def test_release_after_every_end_of_a_load():
+    s = consumer(load_failure_policy="recompute")
+    for rid, tid in (("ok", "t-ok"), ("bad", "t-bad"), ("slow", "t-slow")):
+        s.get_num_new_matched_tokens(rid, 40, params(tid=tid))
+        s.update_state_after_alloc(rid, [1, 2, 3], 40)
+    s.get_num_new_matched_tokens("short", 40, params(tid="t-short"))
+    s.update_state_after_alloc("short", [1], 40)  # fewer blocks than the producer sent: fails at once
+    s.build_connector_meta()
+    ev = s.update_connector_output(Out(finished_recving=["ok"], failed_recving={"bad": "read failed"}))
+    assert ev.ready == ["ok"] and sorted(ev.recompute) == ["bad", "short"]
+    ev = s.update_connector_output(Out(), later(load_backstop_s(s.config) + 1))
+    assert ev.recompute == ["slow"]
+    reasons = dict(_released(s))
+    assert reasons["t-ok"] == "read"
+    assert reasons["t-bad"] == "the load failed: read failed"
+    assert reasons["t-short"].startswith("the load failed: allocated 1 blocks")
+    assert reasons["t-slow"].startswith("the load failed: timed out")
+    assert len(s.sent) == 4

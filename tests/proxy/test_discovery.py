@@ -210,6 +210,16 @@ async def test_ping_limits_are_refused_without_allocating(make_proxy, make_engin
     assert proxy.registry.live("D")[0].dp_size == 1 and len(proxy.registry.live("D")[0].outstanding_tokens) == 1
 
 
+async def test_a_ping_of_another_protocol_version_is_refused_naming_both(make_proxy, make_engine, caplog):
+    proxy = await make_proxy()
+    d = await make_engine("D")
+    caplog.set_level(logging.WARNING, logger="atom_kv.proxy.discovery")
+    await _sent(proxy, [msgspec.msgpack.encode(dict(d.register_fields(), v=999))])
+    await register(proxy, d)  # the same engine at our version is accepted
+    assert proxy.count("atom_kv_proxy_rejected_registrations_total", reason="version") == 1
+    assert "version 999 (engine) is not version 1 (proxy)" in caplog.text
+
+
 async def test_ten_thousand_fake_decode_pings_do_not_break_real_requests(make_proxy, make_engine):
     proxy = await make_proxy(max_instances=64)
     p = await make_engine("P")

@@ -84,9 +84,21 @@ def test_decode_chunks_continue_from_computed_position():
     assert (second.start_pos, second.token_ids) == (5, [70])
 
 
+_made: list = []
+
+
 def _hooks(role: str):
     cfg = KVTransferConfig(kv_role=role, abort_timeout_s=5.0)
-    return engine_hooks.build_scheduler_hooks(cfg, engine_id="eng-test", host="127.0.0.1", tp_size=1, block_size=4)
+    hooks = engine_hooks.build_scheduler_hooks(cfg, engine_id="eng-test", host="127.0.0.1", tp_size=1, block_size=4)
+    _made.append(hooks)
+    return hooks
+
+
+@pytest.fixture(autouse=True)
+def _close_hooks():
+    yield
+    while _made:
+        _made.pop().close()  # a consumer's hooks own the thread that sends releases
 
 
 def test_producer_holds_blocks_until_free_event():
@@ -133,5 +145,41 @@ def test_consumer_load_failure_ends_request_and_frees_blocks():
     hooks.build_connector_meta()
     outs = s.apply_events(hooks.update_connector_output(KVConnectorOutput(failed_recving={"d2": "peer gone"})))
     assert len(outs) == 1 and outs[0].finished and "peer gone" in outs[0].error
-    assert outs[0].error_status >= 500
+    assert outs[0].error_status >= 500 and outs[0].error_side == "prefill"  # the prefill side's failure
     assert s.blocks.num_free == 8 and s.num_unfinished == 0
+
+
+class _RecordingHooks:
+    """Scheduler hooks that only record which calls the scheduler makes (a stand-in for the connector)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        def record(*args, **kwargs):
+            self.calls.append((name, args, kwargs))
+            return (0, False) if name == "get_num_new_matched_tokens" else (False, None)
+        return record
+
+
+def test_a_request_aborted_before_admission_is_reported_as_rejected():
+    hooks = _RecordingHooks()
+    s = _sched(num_blocks=8, block_size=4, max_num_seqs=8, hooks=hooks)
+    s.add(_req("big", n_prompt=20, max_tokens=4))  # takes 6 of the 8 blocks
+    params = {"do_remote_prefill": True, "transfer_id": "p-z", "remote_host": "127.0.0.1", "remote_port": 7000}
+    s.add(_req("d1", n_prompt=12, max_tokens=4, params=params))  # needs 4: waits for blocks
+    s.schedule()
+    assert [c[1][0] for c in hooks.calls] == ["big"]  # d1 never admitted: the hooks have not seen it
+    assert s.abort("d1")
+    assert hooks.calls[1:] == [("request_rejected", (params,), {})]
+
+
+def test_every_request_of_a_failed_engine_is_reported_as_rejected():
+    hooks = _RecordingHooks()
+    s = _sched(num_blocks=8, block_size=4, hooks=hooks)
+    s.add(_req("a", n_prompt=6, max_tokens=2, params={"x": 1}))
+    s.add(_req("b", n_prompt=6, max_tokens=2, params=None))
+    outs = s.fail_all("engine died")
+    assert [o.error_status for o in outs] == [503, 503]
+    assert [c for c in hooks.calls if c[0] == "request_rejected"] == [
+        ("request_rejected", ({"x": 1},), {}), ("request_rejected", (None,), {})]

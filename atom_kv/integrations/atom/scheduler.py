@@ -86,9 +86,11 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
                 "blocks of failed and aborted loads), and none was found on the call stack; this ATOM builds its "
                 "connector differently from ATOM main ffdf3bb5d (see docs/atom.md)"
             )
+        # ATOM hands metadata to its ranks only with a batch: an idle producer's ranks hear of
+        # a finished prefill's transfer directly, so they can confirm its read in time
         self._hooks = engine_hooks.build_scheduler_hooks(
             kv, engine_id=self.engine_id, host=self.host, tp_size=engine.tp_size, dp_rank=engine.dp_rank,
-            block_size=engine.block_size,
+            block_size=engine.block_size, announce_sends=kv.is_producer,
         )
         # producer: finished sequences seen (ATOM reports some twice), and ids whose blocks ATOM may free now
         self._finished: BoundedSet[int] = BoundedSet(_REMEMBERED)

@@ -1,0 +1,328 @@
+"""Telling a producer that nobody will read a transfer: the decode engine's releases
+(and the producer engine's own issue notices to its ranks).
+
+:class:`ReleaseSpec` names a transfer and the producer ranks holding it;
+:func:`release_spec_from_params` gets one from a request's
+``kv_transfer_params`` (leniently: a request whose params fail validation
+elsewhere can still be released). :class:`NoticeSender` owns the thread and
+the DEALER sockets that deliver :class:`~atom_kv.wire.Release` (and
+:class:`~atom_kv.wire.Issued`) messages to every producer rank of a transfer;
+its methods never block.
+
+With an ``auth_token``, notices are signed (``ts``, ``nonce``, ``mac``), and
+a producer rank first proves it knows the token
+(:class:`~atom_kv.wire.PeerProofRequest`, once per rank, remembered for
+``PROVEN_TTL_S``): a host named in a client's ``kv_transfer_params`` that
+cannot prove it gets nothing derived from the token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import msgspec
+import zmq
+
+from atom_kv import wire
+from atom_kv._lru import BoundedDict
+from atom_kv._ratelimit import RateLimitedLog
+from atom_kv.auth import PURPOSE_ISSUED, PURPOSE_RELEASE, new_nonce, sign_struct
+from atom_kv.config import NonEmptyStr, NonNegativeInt, PeerPort, PositiveInt
+from atom_kv.connector.confirm import DealerCache
+from atom_kv.connector.handshake_auth import peer_proof
+from atom_kv.connector.types import LoadSpec
+from atom_kv.wire import (
+    HANDSHAKE_PROTOCOL_VERSION,
+    Issued,
+    PeerProof,
+    PeerProofRequest,
+    Release,
+    WireError,
+    handshake_port,
+)
+
+__all__ = ["MAX_RELEASE_RANKS", "NoticeSender", "ReleaseSpec", "release_spec_from_params"]
+
+logger = logging.getLogger(__name__)
+
+#: most producer ranks one release goes to (a client names ``remote_tp_size``)
+MAX_RELEASE_RANKS = 1024
+#: how long a producer rank that proved the token is trusted without asking again
+PROVEN_TTL_S = 600.0
+_MAX_TARGETS = 4096        # producer ranks with releases waiting for their proof
+_MAX_WAITING = 1024        # releases waiting for one producer rank's proof
+_MAX_PROVEN = 4096
+
+
+@dataclass(frozen=True)
+class ReleaseSpec:
+    """A transfer and where its producer ranks listen (``handshake_port`` is the base port)."""
+
+    transfer_id: str
+    host: str
+    handshake_port: int
+    tp_size: int = 1
+    dp_rank: int = 0
+
+    def targets(self) -> list[tuple[str, int]]:
+        """(host, port) of every producer rank."""
+        return [(self.host, handshake_port(self.handshake_port, self.dp_rank, self.tp_size, r))
+                for r in range(self.tp_size)]
+
+    @classmethod
+    def from_load(cls, spec: LoadSpec) -> "ReleaseSpec":
+        return cls(spec.transfer_id, spec.remote_host, spec.remote_handshake_port, spec.remote_tp_size,
+                   spec.remote_dp_rank)
+
+
+def _field(raw: Mapping[str, Any], keys: tuple[str, ...], type_: Any, default: Any = None) -> Any:
+    for key in keys:
+        if raw.get(key) is not None:
+            try:
+                return msgspec.convert(raw[key], type_)
+            except msgspec.ValidationError:
+                return None
+    return default
+
+
+def release_spec_from_params(raw: Any) -> Optional[ReleaseSpec]:
+    """The producer a decode request's ``kv_transfer_params`` name, or None when
+    they do not name a remote prefill (``do_remote_prefill``, ``transfer_id``,
+    ``remote_host``, a handshake port) or name more than :data:`MAX_RELEASE_RANKS`
+    ranks or ports beyond 65535. Each key is checked on its own, so params that
+    fail validation for another key still say whom to release."""
+    if not isinstance(raw, Mapping) or raw.get("do_remote_prefill") is not True:
+        return None
+    tid = _field(raw, ("transfer_id",), NonEmptyStr)
+    host = _field(raw, ("remote_host",), NonEmptyStr)
+    port = _field(raw, ("remote_handshake_port", "remote_port"), PeerPort)
+    tp = _field(raw, ("remote_tp_size", "tp_size"), PositiveInt, 1)
+    dp = _field(raw, ("remote_dp_rank", "dp_rank"), NonNegativeInt, 0)
+    if None in (tid, host, port, tp, dp) or tp > MAX_RELEASE_RANKS:
+        return None
+    if handshake_port(port, dp, tp, tp - 1) > 65535:
+        return None
+    return ReleaseSpec(tid, host, port, tp, dp)
+
+
+#: a notice and the purpose its signature is made for
+_Notice = tuple[Any, str]
+
+
+@dataclass
+class _Waiting:
+    """Notices for one producer rank that has not proven the token yet."""
+
+    nonce: str
+    deadline: float
+    releases: deque = field(default_factory=lambda: deque(maxlen=_MAX_WAITING))
+
+
+class NoticeSender:
+    """Owns the sender thread (``name``), its DEALER sockets (LRU-bounded), the
+    producer ranks that proved the token, and the notices waiting for a proof.
+
+    ``sender`` names this engine in the producer's log; ``proof_timeout_s``
+    bounds the wait for a producer rank's proof (notices to a rank that does
+    not answer in time are dropped, counted and logged at a bounded rate:
+    the producer's lease frees the blocks later)."""
+
+    def __init__(self, *, auth_token: Optional[str], sender: str, proof_timeout_s: float,
+                 name: str = "atom-kv-release", max_sockets: int = 256) -> None:
+        self._token = auth_token
+        self._sender = sender
+        self._proof_timeout_s = proof_timeout_s
+        self._max_sockets = max_sockets
+        self._name = name
+        self._queue: "queue.SimpleQueue[tuple[list[tuple[str, int]], _Notice]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self._wake_r = self._wake_w = -1
+        self.warnings = RateLimitedLog(logger, "undelivered notices")
+        self.counts = {"sent": 0, "dropped": 0, "unproven": 0}
+
+    def release(self, spec: ReleaseSpec, reason: str) -> None:
+        """Queue a release of ``spec.transfer_id`` to every producer rank (from any thread)."""
+        msg = Release(transfer_id=spec.transfer_id, reason=reason, sender=self._sender)
+        self._put(spec.targets(), (msg, PURPOSE_RELEASE))
+
+    def issue(self, spec: ReleaseSpec, block_ids: list[int]) -> None:
+        """Queue an :class:`~atom_kv.wire.Issued` notice to every rank of ``spec`` (a producer's own)."""
+        msg = Issued(transfer_id=spec.transfer_id, block_ids=list(block_ids))
+        self._put(spec.targets(), (msg, PURPOSE_ISSUED))
+
+    def _put(self, targets: list[tuple[str, int]], notice: _Notice) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            if self._thread is None:
+                self._start_locked()
+            self._queue.put((targets, notice))
+        self._wake()
+
+    def _start_locked(self) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        """Send what is queued to producer ranks already proven (briefly), drop the rest, stop."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            return
+        self._wake()
+        if thread is not threading.current_thread():
+            thread.join(timeout=5)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # -- the sender thread ---------------------------------------------------
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        socks = DealerCache(ctx, self._max_sockets, {zmq.SNDHWM: 1024, zmq.MAXMSGSIZE: 1 << 16})
+        proven: BoundedDict[tuple[str, int], float] = BoundedDict(_MAX_PROVEN)
+        waiting: BoundedDict[tuple[str, int], _Waiting] = BoundedDict(_MAX_TARGETS, on_evict=self._evicted)
+        try:
+            while True:
+                closing = self._closed
+                self._take_queue(socks, proven, waiting)
+                if closing:
+                    break
+                self._poll(socks, proven, waiting)
+        except Exception:
+            logger.exception("%s: release sender crashed; releases fall back to the producers' leases", self._name)
+        finally:
+            for target, w in waiting.items():
+                self._drop(target, len(w.releases), "the engine is shutting down")
+            socks.close(linger_ms=500)  # let queued releases go out, briefly
+            ctx.term()
+
+    def _take_queue(self, socks: DealerCache, proven: BoundedDict, waiting: BoundedDict) -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                targets, notice = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            for target in targets:
+                if self._token is None or proven.get(target, 0.0) > now:
+                    self._send(socks, target, notice)
+                    continue
+                w = waiting.get(target)
+                if w is None:
+                    w = waiting[target] = _Waiting(new_nonce(), now + self._proof_timeout_s)
+                    self._ask_proof(socks, target, w)
+                if len(w.releases) == w.releases.maxlen:
+                    self._drop(target, 1, "too many notices wait for its proof")
+                w.releases.append(notice)
+
+    def _ask_proof(self, socks: DealerCache, target: tuple[str, int], w: _Waiting) -> None:
+        try:
+            socks.get(*target).send(wire.encode(PeerProofRequest(nonce=w.nonce)), zmq.NOBLOCK)
+        except (zmq.ZMQError, ValueError) as exc:
+            w.deadline = 0.0  # given up on the next pass
+            self.warnings.event("send", f"cannot ask {target[0]}:{target[1]} to prove the auth token: {exc}")
+
+    def _send(self, socks: DealerCache, target: tuple[str, int], notice: _Notice) -> None:
+        msg, purpose = notice
+        if self._token is not None:
+            msg = sign_struct(self._token, purpose, msg)
+        try:
+            socks.get(*target).send(wire.encode(msg), zmq.NOBLOCK)
+        except (zmq.ZMQError, ValueError) as exc:
+            self._drop(target, 1, str(exc))
+            return
+        self.counts["sent"] += 1
+        logger.debug("%s: sent %s of transfer %s to %s:%d", self._name, type(msg).__name__, msg.transfer_id, *target)
+
+    def _poll(self, socks: DealerCache, proven: BoundedDict, waiting: BoundedDict) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        by_sock = {}
+        for target in waiting:
+            sock = socks.get(*target)
+            by_sock[sock] = target
+            poller.register(sock, zmq.POLLIN)
+        now = time.monotonic()
+        timeout = min([w.deadline for w in waiting.values()], default=now + 1.0) - now
+        events = dict(poller.poll(max(0.0, min(timeout, 1.0)) * 1000))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        for sock, target in by_sock.items():
+            if sock in events:
+                self._on_answer(sock, target, socks, proven, waiting)
+        now = time.monotonic()
+        for target in [t for t, w in waiting.items() if w.deadline <= now]:
+            w = waiting.pop(target)
+            socks.drop(*target)  # no late answer lingers in a reused socket
+            self.counts["unproven"] += 1
+            self._drop(target, len(w.releases), f"it did not prove the auth token within {self._proof_timeout_s:g} s")
+
+    def _on_answer(self, sock: zmq.Socket, target: tuple[str, int], socks: DealerCache, proven: BoundedDict,
+                   waiting: BoundedDict) -> None:
+        try:
+            data = sock.recv(zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+        w = waiting.get(target)
+        if w is None:
+            return
+        try:
+            answer = wire.decode(data, PeerProof)
+        except (WireError, RecursionError):
+            v = wire.peek_version(data)
+            if v is not None and v != HANDSHAKE_PROTOCOL_VERSION:
+                why = f"it speaks handshake protocol version {v}, this engine {HANDSHAKE_PROTOCOL_VERSION}"
+            else:
+                why = "its answer to the proof request is garbage"
+            del waiting[target]
+            self._drop(target, len(w.releases), why)
+            return
+        assert self._token is not None
+        expected = peer_proof(self._token, w.nonce, answer.engine_id, answer.tp_rank)
+        del waiting[target]
+        if answer.v != HANDSHAKE_PROTOCOL_VERSION or not hmac.compare_digest(expected, answer.proof):
+            self.counts["unproven"] += 1
+            self._drop(target, len(w.releases), "it did not prove the auth token (different auth_token, or none)")
+            return
+        proven[target] = time.monotonic() + PROVEN_TTL_S
+        for notice in w.releases:
+            self._send(socks, target, notice)
+
+    def _evicted(self, target: tuple[str, int], w: _Waiting) -> None:
+        self._drop(target, len(w.releases), "too many producer ranks wait for a proof")
+
+    def _drop(self, target: tuple[str, int], n: int, why: str) -> None:
+        if n <= 0:
+            return
+        self.counts["dropped"] += n
+        self.warnings.event("dropped", f"{self._name}: {n} notice(s) not sent to {target[0]}:{target[1]}: {why} "
+                                       "(its lease frees the blocks)")
