@@ -122,9 +122,10 @@ class CompatInfo(msgspec.Struct, kw_only=True, frozen=True):
     """What two engines must agree on before a block byte is trusted.
 
     ``layout`` is the KV-cache layout's label (``atom_kv.connector.cache_layouts``:
-    "hnd", "aiter", "aiter-shuffle", each with "/ratio=N" when a block is N
-    physical blocks, or "mla"); empty, as from peers that predate it, means
-    "mla" for an MLA cache and "hnd" otherwise.
+    "hnd", "aiter", "aiter-shuffle", vLLM's fused "vllm-hnd" and "vllm-cpu",
+    each with "/ratio=N" when a block is N physical blocks, or "mla"); empty,
+    as from peers that predate it, means "mla" for an MLA cache and "hnd"
+    otherwise.
     """
 
     model_id: str
@@ -144,7 +145,8 @@ class CompatInfo(msgspec.Struct, kw_only=True, frozen=True):
 class RegionInfo(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
     """One registered KV tensor of a rank, as the peer needs to address it.
 
-    ``layer`` and ``kind`` ("k", "v" or "latent") name the tensor;
+    ``layer`` and ``kind`` name the tensor ("k", "v", "k_scale", "v_scale",
+    a fused "kv", or MLA's "latent" and "index"; see ``cache_layouts.KINDS``);
     ``region_ids`` are the backend's chunk ids, each ``chunk_bytes`` long
     except possibly the last; ``block_bytes`` is the bytes of one block of
     this rank's slice; ``num_blocks`` the tensor's block count.
