@@ -32,6 +32,14 @@ from tests.integrations import atom_scenarios as sc  # noqa: E402
 from tests.integrations.atom_scenario_tests import *  # noqa: E402,F401,F403  (the shared P/D scenarios)
 
 
+@pytest.fixture(autouse=True)
+def _atom_advertises_loopback(monkeypatch):
+    """ATOM's scheduler-side connector advertises ``atom.utils.network.get_ip()`` (``ATOM_HOST_IP``, else
+    the default route's address) and the engines' listeners bind exactly the address they advertise:
+    keep both on loopback, where this harness's model-runner side listens."""
+    monkeypatch.setenv("ATOM_HOST_IP", "127.0.0.1")
+
+
 def test_this_is_atom_itself(record_property):
     src = os.environ["ATOM_SRC"]
     commit = os.environ.get("ATOM_COMMIT") or atom_commit(src)
