@@ -274,6 +274,7 @@ class _ServerConnection(asyncio.Protocol):
         self.head_bytes = 0
         self.head_timer: asyncio.TimerHandle | None = None
         self.body_timer: asyncio.TimerHandle | None = None
+        self.linger_timer: asyncio.TimerHandle | None = None
         self.writing_paused = False
         self.reading_paused = False
         self.closed = False
@@ -463,7 +464,7 @@ class _ServerConnection(asyncio.Protocol):
             body = error_bytes(status, message)
             self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                                  b"connection: close\r\n\r\n%b" % (status, _REASONS[status], len(body), body))
-        self.close()
+        self._linger()
 
     def _dispatch(self) -> None:
         ex = self.queue.popleft()
@@ -494,7 +495,10 @@ class _ServerConnection(asyncio.Protocol):
         if self.closed:
             return
         if not ex.keep_alive:
-            self.close()
+            if self.stop_reading:
+                self._linger()
+            else:
+                self.close()
             return
         if self.queue:
             self._dispatch()
@@ -513,6 +517,24 @@ class _ServerConnection(asyncio.Protocol):
             else:
                 self.transport.close()
         self._cancel_timers()
+
+    def _linger(self) -> None:
+        """After answering a request this connection refused, while the client may still be
+        sending: close our side and discard what still arrives (for at most
+        ``header_timeout``), so the client reads the answer instead of a reset."""
+        transport = self.transport
+        if transport is None or transport.is_closing() or self.linger_timer is not None:
+            return
+        self.stop_reading = True
+        self._cancel_timers()
+        if not transport.can_write_eof():
+            self.close()
+            return
+        transport.write_eof()
+        if self.reading_paused:
+            self.reading_paused = False
+            transport.resume_reading()
+        self.linger_timer = self.loop.call_later(self.server.header_timeout, self.close, True)
 
     @property
     def idle(self) -> bool:
@@ -534,6 +556,9 @@ class _ServerConnection(asyncio.Protocol):
 
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
+        if self.linger_timer is not None and self.closed:
+            self.linger_timer.cancel()
+            self.linger_timer = None
         if self.body_timer is not None:
             self.body_timer.cancel()
             self.body_timer = None
