@@ -389,7 +389,7 @@ class _ServerConnection(asyncio.Protocol):
         target = ex.raw_target
         raw_path, _, ex.query = target.partition(b"?")
         ex.raw_path = raw_path
-        ex.path = (unquote_to_bytes(raw_path) if b"%" in raw_path else raw_path).decode("latin-1")
+        ex.path = (unquote_to_bytes(raw_path) if b"%" in raw_path else raw_path).decode("utf-8", "replace")
         limit = self.server.max_request_bytes
         for key, value in ex.headers:
             if key == b"content-length":

@@ -364,9 +364,13 @@ class _Connection(asyncio.Protocol):
               total_timeout: float | None) -> UpstreamResponse:
         response = self.response = UpstreamResponse(self, whole, read_timeout, total_timeout)
         assert self.transport is not None
-        self.transport.write(request + body if len(body) < 65536 else request)
-        if len(body) >= 65536:
-            self.transport.write(body)
+        try:
+            if len(body) < 65536:
+                self.transport.write(request + body)
+            else:
+                self.transport.writelines((request, body))
+        except (RuntimeError, OSError) as exc:  # closed under us (the peer closed an idle connection)
+            response._fail(UpstreamConnectionError(f"connection closed before the request was sent: {exc}"))
         return response
 
     def finished(self, reusable: bool) -> None:
@@ -442,7 +446,7 @@ class UpstreamPool:
         oldest_ok = self.loop.time() - self.keepalive_s
         while stack:
             conn = stack.pop()
-            if conn.closed:
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
                 continue
             if conn.idle_since < oldest_ok:  # this one and every one below it are too old
                 conn.abort()
