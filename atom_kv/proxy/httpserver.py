@@ -402,7 +402,8 @@ class _ServerConnection(asyncio.Protocol):
                     return
             elif key == b"expect" and value.lower() == b"100-continue":
                 ex.expect_continue = True
-        if ex.expect_continue and ex.http_version == "1.1" and self.transport is not None:
+        if ex.expect_continue and ex.http_version == "1.1" and self.idle and self.transport is not None:
+            # (not while another answer is going out: the client sends its body after a while anyway)
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
