@@ -7,7 +7,10 @@ router from PyPI, run when its executable is on ``PATH``) in front of the
 same engines, and this load generator. "Direct" means the load generator
 itself runs both legs (prefill, then decode) against the engines, which is
 exactly the work a proxy does; the difference is what the proxy adds. Every
-figure for ours and the peer comes from the same run, measured alternately.
+figure for ours and the peer comes from the same run, measured alternately:
+each throughput run is cut into ``--rounds`` slices taken in turn (ours,
+peer, peer, ours, ...), so a shift in the machine's load (other processes,
+frequency) does not favour whichever ran first.
 
 CPU per request is each proxy process's user+system CPU time (from
 ``/proc``, children included) during a throughput run, divided by the
@@ -53,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=32, help="tokens streamed by the fake decode")
     parser.add_argument("--latency-requests", type=int, default=300, help="requests for the concurrency-1 runs")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per throughput run")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --peer: each throughput run is split into this many slices, alternated "
+                             "with the peer's (ours, peer, peer, ours, ...), so a change in the machine's load "
+                             "hits both alike (default %(default)s)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 512], help="throughput concurrencies")
     parser.add_argument("--policy", default="round_robin", choices=POLICIES)
     parser.add_argument("--peer", choices=PEERS, default=None,
@@ -263,8 +270,37 @@ async def _latency(fns: list[Callable[[], Awaitable[bool]]], n: int) -> tuple[li
     return lat, errors
 
 
+@dataclass
+class _Slice:
+    """One timed load slice against one target."""
+
+    requests: int
+    errors: int
+    elapsed: float
+    latencies: list[float]
+    cpu_s: float | None
+
+
+def _summary(concurrency: int, slices: list[_Slice]) -> dict[str, Any]:
+    """Slices of one target at one concurrency, summed: requests over total time, CPU over requests."""
+    done = sum(s.requests for s in slices)
+    elapsed = sum(s.elapsed for s in slices)
+    lat = [x for s in slices for x in s.latencies]
+    out = {"concurrency": concurrency, "requests": done, "errors": sum(s.errors for s in slices),
+           "req_per_s": round(done / elapsed, 1) if elapsed else 0.0,
+           "p50_ms": round(_pct(lat, 0.5) * 1000, 2), "p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
+    if done and all(s.cpu_s is not None for s in slices):
+        out["proxy_cpu_ms_per_req"] = round(sum(s.cpu_s for s in slices) / done * 1000, 3)  # type: ignore[misc]
+    return out
+
+
 async def _throughput(fn: Callable[[], Awaitable[bool]], concurrency: int, duration: float,
                       server_pid: int | None = None) -> dict[str, Any]:
+    return _summary(concurrency, [await _slice(fn, concurrency, duration, server_pid)])
+
+
+async def _slice(fn: Callable[[], Awaitable[bool]], concurrency: int, duration: float,
+                 server_pid: int | None = None) -> _Slice:
     done = 0
     errors = 0
     lat: list[float] = []
@@ -287,11 +323,21 @@ async def _throughput(fn: Callable[[], Awaitable[bool]], concurrency: int, durat
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
     cpu1 = _cpu_seconds(server_pid)
-    out = {"concurrency": concurrency, "requests": done, "errors": errors, "req_per_s": round(done / elapsed, 1),
-           "p50_ms": round(_pct(lat, 0.5) * 1000, 2), "p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
-    if cpu0 is not None and cpu1 is not None and done:
-        out["proxy_cpu_ms_per_req"] = round((cpu1 - cpu0) / done * 1000, 3)
-    return out
+    return _Slice(done, errors, elapsed, lat, cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None)
+
+
+async def _alternated(ours: Target, peer: Target, fn_ours: Callable[[], Awaitable[bool]],
+                      fn_peer: Callable[[], Awaitable[bool]], concurrency: int, duration: float,
+                      rounds: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both targets at one concurrency, in ``rounds`` alternated slices (ABBA order), ``duration`` each in all."""
+    part = duration / rounds
+    slices: dict[str, list[_Slice]] = {"ours": [], "peer": []}
+    for r in range(rounds):
+        order = ("ours", "peer") if r % 2 == 0 else ("peer", "ours")
+        for who in order:
+            target, fn = (ours, fn_ours) if who == "ours" else (peer, fn_peer)
+            slices[who].append(await _slice(fn, concurrency, part, target.proc.pid))
+    return _summary(concurrency, slices["ours"]), _summary(concurrency, slices["peer"])
 
 
 async def _wait_healthy(url: str, timeout: float, proc: subprocess.Popen) -> None:
@@ -342,12 +388,15 @@ async def _measure(args: argparse.Namespace, targets: list[Target], prefill: str
         if peer is not None:
             result["peer"] = {"name": peer.name, "c1_p50_ms": _ms(lat[2], 0.5), "c1_p99_ms": _ms(lat[2], 0.99),
                               "throughput": []}
-        for c in args.concurrency:  # ours then the peer at each concurrency: same machine state
-            result["throughput"].append(await _throughput(load.via(targets[0].url), c, args.duration,
-                                                          targets[0].proc.pid))
-            if peer is not None:
-                result["peer"]["throughput"].append(await _throughput(load.via(peer.url), c, args.duration,
-                                                                      peer.proc.pid))
+        for c in args.concurrency:  # ours and the peer alternated at each concurrency: same machine state
+            if peer is None:
+                result["throughput"].append(await _throughput(load.via(targets[0].url), c, args.duration,
+                                                              targets[0].proc.pid))
+                continue
+            ours_row, peer_row = await _alternated(targets[0], peer, load.via(targets[0].url), load.via(peer.url),
+                                                   c, args.duration, max(1, args.rounds))
+            result["throughput"].append(ours_row)
+            result["peer"]["throughput"].append(peer_row)
         if baseline is not None:
             base_lat, errs = await _latency([load.direct, load.via(baseline.url)], args.latency_requests)
             result["baseline"] = {

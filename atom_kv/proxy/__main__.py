@@ -5,8 +5,9 @@ vLLM MoRIIO's format), from ``--prefill URL[,HANDSHAKE_PORT]`` /
 ``--decode URL`` flags, or both; flagged engines are health-probed.
 Clients use the HTTP port like any OpenAI-compatible server
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), and
-operators use ``/health``, ``/instances`` and ``/metrics``. Served by
-hypercorn; SIGINT or SIGTERM shuts it down gracefully (in-flight requests
+operators use ``/health``, ``/instances`` and ``/metrics``. Served by the
+proxy's own HTTP/1.1 server (:mod:`atom_kv.proxy.httpserver`, on uvloop when
+installed); SIGINT or SIGTERM shuts it down gracefully (in-flight requests
 get ``--shutdown-timeout`` seconds).
 
 Timeouts: ``--connect-timeout`` bounds every upstream connect,
@@ -26,10 +27,9 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable, Coroutine
 
-from hypercorn.utils import LifespanFailureError
-
 from atom_kv.config import is_port
 from atom_kv.proxy.app import create_app
+from atom_kv.proxy.discovery import DiscoveryError
 from atom_kv.proxy.server import listen_socket, serve_until_signalled
 from atom_kv.proxy.settings import POLICIES, ProxySettings
 from atom_kv.proxy.static import parse_engine_spec
@@ -249,11 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(settings)
     try:
         run(serve_until_signalled(app, settings, sock))
-    except LifespanFailureError as exc:
+    except DiscoveryError as exc:
         # the proxy's own start-up failed (e.g. the discovery port is taken): one line, no traceback
-        message = str(exc)
-        reason = message.split("'", 1)[1].rstrip("'") if "'" in message else message
-        print(f"atom-kv-proxy: {reason}", file=sys.stderr)
+        print(f"atom-kv-proxy: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass

@@ -1,4 +1,8 @@
-"""The Quart app: management routes over a :class:`ProxyState` (registry, discovery, health, relay, metrics)."""
+"""The Quart app: management routes over a :class:`ProxyState` (registry, discovery, health, relay, metrics).
+
+The two completion routes are not Quart's: the proxy's HTTP server
+(:mod:`atom_kv.proxy.server`) hands them to ``ProxyState.completions``
+(:mod:`atom_kv.proxy.fastpath`) and every other route to this app."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from quart import Quart, Response, request
 
 from atom_kv.proxy.discovery import DiscoveryError, DiscoveryListener
 from atom_kv.proxy.errors import ProxyError
-from atom_kv.proxy.fastpath import CompletionsASGI, valid_request_id
+from atom_kv.proxy.fastpath import CompletionsHandler, valid_request_id
 from atom_kv.proxy.health import HealthMonitor, UpstreamHealth
 from atom_kv.proxy.metrics import ProxyMetrics, RequestRecord
 from atom_kv.proxy.policies import Policy, make_policy
@@ -62,6 +66,7 @@ class ProxyState:
                 log_interval_s=settings.log_summary_interval_s,
             )
         self.relay = Relay(settings, self.registry, self.policies, self.health, self.metrics)
+        self.completions = CompletionsHandler(self.relay, self.metrics)
         self.started = asyncio.Event()
 
     def _forget(self, inst: Instance) -> None:
@@ -177,7 +182,4 @@ def create_app(settings: ProxySettings) -> Quart:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         return _error_response(ProxyError(500, f"internal proxy error: {type(exc).__name__}"))
 
-    # the two relay routes are served as plain ASGI in front of Quart (see fastpath.py)
-    app.asgi_app = CompletionsASGI(  # type: ignore[method-assign]
-        app.asgi_app, state.relay, metrics, settings.max_request_bytes, settings.body_timeout)
     return app

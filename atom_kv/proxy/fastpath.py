@@ -1,13 +1,15 @@
-"""The hot path: ``POST /v1/completions`` and ``/v1/chat/completions`` as plain ASGI.
+"""The hot path: ``POST /v1/completions`` and ``/v1/chat/completions``, served natively.
 
-Installed as ASGI middleware in front of the Quart app (``app.asgi_app``); every
-other route is Quart's. Serving the two relay routes without Quart's
-per-request context machinery takes roughly half a millisecond off every
-request (measured with ``python -m atom_kv.bench proxy``). This module owns
-the client side of a request: reading the body (bounded in size and time),
-the answer's framing (one write per SSE event), and the request's metrics
+The proxy's HTTP server (:mod:`atom_kv.proxy.httpserver`) calls
+:class:`CompletionsHandler` for the two relay routes with a whole request
+(its size and arrival time already bounded: a refused one only needs its
+answer); every other route is Quart's. Serving the relay routes without
+Quart's per-request context machinery and without ASGI message dicts is
+measured with ``python -m atom_kv.bench proxy``. This module owns the client
+side of a request: parsing the body, the answer (one write per SSE event,
+see :class:`~atom_kv.proxy.stream.DecodeStream`), and the request's metrics
 (:class:`~atom_kv.proxy.metrics.RequestRecord`, including client
-disconnects). A client disconnect cancels the handler task, which cancels
+disconnects). A client disconnect cancels the request's task, which cancels
 whichever upstream leg is running (or closes the decode stream).
 """
 
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from typing import Any, Awaitable, Callable
+import os
+from typing import Any
 
 import msgspec
 
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
+from atom_kv.proxy.httpserver import Exchange
 from atom_kv.proxy.metrics import ProxyMetrics, RequestRecord
 from atom_kv.proxy.relay import Relay, RelayResult
 
@@ -29,44 +32,11 @@ logger = logging.getLogger(__name__)
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 _json_decoder = msgspec.json.Decoder()
 
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
-ASGIApp = Callable[[dict, Receive, Send], Awaitable[None]]
-
-
-class _Exchange:
-    """Per-request flags shared by the handler and the disconnect watcher."""
-
-    __slots__ = ("response_complete", "client_gone")
-
-    def __init__(self) -> None:
-        self.response_complete = False
-        self.client_gone = False
-
-
-class _BodyTimeout(Exception):
-    """The request body did not arrive within ``body_timeout``."""
-
-
-def _uncancel(task: asyncio.Task) -> None:
-    """Withdraw a cancellation this module requested itself (Python 3.11+ keeps a count)."""
-    uncancel = getattr(task, "uncancel", None)
-    if uncancel is not None:
-        uncancel()
-
-
 def valid_request_id(value: str | None) -> str:
-    """The client's ``x-request-id`` if it is a sane token (echoed in headers and logs), else a uuid4 hex."""
+    """The client's ``x-request-id`` if it is a sane token (echoed in headers and logs), else 32 random hex digits."""
     if value and len(value) <= 128 and value.isprintable() and value.isascii():
         return value
-    return uuid.uuid4().hex
-
-
-def _header(scope: dict, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
+    return os.urandom(16).hex()
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -85,128 +55,65 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-class CompletionsASGI:
-    """Serves the two completion routes through the :class:`Relay`; delegates the rest."""
+class _RecordedSink:
+    """The client's side of a streamed answer, counting its first byte and its end."""
 
-    def __init__(self, inner: ASGIApp, relay: Relay, metrics: ProxyMetrics, max_request_bytes: int,
-                 body_timeout: float) -> None:
-        self.inner = inner
+    __slots__ = ("_exchange", "_record", "_status", "_first")
+
+    def __init__(self, exchange: Exchange, record: RequestRecord, status: int) -> None:
+        self._exchange = exchange
+        self._record = record
+        self._status = status
+        self._first = True
+
+    def write(self, data: bytes) -> None:
+        if self._first:
+            self._first = False
+            self._record.first_byte()
+        self._exchange.write(data)
+
+    def end(self, data: bytes = b"") -> None:
+        self._exchange.end(data)
+        self._record.finish(self._status)
+
+    def flush_head(self) -> None:
+        self._exchange.flush_head()
+
+    def set_producer(self, producer: Any) -> None:
+        self._exchange.set_producer(producer)
+
+
+class CompletionsHandler:
+    """Serves the two completion routes through the :class:`Relay` (one call per exchange)."""
+
+    def __init__(self, relay: Relay, metrics: ProxyMetrics) -> None:
         self.relay = relay
         self.metrics = metrics
-        self.max_request_bytes = max_request_bytes
-        self.body_timeout = body_timeout
 
-    async def __call__(self, scope: dict, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in ROUTES:
-            await self.inner(scope, receive, send)
+    def routes(self) -> dict[str, Any]:
+        return {path: self for path in ROUTES}
+
+    async def __call__(self, exchange: Exchange) -> None:
+        path = exchange.path
+        record = RequestRecord(self.metrics, path)
+        request_id = valid_request_id(exchange.header(b"x-request-id"))
+        if exchange.refusal is not None:  # too big, or too slow to arrive: the server read no further
+            self._send_error(exchange, ProxyError(*exchange.refusal), request_id, record, close=True)
             return
-        record = RequestRecord(self.metrics, scope["path"])
-        request_id = valid_request_id(_header(scope, b"x-request-id"))
-        if scope["method"] != "POST":
-            await self._send_error(send, ProxyError(405, f"method {scope['method']} not allowed on {scope['path']}"),
-                                   request_id, record)
+        if exchange.method != "POST":
+            self._send_error(exchange, ProxyError(405, f"method {exchange.method} not allowed on {path}"),
+                             request_id, record)
             return
-        me = asyncio.current_task()
-        assert me is not None
         try:
-            raw = await self._read_body_in_time(receive, me)
-        except _BodyTimeout:
-            await self._send_error(send, ProxyError(408, f"request body not received within {self.body_timeout:g}s"),
-                                   request_id, record, close=True)
-            return
+            body = parse_body(exchange.body)
+            result = await self.relay.relay(path, body, request_id, exchange.header(b"authorization"))
         except ProxyError as err:
-            await self._send_error(send, err, request_id, record, close=True)
-            return
-        if raw is None:  # the client left while sending
-            record.client_gone()
-            return
-        # the request runs in this task; a watcher cancels it if the client goes away first
-        exchange = _Exchange()
-        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(receive, exchange, me))
-        try:
-            await self._handle(scope, raw, send, request_id, record, exchange)
-        except asyncio.CancelledError:
-            if not exchange.client_gone:
-                raise
-            _uncancel(me)  # our own cancellation: the request is over, the server's task is not
-        finally:
-            watcher.cancel()
-
-    async def _read_body_in_time(self, receive: Receive, me: asyncio.Task) -> bytes | None:
-        """The body, or :class:`_BodyTimeout` after ``body_timeout`` (a timer, not a task per request)."""
-        expired = False
-
-        def expire() -> None:
-            nonlocal expired
-            expired = True
-            me.cancel()
-
-        timer = asyncio.get_running_loop().call_later(self.body_timeout, expire)
-        try:
-            return await self._read_body(receive)
-        except asyncio.CancelledError:
-            if not expired:
-                raise
-            _uncancel(me)
-            raise _BodyTimeout() from None
-        finally:
-            timer.cancel()
-
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            if len(body) > self.max_request_bytes:
-                raise ProxyError(413, f"request body exceeds {self.max_request_bytes} bytes")
-            if not message.get("more_body", False):
-                return bytes(body)
-
-    @staticmethod
-    async def _watch_disconnect(receive: Receive, exchange: _Exchange, request_task: asyncio.Task) -> None:
-        """Cancels the request's task when the client goes away before the response is complete."""
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if not exchange.response_complete:  # the server also reports a finished exchange as a disconnect
-            exchange.client_gone = True
-            request_task.cancel()
-
-    @staticmethod
-    async def _send_body(send: Send, status: int, content_type: str, body: bytes, request_id: str,
-                         close: bool = False) -> None:
-        headers = [
-            (b"content-type", content_type.encode("latin-1")),
-            (b"content-length", str(len(body)).encode()),
-            (b"x-request-id", request_id.encode("latin-1")),
-        ]
-        if close:
-            headers.append((b"connection", b"close"))
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-
-    async def _send_error(self, send: Send, err: ProxyError, request_id: str, record: RequestRecord,
-                          close: bool = False) -> None:
-        record.finish(err.status)
-        logger.info("[%s] %s -> %d: %s", request_id, record.endpoint, err.status, err.message)
-        await self._send_body(send, err.status, "application/json", err.body(), request_id, close)
-
-    async def _handle(self, scope: dict, raw: bytes, send: Send, request_id: str, record: RequestRecord,
-                      exchange: _Exchange) -> None:
-        path = scope["path"]
-        try:
-            body = parse_body(raw)
-            result = await self.relay.relay(path, body, request_id, _header(scope, b"authorization"))
-        except ProxyError as err:
-            exchange.response_complete = True
-            await self._send_error(send, err, request_id, record)
+            self._send_error(exchange, err, request_id, record)
             return
         except UpstreamResponseError as up:
             record.finish(up.status)
             logger.info("[%s] %s -> upstream %d passed through", request_id, path, up.status)
-            exchange.response_complete = True
-            await self._send_body(send, up.status, up.content_type, up.body, request_id)
+            exchange.respond(up.status, _headers(up.content_type, request_id), up.body)
             return
         except asyncio.CancelledError:
             record.client_gone()
@@ -214,40 +121,40 @@ class CompletionsASGI:
             raise
         except Exception as exc:
             logger.exception("[%s] internal error relaying %s", request_id, path)
-            exchange.response_complete = True
-            await self._send_error(send, ProxyError(500, f"internal proxy error: {type(exc).__name__}"),
-                                   request_id, record)
+            self._send_error(exchange, ProxyError(500, f"internal proxy error: {type(exc).__name__}"),
+                             request_id, record)
             return
         if result.stream is None:
             record.finish(result.status)
-            exchange.response_complete = True
-            await self._send_body(send, result.status, result.content_type, result.body or b"", request_id)
+            exchange.respond(result.status, _headers(result.content_type, request_id), result.body or b"")
             return
-        await self._send_stream(send, result, request_id, record, exchange)
+        await self._send_stream(exchange, result, request_id, record)
 
-    async def _send_stream(self, send: Send, result: RelayResult, request_id: str, record: RequestRecord,
-                           exchange: _Exchange) -> None:
+    @staticmethod
+    def _send_error(exchange: Exchange, err: ProxyError, request_id: str, record: RequestRecord,
+                    close: bool = False) -> None:
+        record.finish(err.status)
+        logger.info("[%s] %s -> %d: %s", request_id, record.endpoint, err.status, err.message)
+        exchange.respond(err.status, _headers("application/json", request_id), err.body(), close=close)
+
+    @staticmethod
+    async def _send_stream(exchange: Exchange, result: RelayResult, request_id: str, record: RequestRecord) -> None:
         stream = result.stream
         assert stream is not None
+        exchange.start_stream(result.status, [
+            (b"content-type", result.content_type.encode("latin-1")),
+            (b"cache-control", b"no-cache"),
+            (b"x-request-id", request_id.encode("latin-1")),
+        ])
         try:
-            await send({"type": "http.response.start", "status": result.status, "headers": [
-                (b"content-type", result.content_type.encode("latin-1")),
-                (b"cache-control", b"no-cache"),
-                (b"x-request-id", request_id.encode("latin-1")),
-            ]})
-            async for event in stream:  # as the events arrive (see DecodeStream): the client sees the engine's timing
-                record.first_byte()
-                ended = stream.complete  # the stream's end closes our response at once
-                exchange.response_complete = ended
-                await send({"type": "http.response.body", "body": event, "more_body": not ended})
-                if ended:
-                    record.finish(result.status)
-            if not exchange.response_complete:
-                exchange.response_complete = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            record.finish(result.status)
+            # events go out as they arrive (see DecodeStream): the client sees the engine's timing
+            await stream.pipe(_RecordedSink(exchange, record, result.status))
         except asyncio.CancelledError:
             record.client_gone()
             raise
         finally:
-            await stream.aclose()  # no-op after a complete stream; aborts the decode leg otherwise
+            stream.aclose()  # no-op after a complete stream; aborts the decode leg otherwise
+
+
+def _headers(content_type: str, request_id: str) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", content_type.encode("latin-1")), (b"x-request-id", request_id.encode("latin-1"))]

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,12 +40,16 @@ from atom_kv.proxy.release import ProducerAddress, Releaser
 from atom_kv.proxy.settings import ProxySettings
 from atom_kv.proxy.sse import EventFramer, patch_usage
 from atom_kv.proxy.stream import DecodeStream, ResponseStream
+from atom_kv.proxy.upstream import (
+    UpstreamConnectTimeout, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout,
+)
 from atom_kv.proxy.validation import context_length_error, could_overflow, requested_max_tokens
 
 logger = logging.getLogger(__name__)
 
 _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
+_KV_FAILURE = KV_TRANSFER_FAILURE_HEADER.lower()
 
 
 class _Retryable(Exception):
@@ -106,7 +110,11 @@ def _abandon_reason(stage: str, exc: BaseException) -> str:
 
 
 class Relay:
-    """Owns the pooled upstream HTTP session and runs requests through P then D."""
+    """Owns the upstream connections and runs requests through P then D.
+
+    The two legs go through :class:`~atom_kv.proxy.upstream.UpstreamPool` (a lean
+    pooled HTTP/1.1 client); ``/v1/models`` and ``/tokenize`` through an aiohttp
+    session."""
 
     def __init__(self, settings: ProxySettings, registry: Registry, policies: dict[str, Policy],
                  health: UpstreamHealth, metrics: ProxyMetrics) -> None:
@@ -116,20 +124,22 @@ class Relay:
         self.health = health
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
+        self._pool: UpstreamPool | None = None
         self.releaser = (Releaser(metrics, token=settings.registration_token,
                                   log_interval_s=settings.log_summary_interval_s)
                          if settings.release_prefills else None)
         self._models_rr = 0
         self._uses_text = any(p.uses_text for p in policies.values())
-        self._prefill_timeout = aiohttp.ClientTimeout(total=settings.prefill_timeout, connect=settings.connect_timeout)
-        self._decode_timeout = aiohttp.ClientTimeout(
-            total=None, connect=settings.connect_timeout, sock_read=settings.decode_timeout
-        )
         self._models_timeout = aiohttp.ClientTimeout(total=settings.models_timeout, connect=settings.connect_timeout)
         self._tokenize_timeout = aiohttp.ClientTimeout(total=settings.tokenize_timeout,
                                                        connect=settings.connect_timeout)
 
     async def start(self) -> None:
+        if self._pool is None:
+            # idle connections close after 4 s, below uvicorn's 5 s keep-alive (vLLM's server):
+            # never reuse a connection the engine is closing
+            self._pool = UpstreamPool(connect_timeout=self.settings.connect_timeout, keepalive_s=4.0,
+                                      limit=self.settings.max_upstream_connections)
         if self._session is None:
             connector = aiohttp.TCPConnector(
                 # below uvicorn's 5 s keep-alive (vLLM's server): never reuse a connection the engine is closing
@@ -144,6 +154,9 @@ class Relay:
             )
 
     async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
         session, self._session = self._session, None
         if session is not None:
             await session.close()
@@ -155,6 +168,12 @@ class Relay:
         if self._session is None:
             raise ProxyError(503, "proxy is not started")
         return self._session
+
+    @property
+    def pool(self) -> UpstreamPool:
+        if self._pool is None:
+            raise ProxyError(503, "proxy is not started")
+        return self._pool
 
     # ------------------------------------------------------------------ routing
     def _pick(self, role: Role, exclude: set[tuple[str, str]], ctx: RouteContext, tokens: int) -> Pick | None:
@@ -210,7 +229,7 @@ class Relay:
 
     async def _run_pair(self, req: _Request, p: Pick, d: Pick) -> RelayResult:
         """One attempt on one pair. Owns both picks' credits and the abandon hook."""
-        transfer_id = uuid.uuid4().hex  # one id for both legs, known before the prefill answers
+        transfer_id = os.urandom(16).hex()  # one id for both legs, known before the prefill answers
         stage = "check"
         result: RelayResult | None = None
         prefill_kv: dict[str, Any] | None = None
@@ -260,6 +279,17 @@ class Relay:
         if auth:
             headers["Authorization"] = auth
         return headers
+
+    def _leg_head(self, req: _Request, inst: Instance, rank: int, length: int) -> bytes:
+        """The request head of one leg (the request id is a checked token; the client's
+        Authorization came through the HTTP parser, so it holds no line break)."""
+        head = (b"POST %b HTTP/1.1\r\nhost: %b\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"x-request-id: %b\r\nx-data-parallel-rank: %d\r\n"
+                % (req.path.encode("latin-1"), self.pool.host_header(inst.host, inst.http_port), length,
+                   req.request_id.encode("latin-1"), rank))
+        if req.auth:
+            head += b"authorization: " + req.auth.encode("latin-1") + b"\r\n"
+        return head + b"\r\n"
 
     # ------------------------------------------------------------------ checks before the prefill
     async def _check_context(self, req: _Request, p: Pick, d: Pick) -> None:
@@ -319,10 +349,10 @@ class Relay:
         return None
 
     # ------------------------------------------------------------------ legs
-    async def _error_status(self, resp: aiohttp.ClientResponse, pick: Pick, leg: str) -> None:
+    async def _error_status(self, resp: UpstreamResponse, pick: Pick, leg: str) -> None:
         """Turn a non-200 upstream answer into a passthrough (4xx) or a retryable 502 (5xx)."""
         body = await resp.read()
-        ctype = resp.headers.get("Content-Type", "application/json")
+        ctype = resp.header("content-type", "application/json")
         if resp.status < 500:
             self.health.succeeded(pick.inst)
             raise UpstreamResponseError(resp.status, body, ctype)
@@ -331,14 +361,14 @@ class Relay:
         raise _Retryable(ProxyError(502, f"{leg} instance {pick.inst.base_url} answered {resp.status}: {text}"),
                          pick.inst, "rejected")
 
-    def _transport_error(self, exc: BaseException, pick: Pick, leg: str) -> Exception:
+    def _transport_error(self, exc: UpstreamError, pick: Pick, leg: str) -> Exception:
         base = pick.inst.base_url
-        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        if isinstance(exc, UpstreamConnectTimeout):
             self.health.failed(pick.inst, "connect")
             self.health.mark_down(pick.inst, "connect timed out")
-            return _Retryable(ProxyError(502, f"{leg} instance {base} unreachable: connect timed out"),
+            return _Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {exc}"),
                               pick.inst, "unreachable")
-        if isinstance(exc, asyncio.TimeoutError) and not isinstance(exc, aiohttp.ClientOSError):
+        if isinstance(exc, UpstreamTimeout):
             self.health.failed(pick.inst, "timeout")
             return ProxyError(504, f"{leg} instance {base} timed out")
         self.health.failed(pick.inst, "connection", exc)
@@ -349,14 +379,13 @@ class Relay:
         payload = _json_encoder.encode(prefill_request(req.body, d.inst, d.rank, transfer_id))
         started = time.perf_counter()
         try:
-            async with self.session.post(
-                p.inst.url(req.path), data=payload, headers=self._headers(req.request_id, p.rank, req.auth),
-                timeout=self._prefill_timeout,
-            ) as resp:
-                if resp.status != 200:
-                    await self._error_status(resp, p, "prefill")
-                raw = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            resp = await self.pool.request(p.inst.host, p.inst.http_port,
+                                           self._leg_head(req, p.inst, p.rank, len(payload)), payload,
+                                           whole=True, total_timeout=self.settings.prefill_timeout)
+            if resp.status != 200:
+                await self._error_status(resp, p, "prefill")
+            raw = await resp.read()
+        except UpstreamError as exc:
             raise self._transport_error(exc, p, "prefill") from None
         self.metrics.prefill_duration.observe(time.perf_counter() - started)
         try:
@@ -377,27 +406,26 @@ class Relay:
         return kv, prompt_tokens if isinstance(prompt_tokens, int) else None
 
     async def _open_decode(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
-                           transfer_id: str) -> aiohttp.ClientResponse:
+                           transfer_id: str) -> UpstreamResponse:
         payload = _json_encoder.encode(decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id))
         try:
-            resp = await self.session.post(
-                d.inst.url(req.path), data=payload, headers=self._headers(req.request_id, d.rank, req.auth),
-                timeout=self._decode_timeout,
-            )
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            resp = await self.pool.request(d.inst.host, d.inst.http_port,
+                                           self._leg_head(req, d.inst, d.rank, len(payload)), payload,
+                                           read_timeout=self.settings.decode_timeout)
+        except UpstreamError as exc:
             raise self._transport_error(exc, d, "decode") from None
         if resp.status != 200:
             try:
-                if resp.headers.get(KV_TRANSFER_FAILURE_HEADER, "").lower() == "prefill":
+                if resp.header(_KV_FAILURE).lower() == "prefill":
                     await self._prefill_side_failure(resp, p, d)
                 await self._error_status(resp, d, "decode")
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            except UpstreamError as exc:
                 raise self._transport_error(exc, d, "decode") from None
             finally:
-                resp.release()
+                resp.close()
         return resp
 
-    async def _prefill_side_failure(self, resp: aiohttp.ClientResponse, p: Pick, d: Pick) -> None:
+    async def _prefill_side_failure(self, resp: UpstreamResponse, p: Pick, d: Pick) -> None:
         """The decode engine could not read the prefill's KV: charge the prefill
         instance (the decode engine answered as it should) and re-plan the pair."""
         body = await resp.read()
@@ -407,19 +435,17 @@ class Relay:
         raise _Retryable(ProxyError(502, f"decode instance {d.inst.base_url} could not read the KV of prefill "
                                          f"instance {p.inst.base_url}: {text}"), p.inst, "kv_transfer")
 
-    async def _respond(self, resp: aiohttp.ClientResponse, req: _Request, d: Pick,
+    async def _respond(self, resp: UpstreamResponse, req: _Request, d: Pick,
                        prompt_tokens: int | None) -> RelayResult:
-        ctype = resp.headers.get("Content-Type", "application/json")
+        ctype = resp.header("content-type", "application/json")
         if not ctype.startswith("text/event-stream"):
             try:
                 data = await resp.read()
-                resp.release()
-            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            except UpstreamError as exc:
                 err = self._transport_error(exc, d, "decode")
                 raise (err.error if isinstance(err, _Retryable) else err) from None
             finally:
-                if not resp.closed:
-                    resp.close()
+                resp.close()
             if not data:
                 self.health.failed(d.inst, "bad_response")
                 raise ProxyError(502, f"decode instance {d.inst.base_url} returned an empty response")

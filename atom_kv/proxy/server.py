@@ -1,30 +1,35 @@
-"""Serving a proxy app with hypercorn (programmatically), with graceful shutdown.
+"""Serving a proxy app: the app's lifespan around :class:`~atom_kv.proxy.httpserver.HTTPServer`, with graceful shutdown.
 
 The HTTP socket is bound by :func:`listen_socket` before serving starts (so
 "address in use" is one clear line, and port 0 gives a port we can read
-back) and handed to hypercorn by file descriptor.
+back) and handed to the server, which listens with ``backlog``.
 
-Slow clients are bounded twice: hypercorn closes a connection whose request
-head has not fully arrived within ``header_timeout`` (its keep-alive timer
-runs from the connection's start, or the previous response, until a complete
-head arrives; so it is also the idle keep-alive limit), and the fast path
-answers 408 to a body that takes longer than ``body_timeout``.
+The app's own start (Quart's ``before_serving``: the proxy's state) runs
+before the first connection is accepted, and its stop (``after_serving``)
+after the last connection is closed. The two completion routes are served by
+the state's :class:`~atom_kv.proxy.fastpath.CompletionsHandler`, every other
+route by the Quart app through :class:`~atom_kv.proxy.asgi_bridge.ASGIBridge`.
+
+Slow clients are bounded twice: a connection whose request head has not fully
+arrived within ``header_timeout`` (from the connection's start, or the
+previous answer; so it is also the idle keep-alive limit) is closed, and a
+body that takes longer than ``body_timeout`` is answered 408.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import socket
 
-from hypercorn.asyncio import serve
-from hypercorn.config import Config
 from quart import Quart
 
+from atom_kv.proxy.app import STATE_KEY, ProxyState
+from atom_kv.proxy.asgi_bridge import ASGIBridge
+from atom_kv.proxy.httpserver import HTTPServer
 from atom_kv.proxy.settings import ProxySettings
 
-logger = logging.getLogger(__name__)
+__all__ = ["listen_socket", "serve_app", "serve_until_signalled"]
 
 
 def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
@@ -43,24 +48,32 @@ def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
     return sock
 
 
-def hypercorn_config(settings: ProxySettings, sock: socket.socket | None = None) -> Config:
-    """hypercorn's config; with ``sock`` it serves that socket (and owns it from then on)."""
-    config = Config()
-    config.bind = [f"fd://{sock.detach()}"] if sock is not None else [f"{settings.host}:{settings.port}"]
-    config.backlog = settings.backlog
-    config.debug = False
-    config.accesslog = None
-    config.errorlog = logging.getLogger("hypercorn.error")
-    config.graceful_timeout = settings.shutdown_timeout
-    config.keep_alive_timeout = settings.header_timeout
-    config.use_reloader = False
-    return config
-
-
 async def serve_app(app: Quart, settings: ProxySettings, stop: asyncio.Event,
                     sock: socket.socket | None = None) -> None:
-    """Serve until ``stop`` is set; the app's lifespan starts and stops its state."""
-    await serve(app, hypercorn_config(settings, sock), shutdown_trigger=stop.wait, mode="asgi")
+    """Serve until ``stop`` is set; the app's lifespan starts and stops its state.
+    A start-up failure (e.g. the discovery port is taken) is raised as it is."""
+    if sock is None:
+        sock = listen_socket(settings.host, settings.port, settings.backlog)
+    state: ProxyState = app.extensions[STATE_KEY]
+    try:
+        await app.startup()
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        server = HTTPServer(state.completions.routes(), ASGIBridge(app), header_timeout=settings.header_timeout,
+                            body_timeout=settings.body_timeout, max_request_bytes=settings.max_request_bytes)
+        try:
+            await server.start(sock, settings.backlog)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            await stop.wait()
+        finally:
+            await server.shutdown(settings.shutdown_timeout)
+    finally:
+        await app.shutdown()
 
 
 async def serve_until_signalled(app: Quart, settings: ProxySettings, sock: socket.socket | None = None) -> None:

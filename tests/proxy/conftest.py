@@ -1,4 +1,4 @@
-"""Proxy test fixtures: a real proxy (hypercorn on the test's event loop, port 0) and fake engines."""
+"""Proxy test fixtures: a real proxy (its own HTTP server on the test's event loop, port 0) and fake engines."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ FAST = ProxySettings(
 
 
 class RunningProxy:
-    """A proxy app served by hypercorn on the current event loop, on an OS-assigned port."""
+    """A proxy app served (``atom_kv.proxy.server.serve_app``) on the current event loop, on an OS-assigned port."""
 
     def __init__(self, settings: ProxySettings) -> None:
         self._sock = listen_socket(settings.host, settings.port, settings.backlog)

@@ -206,3 +206,15 @@ async def test_slow_request_body_gets_408(make_proxy):
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408")
     assert _is_vllm_error(json.loads(body), 408)
+
+
+async def test_decode_silence_mid_stream_ends_with_a_504_event(pd_pair):
+    """The decode engine sent its headers and then nothing for longer than --decode-timeout."""
+    proxy, p, d = await pd_pair(proxy=dict(decode_timeout=0.3), d=dict(token_delay_s=2.0))
+    status, ctype, raw = await post(proxy.url, {"prompt": "x", "max_tokens": 3, "stream": True})
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert status == 200 and ctype.startswith("text/event-stream") and events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][len("data: "):])
+    assert _is_vllm_error(err, 504) and "timed out" in err["error"]["message"]
+    assert proxy.count("atom_kv_proxy_upstream_failures_total", role="decode", kind="timeout") == 1
+    assert await d.wait_until(lambda: len(d.cancelled) == 1, 3.0)  # the silent leg was dropped
