@@ -12,7 +12,8 @@ import msgpack
 import zmq
 
 from atom_kv.testing.polling import wait_until
-from tests.proxy.procs import ENV, ROOT, FakeEngines, ProxyProcess, http, rss_bytes
+from atom_kv.testing.web import http_json as http
+from tests.proxy.procs import ENV, ROOT, FakeEngines, ProxyProcess, rss_bytes
 
 
 def test_subprocess_registration_health_and_sigterm():
@@ -119,7 +120,7 @@ def test_a_huge_dp_size_ping_is_refused_without_growing_memory():
 
         def refused() -> bool:
             status, text = http("GET", proxy.url + "/metrics")
-            return b'atom_kv_proxy_rejected_registrations_total{reason="limits"} 3.0' in text
+            return 'atom_kv_proxy_rejected_registrations_total{reason="limits"} 3.0' in text
 
         wait_until(refused, 10, interval=0.05, what="the pings to be refused")
         assert rss_bytes(proxy.proc.pid) - before < 20 * 2**20
