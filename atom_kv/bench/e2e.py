@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 import urllib.request
 from typing import Any, Callable, Optional
 
 from atom_kv.testing.cluster import Cluster, EngineSpec
+from atom_kv.testing.procfs import process_stats
 from atom_kv.testing.web import scrape_metrics
 
 _TEXT = ("Prefill computes the prompt's keys and values once; decode reads them block by block and "
@@ -50,18 +50,7 @@ def _prompt(size: int, salt: int) -> str:
 
 def _group_cpu_s(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group ``pgid`` (Linux /proc)."""
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(s.cpu_s for s in process_stats() if s.pgrp == pgid)
 
 
 def _stream(url: str, prompt: str, max_tokens: int,

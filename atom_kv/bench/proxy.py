@@ -43,6 +43,7 @@ import aiohttp
 
 from atom_kv.proxy.settings import POLICIES
 from atom_kv.testing.ports import free_port
+from atom_kv.testing.procfs import process_stats
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEERS = ("vllm-router",)
@@ -192,25 +193,8 @@ def _cpu_seconds(pid: int | None) -> float | None:
     """User+system CPU seconds used so far by process ``pid`` and its children (Linux /proc), or None."""
     if pid is None:
         return None
-    tck = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    found = False
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(entry) == pid or int(fields[1]) == pid:  # fields[1] is the parent pid
-            total += (int(fields[11]) + int(fields[12])) / tck
-            found = True
-    return total if found else None
+    found = [s.cpu_s for s in process_stats() if pid in (s.pid, s.ppid)]
+    return sum(found) if found else None
 
 
 # ---------------------------------------------------------------------- load

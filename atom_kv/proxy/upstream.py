@@ -245,6 +245,10 @@ class UpstreamResponse:
             raise self._failed
         if self._complete or (self._headers_done and not self._whole):
             return
+        await self._next_event()
+
+    async def _next_event(self) -> None:
+        """Wait for the connection's next callback; a cancelled wait drops the connection."""
         self._waiter = self._loop.create_future()
         try:
             await self._waiter
@@ -264,14 +268,7 @@ class UpstreamResponse:
         while not self._complete:
             if self._failed is not None:
                 raise self._failed
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            except asyncio.CancelledError:
-                self.close()
-                raise
-            finally:
-                self._waiter = None
+            await self._next_event()
         body = b"".join(self._body)
         self._body.clear()
         self._release()

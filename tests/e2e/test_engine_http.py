@@ -12,31 +12,18 @@ import pytest
 
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.polling import wait_until
+from atom_kv.testing.procfs import process_stat, process_stats
 from atom_kv.testing.web import http_json, scrape_metrics
 from tests.e2e.helpers import PROMPTS, generate, get_json
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(entry))
-    return out
+    return [s.pid for s in process_stats() if s.ppid == pid]
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    stat = process_stat(pid)
+    return stat is not None and stat.state != "Z"
 
 
 @pytest.fixture(scope="module")
