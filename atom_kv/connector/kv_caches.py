@@ -21,7 +21,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from atom_kv.connector.base import KVCacheLayer
 from atom_kv.connector.cache_layouts import KVLayout, LayoutMismatch, describe_tensor
 from atom_kv.connector.layout import TensorLayout
-from atom_kv.transfer import ChunkedRegion, TransferBackend, chunk_sizes
+from atom_kv.transfer import ChunkedRegion, TransferBackend, chunk_sizes, memory_of
 from atom_kv.wire import CompatInfo, RegionInfo
 
 __all__ = ["KVTensor", "RegisteredKV", "compat_layout", "describe_kv_caches", "peer_layouts", "register_kv_tensors"]
@@ -103,11 +103,15 @@ def _named(layer: int, entry: Any, layout: KVLayout) -> list[tuple[str, Any]]:
 
 
 def register_kv_tensors(backend: TransferBackend, tensors: Sequence[KVTensor]) -> RegisteredKV:
-    """Register every tensor with ``backend`` (block-aligned chunks)."""
+    """Register every tensor with ``backend`` (block-aligned chunks), each as
+    the memory it lives in; raises :class:`~atom_kv.transfer.UnsupportedMemory`
+    (one line) for a tensor the backend cannot serve, before its pointer is used."""
     out = RegisteredKV()
     for kt in tensors:
+        memory = memory_of(kt.tensor)  # before any pointer is taken: a GPU address is not a host one
+        backend.check_memory(memory)
         nbytes = kt.tensor.numel() * kt.tensor.element_size()
-        ids = backend.register_memory(kt.tensor.data_ptr(), nbytes, align=kt.block_bytes)
+        ids = backend.register_memory(kt.tensor.data_ptr(), nbytes, align=kt.block_bytes, memory=memory)
         chunk = chunk_sizes(nbytes, kt.block_bytes, backend.max_region_bytes)[0]
         region = ChunkedRegion(tuple(ids), chunk, nbytes)
         out.layouts.append(TensorLayout(kt.layer, kt.kind, region, kt.block_bytes, kt.num_blocks, kt.units))

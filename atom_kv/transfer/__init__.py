@@ -17,10 +17,13 @@ from atom_kv.transfer.base import (
     ReadOp,
     TransferBackend,
     TransferError,
+    UnsupportedMemory,
     chunk_sizes,
     merge_ops,
     split_pair,
 )
+
+from atom_kv.transfer.memory import HOST, MemoryKind, memory_of
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
@@ -34,8 +37,12 @@ __all__ = [
     "ReadOp",
     "TransferBackend",
     "TransferError",
+    "UnsupportedMemory",
     "chunk_sizes",
     "create_backend",
+    "HOST",
+    "MemoryKind",
+    "memory_of",
     "merge_ops",
     "split_pair",
 ]

@@ -19,6 +19,7 @@ from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._lifecycle import Lifecycle
+from atom_kv.transfer.memory import HOST, MemoryKind
 from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError
 from atom_kv.transfer.tcp import TcpBackend
 
@@ -67,11 +68,12 @@ class AutoBackend(TransferBackend):
     def _inner(self) -> list[TransferBackend]:
         return [b for b in (self._tcp, self._cma) if b is not None]
 
-    def register_memory(self, ptr: int, size: int, *, align: int = 1) -> list[int]:
+    def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
+        self.check_memory(memory)
         ids = None
         for be in self._inner():
             be.max_region_bytes = self.max_region_bytes
-            got = be.register_memory(ptr, size, align=align)
+            got = be.register_memory(ptr, size, align=align, memory=memory)
             if ids is not None and got != ids:
                 raise TransferError(f"auto: inner backends disagree on region ids ({ids} vs {got})")
             ids = got

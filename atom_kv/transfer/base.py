@@ -23,10 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Optional, Sequence
 
+from atom_kv.transfer._errors import BackendUnavailable, TransferError, UnsupportedMemory
+from atom_kv.transfer.memory import HOST, MemoryKind, check_memory
+
 __all__ = [
     "MAX_REGION_BYTES",
     "TransferError",
     "BackendUnavailable",
+    "UnsupportedMemory",
     "ReadOp",
     "ReadHandle",
     "TransferBackend",
@@ -39,14 +43,6 @@ __all__ = [
 #: Largest single registered region. RDMA NICs in the field fail ``ibv_reg_mr``
 #: at about 2 GiB, so every backend registers block-aligned chunks below it.
 MAX_REGION_BYTES = (1 << 31) - (1 << 20)
-
-
-class TransferError(RuntimeError):
-    """A transfer could not be performed; the message says why."""
-
-
-class BackendUnavailable(TransferError):
-    """The backend cannot run on this machine (missing library, kernel policy)."""
 
 
 class ReadOp(NamedTuple):
@@ -148,16 +144,32 @@ class TransferBackend(abc.ABC):
     #: in :class:`ReadOp` column order (callers then plan in bulk with numpy)
     accepts_op_arrays: bool = False
 
+    #: memory kinds ("host", "gpu") this backend can register, serve and read
+    #: into; anything else is refused by :meth:`check_memory` at registration
+    memory_kinds: frozenset[str] = frozenset({"host"})
+
+    #: what to use instead when refused GPU memory (the refusal's last clause)
+    gpu_alternative: str = "use backend 'gpu_ipc' (same node), 'nixl' or 'moriio', or staged 'tcp'"
+
     #: largest region :meth:`register_memory` creates; tests lower it on an
     #: instance to exercise chunk boundaries with small buffers.
     max_region_bytes: int = MAX_REGION_BYTES
 
     @abc.abstractmethod
-    def register_memory(self, ptr: int, size: int, *, align: int = 1) -> list[int]:
+    def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
         """Register ``size`` bytes at ``ptr`` for remote reads (and as read
         destinations). The memory is split into chunks below
         :data:`MAX_REGION_BYTES` whose sizes are multiples of ``align``;
-        returns their region ids in address order."""
+        returns their region ids in address order.
+
+        ``memory`` says where the bytes live (``atom_kv.transfer.memory.memory_of``
+        reads it off a tensor); a backend calls :meth:`check_memory` first and
+        refuses a kind it cannot serve before it touches ``ptr``."""
+
+    def check_memory(self, memory: MemoryKind) -> None:
+        """Raise :class:`UnsupportedMemory` (one line: backend, memory, what to
+        use instead) unless this backend serves ``memory``."""
+        check_memory(self.name, self.memory_kinds, memory, instead=self.gpu_alternative if memory.is_gpu else "")
 
     @abc.abstractmethod
     def export_descriptor(self) -> bytes:

@@ -29,6 +29,7 @@ from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._jobs import JobWorkers, ReadState
 from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer._regions import RegionTable, begin_read, out_of_bounds, resolve_config, split_large
+from atom_kv.transfer.memory import HOST, MemoryKind
 from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
 
 if TYPE_CHECKING:
@@ -109,8 +110,9 @@ class CmaBackend(TransferBackend):
                 )
             return self._ctl
 
-    def register_memory(self, ptr: int, size: int, *, align: int = 1) -> list[int]:
+    def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
         self._life.check_open()
+        self.check_memory(memory)
         if not self._ptracer_done:
             note = self._sys.allow_any_tracer()
             self._ptracer_done = True

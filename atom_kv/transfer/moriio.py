@@ -25,6 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 from atom_kv import wire
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer._lifecycle import Lifecycle
+from atom_kv.transfer.memory import HOST, MemoryKind
 from atom_kv.transfer.base import (
     MAX_REGION_BYTES,
     BackendUnavailable,
@@ -65,19 +66,6 @@ class _Peer:
     sizes: list[int]
 
 
-def _default_device() -> int:
-    """The GPU the caller's torch uses, or -1 (host memory) when torch has no GPU.
-
-    torch is consulted only if the caller already imported it."""
-    torch = sys.modules.get("torch")
-    try:
-        if torch is not None and torch.cuda.is_available():
-            return int(torch.cuda.current_device())
-    except Exception:
-        logger.debug("cannot query torch's current device", exc_info=True)
-    return -1
-
-
 class MoriIOBackend(TransferBackend):
     """A MORI-IO endpoint: owns the ``IOEngine``, registered regions, imported
     peers, cached sessions and the completion thread of one TP rank.
@@ -87,6 +75,7 @@ class MoriIOBackend(TransferBackend):
     common backend signature."""
 
     name = "moriio"
+    memory_kinds = frozenset({"host", "gpu"})
     accepts_op_arrays = True
     #: where RDMA devices are listed; override for hosts that mount sysfs elsewhere
     sysfs_dir: str = DEFAULT_SYSFS_INFINIBAND
@@ -108,7 +97,6 @@ class MoriIOBackend(TransferBackend):
         self.host = host
         self.key = key or f"atom_kv-{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.max_region_bytes = max_region_bytes
-        self.default_device = _default_device()
         self._import_fn = import_fn
         self._environ = environ
         mori = load_mori(
@@ -162,14 +150,12 @@ class MoriIOBackend(TransferBackend):
         self._engine.create_backend(self._BackendType.RDMA, rdma_config)
 
     # -- memory ------------------------------------------------------------------
-    def register_memory(self, ptr: int, size: int, *, align: int = 1, device_id: Optional[int] = None) -> list[int]:
-        """Register ``size`` bytes at ``ptr`` as chunks below the region limit.
-
-        ``device_id`` is the GPU holding the memory, or -1 for host memory;
-        None means :attr:`default_device` (torch's current GPU if the caller
-        uses torch with a GPU, else host).
-        """
-        device = self.default_device if device_id is None else device_id
+    def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
+        """Register ``size`` bytes at ``ptr`` as chunks below the region limit,
+        on the device ``memory`` names (the tensor's own GPU, or host memory:
+        never torch's current device)."""
+        self.check_memory(memory)
+        device = memory.device if memory.is_gpu else -1
         location = self._MemoryLocationType.GPU if device >= 0 else self._MemoryLocationType.CPU
         ids: list[int] = []
         with self._lock:

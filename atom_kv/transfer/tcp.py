@@ -26,6 +26,7 @@ from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer._regions import RegionTable, begin_read, resolve_config, split_large
 from atom_kv.transfer._tcp_peer import Job, TcpPeer
 from atom_kv.transfer._tcp_server import TcpReadServer, TcpServerSettings
+from atom_kv.transfer.memory import HOST, MemoryKind
 from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
 
 if TYPE_CHECKING:
@@ -108,8 +109,9 @@ class TcpBackend(TransferBackend):
                 )
             return self._server
 
-    def register_memory(self, ptr: int, size: int, *, align: int = 1) -> list[int]:
+    def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
         self._life.check_open()
+        self.check_memory(memory)
         ids = self._regions.add(ptr, size, align, self.max_region_bytes)
         _ = self.server
         log.info("tcp %s: registered %d bytes at 0x%x as regions %s", self._key, size, ptr, ids)

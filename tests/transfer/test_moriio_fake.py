@@ -15,6 +15,7 @@ import time
 import pytest
 
 from atom_kv.config import KVTransferConfig
+from atom_kv.transfer.memory import gpu
 from atom_kv.transfer import ChunkedRegion, ReadOp, TransferError, create_backend, split_pair
 from tests.transfer.fake_mori import FAKE_ROOT, use_fake
 
@@ -316,15 +317,17 @@ def test_close_is_idempotent_deregisters_and_stops_threads():
 
 
 def test_gpu_and_host_memory_locations():
+    """Each region is registered on the memory it names (the tensor's own
+    device), never on torch's current device."""
     be = create_backend("moriio", cfg(), key="loc")
     buf = (ctypes.c_ubyte * 256)()
     try:
         mori_io = sys.modules["mori.io"]
         (host_id,) = be.register_memory(ctypes.addressof(buf), 128)
-        (gpu_id,) = be.register_memory(ctypes.addressof(buf) + 128, 128, device_id=3)
-        host, gpu = be._regions[host_id].desc, be._regions[gpu_id].desc
+        (gpu_id,) = be.register_memory(ctypes.addressof(buf) + 128, 128, memory=gpu(3))
+        host, on_gpu = be._regions[host_id].desc, be._regions[gpu_id].desc
         assert (host.loc, host.device_id) == (mori_io.MemoryLocationType.CPU, -1)
-        assert (gpu.loc, gpu.device_id) == (mori_io.MemoryLocationType.GPU, 3)
+        assert (on_gpu.loc, on_gpu.device_id) == (mori_io.MemoryLocationType.GPU, 3)
     finally:
         be.close()
 

@@ -1,0 +1,18 @@
+"""The transfer layer's exceptions (re-exported by ``atom_kv.transfer``)."""
+
+from __future__ import annotations
+
+__all__ = ["BackendUnavailable", "TransferError", "UnsupportedMemory"]
+
+
+class TransferError(RuntimeError):
+    """A transfer could not be performed; the message says why."""
+
+
+class BackendUnavailable(TransferError):
+    """The backend cannot run on this machine (missing library, kernel policy)."""
+
+
+class UnsupportedMemory(TransferError):
+    """A backend was handed memory of a kind it cannot serve or read; raised at
+    registration, before the memory's pointer is used."""

@@ -1,0 +1,69 @@
+"""Memory kinds: read off the tensor, and refused by a backend that cannot
+serve them before the tensor's pointer is ever used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from atom_kv.transfer import UnsupportedMemory, create_backend
+from atom_kv.transfer.memory import HOST, MemoryKind, gpu, memory_of
+
+
+class _FakeDevice:
+    """A stand-in for ``torch.device('cuda', n)``: no GPU is needed to prove the check runs first."""
+
+    def __init__(self, type_: str, index: int | None) -> None:
+        self.type, self.index = type_, index
+
+    def __str__(self) -> str:
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+class _FakeGpuTensor:
+    """Reports a CUDA device; its ``data_ptr`` fails the test if anybody takes it."""
+
+    def __init__(self, index: int | None = 1) -> None:
+        self.device = _FakeDevice("cuda", index)
+
+    def data_ptr(self) -> int:
+        raise AssertionError("the pointer of GPU memory was taken before its kind was checked")
+
+
+def test_memory_of_reads_the_device_not_the_pointer():
+    assert memory_of(torch.zeros(4)) == HOST
+    assert memory_of(bytearray(4)) == HOST
+    assert memory_of(_FakeGpuTensor(2)) == gpu(2)
+    assert memory_of(_FakeGpuTensor(None)) == gpu(0)
+
+
+def test_memory_of_refuses_other_devices():
+    class Meta:
+        device = _FakeDevice("meta", None)
+
+    with pytest.raises(UnsupportedMemory, match="neither host nor GPU"):
+        memory_of(Meta())
+
+
+@pytest.mark.parametrize("label", ["host", "gpu:0", "gpu:7"])
+def test_label_round_trip(label):
+    assert MemoryKind.parse(label).label == label
+
+
+@pytest.mark.parametrize("label", ["", "gpu", "gpu:-1", "cuda:0", "GPU:0"])
+def test_bad_labels_name_the_allowed_forms(label):
+    with pytest.raises(ValueError, match="allowed: 'host' or 'gpu:N'"):
+        MemoryKind.parse(label)
+
+
+@pytest.mark.parametrize("name", ["cma"])
+def test_host_only_backend_refuses_gpu_memory_in_one_line(name):
+    be = create_backend(name, key=f"kinds-{name}")
+    try:
+        with pytest.raises(UnsupportedMemory) as info:
+            be.register_memory(0xDEAD0000, 4096, memory=memory_of(_FakeGpuTensor(1)))
+        msg = str(info.value)
+        assert "\n" not in msg
+        assert f"'{name}'" in msg and "gpu:1" in msg and "use backend" in msg
+    finally:
+        be.close()
