@@ -170,6 +170,10 @@ HandshakeNonce = Annotated[str, msgspec.Meta(max_length=128)]
 HandshakeMac = Annotated[str, msgspec.Meta(max_length=128)]
 
 
+#: memory kind labels ("host", "gpu:N"): a few short strings
+MemoryLabels = Annotated[list[Annotated[str, msgspec.Meta(max_length=16)]], msgspec.Meta(max_length=16)]
+
+
 def handshake_port(base: int, dp_rank: int, tp_size: int, tp_rank: int) -> int:
     """Rank ``tp_rank`` of data-parallel group ``dp_rank`` listens on ``base + dp_rank*tp_size + tp_rank``."""
     return base + dp_rank * tp_size + tp_rank
@@ -190,6 +194,8 @@ class HandshakeRequest(msgspec.Struct, tag_field="t", tag="hs", kw_only=True):
     host: str = ""
     nonce: HandshakeNonce = ""
     v: int = HANDSHAKE_PROTOCOL_VERSION
+    #: memory kinds of this rank's KV cache ("host", "gpu:N"); empty from older peers (= host)
+    memory: MemoryLabels = []
 
 
 class HandshakeChallenge(msgspec.Struct, tag_field="t", tag="hs_challenge", kw_only=True):
@@ -227,6 +233,8 @@ class HandshakeReply(msgspec.Struct, tag_field="t", tag="hs_ok", kw_only=True):
     descriptor: bytes = b""
     regions: list[RegionInfo] = []
     v: int = HANDSHAKE_PROTOCOL_VERSION
+    #: memory kinds of the producer rank's KV cache; empty from older peers (= host)
+    memory: MemoryLabels = []
 
 
 class SealedHandshakeReply(msgspec.Struct, tag_field="t", tag="hs_sealed", kw_only=True):

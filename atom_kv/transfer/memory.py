@@ -16,7 +16,9 @@ from typing import Any, NamedTuple
 
 from atom_kv.transfer._errors import UnsupportedMemory
 
-__all__ = ["HOST", "MemoryKind", "UnsupportedMemory", "check_memory", "gpu", "memory_of"]
+__all__ = [
+    "HOST", "MemoryKind", "UnsupportedMemory", "check_memory", "gpu", "kinds_of", "memory_of", "pair_refusal",
+]
 
 
 class MemoryKind(NamedTuple):
@@ -86,3 +88,33 @@ def check_memory(backend_name: str, kinds: frozenset[str], memory: MemoryKind, *
     hint = f"; {instead}" if instead else ""
     raise UnsupportedMemory(f"transfer backend {backend_name!r} cannot serve {memory.label} memory "
                             f"(it serves {', '.join(sorted(kinds))}){hint}")
+
+
+def kinds_of(labels: "list[str] | tuple[str, ...]") -> frozenset[str]:
+    """The kinds ("host", "gpu") a handshake's memory labels name; an empty
+    list (a peer from before memory kinds were exchanged) means host memory.
+    Unknown labels are kept as they are, so the refusal can name them."""
+    if not labels:
+        return frozenset({"host"})
+    out = set()
+    for label in labels:
+        try:
+            out.add(MemoryKind.parse(label).kind)
+        except ValueError:
+            out.add(label)
+    return frozenset(out)
+
+
+def pair_refusal(
+    backend_name: str, kinds: frozenset[str], peer_labels: "list[str] | tuple[str, ...]", peer_is: str = "peer",
+) -> "str | None":
+    """One line refusing a peer whose registered memory ``backend_name`` (serving
+    ``kinds`` here) cannot move, else None. Each side runs it on the other's
+    labels from the handshake, so a pair that cannot work is refused on both."""
+    missing = sorted(kinds_of(peer_labels) - kinds)
+    if not missing:
+        return None
+    shown = ", ".join(peer_labels) if peer_labels else "host (an atom-kv that does not say)"
+    return (f"memory kind mismatch: the {peer_is}'s KV cache is in {shown} memory, which transfer backend "
+            f"{backend_name!r} cannot move (it serves {', '.join(sorted(kinds))}); use backend 'auto' on both "
+            "engines, or one that serves both sides' memory (docs/gpu.md)")
