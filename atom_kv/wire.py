@@ -512,12 +512,16 @@ class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=T
 
 
 class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=True):
-    """Both descriptors of an auto backend; ``cma`` is empty when unusable."""
+    """The inner descriptors of an auto backend (``cma``, ``gpu_ipc`` empty
+    when unusable) and the memory kinds it registered (empty from older
+    peers: host)."""
 
     host_id: str
     tcp: bytes
     cma: bytes = b""
     v: int = PROTOCOL_VERSION
+    gpu_ipc: bytes = b""
+    memory: MemoryLabels = []
 
 
 # --------------------------------------------------------------------------
