@@ -499,6 +499,24 @@ class CmaGrantRequest(msgspec.Struct, tag_field="t", tag="cma_grant", kw_only=Tr
     v: int = CMA_PROTOCOL_VERSION
 
 
+class GpuIpcRegion(msgspec.Struct, array_like=True, frozen=True):
+    """One registered GPU region as a CUDA/HIP IPC memory handle (what torch's
+    ``UntypedStorage._share_cuda_`` returns, with ``offset``/``size`` the
+    region's place in the handle's allocation) and its address in the
+    serving process (used when reader and server are one process)."""
+
+    region: int
+    device: int
+    handle: bytes
+    offset: int
+    size: int
+    addr: int
+    ref_counter_handle: Optional[bytes] = None
+    ref_counter_offset: int = 0
+    event_handle: Optional[bytes] = None
+    event_sync_required: bool = False
+
+
 class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=True):
     """The region table a reader may read, or the refusal. ``proof`` is the
     endpoint's HMAC over both nonces when it requires the token."""
@@ -509,6 +527,8 @@ class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=T
     regions: list[RegionSpan] = []
     proof: Proof = ""
     v: int = CMA_PROTOCOL_VERSION
+    #: gpu_ipc's memory handles (empty for cma)
+    ipc: list[GpuIpcRegion] = []
 
 
 class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=True):

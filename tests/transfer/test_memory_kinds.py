@@ -67,3 +67,35 @@ def test_host_only_backend_refuses_gpu_memory_in_one_line(name):
         assert f"'{name}'" in msg and "gpu:1" in msg and "use backend" in msg
     finally:
         be.close()
+
+
+def test_tcp_and_auto_take_gpu_memory_kinds():
+    """tcp stages GPU memory, auto routes it: neither refuses the kind."""
+    for name in ("tcp", "auto"):
+        be = create_backend(name, key=f"kinds-{name}")
+        try:
+            be.check_memory(gpu(0))
+            be.check_memory(HOST)
+        finally:
+            be.close()
+
+
+def test_gpu_ipc_without_a_gpu_is_unavailable_in_one_line():
+    from atom_kv.testing.gpu import gpu_unavailable_reason
+    from atom_kv.transfer import BackendUnavailable
+
+    if gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is visible here: gpu_ipc is available")
+    with pytest.raises(BackendUnavailable) as info:
+        create_backend("gpu_ipc", key="kinds-gpu_ipc")
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("gpu_ipc: no GPU visible to torch") and "'tcp'" in msg
+
+
+def test_gpu_ipc_refuses_host_memory_before_any_pointer(monkeypatch):
+    """The refusal runs in check_memory, before the constructor's GPU probe matters."""
+    from atom_kv.transfer.gpu_ipc import GpuIpcBackend
+
+    be = GpuIpcBackend.__new__(GpuIpcBackend)  # no GPU here: only the kind check is exercised
+    with pytest.raises(UnsupportedMemory, match="'gpu_ipc' cannot serve host memory .*'cma' or 'tcp'"):
+        be.check_memory(HOST)
