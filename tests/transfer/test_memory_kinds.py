@@ -99,3 +99,38 @@ def test_gpu_ipc_refuses_host_memory_before_any_pointer(monkeypatch):
     be = GpuIpcBackend.__new__(GpuIpcBackend)  # no GPU here: only the kind check is exercised
     with pytest.raises(UnsupportedMemory, match="'gpu_ipc' cannot serve host memory .*'cma' or 'tcp'"):
         be.check_memory(HOST)
+
+
+def test_connector_checks_the_kind_before_the_pointer():
+    """``register_kv_tensors`` (what every engine adapter calls with its own
+    tensors) refuses GPU memory for a host-only backend without touching the pointer."""
+    from atom_kv.connector.kv_caches import KVTensor, register_kv_tensors
+
+    class _Tensor(_FakeGpuTensor):
+        def numel(self) -> int:
+            return 4096
+
+        def element_size(self) -> int:
+            return 1
+
+    be = create_backend("cma", key="kinds-connector")
+    try:
+        with pytest.raises(UnsupportedMemory, match="'cma' cannot serve gpu:3 memory"):
+            register_kv_tensors(be, [KVTensor(0, "k", _Tensor(3), 1024, 4)])
+    finally:
+        be.close()
+
+
+def test_reference_engine_refuses_cuda_without_a_gpu_in_one_line():
+    import subprocess
+    import sys
+
+    from atom_kv.testing.gpu import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is visible here")
+    for module in ("atom_kv.reference", "atom_kv.demo"):
+        out = subprocess.run([sys.executable, "-m", module, "--device", "cuda"], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2
+        assert out.stderr.strip().count("\n") == 0 and out.stderr.startswith("error: --device cuda: no GPU")
