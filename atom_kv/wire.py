@@ -515,6 +515,8 @@ class GpuIpcRegion(msgspec.Struct, array_like=True, frozen=True):
     ref_counter_offset: int = 0
     event_handle: Optional[bytes] = None
     event_sync_required: bool = False
+    #: the GPU's UUID: device indices differ between processes that see different GPUs
+    uuid: str = ""
 
 
 class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=True):

@@ -19,7 +19,7 @@ from atom_kv import wire
 from atom_kv.transfer._errors import TransferError
 from atom_kv.transfer.staging import _CudaArray
 
-__all__ = ["alias", "export_region", "open_region"]
+__all__ = ["alias", "export_region", "local_device", "open_region"]
 
 
 def alias(ptr: int, size: int, device: int) -> Any:
@@ -63,8 +63,28 @@ def export_region(region: int, ptr: int, size: int, device: int) -> tuple[wire.G
         region=region, device=int(dev), handle=bytes(handle), offset=int(block_offset) + (ptr - start), size=size,
         addr=ptr, ref_counter_handle=None if rc_handle is None else bytes(rc_handle),
         ref_counter_offset=int(rc_offset or 0), event_handle=None if ev_handle is None else bytes(ev_handle),
-        event_sync_required=bool(ev_sync),
+        event_sync_required=bool(ev_sync), uuid=_uuid(int(dev)),
     ), storage
+
+
+def _uuid(device: int) -> str:
+    import torch
+
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+
+
+def local_device(r: wire.GpuIpcRegion) -> int:
+    """This process's index of the GPU holding ``r`` (found by UUID: indices
+    differ between processes with different ``CUDA_VISIBLE_DEVICES``)."""
+    import torch
+
+    if not r.uuid:
+        return r.device
+    for i in range(torch.cuda.device_count()):
+        if _uuid(i) == r.uuid:
+            return i
+    raise TransferError(f"gpu_ipc: the peer's GPU {r.uuid} is not visible in this process "
+                        "(CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES); GPU IPC needs it visible to both engines")
 
 
 def open_region(r: wire.GpuIpcRegion) -> Any:
@@ -73,7 +93,7 @@ def open_region(r: wire.GpuIpcRegion) -> Any:
 
     torch.cuda._lazy_init()
     storage = torch.UntypedStorage._new_shared_cuda(
-        r.device, r.handle, r.size, r.offset, r.ref_counter_handle, r.ref_counter_offset,
+        local_device(r), r.handle, r.size, r.offset, r.ref_counter_handle, r.ref_counter_offset,
         r.event_handle, r.event_sync_required,
     )
     typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)

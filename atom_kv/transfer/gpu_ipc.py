@@ -190,6 +190,8 @@ class GpuIpcBackend(TransferBackend):
         same_process = grant.pid == os.getpid()
         try:  # mapped once here, for every read from this peer
             tensors = [alias(r.addr, r.size, r.device) if same_process else open_region(r) for r in regions]
+        except TransferError:
+            raise
         except RuntimeError as exc:
             raise TransferError(f"gpu_ipc: cannot map the GPU memory of peer pid {desc.pid}: {exc}") from None
         pidfd = None if same_process else os.pidfd_open(grant.pid)
