@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", **config})
     if args.device != "cpu":
-        from atom_kv.testing.gpu import gpu_unavailable_reason
+        from atom_kv.transfer.memory import gpu_unavailable_reason
 
         if (why := gpu_unavailable_reason()) is not None:
             print(f"transfer bench: --device {args.device}: {why}; use --device cpu", file=sys.stderr)

@@ -125,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"error: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     if args.device == "cuda":
-        from atom_kv.testing.gpu import gpu_unavailable_reason
+        from atom_kv.transfer.memory import gpu_unavailable_reason
 
         if (why := gpu_unavailable_reason()) is not None:
             print(f"error: --device cuda: {why}; use --device cpu", file=sys.stderr)

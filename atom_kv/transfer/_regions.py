@@ -95,7 +95,7 @@ class RegionTable:
 
     def any_staged(self, regions: np.ndarray) -> bool:
         """Whether any of ``regions`` (bounds-checked ids) goes through staging."""
-        return bool(self.staged.any()) and bool(self.staged[regions].any())
+        return self.pool is not None and bool(self.staged[regions].any())
 
     def tensor(self, region: int) -> Any:
         """A uint8 tensor aliasing the region (made on first use for an unstaged host region)."""

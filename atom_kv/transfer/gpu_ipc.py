@@ -92,7 +92,7 @@ class GpuIpcBackend(TransferBackend):
         bind_host: Optional[str] = None,
         key: Optional[str] = None,
     ) -> None:
-        from atom_kv.testing.gpu import gpu_unavailable_reason
+        from atom_kv.transfer.memory import gpu_unavailable_reason
 
         reason = gpu_unavailable_reason()
         if reason is not None:

@@ -12,12 +12,13 @@ backend declares the kinds it can serve in
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 from atom_kv.transfer._errors import UnsupportedMemory
 
 __all__ = [
-    "HOST", "MemoryKind", "UnsupportedMemory", "check_memory", "gpu", "kinds_of", "memory_of", "pair_refusal",
+    "HOST", "MemoryKind", "UnsupportedMemory", "check_memory", "gpu", "gpu_unavailable_reason", "kinds_of",
+    "memory_of", "pair_refusal",
 ]
 
 
@@ -118,3 +119,18 @@ def pair_refusal(
     return (f"memory kind mismatch: the {peer_is}'s KV cache is in {shown} memory, which transfer backend "
             f"{backend_name!r} cannot move (it serves {', '.join(sorted(kinds))}); use backend 'auto' on both "
             "engines, or one that serves both sides' memory (docs/gpu.md)")
+
+
+def gpu_unavailable_reason(min_devices: int = 1) -> Optional[str]:
+    """None when torch sees at least ``min_devices`` GPUs (CUDA, or ROCm
+    through torch's ``cuda`` device), else why not, in one line."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        build = "ROCm" if getattr(torch.version, "hip", None) else ("CUDA" if torch.version.cuda else "CPU-only")
+        return f"no GPU visible to torch {torch.__version__} ({build} build)"
+    if torch.cuda.device_count() < min_devices:
+        return f"{torch.cuda.device_count()} GPU(s) visible, {min_devices} needed"
+    return None

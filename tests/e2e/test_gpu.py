@@ -12,7 +12,7 @@ import time
 import pytest
 
 from atom_kv.testing.cluster import Cluster, EngineSpec
-from atom_kv.testing.gpu import gpu_unavailable_reason
+from atom_kv.transfer.memory import gpu_unavailable_reason
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json, scrape_metrics
 from tests.e2e.helpers import PROMPTS, generate, get_json

@@ -75,7 +75,7 @@ def cma_skip_reason() -> Optional[str]:
 
 def gpu_skip_reason() -> Optional[str]:
     """None when torch sees a GPU here, else why the GPU specs skip."""
-    from atom_kv.testing.gpu import gpu_unavailable_reason
+    from atom_kv.transfer.memory import gpu_unavailable_reason
 
     return gpu_unavailable_reason()
 

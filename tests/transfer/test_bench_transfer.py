@@ -117,7 +117,7 @@ def test_moriio_backend_with_mori_keys_is_accepted_and_unavailable_here(capsys: 
 
 
 def test_bench_device_cuda_without_a_gpu_exits_2_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from atom_kv.testing.gpu import gpu_unavailable_reason
+    from atom_kv.transfer.memory import gpu_unavailable_reason
 
     if gpu_unavailable_reason() is None:
         pytest.skip("a GPU is visible here")

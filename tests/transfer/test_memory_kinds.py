@@ -81,7 +81,7 @@ def test_tcp_and_auto_take_gpu_memory_kinds():
 
 
 def test_gpu_ipc_without_a_gpu_is_unavailable_in_one_line():
-    from atom_kv.testing.gpu import gpu_unavailable_reason
+    from atom_kv.transfer.memory import gpu_unavailable_reason
     from atom_kv.transfer import BackendUnavailable
 
     if gpu_unavailable_reason() is None:
@@ -125,7 +125,7 @@ def test_reference_engine_refuses_cuda_without_a_gpu_in_one_line():
     import subprocess
     import sys
 
-    from atom_kv.testing.gpu import gpu_unavailable_reason
+    from atom_kv.transfer.memory import gpu_unavailable_reason
 
     if gpu_unavailable_reason() is None:
         pytest.skip("a GPU is visible here")
