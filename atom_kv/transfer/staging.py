@@ -23,7 +23,7 @@ import contextlib
 import queue
 import socket
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol
 
 import numpy as np
 
@@ -159,13 +159,16 @@ class StagingPool:
             self._free.put(pair)
 
 
-class StagedRegions:
-    """What staged transfers need of a region table: each region's tensor
-    alias and copier (``tensor(i)``, ``copier(i)``) and the pool."""
+class StagedRegions(Protocol):
+    """What staged transfers need of a region table
+    (:class:`~atom_kv.transfer._regions.RegionTable`): each region's tensor
+    alias and copier, and the pool."""
 
-    tensor: Callable[[int], Any]
-    copier: Callable[[int], HostCopier]
     pool: StagingPool
+
+    def tensor(self, region: int) -> Any: ...
+
+    def copier(self, region: int) -> HostCopier: ...
 
 
 def _host_view(buf: Any, n: int) -> memoryview:
@@ -208,20 +211,20 @@ def send_staged(sock: socket.socket, staged: StagedRegions, regions: np.ndarray,
                 sizes: np.ndarray, deadline: float) -> None:
     """Send the ranges' bytes in order, gathering piece i+1 while piece i is on the socket."""
     with staged.pool.lease(deadline) as pair:
-        pending: Optional[tuple[Any, Any, int]] = None
+        pending: Optional[tuple[Any, Any, int]] = None  # assembled (maybe still on the device), not yet sent
         try:
             for i, (regs, offs, lens) in enumerate(_pieces(regions, offsets, sizes, staged.pool.nbytes)):
-                buf = pair[i % 2]
-                fence = _assemble(staged, regs, offs, lens, buf)
-                if pending is not None:
-                    _send_piece(sock, pending, deadline)
-                pending = (buf, fence, int(lens.sum()))
-            if pending is not None:
-                _send_piece(sock, pending, deadline)
-                pending = None
+                buf = pair[i % 2]  # its previous piece (i - 2) is on the socket already
+                previous, pending = pending, (buf, _assemble(staged, regs, offs, lens, buf), int(lens.sum()))
+                if previous is not None:
+                    _send_piece(sock, previous, deadline)
+            last, pending = pending, None
+            if last is not None:
+                _send_piece(sock, last, deadline)
         finally:
             if pending is not None:  # an error: the buffer goes back only once the device let go of it
-                pending[1][0].wait(pending[1][1])
+                copier, token = pending[1]
+                copier.wait(token)
 
 
 def _send_piece(sock: socket.socket, piece: tuple[Any, Any, int], deadline: float) -> None:
@@ -249,8 +252,3 @@ def recv_staged(sock: socket.socket, staged: StagedRegions, regions: np.ndarray,
         finally:
             for copier, token in fences:
                 copier.wait(token)
-
-
-def pairs_for(users: Sequence[int]) -> int:
-    """Pairs of staging buffers for this many concurrent users (server threads, reader streams)."""
-    return max(2, sum(users))
