@@ -43,7 +43,7 @@ class LocalExecutor:
         import torch
 
         torch.set_num_threads(threads)
-        from atom_kv.reference.runner import ModelRunner, host_all_reduce
+        from atom_kv.reference.runner import ModelRunner
 
         self._runner: Optional[ModelRunner] = ModelRunner(spec)
 
