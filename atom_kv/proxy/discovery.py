@@ -28,6 +28,7 @@ from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_field
 from atom_kv.config import is_port
 from atom_kv.proxy.metrics import ProxyMetrics
 from atom_kv.proxy.registry import Registration, Registry, RegistryFull
+from atom_kv.proxy.settings import is_loopback
 from atom_kv.wire import PROTOCOL_VERSION, HelloPing, RegisterPing, WireError
 
 logger = logging.getLogger(__name__)
@@ -198,6 +199,11 @@ class DiscoveryListener:
         self._task = asyncio.create_task(self._run(), name="atom-kv-proxy-discovery")
         logger.info("discovery listening on tcp://%s:%d%s", self.host, self.port,
                     " (signed pings only)" if self.registration_token else "")
+        if self.registration_token is None:
+            reach = "any local process" if is_loopback(self.host) else "ANY HOST THAT CAN REACH IT"
+            logger.warning("REGISTRATION IS OPEN on tcp://%s:%d: %s can register an engine and receive client "
+                           "requests; set --registration-token to accept signed pings only", self.host, self.port,
+                           reach)
         return self.port
 
     async def close(self) -> None:
