@@ -12,7 +12,10 @@ Quart app through a minimal ASGI bridge (:mod:`atom_kv.proxy.asgi_bridge`).
 :class:`_ServerConnection` owns one client's connection:
 
 - keep-alive, and pipelined requests answered in order, one at a time (reading
-  pauses while one waits);
+  pauses while one waits); the next one is not answered, and nothing more is
+  read, while the client's socket buffer is above its high-water mark (a client
+  that pipelines and never reads costs one buffer, not a growing heap); at most
+  ``max_pipelined`` wait per connection (429 and the connection ends past it);
 - a request head must arrive within ``header_timeout`` (from the connection's
   start or the previous answer: also the idle keep-alive limit) and stay under
   ``max_head_bytes``, else the connection is closed (431 when too big);
@@ -47,6 +50,8 @@ __all__ = ["HTTPServer", "Exchange", "Handler", "Producer"]
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
+#: requests read ahead on one connection while another is answered (more: 429, and the connection ends)
+MAX_PIPELINED = 32
 
 _REASONS = {s.value: s.phrase.encode("ascii") for s in http.HTTPStatus}
 _JSON = b"application/json"
@@ -325,12 +330,9 @@ class _ServerConnection(asyncio.Protocol):
                 return
             if parsing.head_done and not parsing.complete and self.body_timer is None:
                 self.body_timer = self.loop.call_later(self.server.body_timeout, self._body_timed_out)
-        if self.active is None:
-            if self.queue:
-                self._dispatch()
-        elif self.queue and not self.reading_paused:
-            self.reading_paused = True  # pipelined: read on once the current answer is out
-            self.transport.pause_reading()  # type: ignore[union-attr]
+        if self.active is None and self.queue and not self.writing_paused:
+            self._dispatch()
+        self._update_reading()
 
     def eof_received(self) -> bool | None:
         return None  # the client closed its side: treated as gone (connection_lost follows)
@@ -354,16 +356,34 @@ class _ServerConnection(asyncio.Protocol):
         active = self.active
         if active is not None and active._producer is not None:
             active._producer.pause_reading()
+        self._update_reading()  # nothing more is read (nor answered) until the client reads
 
     def resume_writing(self) -> None:
         self.writing_paused = False
         active = self.active
         if active is not None and active._producer is not None:
             active._producer.resume_reading()
+        if self.active is None and self.queue and not self.closed:
+            self._dispatch()
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        """Read while nothing waits for its turn and the client reads what we write."""
+        transport = self.transport
+        if transport is None or self.closed or self.linger_timer is not None:
+            return
+        pause = self.writing_paused or (bool(self.queue) and self.active is not None)
+        if pause and not self.reading_paused:
+            self.reading_paused = True
+            transport.pause_reading()
+        elif not pause and self.reading_paused:
+            self.reading_paused = False
+            if not self.stop_reading:
+                transport.resume_reading()
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
-        self.parsing = Exchange(self)
+        self.parsing = None if self.stop_reading else Exchange(self)  # after a refusal: nothing more is taken
 
     def on_url(self, url: bytes) -> None:
         ex = self.parsing
@@ -425,6 +445,9 @@ class _ServerConnection(asyncio.Protocol):
             self.body_timer.cancel()
             self.body_timer = None
         if ex.refusal is None:
+            if len(self.queue) >= self.server.max_pipelined:
+                self._refuse(ex, 429, f"more than {self.server.max_pipelined} pipelined requests waiting")
+                return
             ex.complete = True
             self.queue.append(ex)
 
@@ -470,10 +493,7 @@ class _ServerConnection(asyncio.Protocol):
     def _dispatch(self) -> None:
         ex = self.queue.popleft()
         self.active = ex
-        if self.reading_paused and not self.queue:
-            self.reading_paused = False
-            if not self.stop_reading:
-                self.transport.resume_reading()  # type: ignore[union-attr]
+        self._update_reading()
         handler = self.server.routes.get(ex.path, self.server.fallback)
         ex.task = task = self.loop.create_task(handler(ex))
         task.add_done_callback(lambda t, ex=ex: self._handler_done(ex, t))
@@ -502,9 +522,11 @@ class _ServerConnection(asyncio.Protocol):
                 self.close()
             return
         if self.queue:
-            self._dispatch()
+            if not self.writing_paused:
+                self._dispatch()  # else: once the client has read (resume_writing)
         elif self.parsing is None or not self.parsing.head_done:
             self._arm_head_timer()
+        self._update_reading()
 
     # ------------------------------------------------------------------ plumbing
     def write(self, data: bytes) -> None:
@@ -569,7 +591,8 @@ class HTTPServer:
     """Owns the listening socket's server and every client connection (see the module doc)."""
 
     def __init__(self, routes: dict[str, Handler], fallback: Handler, *, header_timeout: float, body_timeout: float,
-                 max_request_bytes: int, max_head_bytes: int = MAX_HEAD_BYTES) -> None:
+                 max_request_bytes: int, max_head_bytes: int = MAX_HEAD_BYTES,
+                 max_pipelined: int = MAX_PIPELINED) -> None:
         self.loop = asyncio.get_running_loop()
         self.routes = routes
         self.fallback = fallback
@@ -577,6 +600,7 @@ class HTTPServer:
         self.body_timeout = body_timeout
         self.max_request_bytes = max_request_bytes
         self.max_head_bytes = max_head_bytes
+        self.max_pipelined = max_pipelined
         self.connections: set[_ServerConnection] = set()
         self.all_closed = asyncio.Event()
         self.shutting_down = False

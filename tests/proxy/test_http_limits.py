@@ -1,0 +1,95 @@
+"""The HTTP server under attack: pipelining without reading, head and header-count limits,
+encoded slashes, and the in-flight body budget."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from atom_kv.proxy.httpserver import Exchange, HTTPServer
+from atom_kv.proxy.server import listen_socket
+from tests.proxy.test_http_server import read_response
+
+ANSWER = b"m" * 4096
+
+
+async def _metrics(exchange: Exchange) -> None:
+    if exchange.refusal is not None:
+        await _nothing(exchange)
+        return
+    exchange.respond(200, [(b"content-type", b"text/plain")], ANSWER)
+
+
+async def _nothing(exchange: Exchange) -> None:
+    if exchange.refusal is not None:
+        exchange.respond(exchange.refusal[0], [], exchange.refusal[1].encode(), close=True)
+        return
+    exchange.respond(404, [], b"")
+
+
+async def _serve(**kw) -> tuple[HTTPServer, int]:
+    server = HTTPServer({"/metrics": _metrics}, _nothing, header_timeout=5.0, body_timeout=5.0,
+                        max_request_bytes=1 << 20, **kw)
+    sock = listen_socket("127.0.0.1", 0, 16)
+    await server.start(sock, 16)
+    return server, sock.getsockname()[1]
+
+
+def _small_client(port: int) -> socket.socket:
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(("127.0.0.1", port))
+    raw.setblocking(False)
+    return raw
+
+
+async def test_a_pipelining_client_that_never_reads_costs_one_buffer_not_a_growing_heap():
+    """Today's reproduction: pipelined ``GET /metrics`` without reading grew the proxy ~8 MB/s."""
+    server, port = await _serve(max_pipelined=1 << 20)  # only back-pressure bounds it here
+    loop = asyncio.get_running_loop()
+    raw = _small_client(port)
+    try:
+        batch = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 16
+        deadline = loop.time() + 2.0
+        sent = 0
+        while loop.time() < deadline:
+            try:
+                sent += raw.send(batch)  # the server stops reading: our own send buffer fills up
+            except BlockingIOError:
+                await asyncio.sleep(0.02)
+            else:
+                await asyncio.sleep(0)
+        (conn,) = server.connections
+        buffered = conn.transport.get_write_buffer_size()
+        queued = len(conn.queue)
+        assert buffered < 256 * 1024, buffered  # the high-water mark (64 KiB) plus one answer, not megabytes
+        assert queued <= 2 * 65536 // len(batch) * 16, queued  # at most about one read's worth waits
+        assert conn.reading_paused and conn.writing_paused
+        # once the client reads, every request read so far is answered in order
+        raw.setblocking(True)
+        raw.settimeout(5.0)
+        reader, writer = await asyncio.open_connection(sock=raw)
+        for _ in range(40):
+            status, _, body = await read_response(reader)
+            assert status == 200 and body == ANSWER
+        writer.close()
+    finally:
+        await server.shutdown(1.0)
+
+
+async def test_too_many_pipelined_requests_in_one_read_are_429_and_the_connection_ends():
+    server, port = await _serve(max_pipelined=4)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 50)
+        statuses = []
+        while True:
+            try:
+                statuses.append((await read_response(reader))[0])
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+        # the one in progress is dispatched at once; 4 wait; the next is refused; nothing more is taken
+        assert statuses[-1] == 429 and set(statuses[:-1]) == {200} and len(statuses) <= 6, statuses
+        writer.close()
+    finally:
+        await server.shutdown(1.0)
