@@ -18,7 +18,10 @@ Quart app through a minimal ASGI bridge (:mod:`atom_kv.proxy.asgi_bridge`).
   ``max_pipelined`` wait per connection (429 and the connection ends past it);
 - a request head must arrive within ``header_timeout`` (from the connection's
   start or the previous answer: also the idle keep-alive limit) and stay under
-  ``max_head_bytes``, else the connection is closed (431 when too big);
+  ``max_head_bytes`` in all and ``max_headers`` header lines, however it is
+  split across reads, else the connection is closed (431 when too big);
+- requests are routed on the raw path (never percent-decoded); an encoded
+  slash (``%2F``, ``%5C``) in it is refused (400);
 - a body must arrive within ``body_timeout`` (else 408) and stay within
   ``max_request_bytes`` (else 413, at once when ``Content-Length`` says so);
   ``Expect: 100-continue`` is answered;
@@ -52,6 +55,12 @@ logger = logging.getLogger(__name__)
 MAX_HEAD_BYTES = 64 * 1024
 #: requests read ahead on one connection while another is answered (more: 429, and the connection ends)
 MAX_PIPELINED = 32
+#: header lines in one request head (more: 431)
+MAX_HEADERS = 100
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback: the head is over a limit (the message says which)."""
 
 _REASONS = {s.value: s.phrase.encode("ascii") for s in http.HTTPStatus}
 _JSON = b"application/json"
@@ -90,7 +99,7 @@ class Exchange:
     through :meth:`respond` or :meth:`start_stream`/:meth:`write`/:meth:`end`."""
 
     __slots__ = ("conn", "method", "raw_target", "path", "raw_path", "query", "headers", "http_version",
-                 "keep_alive", "body_parts", "body_size", "refusal", "complete", "head_done", "expect_continue",
+                 "keep_alive", "body_parts", "body_size", "refusal", "head_size", "complete", "head_done", "expect_continue",
                  "_pending_head", "_chunked", "_finished", "_started", "task", "_producer", "_head_only", "_done")
 
     def __init__(self, conn: "_ServerConnection") -> None:
@@ -105,6 +114,7 @@ class Exchange:
         self.keep_alive = True
         self.body_parts: list[bytes] = []
         self.body_size = 0
+        self.head_size = 0
         self.refusal: tuple[int, str] | None = None
         self.complete = False  # the whole request (head and body) is in, or it was refused
         self.head_done = False
@@ -314,7 +324,11 @@ class _ServerConnection(asyncio.Protocol):
             for exchange in (*self.queue, self.active):
                 if exchange is not None:
                     exchange.keep_alive = False
-        except httptools.HttpParserCallbackError:
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, _HeadTooLarge):
+                self._bad_request(str(cause), status=431)
+                return
             logger.exception("error in the HTTP parser callbacks")
             self.close(abort=True)
             return
@@ -389,11 +403,21 @@ class _ServerConnection(asyncio.Protocol):
         ex = self.parsing
         if ex is not None:
             ex.raw_target += url
+            self._count_head(ex, len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         ex = self.parsing
         if ex is not None:
             ex.headers.append((name.lower(), value))
+            self._count_head(ex, len(name) + len(value) + 4)
+            if len(ex.headers) > self.server.max_headers:
+                raise _HeadTooLarge(f"request head has more than {self.server.max_headers} header lines")
+
+    def _count_head(self, ex: Exchange, size: int) -> None:
+        """The whole head's size, however it arrived (one read or many)."""
+        ex.head_size += size
+        if ex.head_size > self.server.max_head_bytes:
+            raise _HeadTooLarge(f"request head exceeds {self.server.max_head_bytes} bytes")
 
     def on_headers_complete(self) -> None:
         ex = self.parsing
@@ -410,6 +434,9 @@ class _ServerConnection(asyncio.Protocol):
         raw_path, _, ex.query = target.partition(b"?")
         ex.raw_path = raw_path
         ex.path = (unquote_to_bytes(raw_path) if b"%" in raw_path else raw_path).decode("utf-8", "replace")
+        if b"%" in raw_path and (b"%2f" in raw_path.lower() or b"%5c" in raw_path.lower()):
+            self._refuse(ex, 400, "encoded slash in the request path")
+            return
         limit = self.server.max_request_bytes
         for key, value in ex.headers:
             if key == b"content-length":
@@ -494,7 +521,7 @@ class _ServerConnection(asyncio.Protocol):
         ex = self.queue.popleft()
         self.active = ex
         self._update_reading()
-        handler = self.server.routes.get(ex.path, self.server.fallback)
+        handler = self.server.routes.get(ex.raw_path.decode("latin-1"), self.server.fallback)  # the raw path
         ex.task = task = self.loop.create_task(handler(ex))
         task.add_done_callback(lambda t, ex=ex: self._handler_done(ex, t))
 
@@ -592,7 +619,7 @@ class HTTPServer:
 
     def __init__(self, routes: dict[str, Handler], fallback: Handler, *, header_timeout: float, body_timeout: float,
                  max_request_bytes: int, max_head_bytes: int = MAX_HEAD_BYTES,
-                 max_pipelined: int = MAX_PIPELINED) -> None:
+                 max_pipelined: int = MAX_PIPELINED, max_headers: int = MAX_HEADERS) -> None:
         self.loop = asyncio.get_running_loop()
         self.routes = routes
         self.fallback = fallback
@@ -601,6 +628,7 @@ class HTTPServer:
         self.max_request_bytes = max_request_bytes
         self.max_head_bytes = max_head_bytes
         self.max_pipelined = max_pipelined
+        self.max_headers = max_headers
         self.connections: set[_ServerConnection] = set()
         self.all_closed = asyncio.Event()
         self.shutting_down = False
