@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default %(default)s)")
     g.add_argument("--body-timeout", type=_positive, default=d.body_timeout,
                    help="seconds a client has to send a request body, else 408 (default %(default)s)")
+    g.add_argument("--stall-timeout", type=_positive, default=d.stall_timeout,
+                   help="seconds a client may read nothing while its answer waits (its socket buffer full); then "
+                        "the connection is dropped, the decode leg aborted and the prefill released "
+                        "(default %(default)s)")
     g.add_argument("--max-request-bytes", type=_pos_int, default=d.max_request_bytes,
                    help="largest request body, else 413 (default %(default)s)")
     g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
@@ -213,7 +217,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         circuit_failures=args.circuit_failures, circuit_cooldown_s=args.circuit_cooldown,
         max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
         sse_split_max=args.sse_split_max,
-        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
         shutdown_timeout=args.shutdown_timeout, backlog=args.backlog,
     )
 

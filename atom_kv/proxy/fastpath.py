@@ -153,7 +153,7 @@ class CompletionsHandler:
             record.client_gone()
             raise
         finally:
-            stream.aclose()  # no-op after a complete stream; aborts the decode leg otherwise
+            stream.aclose(release=exchange.stalled)  # no-op after a complete stream; aborts the decode leg otherwise
 
 
 def _headers(content_type: str, request_id: str) -> list[tuple[bytes, bytes]]:

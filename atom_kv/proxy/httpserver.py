@@ -16,6 +16,10 @@ Quart app through a minimal ASGI bridge (:mod:`atom_kv.proxy.asgi_bridge`).
   read, while the client's socket buffer is above its high-water mark (a client
   that pipelines and never reads costs one buffer, not a growing heap); at most
   ``max_pipelined`` wait per connection (429 and the connection ends past it);
+- a client that reads nothing for ``stall_timeout`` while an answer waits in
+  its socket buffer is dropped: its request's task is cancelled (the exchange
+  says ``stalled``, so the handler can release what it holds) and ``on_stall``
+  counts it;
 - a request head must arrive within ``header_timeout`` (from the connection's
   start or the previous answer: also the idle keep-alive limit) and stay under
   ``max_head_bytes`` in all and ``max_headers`` header lines, however it is
@@ -100,7 +104,8 @@ class Exchange:
 
     __slots__ = ("conn", "method", "raw_target", "path", "raw_path", "query", "headers", "http_version",
                  "keep_alive", "body_parts", "body_size", "refusal", "head_size", "complete", "head_done", "expect_continue",
-                 "_pending_head", "_chunked", "_finished", "_started", "task", "_producer", "_head_only", "_done")
+                 "_pending_head", "_chunked", "_finished", "_started", "task", "_producer", "_head_only", "_done",
+                 "stalled")
 
     def __init__(self, conn: "_ServerConnection") -> None:
         self.conn = conn
@@ -115,6 +120,7 @@ class Exchange:
         self.body_parts: list[bytes] = []
         self.body_size = 0
         self.head_size = 0
+        self.stalled = False  # dropped because the client read nothing for ``stall_timeout``
         self.refusal: tuple[int, str] | None = None
         self.complete = False  # the whole request (head and body) is in, or it was refused
         self.head_done = False
@@ -290,6 +296,7 @@ class _ServerConnection(asyncio.Protocol):
         self.head_timer: asyncio.TimerHandle | None = None
         self.body_timer: asyncio.TimerHandle | None = None
         self.linger_timer: asyncio.TimerHandle | None = None
+        self.stall_timer: asyncio.TimerHandle | None = None
         self.writing_paused = False
         self.reading_paused = False
         self.closed = False
@@ -371,15 +378,33 @@ class _ServerConnection(asyncio.Protocol):
         if active is not None and active._producer is not None:
             active._producer.pause_reading()
         self._update_reading()  # nothing more is read (nor answered) until the client reads
+        if self.stall_timer is None and not self.closed:
+            self.stall_timer = self.loop.call_later(self.server.stall_timeout, self._stalled)
 
     def resume_writing(self) -> None:
         self.writing_paused = False
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
         active = self.active
         if active is not None and active._producer is not None:
             active._producer.resume_reading()
         if self.active is None and self.queue and not self.closed:
             self._dispatch()
         self._update_reading()
+
+    def _stalled(self) -> None:
+        """The client read nothing for ``stall_timeout`` while an answer waited: drop it."""
+        self.stall_timer = None
+        if self.closed or not self.writing_paused:
+            return
+        if self.active is not None:
+            self.active.stalled = True
+        logger.info("client %s read nothing for %gs while its answer waited: connection dropped",
+                    self.peer, self.server.stall_timeout)
+        if self.server.on_stall is not None:
+            self.server.on_stall()
+        self.close(abort=True)
 
     def _update_reading(self) -> None:
         """Read while nothing waits for its turn and the client reads what we write."""
@@ -606,6 +631,9 @@ class _ServerConnection(asyncio.Protocol):
 
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
+        if self.stall_timer is not None and self.closed:
+            self.stall_timer.cancel()
+            self.stall_timer = None
         if self.linger_timer is not None and self.closed:
             self.linger_timer.cancel()
             self.linger_timer = None
@@ -619,7 +647,8 @@ class HTTPServer:
 
     def __init__(self, routes: dict[str, Handler], fallback: Handler, *, header_timeout: float, body_timeout: float,
                  max_request_bytes: int, max_head_bytes: int = MAX_HEAD_BYTES,
-                 max_pipelined: int = MAX_PIPELINED, max_headers: int = MAX_HEADERS) -> None:
+                 max_pipelined: int = MAX_PIPELINED, max_headers: int = MAX_HEADERS, stall_timeout: float = 60.0,
+                 on_stall: Callable[[], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.routes = routes
         self.fallback = fallback
@@ -629,6 +658,8 @@ class HTTPServer:
         self.max_head_bytes = max_head_bytes
         self.max_pipelined = max_pipelined
         self.max_headers = max_headers
+        self.stall_timeout = stall_timeout
+        self.on_stall = on_stall
         self.connections: set[_ServerConnection] = set()
         self.all_closed = asyncio.Event()
         self.shutting_down = False

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import msgspec
@@ -267,7 +267,8 @@ class Relay:
             stage = "decode"
             resp = await self._open_decode(req, p, d, prefill_kv, transfer_id)
             stage = "handed_off"  # the decode engine owns the prefill's KV from here on
-            result = await self._respond(resp, req, d, prompt_tokens)
+            result = await self._respond(resp, req, d, prompt_tokens, lambda: self._abandon_prefill(
+                transfer_id, p, "client_stalled", prefill_kv))
             return result
         except BaseException as exc:
             if stage in ("prefill", "decode"):
@@ -457,7 +458,7 @@ class Relay:
                                          f"instance {p.inst.base_url}: {text}"), p.inst, "kv_transfer")
 
     async def _respond(self, resp: UpstreamResponse, req: _Request, d: Pick,
-                       prompt_tokens: int | None) -> RelayResult:
+                       prompt_tokens: int | None, on_release: Callable[[], None] | None = None) -> RelayResult:
         ctype = resp.header("content-type", "application/json")
         if not ctype.startswith("text/event-stream"):
             try:
@@ -476,7 +477,7 @@ class Relay:
             return RelayResult(resp.status, ctype, body=data)
         framer = EventFramer(prompt_tokens if prompt_tokens is not None and wants_stream_usage(req.body) else None)
         return RelayResult(resp.status, ctype, stream=DecodeStream(resp, req.request_id, d, self.health, framer,
-                                                                   self.settings.sse_split_max))
+                                                                   self.settings.sse_split_max, on_release))
 
     @staticmethod
     def _patch_json_usage(data: bytes, prompt_tokens: int) -> bytes:

@@ -59,6 +59,7 @@ class ProxySettings:
     # HTTP server
     header_timeout: float = 10.0  # request head must arrive within this (also the idle keep-alive limit)
     body_timeout: float = 30.0  # request body must arrive within this
+    stall_timeout: float = 60.0  # a client that reads nothing this long while an answer waits is dropped
     shutdown_timeout: float = 5.0
     backlog: int = 4096
     log_summary_interval_s: float = 10.0  # rate-limited warnings: one summary per interval
@@ -71,7 +72,7 @@ class ProxySettings:
         positive = (
             "heartbeat_timeout", "connect_timeout", "prefill_timeout", "decode_timeout", "models_timeout",
             "tokenize_timeout", "circuit_cooldown_s", "discovery_poll_s", "shutdown_timeout", "probe_interval_s",
-            "probe_timeout", "header_timeout", "body_timeout", "registration_window_s", "log_summary_interval_s",
+            "probe_timeout", "header_timeout", "body_timeout", "stall_timeout", "registration_window_s", "log_summary_interval_s",
             "balance_rel_threshold",
         )
         for name in positive:

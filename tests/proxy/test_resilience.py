@@ -224,3 +224,28 @@ async def test_failures_of_different_requests_still_open_the_breaker(make_proxy,
     assert await _complete(proxy, 4) == [502, 502, 502, 503]
     (inst,) = proxy.registry.known("D")
     assert inst.breaker.state() == "open"
+
+
+async def test_a_client_that_stops_reading_is_dropped_after_the_stall_timeout(make_proxy, make_engine):
+    """Today's reproduction: a streaming client that stopped reading pinned the decode request (and
+    its slot and KV) for as long as it slept. Now: both legs are aborted, the prefill is released
+    and it is counted."""
+    import socket
+
+    proxy = await make_proxy(stall_timeout=0.5, decode_timeout=30.0)
+    p = await make_engine("P", max_model_len=1 << 20)
+    d = await make_engine("D", max_model_len=1 << 20)
+    await register(proxy, p, d)
+    d.events_per_write = 200
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(("127.0.0.1", proxy.settings.port))
+    data = msgspec.json.encode({"prompt": "x", "max_tokens": 200_000, "stream": True})
+    raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"X-Request-Id: sleeper\r\nContent-Length: %d\r\n\r\n%b" % (len(data), data))
+    try:
+        assert await d.wait_until(lambda: "sleeper" in d.cancelled, timeout=20.0)  # the decode leg was aborted
+        assert proxy.count("atom_kv_proxy_client_stalls_total") == 1
+        assert _abandoned(proxy, "client_stalled") == 1  # its prefill's release went out
+    finally:
+        raw.close()
