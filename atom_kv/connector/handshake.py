@@ -248,9 +248,9 @@ class HandshakeServer:
                 return
             try:
                 self._handle([part.bytes for part in parts], _peer_address(parts[-1]))
-            except Exception:  # a bug in a handler must not kill the server
-                self._stats.add(bad_messages=1)
-                logger.exception("handshake server: failed to handle a message")
+            except Exception as exc:  # a bug in a handler must not kill the server, nor let a peer flood the log
+                self._refuse("internal", f"failed to handle a message: {type(exc).__name__}: {exc}")
+                logger.debug("handshake server: failed to handle a message", exc_info=True)
 
     def _housekeeping(self) -> None:
         for ch in self._challenges.expire():

@@ -240,8 +240,9 @@ class DiscoveryListener:
             except zmq.ZMQError as exc:
                 logger.error("discovery socket error: %s", exc)
                 await asyncio.sleep(self.poll_s)
-            except Exception:  # keep discovery alive whatever one message does
-                logger.exception("unexpected error in discovery")
+            except Exception as exc:  # keep discovery alive whatever one message does; counted, rate-limited
+                self._refuse("internal", "a discovery message", f"{type(exc).__name__}: {exc}")
+                logger.debug("unexpected error in discovery", exc_info=True)
 
     def _refuse(self, reason: str, who: str, detail: str) -> None:
         self.metrics.rejected_registrations.labels(reason).inc()
