@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-request-bytes", type=_pos_int, default=d.max_request_bytes,
                    help="largest request body, else 413 (default %(default)s)")
     g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
+    g.add_argument("--admin-token", default=None,
+                   help="the management routes (/instances, /metrics) answer only requests with "
+                        "'Authorization: Bearer <this token>' (default: open; /health always is)")
     g.add_argument("--shutdown-timeout", type=_positive, default=d.shutdown_timeout,
                    help="graceful shutdown grace period (s)")
 
@@ -218,7 +221,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
         sse_split_max=args.sse_split_max,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
-        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog,
+        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, admin_token=args.admin_token,
     )
 
 
