@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default %(default)s)")
     g.add_argument("--max-request-bytes", type=_pos_int, default=d.max_request_bytes,
                    help="largest request body, else 413 (default %(default)s)")
+    g.add_argument("--max-inflight-body-bytes", type=_pos_int, default=d.max_inflight_body_bytes,
+                   help="request bodies the proxy holds at once, all clients together; a request past it is "
+                        "answered 503 (default %(default)s)")
     g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
     g.add_argument("--admin-token", default=None,
                    help="the management routes (/instances, /metrics) answer only requests with "
@@ -219,7 +222,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         decode_timeout=args.decode_timeout, tokenize_timeout=args.tokenize_timeout,
         circuit_failures=args.circuit_failures, circuit_cooldown_s=args.circuit_cooldown,
         max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
-        sse_split_max=args.sse_split_max,
+        sse_split_max=args.sse_split_max, max_inflight_body_bytes=args.max_inflight_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
         shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, admin_token=args.admin_token,
     )

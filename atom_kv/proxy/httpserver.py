@@ -28,6 +28,10 @@ Quart app through a minimal ASGI bridge (:mod:`atom_kv.proxy.asgi_bridge`).
   slash (``%2F``, ``%5C``) in it is refused (400);
 - a body must arrive within ``body_timeout`` (else 408) and stay within
   ``max_request_bytes`` (else 413, at once when ``Content-Length`` says so);
+  all bodies held at once (read or being read, until their answer ends) stay
+  within ``body_budget`` bytes, else 503 (at once when ``Content-Length`` says
+  so); a body whose length is announced is read into one buffer of that size
+  (no second copy to join its pieces);
   ``Expect: 100-continue`` is answered;
 - answers: fixed length (:meth:`Exchange.respond`), or streamed
   (:meth:`Exchange.start_stream` then :meth:`Exchange.write` per piece: one
@@ -61,6 +65,10 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_PIPELINED = 32
 #: header lines in one request head (more: 431)
 MAX_HEADERS = 100
+#: bodies announced larger than this are read into one buffer of their size
+_PREALLOCATE_FROM = 64 * 1024
+#: request bodies held at once across every connection (more: 503)
+BODY_BUDGET = 1 << 30
 
 
 class _HeadTooLarge(Exception):
@@ -105,7 +113,7 @@ class Exchange:
     __slots__ = ("conn", "method", "raw_target", "path", "raw_path", "query", "headers", "http_version",
                  "keep_alive", "body_parts", "body_size", "refusal", "head_size", "complete", "head_done", "expect_continue",
                  "_pending_head", "_chunked", "_finished", "_started", "task", "_producer", "_head_only", "_done",
-                 "stalled")
+                 "stalled", "_buf", "budget_held")
 
     def __init__(self, conn: "_ServerConnection") -> None:
         self.conn = conn
@@ -118,6 +126,8 @@ class Exchange:
         self.http_version = "1.1"
         self.keep_alive = True
         self.body_parts: list[bytes] = []
+        self._buf: bytearray | None = None  # the body, when its length was announced
+        self.budget_held = 0  # bytes of the server's body budget this request holds
         self.body_size = 0
         self.head_size = 0
         self.stalled = False  # dropped because the client read nothing for ``stall_timeout``
@@ -135,8 +145,21 @@ class Exchange:
         self.task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ request
+    def body_view(self) -> bytes | bytearray:
+        """The body without a copy (a parser reads it in place)."""
+        if self._buf is not None:
+            return self._buf
+        return self.body
+
+    def drop_body(self) -> None:
+        """Forget the raw body (once parsed): its memory goes back before the answer ends."""
+        self._buf = None
+        self.body_parts = []
+
     @property
     def body(self) -> bytes:
+        if self._buf is not None:
+            return bytes(self._buf)
         parts = self.body_parts
         if len(parts) != 1:
             joined = b"".join(parts)
@@ -260,6 +283,7 @@ class Exchange:
     def _set_done(self) -> None:
         self._finished = True
         self._producer = None
+        self.release_budget()
         done = self._done
         if done is not None and not done.done():
             done.set_result(None)
@@ -267,6 +291,12 @@ class Exchange:
     def _end(self) -> None:
         self._set_done()
         self.conn.exchange_finished(self)
+
+    def release_budget(self) -> None:
+        """Give this request's share of the server's body budget back (idempotent)."""
+        held, self.budget_held = self.budget_held, 0
+        if held:
+            self.conn.server.body_in_flight -= held
 
     def abort(self) -> None:
         """Give up on an answer that cannot be completed: the connection is dropped."""
@@ -367,6 +397,9 @@ class _ServerConnection(asyncio.Protocol):
             active._set_done()
             if active.task is not None:
                 active.task.cancel()  # the client went away: the handler unwinds (and cancels its upstream legs)
+        for ex in (*self.queue, self.parsing):
+            if ex is not None:
+                ex.release_budget()
         self.queue.clear()
         self.parsing = None
         if not self.server.connections:
@@ -472,6 +505,11 @@ class _ServerConnection(asyncio.Protocol):
                 if length > limit:
                     self._refuse(ex, 413, f"request body exceeds {limit} bytes")
                     return
+                if length > 0:
+                    if not self._reserve(ex, length):
+                        return
+                    if length > _PREALLOCATE_FROM:
+                        ex._buf = bytearray(length)
             elif key == b"expect" and value.lower() == b"100-continue":
                 ex.expect_continue = True
         if ex.expect_continue and ex.http_version == "1.1" and self.idle and self.transport is not None:
@@ -482,11 +520,29 @@ class _ServerConnection(asyncio.Protocol):
         ex = self.parsing
         if ex is None or ex.refusal is not None:
             return
+        start = ex.body_size
         ex.body_size += len(body)
         if ex.body_size > self.server.max_request_bytes:
             self._refuse(ex, 413, f"request body exceeds {self.server.max_request_bytes} bytes")
             return
-        ex.body_parts.append(body)
+        if ex.body_size > ex.budget_held and not self._reserve(ex, ex.body_size - ex.budget_held):
+            return  # a chunked body: its budget grows as it arrives
+        if ex._buf is not None:
+            ex._buf[start:ex.body_size] = body
+        else:
+            ex.body_parts.append(body)
+
+    def _reserve(self, ex: Exchange, size: int) -> bool:
+        """Take ``size`` more bytes of the server's body budget for ``ex``, or refuse it (503)."""
+        server = self.server
+        if server.body_in_flight + size > server.body_budget:
+            ex.release_budget()
+            self._refuse(ex, 503, f"the proxy holds {server.body_budget} bytes of request bodies already; "
+                                  "retry later")
+            return False
+        server.body_in_flight += size
+        ex.budget_held += size
+        return True
 
     def on_message_complete(self) -> None:
         ex = self.parsing
@@ -510,7 +566,7 @@ class _ServerConnection(asyncio.Protocol):
         ex.refusal = (status, message)
         ex.complete = True
         ex.keep_alive = False
-        ex.body_parts = []
+        ex.drop_body()
         self.stop_reading = True
         self.parsing = None
         if self.body_timer is not None:
@@ -531,6 +587,9 @@ class _ServerConnection(asyncio.Protocol):
         """Unparseable input: answered (unless a request is being answered, which then
         ends the connection) and nothing more is read."""
         self.stop_reading = True
+        for ex in (*self.queue, self.parsing):
+            if ex is not None:
+                ex.release_budget()
         self.parsing = None
         self.queue.clear()
         if self.active is not None:
@@ -648,7 +707,7 @@ class HTTPServer:
     def __init__(self, routes: dict[str, Handler], fallback: Handler, *, header_timeout: float, body_timeout: float,
                  max_request_bytes: int, max_head_bytes: int = MAX_HEAD_BYTES,
                  max_pipelined: int = MAX_PIPELINED, max_headers: int = MAX_HEADERS, stall_timeout: float = 60.0,
-                 on_stall: Callable[[], None] | None = None) -> None:
+                 on_stall: Callable[[], None] | None = None, body_budget: int = BODY_BUDGET) -> None:
         self.loop = asyncio.get_running_loop()
         self.routes = routes
         self.fallback = fallback
@@ -659,6 +718,8 @@ class HTTPServer:
         self.max_pipelined = max_pipelined
         self.max_headers = max_headers
         self.stall_timeout = stall_timeout
+        self.body_budget = body_budget
+        self.body_in_flight = 0  # bytes of request bodies held now (see Exchange.budget_held)
         self.on_stall = on_stall
         self.connections: set[_ServerConnection] = set()
         self.all_closed = asyncio.Event()

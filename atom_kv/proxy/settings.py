@@ -55,6 +55,7 @@ class ProxySettings:
     discovery_poll_s: float = 0.5
     max_upstream_connections: int = 4096
     max_request_bytes: int = 64 * 1024 * 1024
+    max_inflight_body_bytes: int = 1 << 30  # request bodies held at once, all clients together (more: 503)
     sse_split_max: int = 4  # SSE events arriving together are written one by one up to this many
     # HTTP server
     header_timeout: float = 10.0  # request head must arrive within this (also the idle keep-alive limit)
@@ -81,7 +82,7 @@ class ProxySettings:
         for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
-        for name in ("circuit_failures", "max_instances", "max_tp_size", "max_dp_size", "cache_max_chars"):
+        for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size", "cache_max_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.cache_threshold <= 1.0:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import msgspec
+
 from atom_kv.proxy.httpserver import Exchange, HTTPServer
 from atom_kv.proxy.server import listen_socket
 from tests.proxy.test_http_server import read_response
@@ -129,3 +131,82 @@ async def test_encoded_slashes_never_reach_a_route(pd_pair):
                b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
     assert await _one_answer(port, request) in (404, 405)  # routed on the raw path: not the completions route
     assert p.received == []
+
+
+async def test_bodies_in_flight_share_one_budget_past_which_the_answer_is_503():
+    async def echo(exchange: Exchange) -> None:
+        if exchange.refusal is not None:
+            await _nothing(exchange)
+            return
+        exchange.respond(200, [], b"%d" % len(exchange.body_view()))
+
+    server = HTTPServer({"/echo": echo}, _nothing, header_timeout=5.0, body_timeout=5.0, max_request_bytes=1 << 20,
+                        body_budget=100_000)
+    sock = listen_socket("127.0.0.1", 0, 16)
+    await server.start(sock, 16)
+    port = sock.getsockname()[1]
+    try:
+        slow_r, slow_w = await asyncio.open_connection("127.0.0.1", port)
+        slow_w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 80000\r\n\r\n" + b"a" * 1000)  # holds 80 KB
+        await slow_w.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while server.body_in_flight != 80_000 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        assert server.body_in_flight == 80_000
+        big = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 40000\r\n\r\n" + b"b" * 40_000
+        assert await _one_answer(port, big) == 503  # at once: the budget is spent
+        chunked = (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   + b"%x\r\n%b\r\n" % (30_000, b"c" * 30_000) + b"0\r\n\r\n")
+        assert await _one_answer(port, chunked) == 503  # a chunked body counts as it arrives
+        slow_w.write(b"a" * 79_000)
+        status, _, body = await read_response(slow_r)
+        assert status == 200 and body == b"80000"
+        assert await _one_answer(port, big) == 200  # the first body's answer gave its share back
+        assert server.body_in_flight == 0
+        slow_w.close()
+    finally:
+        await server.shutdown(1.0)
+
+
+async def test_a_large_body_is_held_once_not_three_times():
+    """Today's reproduction: a 60 MB body took 180 MB of proxy memory (its pieces, their join, the parse)."""
+    import tracemalloc
+
+    from atom_kv.proxy.fastpath import parse_body
+
+    size = 16 << 20
+    parsed = {}
+
+    async def parse(exchange: Exchange) -> None:  # what the completions route does before its first leg
+        request = parse_body(exchange.body_view())
+        exchange.drop_body()
+        leg = msgspec.json.encode(request)
+        parsed["prompt"] = len(request["prompt"])
+        del request
+        await asyncio.sleep(0)
+        exchange.respond(200, [], b"%d" % len(leg))
+
+    server = HTTPServer({"/parse": parse}, _nothing, header_timeout=5.0, body_timeout=30.0,
+                        max_request_bytes=64 << 20)
+    sock = listen_socket("127.0.0.1", 0, 16)
+    await server.start(sock, 16)
+    port = sock.getsockname()[1]
+    body = b'{"prompt": "' + b"p" * (size - 14) + b'"}'
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /parse HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+        for i in range(0, len(body), 1 << 20):
+            writer.write(body[i:i + (1 << 20)])
+            await writer.drain()
+        assert (await read_response(reader, timeout=30.0))[0] == 200
+        peak = tracemalloc.get_traced_memory()[1] - base
+        writer.close()
+    finally:
+        tracemalloc.stop()
+        await server.shutdown(1.0)
+    assert parsed["prompt"] == size - 14
+    assert peak < 3 * size, peak / size  # the parsed body and its leg (the encoder over-allocates by half); never raw + parsed + leg
