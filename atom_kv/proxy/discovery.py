@@ -29,7 +29,7 @@ from atom_kv.config import is_port
 from atom_kv.proxy.metrics import ProxyMetrics
 from atom_kv.proxy.registry import Registration, Registry, RegistryFull
 from atom_kv.proxy.settings import is_loopback
-from atom_kv.wire import PROTOCOL_VERSION, HelloPing, RegisterPing, WireError
+from atom_kv.wire import PROTOCOL_VERSION, HelloPing, Name, RegisterPing, UrlText, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,12 @@ _BURST = 256  # pings handled per wake-up before yielding to the loop
 
 
 class _MoriioPing(msgspec.Struct, tag_field="type", kw_only=True):
-    http_address: str
-    zmq_address: str
+    http_address: UrlText
+    zmq_address: UrlText
     dp_size: int = 1
     tp_size: int = 1
-    transfer_mode: str = "read"
-    model: Optional[str] = None
+    transfer_mode: Name = "read"
+    model: Optional[Name] = None
 
 
 class MoriioPrefillPing(_MoriioPing, tag="P"):
