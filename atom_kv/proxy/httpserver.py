@@ -111,7 +111,8 @@ class Exchange:
     through :meth:`respond` or :meth:`start_stream`/:meth:`write`/:meth:`end`."""
 
     __slots__ = ("conn", "method", "raw_target", "path", "raw_path", "query", "headers", "http_version",
-                 "keep_alive", "body_parts", "body_size", "refusal", "head_size", "complete", "head_done", "expect_continue",
+                 "keep_alive", "body_parts", "body_size", "refusal", "head_size", "complete", "head_done",
+                 "expect_continue",
                  "_pending_head", "_chunked", "_finished", "_started", "task", "_producer", "_head_only", "_done",
                  "stalled", "_buf", "budget_held")
 

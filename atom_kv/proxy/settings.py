@@ -73,8 +73,8 @@ class ProxySettings:
         positive = (
             "heartbeat_timeout", "connect_timeout", "prefill_timeout", "decode_timeout", "models_timeout",
             "tokenize_timeout", "circuit_cooldown_s", "discovery_poll_s", "shutdown_timeout", "probe_interval_s",
-            "probe_timeout", "header_timeout", "body_timeout", "stall_timeout", "registration_window_s", "log_summary_interval_s",
-            "balance_rel_threshold",
+            "probe_timeout", "header_timeout", "body_timeout", "stall_timeout", "registration_window_s",
+            "log_summary_interval_s", "balance_rel_threshold",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -82,7 +82,8 @@ class ProxySettings:
         for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
-        for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size", "cache_max_chars"):
+        for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
+                     "cache_max_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.cache_threshold <= 1.0:

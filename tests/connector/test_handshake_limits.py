@@ -4,7 +4,6 @@ bytes per pending challenge, a per-source cap, and no eviction of a proving peer
 from __future__ import annotations
 
 import msgspec
-import zmq
 
 from atom_kv import wire
 from atom_kv.auth import new_nonce

@@ -175,3 +175,4 @@ def test_zz_the_proxy_survived_stayed_small_and_logged_no_traceback(target):
     assert rss_bytes(target.proxy.proc.pid) - target.rss_start < 64 << 20
     log = target.close()
     assert "Traceback" not in log, log[-3000:]
+    assert "REGISTRATION IS OPEN" not in log  # it has a token

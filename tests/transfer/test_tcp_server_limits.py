@@ -79,7 +79,7 @@ def _close_all(socks: list[socket.socket]) -> None:
 
 
 def test_many_idle_connections_keep_threads_bounded_and_excess_is_refused(make_served) -> None:
-    srv = make_served(tcp_max_connections=50, tcp_read_timeout_s=60)
+    srv = make_served(tcp_max_connections=50, tcp_read_timeout_s=60, tcp_hello_timeout_s=60)
     threads_before = thread_count()
     rss_before = rss_bytes()
     socks = [socket.create_connection((srv.host, srv.port), timeout=5) for _ in range(300)]
