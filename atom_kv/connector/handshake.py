@@ -254,8 +254,9 @@ class HandshakeServer:
 
     def _housekeeping(self) -> None:
         for ch in self._challenges.expire():
-            self._refuse("unanswered", f"handshake from engine {ch.request.engine_id} rank {ch.request.tp_rank} "
-                                       f"({ch.request.host or 'unknown host'}) never answered the challenge: the "
+            req = ch.request
+            self._refuse("unanswered", f"handshake from engine {req.engine_id} rank {req.tp_rank} "
+                                       f"({req.host or 'unknown host'}) never answered the challenge: the "
                                        "decode engine could not verify this engine's proof (different auth_token?)")
         self.warnings.flush()
         if self._on_tick is not None:
@@ -344,7 +345,7 @@ class HandshakeServer:
             return
         p_nonce = new_nonce()
         engine_id, rank = self._identity()
-        full = self._challenges.add(p_nonce, Challenge(identity, req.nonce, request_digest(data), req,
+        full = self._challenges.add(p_nonce, Challenge(identity, req.nonce, request_digest(data), wire.encode(req),
                                                        self._challenges.new_deadline(), source))
         if full is not None:
             limit = (f"{MAX_CHALLENGES} handshakes in flight" if full == "full" else
@@ -370,12 +371,13 @@ class HandshakeServer:
                 ok=False, error="handshake rejected: unknown or expired challenge; retry the handshake")))
             return
         expected = client_proof_of_digest(self._token, ch.c_nonce, msg.nonce, ch.request_digest)
+        request = ch.request
         if not same_mac(expected, msg.proof):
-            self._refuse("auth", f"handshake from engine {ch.request.engine_id} rank {ch.request.tp_rank} "
-                                 f"({ch.request.host or 'unknown host'}): wrong auth_token")
+            self._refuse("auth", f"handshake from engine {request.engine_id} rank {request.tp_rank} "
+                                 f"({request.host or 'unknown host'}): wrong auth_token")
             self._send(identity, wire.encode(HandshakeReply(ok=False, error="handshake rejected: wrong auth_token")))
             return
-        reply = wire.encode(self._responder(ch.request))
+        reply = wire.encode(self._responder(request))
         sealed = SealedHandshakeReply(reply=reply, mac=reply_mac(self._token, ch.c_nonce, msg.nonce, reply))
         self._send(identity, wire.encode(sealed))
 

@@ -38,7 +38,7 @@ from atom_kv.auth import (
     struct_payload,
     verify_mac,
 )
-from atom_kv.wire import DoneAck, HandshakeRequest
+from atom_kv.wire import DoneAck, HandshakeRequest, decode
 
 __all__ = [
     "Challenge",
@@ -96,18 +96,23 @@ def verify_ack(token: str, ack: DoneAck, request_nonce: str) -> bool:
     return verify_mac(token, PURPOSE_DONE_ACK, struct_payload(ack, request_nonce=request_nonce), ack.mac)
 
 
-@dataclass
+@dataclass(slots=True)
 class Challenge:
     """One challenge the producer sent and waits on an answer for: a few hundred
-    bytes (the request's fields are bounded on the wire; its bytes are kept only
-    as their digest)."""
+    bytes. The request as received is kept only as its digest (what the proof
+    covers), and the request itself re-encoded from its decoded, bounded fields
+    (anything else the peer sent is gone)."""
 
     identity: bytes        # the consumer's socket identity (the answer must come from it)
     c_nonce: str
     request_digest: bytes  # :func:`request_digest` of the request as received: the consumer's proof covers it
-    request: HandshakeRequest
+    request_bytes: bytes   # ``wire.encode`` of the decoded request
     deadline: float
     source: str = ""       # the peer's address: at most ``per_source`` pending challenges each
+
+    @property
+    def request(self) -> HandshakeRequest:
+        return decode(self.request_bytes, HandshakeRequest)
 
 
 class ChallengeTable:
