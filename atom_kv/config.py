@@ -246,6 +246,8 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     tcp_max_connections: PositiveInt = 512
     tcp_max_ranges_per_request: RangesPerRequest = 8192
     tcp_read_timeout_s: PositiveSeconds = 10.0
+    tcp_hello_timeout_s: PositiveSeconds = 2.0
+    tcp_max_unauthenticated_per_source: PositiveInt = 64
     tcp_idle_timeout_s: PositiveSeconds = 300.0
     cma_grant_timeout_s: PositiveSeconds = 3.0
     cma_grant_max_connections: PositiveInt = 64
