@@ -47,6 +47,7 @@ __all__ = [
     "Issued",
     "KVTransferParams",
     "MoriIODescriptor",
+    "NixlDescriptor",
     "PeerProof",
     "PeerProofRequest",
     "ReadRange",
@@ -393,6 +394,26 @@ class MoriIODescriptor(msgspec.Struct, tag_field="t", tag="mori", kw_only=True, 
     transport: str
     memories: list[bytes]
     sizes: list[int]
+    v: int = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------
+# nixl backend descriptor (carried opaquely in HandshakeReply.descriptor)
+# --------------------------------------------------------------------------
+class NixlDescriptor(msgspec.Struct, tag_field="t", tag="nixl", kw_only=True, array_like=True):
+    """One NIXL agent's reachability: its name, its agent metadata (connection
+    info and registered memory, from ``get_agent_metadata``), the plugins it
+    runs, and per registered region (index = region id) its address, size and
+    device (-1 for host memory). ``align`` is the gcd of its registered block
+    sizes, the granularity of its prepared descriptor lists."""
+
+    agent: str
+    metadata: bytes
+    plugins: list[str]
+    addrs: list[int]
+    sizes: list[int]
+    devices: list[int]
+    align: int = 1
     v: int = PROTOCOL_VERSION
 
 

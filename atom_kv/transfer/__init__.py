@@ -1,7 +1,7 @@
 """Transfer backends: one-sided reads of registered memory from a peer.
 
 Backends are imported lazily by :func:`create_backend`, so ``import atom_kv``
-never fails because an optional backend (MORI-IO) cannot load here.
+never fails because an optional backend (MORI-IO, NIXL) cannot load here.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ BACKENDS = {
     "cma": "atom_kv.transfer.cma:CmaBackend",
     "auto": "atom_kv.transfer.auto:AutoBackend",
     "moriio": "atom_kv.transfer.moriio:MoriIOBackend",
+    "nixl": "atom_kv.transfer.nixl:NixlBackend",
 }
 
 

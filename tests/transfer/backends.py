@@ -62,6 +62,13 @@ def cma_skip_reason() -> Optional[str]:
     return cma_unavailable_reason()
 
 
+def nixl_skip_reason() -> Optional[str]:
+    """None when NIXL's Python API loads here, else its one-line install hint."""
+    from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+
+    return nixl_unavailable_reason()
+
+
 SPECS: list[BackendSpec] = [
     BackendSpec(name="tcp", backend="tcp"),
     BackendSpec(name="cma", backend="cma", skip_reason="tests.transfer.backends:cma_skip_reason"),
@@ -81,6 +88,9 @@ SPECS: list[BackendSpec] = [
         skip_reason="tests.transfer.fake_mori:real_moriio_skip_reason",
         supports_auth=False,
     ),
+    # real NIXL (UCX over cma/shared memory/TCP on loopback); reads are
+    # one-sided, so the token is proven by the connector's handshake only
+    BackendSpec(name="nixl", backend="nixl", skip_reason="tests.transfer.backends:nixl_skip_reason", supports_auth=False),
 ]
 
 
