@@ -1,7 +1,8 @@
 # Two entry points: `make demo` (the main job) and `make test`.
 # Both build .venv from scratch if needed, installing the CPU torch pin first
-# so the `reference` extra's torch range is already satisfied (a bare torch
-# requirement would pull the CUDA build).
+# so the `reference` extra's torch range (and NIXL's bare torch requirement) is
+# already satisfied (a bare torch requirement would pull the CUDA build). The
+# `nixl` extra (about 70 MB, a few seconds) makes CI run the nixl backend for real.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[reference,test]'
+	$(BIN)/pip install --quiet -e '.[reference,test,nixl]'
 	touch $(STAMP)
 
 venv: $(STAMP)

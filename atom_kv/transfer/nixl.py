@@ -264,6 +264,7 @@ class NixlBackend(TransferBackend):
                     handle._settle()
                 raise TransferError(error) from None
             pending.xfers.append(xfer)
+            self._count("prepped_transfers" if t.prepped else "transfers")
             if state == "ERR":
                 raise_after = f"NIXL read from peer {peer.agent} failed when posted"
                 handle._finish(raise_after)
@@ -300,6 +301,9 @@ class NixlBackend(TransferBackend):
         self._counts[reason] = self._counts.get(reason, 0) + 1
 
     def stats(self) -> dict[str, int]:
+        """NIXL transfers issued (``prepped_transfers`` from prepared lists,
+        ``transfers`` from explicit rows) and reads refused (``refused``:
+        outside the peer's regions; ``start_failed``)."""
         with self._lock:
             return dict(self._counts)
 
