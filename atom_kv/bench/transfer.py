@@ -6,6 +6,10 @@ with ``--scattered`` a random permutation on both sides so nothing merges),
 verifies every byte, and prints GB/s (10^9 bytes/s) next to two ceilings
 measured in the same run: numpy memcpy of the same size and one plain
 loopback TCP stream (``sendall`` into ``recv_into``) between two processes.
+With ``--backend nixl`` it also times NIXL's own transfer loop on the same
+buffers in the same run (the same blocks as descriptor lists straight into
+``initialize_xfer`` / ``transfer`` / ``check_xfer_state``) and prints our
+backend's ratio to it (target: >= 0.9).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-BACKEND_CHOICES = ("tcp", "cma", "auto", "moriio")
+BACKEND_CHOICES = ("tcp", "cma", "auto", "moriio", "nixl")
+
+#: ``--backend nixl``: our backend must reach this fraction of raw NIXL's GB/s
+NIXL_TARGET_RATIO = 0.9
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"transfer bench: cannot add peer: {exc}", file=sys.stderr)
             return 1
         for block_kb in blocks_kb:
-            failures += _measure(args, backend, peer, src, dst, ids, local_ids, chunk, block_kb, sock_port, seed)
+            failures += _measure(args, backend, peer, src, dst, ids, local_ids, chunk, block_kb, sock_port, seed,
+                                 desc=desc)
     finally:
         backend.close()
         try:
@@ -248,16 +256,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray, dst: np.ndarray,
-             ids: list[int], local_ids: list[int], chunk: int, block_kb: int, sock_port: int, seed: int) -> int:
+             ids: list[int], local_ids: list[int], chunk: int, block_kb: int, sock_port: int, seed: int,
+             desc: bytes = b"") -> int:
     block = block_kb << 10
     nblocks = src.nbytes // block
     ops, lperm, rperm = build_ops(nblocks, block, chunk, ids, local_ids, args.scattered, seed + block_kb)
-    rates, mem, sock = [], [], []
+    rates, mem, sock, raw = [], [], [], []
     verified = True
     error: Optional[str] = None
+    raw_loop = RawNixl(backend, desc, dst, lperm * block, rperm * block, block) if args.backend == "nixl" else None
+    if raw_loop is not None:
+        # untimed: the first read prepares the peer's NIXL descriptor lists and
+        # UCX's connection (once per peer); raw NIXL gets its warm-up too
+        backend.read(peer, ops, timeout_s=args.timeout_s).wait(args.timeout_s + 5)
+        raw_loop.gbps(args.timeout_s)
     for _ in range(max(1, args.repeat)):
         mem.append(memcpy_gbps(dst, src))
         sock.append(socket_gbps(sock_port, dst, args.timeout_s))
+        if raw_loop is not None:
+            dst.fill(0)
+            try:
+                raw.append(raw_loop.gbps(args.timeout_s))
+            except RuntimeError as exc:
+                error, verified = str(exc), False
+                break
+            if not np.array_equal(dst.reshape(nblocks, block)[lperm], src.reshape(nblocks, block)[rperm]):
+                error, verified = "raw NIXL read bytes that differ from the source", False
+                break
         dst.fill(0)
         t = time.perf_counter()
         h = backend.read(peer, ops, timeout_s=args.timeout_s)
@@ -286,6 +311,9 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
         "socket_gbps": round(max(sock), 3),
         "repeats": len(rates),
     }
+    if raw:
+        row["raw_nixl_gbps"] = round(max(raw), 3)
+        row["raw_ratio"] = round(row["gbps"] / row["raw_nixl_gbps"], 3) if row["raw_nixl_gbps"] else 0.0
     if error:
         row["error"] = error
     if args.json:
@@ -296,8 +324,49 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
         print(
             f"{row['backend']:>6} block {block_kb:>5} KiB {'scattered' if args.scattered else 'contiguous':>10}: "
             f"{row['gbps']:7.3f} GB/s (median {row['gbps_median']:.3f})  memcpy {row['memcpy_gbps']:.3f} "
-            f"({pct_mem:.0f}%)  socket {row['socket_gbps']:.3f} ({pct_sock:.0f}%)  verified={verified}"
+            f"({pct_mem:.0f}%)  socket {row['socket_gbps']:.3f} ({pct_sock:.0f}%)"
+            + (f"  raw NIXL {row['raw_nixl_gbps']:.3f} (ratio {row['raw_ratio']:.2f}, target >= {NIXL_TARGET_RATIO})"
+               if "raw_nixl_gbps" in row else "")
+            + f"  verified={verified}"
             + (f"  error: {error}" if error else ""),
             flush=True,
         )
     return 0 if verified else 1
+
+
+class RawNixl:
+    """NIXL's own transfer loop on our backend's agent and buffers: one
+    descriptor per block, local and remote lists straight into
+    ``initialize_xfer``, ``transfer``, then ``check_xfer_state`` until done
+    (the loop a NIXL user writes, polling without sleeping)."""
+
+    def __init__(self, backend: Any, desc: bytes, dst: np.ndarray, local_offsets: np.ndarray,
+                 remote_offsets: np.ndarray, block: int) -> None:
+        from atom_kv import wire
+
+        remote = wire.decode(desc, wire.NixlDescriptor)
+        self.agent, self.lock = backend.native_agent()
+        self.remote_name = remote.agent
+        n = len(local_offsets)
+        self.local_rows = np.zeros((n, 3), dtype=np.uint64)
+        self.local_rows[:, 0] = dst.ctypes.data + local_offsets.astype(np.uint64)
+        self.local_rows[:, 1] = block
+        self.remote_rows = self.local_rows.copy()
+        self.remote_rows[:, 0] = remote.addrs[0] + remote_offsets.astype(np.uint64)  # one contiguous buffer
+        self.nbytes = n * block
+
+    def gbps(self, timeout_s: float) -> float:
+        with self.lock:
+            t = time.perf_counter()
+            local = self.agent.get_xfer_descs(self.local_rows, "DRAM")
+            remote = self.agent.get_xfer_descs(self.remote_rows, "DRAM")
+            xfer = self.agent.initialize_xfer("READ", local, remote, self.remote_name)
+            state = self.agent.transfer(xfer)
+            deadline = time.monotonic() + timeout_s
+            while state == "PROC" and time.monotonic() < deadline:
+                state = self.agent.check_xfer_state(xfer)
+            elapsed = time.perf_counter() - t
+            xfer.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL transfer ended in state {state}")
+        return self.nbytes / elapsed / 1e9

@@ -21,6 +21,7 @@ constructed; where it is missing, construction raises
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -243,33 +244,23 @@ class NixlBackend(TransferBackend):
         return local.layout, peer.layout
 
     def _start(self, peer: _Peer, transfers: list[Transfer], handle: ReadHandle, timeout_s: float) -> Pending:
+        """The read's :class:`Pending`, its transfers to be made and posted by
+        the tracker's thread (prepared lists are made here, once per peer)."""
         pending = Pending(handle, peer.agent, timeout_s, time.monotonic() + timeout_s)
-        handle._track_io()  # from here NIXL may write; the tracker settles it
         for t in transfers:
             try:
                 if t.prepped:
-                    local = self._local_dlist(peer.unit, t.local_seg)
-                    remote = self._peer_dlist(peer, t.remote_seg)
-                    xfer, state = self._agent.start_prepped(local, t.local_idx, remote, t.remote_idx)
+                    launch = functools.partial(self._agent.start_prepped, self._local_dlist(peer.unit, t.local_seg),
+                                               t.local_idx, self._peer_dlist(peer, t.remote_seg), t.remote_idx)
                 else:
-                    xfer, state = self._agent.start_rows(t.local_rows, t.local_seg, t.remote_rows, t.remote_seg,
-                                                         peer.agent)
+                    launch = functools.partial(self._agent.start_rows, t.local_rows, t.local_seg, t.remote_rows,
+                                               t.remote_seg, peer.agent)
             except Exception as exc:
-                error = (f"NIXL read from peer {peer.agent} did not start: {nixl_error(exc)}"
-                         if not isinstance(exc, TransferError) else str(exc))
-                if pending.xfers:  # hand what did start to the tracker, which releases it
-                    handle._finish(error)
-                    self._tracker.add(pending)
-                else:
-                    handle._settle()
-                raise TransferError(error) from None
-            pending.xfers.append(xfer)
+                raise TransferError(f"NIXL could not prepare descriptor lists for peer {peer.agent}: "
+                                    f"{nixl_error(exc)}") from None
+            pending.launches.append(launch)
             self._count("prepped_transfers" if t.prepped else "transfers")
-            if state == "ERR":
-                raise_after = f"NIXL read from peer {peer.agent} failed when posted"
-                handle._finish(raise_after)
-                self._tracker.add(pending)
-                raise TransferError(raise_after)
+        handle._track_io()  # from here NIXL may write; the tracker settles it
         return pending
 
     def _local_dlist(self, unit: int, seg: str) -> Any:
@@ -287,10 +278,14 @@ class NixlBackend(TransferBackend):
         return handle
 
     def _drop_local_lists(self) -> None:
-        for local in self._local.values():
-            for handle in local.dlists.values():
-                self._agent.release_dlist(handle)
+        # a read already planned may still launch from the old lists: they
+        # stay with the agent (released at close), only the cache forgets them
         self._local.clear()
+
+    def native_agent(self) -> tuple[Any, threading.Lock]:
+        """NIXL's own ``nixl_agent`` and the lock every call into it must hold:
+        for side-by-side benchmarks of raw NIXL on the same registered memory."""
+        return self._agent.native, self._agent.lock
 
     # -- lifecycle ----------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -64,6 +64,11 @@ class NixlAgent:
         self._dlists: list[Any] = []
         self._xfers: dict[int, Any] = {}
 
+    @property
+    def native(self) -> Any:
+        """The native ``nixl_agent`` (None once torn down); call it under :attr:`lock`."""
+        return self._agent
+
     # -- memory and metadata ------------------------------------------------------
     def register(self, rows: np.ndarray, seg: str) -> None:
         """Register ``(address, length, device)`` rows of one segment."""
