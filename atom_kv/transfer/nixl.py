@@ -22,6 +22,7 @@ constructed; where it is missing, construction raises
 from __future__ import annotations
 
 import functools
+import ipaddress
 import itertools
 import logging
 import math
@@ -75,9 +76,10 @@ class NixlBackend(TransferBackend):
     """A NIXL endpoint: owns the agent, registered regions, imported peers,
     their prepared descriptor lists and the completion thread of one TP rank.
 
-    ``host``/``bind_host`` are accepted for the common backend signature: the
-    agent opens no listener of its own (UCX picks its interfaces, see
-    ``nixl_ucx_tls`` and docs/nixl.md)."""
+    The agent opens no listener of its own; UCX's TCP transport listens on
+    the interfaces UCX uses (``UCX_NET_DEVICES``). When ``bind_host`` (else
+    ``host``) is a loopback address and ``UCX_NET_DEVICES`` is unset, it is
+    set to ``lo``, so a loopback engine listens on loopback only."""
 
     name = "nixl"
     memory_kinds = frozenset({"host", "gpu"})
@@ -100,7 +102,8 @@ class NixlBackend(TransferBackend):
         try:
             self._agent = NixlAgent(nixl, agent_name, plugins=list(self.config.nixl_plugins),
                                     progress_threads=self.config.nixl_progress_threads,
-                                    ucx_tls=self.config.nixl_ucx_tls)
+                                    ucx_tls=self.config.nixl_ucx_tls,
+                                    loopback_only=_is_loopback(bind_host or host))
         except TransferError as exc:
             raise BackendUnavailable(f"transfer backend 'nixl' is unavailable: {exc}") from None
         except Exception as exc:  # the native library refused (no usable transport, ...)
@@ -311,6 +314,13 @@ class NixlBackend(TransferBackend):
             self._local.clear()
         self._finalizer()
         logger.info("NIXL agent of %s closed", self.key)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _teardown(tracker: XferTracker, agent: NixlAgent) -> None:

@@ -40,13 +40,17 @@ class NixlAgent:
     """A native NIXL agent, its lock, and every native handle made from it."""
 
     def __init__(self, api: ModuleType, name: str, *, plugins: list[str], progress_threads: int,
-                 ucx_tls: Optional[str]) -> None:
+                 ucx_tls: Optional[str], loopback_only: bool = False) -> None:
+        # UCX reads its environment when the agent's UCX context is created, just below
         if ucx_tls:
-            # UCX reads its environment when the agent's UCX context is created, just below
             previous = os.environ.get("UCX_TLS")
             if previous is not None and previous != ucx_tls:
                 logger.warning("nixl: `nixl_ucx_tls` %r replaces UCX_TLS=%r from the environment", ucx_tls, previous)
             os.environ["UCX_TLS"] = ucx_tls
+        if loopback_only and "UCX_NET_DEVICES" not in os.environ:
+            # an engine bound to loopback: UCX's TCP transport would otherwise
+            # listen on every interface; shared memory and cma are unaffected
+            os.environ["UCX_NET_DEVICES"] = "lo"
         self.lock = threading.Lock()
         self.name = name
         conf = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,

@@ -126,3 +126,36 @@ def test_a_process_that_used_nixl_exits_with_status_0(how):
     out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, how], cwd=root, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"exit status {out.returncode}: {out.stderr[-2000:]}"
     assert "read-ok" in out.stdout
+
+
+def _listening_tcp_addresses() -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp shows them) this process listens on."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[9] in inodes and cols[3] == "0A":  # LISTEN
+                    out.add(cols[1].split(":")[0])
+    return out
+
+
+@needs_nixl
+def test_a_loopback_backend_listens_on_loopback_only(monkeypatch):
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)  # restored when the test ends
+    before = _listening_tcp_addresses()
+    backend = create_backend("nixl", KVTransferConfig.from_dict({"backend": "nixl"}), host="127.0.0.1")
+    try:
+        opened = _listening_tcp_addresses() - before
+        assert os.environ.get("UCX_NET_DEVICES") == "lo"
+        assert opened <= {"0100007F", "00000000000000000000000001000000"}, opened  # 127.0.0.1, ::1
+    finally:
+        backend.close()
