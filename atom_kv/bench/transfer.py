@@ -270,19 +270,14 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
         # UCX's connection (once per peer); raw NIXL gets its warm-up too
         backend.read(peer, ops, timeout_s=args.timeout_s).wait(args.timeout_s + 5)
         raw_loop.gbps(args.timeout_s)
-    for _ in range(max(1, args.repeat)):
+    for i in range(max(1, args.repeat)):
         mem.append(memcpy_gbps(dst, src))
         sock.append(socket_gbps(sock_port, dst, args.timeout_s))
-        if raw_loop is not None:
-            dst.fill(0)
-            try:
-                raw.append(raw_loop.gbps(args.timeout_s))
-            except RuntimeError as exc:
-                error, verified = str(exc), False
-                break
-            if not np.array_equal(dst.reshape(nblocks, block)[lperm], src.reshape(nblocks, block)[rperm]):
-                error, verified = "raw NIXL read bytes that differ from the source", False
-                break
+        # raw NIXL before our read on even repeats, after it on odd ones, so
+        # neither always runs in the other's wake
+        if raw_loop is not None and i % 2 == 0 and (error := _raw_once(raw_loop, raw, dst, src, lperm, rperm, args)):
+            verified = False
+            break
         dst.fill(0)
         t = time.perf_counter()
         h = backend.read(peer, ops, timeout_s=args.timeout_s)
@@ -298,6 +293,9 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
         if not np.array_equal(got, want):
             verified = False
             error = "bytes read differ from the source"
+            break
+        if raw_loop is not None and i % 2 == 1 and (error := _raw_once(raw_loop, raw, dst, src, lperm, rperm, args)):
+            verified = False
             break
     row = {
         "backend": args.backend,
@@ -334,6 +332,21 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
     return 0 if verified else 1
 
 
+def _raw_once(raw_loop: "RawNixl", raw: list[float], dst: np.ndarray, src: np.ndarray, lperm: np.ndarray,
+              rperm: np.ndarray, args: argparse.Namespace) -> Optional[str]:
+    """One raw NIXL measurement appended to ``raw``, verified; the error, or None."""
+    dst.fill(0)
+    try:
+        raw.append(raw_loop.gbps(args.timeout_s))
+    except RuntimeError as exc:
+        return str(exc)
+    block = raw_loop.block
+    nblocks = src.nbytes // block
+    if not np.array_equal(dst.reshape(nblocks, block)[lperm], src.reshape(nblocks, block)[rperm]):
+        return "raw NIXL read bytes that differ from the source"
+    return None
+
+
 class RawNixl:
     """NIXL's own transfer loop on our backend's agent and buffers: one
     descriptor per block, local and remote lists straight into
@@ -354,6 +367,7 @@ class RawNixl:
         self.remote_rows = self.local_rows.copy()
         self.remote_rows[:, 0] = remote.addrs[0] + remote_offsets.astype(np.uint64)  # one contiguous buffer
         self.nbytes = n * block
+        self.block = block
 
     def gbps(self, timeout_s: float) -> float:
         with self.lock:

@@ -29,6 +29,13 @@ logger = logging.getLogger(__name__)
 #: NIXL's name for "the local side" of a prepared descriptor list
 LOCAL_SIDE = "NIXL_INIT_AGENT"
 
+#: longest sleep of NIXL's progress thread between UCX events, in microseconds
+#: (it wakes at once on an event; this bounds UCX's occasional missed wake-up)
+PROGRESS_POLL_US = 1000
+
+#: plugins whose thread count `nixl_progress_threads` sets (as NIXL's num_threads)
+THREADED_PLUGINS = frozenset({"UCX", "LIBFABRIC", "OBJ"})
+
 
 def nixl_error(exc: BaseException) -> str:
     """A NIXL exception as one line: its class (``nixlRemoteDisconnectError``) and message."""
@@ -53,9 +60,7 @@ class NixlAgent:
             os.environ["UCX_NET_DEVICES"] = "lo"
         self.lock = threading.Lock()
         self.name = name
-        conf = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
-                                     num_threads=progress_threads, backends=list(plugins))
-        self._agent: Any = api.nixl_agent(name, conf)
+        self._agent: Any = _create_agent(api, name, list(plugins), progress_threads)
         missing = [p for p in plugins if p not in self._agent.backends]
         if missing:
             available = ", ".join(self._agent.get_plugin_list()) or "none"
@@ -193,6 +198,38 @@ class NixlAgent:
                     logger.warning("nixl: deregistering memory failed: %s", nixl_error(exc))
             self._regs.clear()
         del agent  # the last reference: the native agent (UCX workers, progress thread) goes now
+
+
+def _create_agent(api: ModuleType, name: str, plugins: list[str], progress_threads: int) -> Any:
+    """A ``nixl_agent`` whose progress thread sleeps in ``poll()`` between UCX
+    events, waking at least every :data:`PROGRESS_POLL_US`.
+
+    ``nixl_agent`` itself always asks for a zero delay, which makes the UCX
+    plugin's progress thread spin a core even when idle. So the agent is made
+    without plugins, its native agent (which holds nothing yet) is replaced by
+    one configured with the delay, and the plugins are created on that one.
+    Where the NIXL version does not allow it, the plain agent is used."""
+    bind = getattr(api, "nixlBind", None)
+    agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
+                                                       backends=[]))
+    try:
+        native_conf = bind.nixlAgentConfig()
+        native_conf.useProgThread = True
+        native_conf.useListenThread = False
+        native_conf.syncMode = bind.NIXL_THREAD_SYNC_NONE
+        native_conf.pthrDelay = PROGRESS_POLL_US
+        native_conf.captureTelemetry = False
+        agent.agent = bind.nixlAgent(name, native_conf)
+    except Exception as exc:
+        logger.warning("nixl: this NIXL version does not let the progress thread sleep (%s); "
+                       "it may keep a core busy", nixl_error(exc))
+    for plugin in plugins:
+        if plugin not in agent.get_plugin_list():
+            continue
+        # the plugins that take a thread count call it num_threads
+        init = {"num_threads": str(progress_threads)} if progress_threads > 0 and plugin in THREADED_PLUGINS else {}
+        agent.create_backend(plugin, init)
+    return agent
 
 
 def _reg_rows(rows: np.ndarray) -> list[tuple[int, int, int, str]]:
