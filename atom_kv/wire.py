@@ -555,8 +555,8 @@ class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=T
 
 
 class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=True):
-    """The inner descriptors of an auto backend (``cma``, ``gpu_ipc`` empty
-    when unusable) and the memory kinds it registered (empty from older
+    """The inner descriptors of an auto backend (``cma``, ``gpu_ipc``, ``nixl``
+    empty when unusable) and the memory kinds it registered (empty from older
     peers: host)."""
 
     host_id: str
@@ -565,6 +565,7 @@ class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=Tru
     v: int = PROTOCOL_VERSION
     gpu_ipc: bytes = b""
     memory: MemoryLabels = []
+    nixl: bytes = b""
 
 
 # --------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -159,3 +160,34 @@ def test_a_loopback_backend_listens_on_loopback_only(monkeypatch):
         assert opened <= {"0100007F", "00000000000000000000000001000000"}, opened  # 127.0.0.1, ::1
     finally:
         backend.close()
+
+
+@pytest.mark.gpu
+def test_auto_reads_gpu_memory_from_another_host_through_nixl():
+    from atom_kv import wire
+    from atom_kv.transfer.memory import gpu_unavailable_reason
+    from tests.transfer._serve import pattern, place
+
+    reason = gpu_unavailable_reason() or nixl_probe.nixl_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cfg = KVTransferConfig.from_dict({"backend": "auto", "transfer_timeout_s": 5.0})
+    server, reader = create_backend("auto", cfg, key="serve"), create_backend("auto", cfg, key="read")
+    try:
+        src, sptr, smem = place(pattern(NBLOCKS * BLOCK), "cuda")
+        dst, dptr, dmem = place(np.zeros(NBLOCKS * BLOCK, dtype=np.uint8), "cuda")
+        remote = server.register_memory(sptr, NBLOCKS * BLOCK, align=BLOCK, memory=smem)
+        local = reader.register_memory(dptr, NBLOCKS * BLOCK, align=BLOCK, memory=dmem)
+        desc = wire.decode(server.export_descriptor(), wire.AutoDescriptor)
+        assert desc.nixl, "auto offers no nixl descriptor for GPU memory although NIXL is installed"
+        # the same peer as seen from another host: gpu_ipc is out, NIXL comes before staged tcp
+        peer = reader.add_peer(wire.encode(msgspec.structs.replace(desc, host_id="another-host")))
+        assert reader.backend_for(peer) == "nixl"
+        ops = split_pair(ChunkedRegion(tuple(local), NBLOCKS * BLOCK, NBLOCKS * BLOCK), 0,
+                         ChunkedRegion(tuple(remote), NBLOCKS * BLOCK, NBLOCKS * BLOCK), 0, NBLOCKS * BLOCK)
+        h = reader.read(peer, ops, timeout_s=5)
+        assert h.wait(10) and h.error is None, h.error
+        assert bool((dst == src).all())
+    finally:
+        reader.close()
+        server.close()
