@@ -6,8 +6,9 @@
   descriptors, the rows of a *prepared* NIXL descriptor list, per segment;
 * :func:`plan_read`: merged, bounds-checked ops -> one :class:`Transfer` per
   (local segment, remote segment) pair (one in practice), either as indices
-  into both sides' prepared lists or, for ranges off the unit grid, as explicit
-  ``(address, length, device)`` rows.
+  into both sides' prepared lists (ranges on the unit grid, a few units each:
+  scattered blocks) or as explicit ``(address, length, device)`` rows (long
+  merged ranges, ranges off the grid).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ VRAM = "VRAM"
 #: most descriptors one prepared list may hold; larger layouts read through
 #: explicit descriptor lists instead (NIXL keeps a few dozen bytes per row)
 MAX_PREPPED_DESCS = 1 << 22
+
+#: a read goes through the prepared lists while its merged ranges average at
+#: most this many units; longer ranges are fewer rows as explicit descriptors
+#: (one row per range) than as prepared indices (one per unit)
+MAX_UNITS_PER_RANGE = 8
 
 
 def segment_of(device: int) -> str:
@@ -182,7 +188,8 @@ def _one(part: np.ndarray, local: Regions, remote: Regions, ll: Optional[UnitLay
          lseg: str, rseg: str) -> Transfer:
     lr, lo, rr, ro, sz = (part[:, c] for c in (LOCAL_REGION, LOCAL_OFFSET, REMOTE_REGION, REMOTE_OFFSET, SIZE))
     nbytes = int(sz.sum())
-    if ll is not None and rl is not None and ll.unit == rl.unit and ll.fits(lr, lo, sz) and rl.fits(rr, ro, sz):
+    if (ll is not None and rl is not None and ll.unit == rl.unit and nbytes <= MAX_UNITS_PER_RANGE * ll.unit * len(part)
+            and ll.fits(lr, lo, sz) and rl.fits(rr, ro, sz)):
         counts = sz // ll.unit
         total = int(counts.sum())
         within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -191,3 +191,11 @@ def test_auto_reads_gpu_memory_from_another_host_through_nixl():
     finally:
         reader.close()
         server.close()
+
+
+def test_plan_sends_long_merged_ranges_as_explicit_rows():
+    local = Regions.of([1 << 20], [64 * BLOCK], [-1], BLOCK)
+    remote = Regions.of([1 << 30], [64 * BLOCK], [-1], BLOCK)
+    ll, rl = UnitLayout.build(local, BLOCK), UnitLayout.build(remote, BLOCK)
+    (t,) = plan_read(np.array([[0, 0, 0, 0, 64 * BLOCK]], dtype=np.int64), local, remote, ll, rl)
+    assert not t.prepped and t.remote_rows.tolist() == [[1 << 30, 64 * BLOCK, 0]]  # one row, not 64 indices
