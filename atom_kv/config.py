@@ -71,10 +71,13 @@ KVRole = Literal["kv_producer", "kv_consumer"]
 #: Mooncake's ``protocol`` key, which ATOM users write: the transport it names, as our ``backend``
 Protocol = Literal["tcp", "rdma"]
 _PROTOCOL_BACKEND = {"tcp": "tcp", "rdma": "moriio"}
-BackendName = Literal["auto", "tcp", "cma", "moriio", "gpu_ipc"]
+BackendName = Literal["auto", "tcp", "cma", "moriio", "gpu_ipc", "nixl"]
 LoadFailurePolicy = Literal["fail", "recompute"]
 PollCqMode = Literal["polling", "event"]
 MoriIOTransport = Literal["rdma", "xgmi"]
+NixlPlugins = Annotated[
+    list[NonEmptyStr], msgspec.Meta(min_length=1, description="a non-empty list of NIXL plugin names, e.g. [\"UCX\"]")
+]
 
 
 def is_port(value: Any, *, allow_zero: bool = True) -> bool:
@@ -253,6 +256,9 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     cma_grant_max_connections: PositiveInt = 64
     moriio_backend: MoriIOTransport = "rdma"
     poll_cq_mode: PollCqMode = "polling"
+    nixl_plugins: NixlPlugins = msgspec.field(default_factory=lambda: ["UCX"])
+    nixl_progress_threads: NonNegativeInt = 0
+    nixl_ucx_tls: Optional[NonEmptyStr] = None
 
     def __post_init__(self) -> None:
         names = self.__struct_fields__

@@ -47,6 +47,7 @@ __all__ = [
     "Issued",
     "KVTransferParams",
     "MoriIODescriptor",
+    "NixlDescriptor",
     "PeerProof",
     "PeerProofRequest",
     "ReadRange",
@@ -418,6 +419,26 @@ class MoriIODescriptor(msgspec.Struct, tag_field="t", tag="mori", kw_only=True, 
 
 
 # --------------------------------------------------------------------------
+# nixl backend descriptor (carried opaquely in HandshakeReply.descriptor)
+# --------------------------------------------------------------------------
+class NixlDescriptor(msgspec.Struct, tag_field="t", tag="nixl", kw_only=True, array_like=True):
+    """One NIXL agent's reachability: its name, its agent metadata (connection
+    info and registered memory, from ``get_agent_metadata``), the plugins it
+    runs, and per registered region (index = region id) its address, size and
+    device (-1 for host memory). ``align`` is the gcd of its registered block
+    sizes, the granularity of its prepared descriptor lists."""
+
+    agent: str
+    metadata: bytes
+    plugins: list[str]
+    addrs: list[int]
+    sizes: list[int]
+    devices: list[int]
+    align: int = 1
+    v: int = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------
 # tcp backend: connection hello and descriptor
 # --------------------------------------------------------------------------
 class TcpServerHello(msgspec.Struct, tag_field="t", tag="tcp_server_hello", kw_only=True):
@@ -547,8 +568,8 @@ class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=T
 
 
 class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=True):
-    """The inner descriptors of an auto backend (``cma``, ``gpu_ipc`` empty
-    when unusable) and the memory kinds it registered (empty from older
+    """The inner descriptors of an auto backend (``cma``, ``gpu_ipc``, ``nixl``
+    empty when unusable) and the memory kinds it registered (empty from older
     peers: host)."""
 
     host_id: str
@@ -557,6 +578,7 @@ class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=Tru
     v: int = PROTOCOL_VERSION
     gpu_ipc: bytes = b""
     memory: MemoryLabels = []
+    nixl: bytes = b""
 
 
 # --------------------------------------------------------------------------
