@@ -170,9 +170,16 @@ HandshakeNonce = Annotated[str, msgspec.Meta(max_length=128)]
 HandshakeMac = Annotated[str, msgspec.Meta(max_length=128)]
 
 
-def handshake_port(base: int, dp_rank: int, tp_size: int, tp_rank: int) -> int:
-    """Rank ``tp_rank`` of data-parallel group ``dp_rank`` listens on ``base + dp_rank*tp_size + tp_rank``."""
-    return base + dp_rank * tp_size + tp_rank
+def handshake_port(base: int, dp_rank: int, tp_size: int, tp_rank: int, *, pp_rank: int = 0,
+                   dp_size: int = 1) -> int:
+    """The side-channel port of one producer rank: ATOM main's layout
+    (``port_offset.side_channel_port_offset``),
+    ``base + pp_rank*(dp_size*tp_size) + dp_rank*tp_size + tp_rank``.
+
+    Every port this package binds or dials for a rank comes from here, so our
+    engines and ATOM's find each other's ports. ``dp_size`` matters only for
+    pipeline stages after the first."""
+    return base + pp_rank * (dp_size * tp_size) + dp_rank * tp_size + tp_rank
 
 
 class HandshakeRequest(msgspec.Struct, tag_field="t", tag="hs", kw_only=True):

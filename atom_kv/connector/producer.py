@@ -90,7 +90,8 @@ class ProducerWorker(ConnectorWorker):
         self._server = HandshakeServer(
             self._ctx,
             bind_host=self.bind_host,
-            port=handshake_port(cfg.handshake_port, self.dp_rank, self.tp_size, self.tp_rank),
+            port=handshake_port(cfg.handshake_port, self.dp_rank, self.tp_size, self.tp_rank,
+                                pp_rank=self.pp_rank, dp_size=self.dp_size),
             auth_token=cfg.auth_token,
             identity=lambda: (self.engine_id, self.tp_rank),
             responder=self._answer_handshake,

@@ -48,6 +48,9 @@ class ConnectorWorker(WorkerHooks):
         tp_rank: int,
         tp_size: int,
         dp_rank: int = 0,
+        dp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
         compat: CompatInfo,
         backend: Optional[TransferBackend] = None,
         bind_host: Optional[str] = None,
@@ -59,6 +62,10 @@ class ConnectorWorker(WorkerHooks):
             raise ValueError(f"{type(self).__name__} serves kv_role {self.role!r}, the config says {config.kv_role!r}")
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside dp_size {dp_size}")
+        if not 0 <= pp_rank < pp_size:
+            raise ValueError(f"pp_rank {pp_rank} is outside pp_size {pp_size}")
         if not compat.is_mla:
             head_range(compat.num_kv_heads, tp_size, tp_rank)  # raises LayoutError when heads don't divide
         self.config = config
@@ -68,6 +75,9 @@ class ConnectorWorker(WorkerHooks):
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
         self.compat = compat
         self._name = f"{engine_id}/dp{dp_rank}/tp{tp_rank}"
         self._lock = threading.Lock()

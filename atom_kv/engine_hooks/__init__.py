@@ -74,6 +74,9 @@ def build_worker_hooks(
     tp_rank: int,
     tp_size: int,
     dp_rank: int = 0,
+    dp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
     compat: CompatInfo,
     bind_host: Optional[str] = None,
 ) -> WorkerHooks:
@@ -81,6 +84,6 @@ def build_worker_hooks(
     (producers start their handshake server here, listening on ``bind_host``:
     by default ``host``, the address other engines dial)."""
     return create_worker(
-        config, engine_id=engine_id, host=host, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, compat=compat,
-        bind_host=bind_host,
+        config, engine_id=engine_id, host=host, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size,
+        pp_rank=pp_rank, pp_size=pp_size, compat=compat, bind_host=bind_host,
     )
