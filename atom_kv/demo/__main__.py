@@ -74,11 +74,11 @@ def _stream(client, model: str, prompt: str, max_tokens: int) -> tuple[str, floa
 def run(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
-    print(f"starting proxy, prefill (TP={args.tp_prefill}), decode (TP={args.tp_decode}) and a colocated engine "
-          f"on 127.0.0.1 (backend {args.backend}) ...", flush=True)
+    print(f"starting proxy, prefill (DP={args.dp} TP={args.tp_prefill}), decode (DP={args.dp} TP={args.tp_decode}) "
+          f"and a colocated engine on 127.0.0.1 (backend {args.backend}) ...", flush=True)
     cluster = Cluster([
-        EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=512),
-        EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=512),
+        EngineSpec("P", tp=args.tp_prefill, dp=args.dp, backend=args.backend, num_blocks=512),
+        EngineSpec("D", tp=args.tp_decode, dp=args.dp, backend=args.backend, num_blocks=512),
         EngineSpec("colocated", num_blocks=512),
     ], heartbeat_timeout=5.0)
     try:
@@ -132,6 +132,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--backend", default="auto", choices=["auto", "tcp", "cma"])
     p.add_argument("--tp-prefill", type=int, default=1, choices=[1, 2])
     p.add_argument("--tp-decode", type=int, default=1, choices=[1, 2])
+    p.add_argument("--dp", type=int, default=1, choices=[1, 2, 3, 4],
+                   help="data-parallel ranks of the prefill and of the decode engine (requests spread over them)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1))
     p.add_argument("--model", default="atom-kv-tiny")

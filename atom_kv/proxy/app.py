@@ -163,7 +163,9 @@ def create_app(settings: ProxySettings) -> Quart:
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return Response(metrics.render(state.registry.counts()), status=200, content_type=metrics.content_type)
+        registry = state.registry
+        return Response(metrics.render(registry.counts(), [*registry.known("P"), *registry.known("D")]),
+                        status=200, content_type=metrics.content_type)
 
     @app.errorhandler(404)
     async def _not_found(_: Exception) -> Response:
