@@ -101,7 +101,7 @@ class PeerTable:
         with self._lock:
             fut = self._peers.get(key)
             if fut is None or (fut.done() and fut.exception() is not None):
-                fut = self._pool.submit(self._handshake, key, remote_rank, spec.remote_tp_size)
+                fut = self._pool.submit(self._handshake, key, remote_rank, spec.remote_tp_size, spec.remote_dp_rank)
                 self._peers[key] = fut
             return key, fut
 
@@ -138,7 +138,7 @@ class PeerTable:
         """Stop the pool; running handshakes end with the connector's stop event."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _handshake(self, key: PeerKey, remote_rank: int, remote_tp: int) -> Peer:
+    def _handshake(self, key: PeerKey, remote_rank: int, remote_tp: int, remote_dp: int = 0) -> Peer:
         _, host, port = key
         t0 = time.perf_counter()
         try:
@@ -159,6 +159,9 @@ class PeerTable:
                     f"{host}:{port} is TP rank {reply.tp_rank} of {reply.tp_size}, "
                     f"expected rank {remote_rank} of {remote_tp}"
                 )
+            if reply.dp_rank != remote_dp:
+                raise HandshakeRejected(f"{host}:{port} is DP rank {reply.dp_rank}, expected DP rank {remote_dp} "
+                                        "(the rank that prefilled this request)")
             peer_id = self._backend.add_peer(reply.descriptor)
         except HandshakeError:
             self._stats.add(handshake_failures=1)
