@@ -48,7 +48,7 @@ class ConnectorWorker(WorkerHooks):
         tp_rank: int,
         tp_size: int,
         dp_rank: int = 0,
-        dp_size: int = 1,
+        dp_size: Optional[int] = None,
         pp_rank: int = 0,
         pp_size: int = 1,
         compat: CompatInfo,
@@ -62,6 +62,10 @@ class ConnectorWorker(WorkerHooks):
             raise ValueError(f"{type(self).__name__} serves kv_role {self.role!r}, the config says {config.kv_role!r}")
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
+        if dp_size is None:  # only later pipeline stages' ports depend on it
+            if pp_size > 1:
+                raise ValueError("dp_size is needed with pipeline stages (pp_size > 1): it places their ports")
+            dp_size = dp_rank + 1
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside dp_size {dp_size}")
         if not 0 <= pp_rank < pp_size:

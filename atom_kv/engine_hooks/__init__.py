@@ -74,7 +74,7 @@ def build_worker_hooks(
     tp_rank: int,
     tp_size: int,
     dp_rank: int = 0,
-    dp_size: int = 1,
+    dp_size: Optional[int] = None,
     pp_rank: int = 0,
     pp_size: int = 1,
     compat: CompatInfo,
