@@ -228,6 +228,9 @@ class HandshakeReply(msgspec.Struct, tag_field="t", tag="hs_ok", kw_only=True):
     tp_rank: int = 0
     tp_size: int = 1
     dp_rank: int = 0
+    #: the pipeline stage this rank is; its ``regions`` name the layers it holds
+    pp_rank: int = 0
+    pp_size: int = 1
     compat: Optional[CompatInfo] = None
     backend: str = ""
     host: str = ""
@@ -554,6 +557,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     remote_dp_size: Optional[PositiveInt] = None
     remote_tp_size: Optional[PositiveInt] = None
     remote_dp_rank: Optional[NonNegativeInt] = None
+    remote_pp_size: Optional[PositiveInt] = None
     tp_size: Optional[PositiveInt] = None
     dp_rank: Optional[NonNegativeInt] = None
     transfer_id: Optional[NonEmptyStr] = None

@@ -136,7 +136,7 @@ class ProducerWorker(ConnectorWorker):
         with self._lock:
             regions = list(self._kv.regions)
         base = dict(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                    dp_rank=self.dp_rank, compat=self.compat, backend=self.backend.name, host=self.host)
+                    dp_rank=self.dp_rank, pp_rank=self.pp_rank, pp_size=self.pp_size, compat=self.compat, backend=self.backend.name, host=self.host)
         error = compat_mismatch(self.compat, req.compat, "prefill", "decode")
         if error is None and not regions:
             error = "the producer has not registered its KV caches yet"

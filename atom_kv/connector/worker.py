@@ -21,6 +21,7 @@ from atom_kv.config import KVTransferConfig
 from atom_kv.connector.base import KVCacheLayer, WorkerHooks
 from atom_kv.connector.kv_caches import RegisteredKV, describe_kv_caches, register_kv_tensors
 from atom_kv.connector.layout import head_range
+from atom_kv.connector.pipeline import stage_layers
 from atom_kv.connector.stats import TransferStats
 from atom_kv.connector.types import KVConnectorOutput
 from atom_kv.transfer import TransferBackend, create_backend
@@ -51,6 +52,7 @@ class ConnectorWorker(WorkerHooks):
         dp_size: Optional[int] = None,
         pp_rank: int = 0,
         pp_size: int = 1,
+        start_layer: int = 0,
         compat: CompatInfo,
         backend: Optional[TransferBackend] = None,
         bind_host: Optional[str] = None,
@@ -82,6 +84,7 @@ class ConnectorWorker(WorkerHooks):
         self.dp_size = dp_size
         self.pp_rank = pp_rank
         self.pp_size = pp_size
+        self.start_layer = start_layer
         self.compat = compat
         self._name = f"{engine_id}/dp{dp_rank}/tp{tp_rank}"
         self._lock = threading.Lock()
@@ -114,7 +117,15 @@ class ConnectorWorker(WorkerHooks):
 
     # ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Sequence[KVCacheLayer]) -> None:
-        registered = register_kv_tensors(self.backend, describe_kv_caches(kv_caches, self.compat, self.tp_size))
+        """Register this rank's caches; a pipeline stage passes only its own layers
+        (``start_layer`` onwards), which its handshake then names."""
+        layers = None
+        if self.pp_size > 1:
+            n = len(kv_caches)
+            regions = len(describe_kv_caches(kv_caches, self.compat, self.tp_size, layers=range(n)))
+            layers = stage_layers(regions, n, self.start_layer, self.compat.num_layers, self.pp_size, self.pp_rank)
+        tensors = describe_kv_caches(kv_caches, self.compat, self.tp_size, layers=layers)
+        registered = register_kv_tensors(self.backend, tensors)
         with self._lock:
             self._kv = registered
         logger.info("%s: registered %d KV tensors (%d layers) with the %s backend",
