@@ -95,7 +95,7 @@ def test_decode_reads_each_layer_from_the_stage_that_holds_it(is_mla, p_tp, d_tp
 
 
 def test_stage_past_the_models_layers_is_refused_at_registration():
-    pcfg = config("kv_producer", port_range(1), backend="tcp")
+    pcfg = config("kv_producer", port_range(2), backend="tcp")  # stage 1 listens on base + 1
     w = ProducerWorker(pcfg, engine_id="P", host="127.0.0.1", tp_rank=0, tp_size=1, dp_size=1, pp_rank=1,
                        pp_size=2, start_layer=LAYERS, compat=compat())
     try:
@@ -128,3 +128,38 @@ def test_stages_that_do_not_cover_the_layers_fail_the_load_in_one_line():
     finally:
         for w in (*prod, cons):
             w.close()
+
+
+def test_stages_as_processes_on_their_ports():
+    """Two prefill stages of DP rank 1 (of 2), each its own process, read by a decode rank here."""
+    from tests.connector.rank_proc import ProcRank, RankProcess
+
+    pp, dp_rank, dp_size = 2, 1, 2
+    base = port_range(pp * dp_size)
+    procs = [RankProcess(f"stage{s}", "kv_producer", 0, 1, {"tcp": ("P", base)}, NB,
+                         stage=dict(pp_rank=s, pp_size=pp, dp_rank=dp_rank, dp_size=dp_size, start_layer=s,
+                                    num_layers=1))
+             for s in range(pp)]
+    pcfg = config("kv_producer", base, backend="tcp")
+    ccfg = config("kv_consumer", port_range(1), backend="tcp")
+    cons = ConsumerWorker(ccfg, engine_id="D", host="127.0.0.1", tp_rank=0, tp_size=1, compat=compat())
+    try:
+        for p in procs:
+            p.wait_ready()
+        dcache = make_caches(NB, 0, 1, fill=False)
+        cons.register_kv_caches(dcache)
+        ranks = [ProcRank(p, "tcp") for p in procs]
+        P = Engine(ConnectorScheduler(pcfg, engine_id="P", host="127.0.0.1", tp_size=1, dp_rank=dp_rank,
+                                      dp_size=dp_size, pp_size=pp, block_size=BLOCK), ranks, NB)
+        D = Engine(ConnectorScheduler(ccfg, engine_id="D", host="127.0.0.1", tp_size=1, block_size=BLOCK),
+                   [LocalRank(cons)], NB)
+        params = P.prefill("r1", 40)
+        blocks = D.admit("d1", 40, params)
+        run_until([P, D], lambda: "d1" in D.ready and "r1" in P.freed)
+        assert check_blocks(dcache, list(zip(blocks, params["remote_block_ids"])), 0, 1, NB) == ""
+        assert cons.stats()["handshakes"] == pp  # one per stage, each on its own port
+        assert [r.stats().get("done_received", 0) for r in ranks] == [1, 1]
+    finally:
+        cons.close()
+        for p in procs:
+            p.stop()
