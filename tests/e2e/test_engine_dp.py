@@ -91,3 +91,16 @@ def test_health_and_metrics_per_rank(engine):
     for r in (0, 1):
         assert m[f'atom_kv_kv_blocks_total{{dp_rank="{r}"}}'] == 64
         assert f'atom_kv_load_prompt_tokens{{dp_rank="{r}"}}' in m
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--data-parallel-size", "0"], "error: --data-parallel-size must be >= 1"),
+    (["--dp", "4", "--tp", "2", "--kv-transfer-config", '{"kv_role": "kv_producer", "handshake_port": 65530}'],
+     "error: kv-transfer-config: `handshake_port` 65530 leaves no room for 8 side-channel ports "
+     "(one per DP x TP rank) below 65536"),
+])
+def test_bad_dp_flags_are_refused_in_one_line(argv, line, capsys):
+    from atom_kv.reference.__main__ import main
+
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == line
