@@ -51,6 +51,8 @@ def build_scheduler_hooks(
     host: str,
     tp_size: int,
     dp_rank: int = 0,
+    dp_size: int = 1,
+    pp_size: int = 1,
     block_size: int,
     announce_sends: bool = False,
 ) -> SchedulerHooks:
@@ -59,10 +61,12 @@ def build_scheduler_hooks(
     ``announce_sends``: for an engine that hands ``build_connector_meta()`` to
     its ranks only with its next batch (so a rank could learn late that a
     transfer was issued, and a decode engine's read of it would not be
-    confirmed in time): the producer tells its ranks directly as well."""
+    confirmed in time): the producer tells its ranks directly as well.
+    ``dp_size``/``pp_size``: the engine's DP ranks and prefill pipeline stages,
+    announced in the prefill's ``kv_transfer_params`` (where its ranks listen)."""
     return ConnectorScheduler(
-        config, engine_id=engine_id, host=host, tp_size=tp_size, dp_rank=dp_rank, block_size=block_size,
-        announce_sends=announce_sends,
+        config, engine_id=engine_id, host=host, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size, pp_size=pp_size,
+        block_size=block_size, announce_sends=announce_sends,
     )
 
 

@@ -123,7 +123,7 @@ class EngineCore:
 
             self._hooks = engine_hooks.build_scheduler_hooks(
                 self.kv_config, engine_id=self.engine_id, host=a.host, tp_size=a.tp, dp_rank=self.dp_rank,
-                block_size=a.block_size,
+                dp_size=self.dp_size, block_size=a.block_size,
             )
             self._aggregator = engine_hooks.KVOutputAggregator(a.tp)
             self.scheduler.hooks = self._hooks

@@ -204,6 +204,7 @@ def dp_exchange(p_dp: int, d_dp: int, p_tp: int = 1, d_tp: int = 1, backend: str
             for i, seq in zip(mine, prefill_on(P, [prompts[i] for i in mine])):
                 prefilled[i] = seq
                 assert seq.kv_transfer_params_output["dp_rank"] == r
+                assert seq.kv_transfer_params_output.get("remote_dp_size", 1) == p_dp
             # held for the readers: exactly this rank's requests' blocks
             assert P.blocks_in_use() == sum(-(-len(prompts[i]) // 16) for i in mine), (r, P.blocks_in_use())
         dseqs = []
