@@ -132,6 +132,8 @@ class Instance:
     tokenize: bool | None = None  # None: not asked yet; False: the engine has no /tokenize
     inflight: int = 0
     outstanding_tokens: list[int] = field(default_factory=list)
+    outstanding_requests: list[int] = field(default_factory=list)  # per DP rank
+    dp_rank_field: bool = False  # static only: the engine takes the `data_parallel_rank` body field
     dp_counter: int = 0
     pinned: frozenset[str] = frozenset()  # fields given by flag: never overwritten by what the engine reports
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
@@ -147,6 +149,13 @@ class Instance:
     def key(self) -> tuple[str, str]:
         return (self.role, self.base_url)
 
+    @property
+    def takes_dp_rank_field(self) -> bool:
+        """Whether the legs may carry the ``data_parallel_rank`` body field: ATOM-format
+        engines (ATOM, atom-kv's reference engine) read it; vLLM's MoRIIO engines get
+        only the header; a static engine says so in its spec (``dp_rank_field=1``)."""
+        return self.source == "atom" or self.dp_rank_field
+
     def next_dp_rank(self) -> int:
         """Cycle through every DP rank of this instance (no aliasing across instances)."""
         rank = self.dp_counter % self.dp_size
@@ -157,16 +166,21 @@ class Instance:
         if dp_size != self.dp_size:
             self.dp_size = dp_size
             self.outstanding_tokens = (self.outstanding_tokens + [0] * dp_size)[:dp_size]
+            self.outstanding_requests = (self.outstanding_requests + [0] * dp_size)[:dp_size]
 
     def charge(self, dp_rank: int, tokens: int) -> None:
         self.inflight += 1
         if dp_rank < len(self.outstanding_tokens):  # dp_size may change on re-registration
             self.outstanding_tokens[dp_rank] += tokens
+        if dp_rank < len(self.outstanding_requests):
+            self.outstanding_requests[dp_rank] += 1
 
     def credit(self, dp_rank: int, tokens: int) -> None:
         self.inflight = max(0, self.inflight - 1)
         if dp_rank < len(self.outstanding_tokens):
             self.outstanding_tokens[dp_rank] = max(0, self.outstanding_tokens[dp_rank] - tokens)
+        if dp_rank < len(self.outstanding_requests):
+            self.outstanding_requests[dp_rank] = max(0, self.outstanding_requests[dp_rank] - 1)
 
     def describe(self, now: float) -> dict:
         return {
@@ -189,6 +203,8 @@ class Instance:
             "last_seen_age_s": round(now - self.last_seen, 3) if self.last_seen else None,
             "inflight": self.inflight,
             "outstanding_tokens": list(self.outstanding_tokens),
+            "outstanding_requests": list(self.outstanding_requests),
+            "dp_rank_field": self.takes_dp_rank_field,
             "circuit": self.breaker.state(now),
         }
 
@@ -260,7 +276,7 @@ class Registry:
         return Instance(
             role=role, base_url=base_url, host=host, http_port=http_port, handshake_port=handshake_port,
             dp_size=dp_size, tp_size=tp_size, breaker=CircuitBreaker(self._circuit_failures, self._circuit_cooldown_s),
-            outstanding_tokens=[0] * dp_size,
+            outstanding_tokens=[0] * dp_size, outstanding_requests=[0] * dp_size,
         )
 
     def _make_room(self, now: float) -> None:
@@ -323,6 +339,7 @@ class Registry:
         inst.source = "static"
         inst.engine_id = engine.engine_id
         inst.notify_port = engine.notify_port
+        inst.dp_rank_field = engine.dp_rank_field
         inst.pinned = frozenset(k for k, v in (("tp_size", engine.tp_size), ("engine_id", engine.engine_id)) if v)
         self._instances[inst.key] = inst
         self._changed()

@@ -189,6 +189,7 @@ class Relay:
         inst, rank = self.policies[role].choose(fresh or healthy, ctx)
         inst.breaker.on_dispatch(now)
         inst.charge(rank, tokens)
+        self.metrics.routed(role, inst.base_url, rank)
         return Pick(inst, rank, tokens)
 
     def _no_instance(self, role: Role) -> ProxyError:
@@ -398,7 +399,7 @@ class Relay:
         return _Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {detail}"), pick.inst, "unreachable")
 
     async def _prefill(self, req: _Request, p: Pick, d: Pick, transfer_id: str) -> tuple[dict[str, Any], int | None]:
-        payload = _json_encoder.encode(prefill_request(req.body, d.inst, d.rank, transfer_id))
+        payload = _json_encoder.encode(prefill_request(req.body, d.inst, d.rank, transfer_id, p.inst, p.rank))
         started = time.perf_counter()
         try:
             resp = await self.pool.request(p.inst.host, p.inst.http_port,
@@ -429,7 +430,8 @@ class Relay:
 
     async def _open_decode(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
                            transfer_id: str) -> UpstreamResponse:
-        payload = _json_encoder.encode(decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id))
+        payload = _json_encoder.encode(decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id,
+                                                            d.inst, d.rank))
         try:
             resp = await self.pool.request(d.inst.host, d.inst.http_port,
                                            self._leg_head(req, d.inst, d.rank, len(payload)), payload,

@@ -176,3 +176,50 @@ def layout_mismatch(backend: str = "tcp") -> list[str]:
         logging.getLogger("atom_kv").removeHandler(handler)
         P.close()
         D.close()
+
+
+def dp_exchange(p_dp: int, d_dp: int, p_tp: int = 1, d_tp: int = 1, backend: str = "tcp") -> None:
+    """DP-attention engines on both sides: one ATOM scheduler per DP rank, the ranks of
+    each side sharing one base handshake port (ATOM's port layout). Request ``i`` is
+    prefilled on prefill rank ``i % p_dp`` and decoded on decode rank ``(i + 1) % d_dp``;
+    each prefill rank holds exactly its own requests' blocks until its reader is done,
+    every decode rank checks it read the KV of the prefill rank (its own seed) that
+    computed the prompt, and every rank of both sides ends with every block free."""
+    p_port, d_port = port_range(p_dp * p_tp), port_range(d_dp * d_tp)
+    Ps: list[AtomEngine] = []
+    Ds: list[AtomEngine] = []
+    try:
+        for r in range(p_dp):
+            Ps.append(AtomEngine(f"P{r}", "kv_producer", tp=p_tp, port=p_port, seed=1 + 2 * r, backend=backend,
+                                 dp_rank=r, dp_size=p_dp))
+        for r in range(d_dp):
+            Ds.append(AtomEngine(f"D{r}", "kv_consumer", tp=d_tp, port=d_port, seed=100 + r, backend=backend,
+                                 dp_rank=r, dp_size=d_dp))
+        prompts = PROMPTS + [list(range(600, 633))]
+        on_p = [i % p_dp for i in range(len(prompts))]
+        on_d = [(i + 1) % d_dp for i in range(len(prompts))]
+        prefilled = {}
+        for r, P in enumerate(Ps):
+            mine = [i for i in range(len(prompts)) if on_p[i] == r]
+            for i, seq in zip(mine, prefill_on(P, [prompts[i] for i in mine])):
+                prefilled[i] = seq
+                assert seq.kv_transfer_params_output["dp_rank"] == r
+                assert seq.kv_transfer_params_output.get("remote_dp_size", 1) == p_dp
+            # held for the readers: exactly this rank's requests' blocks
+            assert P.blocks_in_use() == sum(-(-len(prompts[i]) // 16) for i in mine), (r, P.blocks_in_use())
+        dseqs = []
+        for i, prompt in enumerate(prompts):
+            D = Ds[on_d[i]]
+            seq = D.add(prompt, 4, decode_params(prefilled[i]))
+            D.remote_seed_of[seq.id] = Ps[on_p[i]].seed
+            dseqs.append((D, seq))
+        everyone = Ps + Ds
+        run_until(everyone, lambda: all(s.id in D.finished for D, s in dseqs) and all(e.idle() for e in everyone))
+        for D in Ds:
+            assert D.errors == [], D.errors
+        for prompt, (D, seq) in zip(prompts, dseqs):
+            assert seq.output_tokens == expected_output(prompt, 4) and seq.id not in D.prefilled
+        assert all(e.blocks_in_use() == 0 for e in everyone)
+    finally:
+        for e in Ps + Ds:
+            e.close()

@@ -90,7 +90,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         # a finished prefill's transfer directly, so they can confirm its read in time
         self._hooks = engine_hooks.build_scheduler_hooks(
             kv, engine_id=self.engine_id, host=self.host, tp_size=engine.tp_size, dp_rank=engine.dp_rank,
-            block_size=engine.block_size, announce_sends=kv.is_producer,
+            dp_size=engine.dp_size, block_size=engine.block_size, announce_sends=kv.is_producer,
         )
         # producer: finished sequences seen (ATOM reports some twice), and ids whose blocks ATOM may free now
         self._finished: BoundedSet[int] = BoundedSet(_REMEMBERED)
