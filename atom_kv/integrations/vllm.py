@@ -48,7 +48,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from atom_kv import engine_hooks
-from atom_kv.config import ConfigError, KVTransferConfig
+from atom_kv.config import KV_ROLE_REQUIRED, ConfigError, KVTransferConfig
 from atom_kv.engine_hooks import CompatInfo, ConnectorMetadata, KVConnectorOutput
 from atom_kv.integrations.vllm_ledger import RankLedger, SchedulerLedger
 
@@ -150,6 +150,8 @@ def parse_settings(vllm_config: VllmConfig) -> tuple[KVTransferConfig, Optional[
     vkv = vllm_config.kv_transfer_config
     assert vkv is not None
     role = vkv.kv_role
+    if role is None:
+        raise ConfigError(KV_ROLE_REQUIRED)
     if role not in ("kv_producer", "kv_consumer"):
         raise ConfigError(
             f"kv-transfer-config: `kv_role` {role!r} is not supported by AtomKVConnector; run prefill "
