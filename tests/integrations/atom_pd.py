@@ -169,12 +169,13 @@ class AtomEngine:
 
     def __init__(self, name: str, role: str, *, tp: int, port: int, seed: int, backend: str = "tcp",
                  block_size: int = 16, num_blocks: int = 64, mla: bool = False, fp8: bool = False,
-                 shuffled_v: bool = True, prefix_caching: bool = False, **kv: Any) -> None:
+                 shuffled_v: bool = True, prefix_caching: bool = False, upstream: bool = False, **kv: Any) -> None:
         self.name = name
         self.seed = seed
         self.remote_seed: Optional[int] = None  # the producer's, for KV read from it
         self.config = atom_config(role, tp=tp, block_size=block_size, num_blocks=num_blocks, port=port,
                                   backend=backend, prefix_caching=prefix_caching, **kv)
+        self.config.upstream_connector_contract = upstream  # the fake ATOM with docs/atom-upstream.md
         self.num_blocks = num_blocks
         self.ranks = [Rank(self.config, r, tp, mla=mla, dtype=FP8 if fp8 else torch.bfloat16, shuffled_v=shuffled_v)
                       for r in range(tp)]
