@@ -434,9 +434,9 @@ class _SchedulerSide:
             self.pinger = engine_hooks.build_registration_pinger(
                 config, role="P" if config.is_producer else "D", index=str(place.dp_rank), http_host=place.host,
                 http_port=config.http_port, tp_size=place.tp_size, dp_size=place.dp_size,
-                engine_id=place.engine_id, model=shape.model_id,
+                engine_id=place.engine_id, model=shape.model_id, wait_until_serving=True,
             )
-            self.pinger.start()
+            self.pinger.start()  # pings once vLLM's API server accepts connections on host_ip:http_port
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id

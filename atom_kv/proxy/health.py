@@ -69,7 +69,8 @@ class HealthMonitor:
     """Owns the periodic task: evicts silent instances and probes static, new and down ones.
 
     A probe is ``GET /health``: connection refused/reset or a 5xx marks the
-    instance down; any other answer (a 404 too: the server is there) marks it
+    instance down, except one never reached yet, which is still *starting*
+    (it may register before its server listens: no "down" for that); any other answer (a 404 too: the server is there) marks it
     up, and fills in what the engine reports (``engine_id``, ``tp_size``,
     ``role``); ``GET /v1/models`` is asked once for ``max_model_len``.
     A probe that times out changes nothing (a static engine then goes silent
@@ -159,12 +160,12 @@ class HealthMonitor:
                 raw = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             if is_connection_failure(exc):
-                self.health.mark_down(inst, f"health probe: {exc or type(exc).__name__}")
+                self._not_serving(inst, f"health probe: {exc or type(exc).__name__}")
             else:
                 logger.debug("health probe of %s timed out", inst.base_url)
             return
         if status >= 500:
-            self.health.mark_down(inst, f"health probe answered {status}")
+            self._not_serving(inst, f"health probe answered {status}")
             return
         info = self._decode(raw) if status == 200 else None
         if info is not None and not self._apply(inst, info):
@@ -172,6 +173,13 @@ class HealthMonitor:
         if inst.max_model_len is None:
             await self._learn_model(inst)  # before it is routable: the first request is checked too
         self.registry.mark_up(inst)
+
+    def _not_serving(self, inst: Instance, reason: str) -> None:
+        """A probe that found no serving engine: down, unless no probe ever reached it (then still starting)."""
+        if inst.state == PENDING:
+            self.registry.still_starting(inst, reason)
+        else:
+            self.health.mark_down(inst, reason)
 
     @staticmethod
     def _decode(raw: bytes) -> dict[str, Any] | None:

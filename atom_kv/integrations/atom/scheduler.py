@@ -46,9 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import sys
-import threading
 import uuid
 from typing import Any, Optional
 
@@ -387,7 +385,7 @@ class _Announcer:
     """Registers the engine with atom-kv's proxies once ATOM's HTTP server accepts connections.
 
     ATOM builds its scheduler before its HTTP server listens; pinging earlier
-    would send requests to a port nobody answers yet.
+    would have the proxy probe a port nobody answers yet.
     """
 
     def __init__(self, owner: AtomKVScheduler, engine: AtomEngine) -> None:
@@ -400,31 +398,8 @@ class _Announcer:
         self._pinger = engine_hooks.build_registration_pinger(
             kv, role="P" if kv.is_producer else "D", index=str(self.http_port), http_host=owner.host,
             http_port=self.http_port, tp_size=engine.tp_size, dp_size=engine.dp_size, engine_id=owner.engine_id,
-            model=engine.model,
-        )
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="atom-kv-announce", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        waited = 0.0
-        while not self._stop.is_set():
-            try:
-                socket.create_connection((self.host, self.http_port), timeout=1.0).close()
-                break
-            except OSError:
-                pass
-            self._stop.wait(0.5)
-            waited += 0.5
-            if waited in (30.0, 120.0):
-                logger.warning("atom_kv: ATOM's HTTP server is still not accepting connections on %s:%d after "
-                               "%.0f s; check that kv_transfer_config's http_port equals ATOM's --server-port "
-                               "and that the server listens on %s (ATOM_HOST_IP)", self.host, self.http_port,
-                               waited, self.host)
-        if not self._stop.is_set():
-            self._pinger.start()
+            model=engine.model, wait_until_serving=True,
+        ).start()
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
         self._pinger.close()
