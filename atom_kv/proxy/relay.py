@@ -32,6 +32,7 @@ from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.health import UpstreamHealth
 from atom_kv.proxy.legs import decode_request, prefill_request, wants_stream_usage
 from atom_kv.proxy.metrics import ProxyMetrics
+from atom_kv.proxy.pick import Pick
 from atom_kv.proxy.policies import (
     Policy, RouteContext, estimate_prompt_tokens, prompt_text, token_id_prompt_lengths,
 )
@@ -60,21 +61,6 @@ class _Retryable(Exception):
         self.error = error
         self.inst = inst
         self.kind = kind  # "unreachable", "rejected", "bad_response" or "kv_transfer"
-
-
-@dataclass
-class Pick:
-    """One leg's routing decision and what was charged for it."""
-
-    inst: Instance
-    rank: int
-    tokens: int
-    credited: bool = False
-
-    def credit(self) -> None:
-        if not self.credited:
-            self.credited = True
-            self.inst.credit(self.rank, self.tokens)
 
 
 @dataclass

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from atom_kv.openai_errors import sse_error_event
 from atom_kv.proxy.health import UpstreamHealth
+from atom_kv.proxy.pick import Pick
 from atom_kv.proxy.sse import DONE_EVENT, EventFramer
 from atom_kv.proxy.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
-
-if TYPE_CHECKING:
-    from atom_kv.proxy.relay import Pick
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +60,7 @@ class DecodeStream:
     request; it is idempotent and safe at any point.
     """
 
-    def __init__(self, resp: UpstreamResponse, request_id: str, d: "Pick", health: UpstreamHealth,
+    def __init__(self, resp: UpstreamResponse, request_id: str, d: Pick, health: UpstreamHealth,
                  framer: EventFramer, split_max: int = 4) -> None:
         self._resp = resp
         self._request_id = request_id
