@@ -35,9 +35,11 @@ class _SchedulerSide:
         self.place = place
         self.block_size = vllm_config.cache_config.block_size
         shape = kv_shape(vllm_config, kv_cache_config, place.tp_size)
+        # an idle vLLM engine takes no step, so its ranks would hear of a finished prefill's transfer only with
+        # the next request, too late to confirm a decode engine's read of it: tell them directly as well
         self.hooks = engine_hooks.build_scheduler_hooks(
             config, engine_id=place.engine_id, host=place.host, tp_size=place.tp_size, dp_rank=place.dp_rank,
-            block_size=self.block_size,
+            block_size=self.block_size, announce_sends=config.is_producer,
         )
         self.aggregator = engine_hooks.KVOutputAggregator(place.tp_size)
         self.ledger = SchedulerLedger()
