@@ -5,9 +5,11 @@ monitor and the relay all live there), so there are no locks.
 
 An instance is routable when it is *live* (heard from, by ping or probe,
 within ``heartbeat_timeout``) and *up* (its last probe or request did not
-fail at the connection level). New discovered instances start *pending*
-until a probe reaches them; an instance whose connection is refused or reset
-goes *down* at once and comes back on the next successful probe.
+fail at the connection level). New instances start *pending* (starting)
+until a probe reaches them, whatever the probes before found: an engine may
+register before its server listens, and that is not "down". An instance that
+was up and whose connection is refused or reset goes *down* at once and comes
+back on the next successful probe.
 """
 
 from __future__ import annotations
@@ -357,6 +359,13 @@ class Registry:
         self.wakeup.set()
         self._warn.event("down", f"{ROLE_NAMES[inst.role]} instance {inst.base_url} is down: {reason}")
         return True
+
+    def still_starting(self, inst: Instance, reason: str) -> None:
+        """A probe did not reach ``inst``, which has never been up: it stays pending (not routed), said once."""
+        if not inst.down_reason:
+            self._info.event("starting", f"{ROLE_NAMES[inst.role]} instance {inst.base_url} is starting ({reason}); "
+                                         "routed once a health probe reaches it")
+        inst.down_reason = reason
 
     def mark_up(self, inst: Instance, now: float | None = None) -> None:
         """A probe reached ``inst``: routable again (static instances also count it as a heartbeat)."""

@@ -173,7 +173,7 @@ class AtomEngine:
     def __init__(self, name: str, role: str, *, tp: int, port: int, seed: int, backend: str = "tcp",
                  block_size: int = 16, num_blocks: int = 64, mla: bool = False, fp8: bool = False,
                  shuffled_v: bool = True, prefix_caching: bool = False, dp_rank: int = 0, dp_size: int = 1,
-                 **kv: Any) -> None:
+                 upstream: bool = False, **kv: Any) -> None:
         self.name = name
         self.seed = seed
         self.remote_seed: Optional[int] = None  # the producer's, for KV read from it
@@ -181,6 +181,7 @@ class AtomEngine:
         self.config = atom_config(role, tp=tp, block_size=block_size, num_blocks=num_blocks, port=port,
                                   backend=backend, prefix_caching=prefix_caching, dp_rank=dp_rank, dp_size=dp_size,
                                   **kv)
+        self.config.upstream_connector_contract = upstream  # the fake ATOM with docs/atom-upstream.md
         self.num_blocks = num_blocks
         self.ranks = [Rank(self.config, r, tp, mla=mla, dtype=FP8 if fp8 else torch.bfloat16, shuffled_v=shuffled_v,
                            dp_rank=dp_rank) for r in range(tp)]

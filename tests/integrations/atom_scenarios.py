@@ -9,6 +9,7 @@ engines is free and no connector work is left at the end.
 from __future__ import annotations
 
 import logging
+import time
 
 from atom.model_engine.sequence import SequenceStatus
 
@@ -108,6 +109,48 @@ def abort_while_loading(d_tp: int = 2) -> None:
         run_until([D], D.idle, timeout_s=20)
         assert seq.id not in D.prefilled and D.errors == []
     finally:
+        D.close()
+
+
+def _holds_nothing(engine: AtomEngine) -> None:
+    """The connector keeps no per-request state once every request has ended."""
+    c = engine.connector
+    assert not (c._matched or c._parked or c._loaded or c._draining), (
+        c._matched, c._parked, c._loaded, c._draining)
+    assert c._hooks.num_loads() == 0 and not c.has_pending_work()
+
+
+def aborted_while_queued(rounds: int = 3, release_within_s: float = 2.0, upstream: bool = False) -> None:
+    """Decode requests aborted while still queued, before ATOM asked the connector anything (ATOM ends them
+    in ``schedule()`` and tells no connector), and one aborted after its load finished but before its first
+    decode (ATOM keeps its id in ``finished_recving_kv_req_ids``): every prefill block comes back within
+    ``release_within_s`` (the lease is 30 s), every consumer block is freed, and the consumer's connector
+    keeps nothing of them, round after round. ``upstream``: the fake ATOM with docs/atom-upstream.md, which
+    hands the connector its BlockManager and reports those requests itself (nothing of ATOM is wrapped)."""
+    P, D = _engines(1, 1, "tcp", d_kv={"upstream": True} if upstream else None)
+    assert ("take_rejected" in vars(D.sched)) is not upstream  # ATOM main: the connector watches take_rejected()
+    try:
+        for _ in range(rounds):
+            prefilled = prefill_on(P, PROMPTS)
+            assert P.blocks_in_use() > 0  # held for the readers, for up to abort_timeout_s (30 s)
+            queued = [D.add(p, 3, decode_params(s)) for p, s in zip(PROMPTS[:2], prefilled[:2])]
+            for seq in queued:
+                D.abort(seq)  # the client left before the decode engine's scheduler ran
+            start = time.monotonic()
+            run_until([P, D], lambda: all(s.id in D.finished for s in queued) and P.blocks_in_use() == 3,
+                      timeout_s=release_within_s)
+            assert time.monotonic() - start < release_within_s
+            for seq in queued:
+                assert seq.leave_reason == "aborted" and seq.output_tokens == [] and seq.id not in D.prefilled
+            loaded = D.add(PROMPTS[2], 3, decode_params(prefilled[2]))
+            run_until([P, D], lambda: loaded.id in D.sched.finished_recving_kv_req_ids)
+            D.abort(loaded)  # the load is done, its first decode not scheduled yet
+            run_until([P, D], lambda: loaded.id in D.finished and P.idle() and D.idle(), timeout_s=10)
+            assert loaded.leave_reason == "aborted" and D.errors == [], D.errors
+            _holds_nothing(D)
+            _holds_nothing(P)
+    finally:
+        P.close()
         D.close()
 
 
