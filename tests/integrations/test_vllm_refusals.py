@@ -66,7 +66,7 @@ def base(**more) -> dict:
     ({"transfer_timeout_s": -1},
      "kv-transfer-config: `transfer_timeout_s` must be a positive number of seconds, got -1.0"),
     ({"backend": "rdma"},
-     "kv-transfer-config: `backend` must be one of 'auto', 'tcp', 'cma', 'moriio', got 'rdma'"),
+     "kv-transfer-config: `backend` must be one of 'auto', 'tcp', 'cma', 'moriio', 'gpu_ipc', 'nixl', got 'rdma'"),
     ({"kv_role": "kv_consumer"},
      "kv_connector_extra_config: `kv_role` 'kv_consumer' contradicts vLLM's kv_role 'kv_producer'; "
      "set it once, as vLLM's kv_role"),
