@@ -173,11 +173,13 @@ class Cluster:
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Stop every process (engines first, in parallel, then the proxy). Idempotent."""
+        signalled = []
         for proc in self.engines:
             if proc.alive():
                 proc.proc.send_signal(signal.SIGTERM)
-        for proc in self.engines:
-            proc.stop()
+                signalled.append(proc)
+        for proc in self.engines:  # one SIGTERM each: a second one would cut an orderly shutdown short
+            proc.stop(signalled=proc in signalled)
         if self.proxy is not None:
             self.proxy.stop()
 

@@ -82,13 +82,15 @@ class ManagedProcess:
             pass
         self.proc.wait(5)
 
-    def stop(self, timeout: float = 8.0) -> None:
-        """SIGTERM the leader (it stops its own children), then SIGKILL whatever is left
-        of its group after ``timeout``. Idempotent."""
-        try:
-            self.proc.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+    def stop(self, timeout: float = 8.0, *, signalled: bool = False) -> None:
+        """SIGTERM the leader (it stops its own children; not again when the
+        caller already ``signalled`` it), then SIGKILL whatever is left of its
+        group after ``timeout``. Idempotent."""
+        if not signalled:
+            try:
+                self.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

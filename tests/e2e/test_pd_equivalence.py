@@ -40,6 +40,9 @@ def cluster(request, tmp_path_factory):
         yield c
     finally:
         c.close()
+    # every engine (and with nixl, every process that used NIXL) shut down cleanly on one SIGTERM
+    codes = {f"{s.role}{i}": p.proc.returncode for i, (s, p) in enumerate(zip(c.specs, c.engines))}
+    assert set(codes.values()) == {0}, f"engine exit statuses: {codes}"
 
 
 def _blocks_all_free(c: Cluster) -> bool:
