@@ -5,7 +5,7 @@ spinning a CPU core.
 read's NIXL transfers (posting may itself move the bytes: UCX over ``cma``
 copies inside the post) and then polls them. NIXL never calls back, so the
 thread polls every transfer in flight with back-off (tens of microseconds right
-after progress, growing while nothing finishes, up to a sixteenth of the
+after progress, growing while nothing finishes, up to a thirty-second of the
 youngest read's age and at most a millisecond) and sleeps on a condition
 variable when nothing is in flight. It finishes each :class:`ReadHandle` when
 all its transfers are done, on the first error, or at the read's deadline.
@@ -197,12 +197,12 @@ class XferTracker:
 
     def _next_delay(self, delay: float, progressed: bool, now: float) -> float:
         """Back-off: doubles while nothing finishes, but never beyond a
-        sixteenth of the youngest read's age, so a read is noticed at most
-        about 6% after it finished (and at most ``max_sleep_s`` late)."""
+        thirty-second of the youngest read's age, so a read is noticed at most
+        about 3% after it finished (and at most ``max_sleep_s`` late)."""
         if progressed:
             return self._min
-        youngest = min((now - p.started for p in self._pending), default=self._max * 16)
-        return max(self._min, min(delay * 2, self._max, youngest / 16))
+        youngest = min((now - p.started for p in self._pending), default=self._max * 32)
+        return max(self._min, min(delay * 2, self._max, youngest / 32))
 
     def _poll(self, p: Pending, now: float) -> bool:
         """True once ``p`` is finished (its handle then is)."""
