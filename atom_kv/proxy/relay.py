@@ -28,6 +28,7 @@ import aiohttp
 import msgspec
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
+from atom_kv.server_timing import HEADER as SERVER_TIMING
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.health import UpstreamHealth
 from atom_kv.proxy.legs import decode_request, prefill_request, wants_stream_usage
@@ -38,6 +39,7 @@ from atom_kv.proxy.policies import (
 from atom_kv.proxy.registry import ROLE_NAMES, Instance, Registry, Role
 from atom_kv.proxy.release import ProducerAddress, Releaser
 from atom_kv.proxy.settings import ProxySettings
+from atom_kv.proxy.spans import RequestSpans
 from atom_kv.proxy.sse import EventFramer, patch_usage
 from atom_kv.proxy.stream import DecodeStream, ResponseStream
 from atom_kv.proxy.upstream import (
@@ -50,6 +52,7 @@ logger = logging.getLogger(__name__)
 _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
 _KV_FAILURE = KV_TRANSFER_FAILURE_HEADER.lower()
+_SERVER_TIMING = SERVER_TIMING.lower()
 
 
 class _Retryable(Exception):
@@ -85,6 +88,7 @@ class RelayResult:
     content_type: str
     body: bytes | None = None
     stream: ResponseStream | None = None
+    spans: RequestSpans | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class _Request:
     auth: str | None
     ctx: RouteContext
     max_tokens: int | None
+    spans: RequestSpans
 
 
 def _abandon_reason(stage: str, exc: BaseException) -> str:
@@ -199,12 +204,15 @@ class Relay:
         return ProxyError(503, f"all {len(live)} {name} instance(s) are unhealthy (circuit open)")
 
     # ------------------------------------------------------------------ relay
-    async def relay(self, path: str, body: dict[str, Any], request_id: str, auth: str | None) -> RelayResult:
-        """Run one completion request; raises ProxyError / UpstreamResponseError for error replies."""
+    async def relay(self, path: str, body: dict[str, Any], request_id: str, auth: str | None,
+                    received: float | None = None) -> RelayResult:
+        """Run one completion request; raises ProxyError / UpstreamResponseError for error replies.
+        ``received``: when the request arrived (``time.perf_counter()``), where its spans start."""
         max_tokens = requested_max_tokens(body)  # before anything is spent
         text = prompt_text(body)
         tokens = estimate_prompt_tokens(body, text)
-        req = _Request(path, body, request_id, auth, RouteContext(text, tokens), max_tokens)
+        req = _Request(path, body, request_id, auth, RouteContext(text, tokens), max_tokens,
+                       RequestSpans(self.metrics.spans, received))
         exclude: dict[str, set[tuple[str, str]]] = {"P": set(), "D": set()}
         last_error: ProxyError | None = None
         for attempt in range(self.settings.max_retries + 1):
@@ -378,6 +386,7 @@ class Relay:
     async def _prefill(self, req: _Request, p: Pick, d: Pick, transfer_id: str) -> tuple[dict[str, Any], int | None]:
         payload = _json_encoder.encode(prefill_request(req.body, d.inst, d.rank, transfer_id))
         started = time.perf_counter()
+        req.spans.prefill_sent()
         try:
             resp = await self.pool.request(p.inst.host, p.inst.http_port,
                                            self._leg_head(req, p.inst, p.rank, len(payload)), payload,
@@ -388,6 +397,7 @@ class Relay:
         except UpstreamError as exc:
             raise self._transport_error(exc, p, "prefill") from None
         self.metrics.prefill_duration.observe(time.perf_counter() - started)
+        req.spans.prefill_answered(resp.header(_SERVER_TIMING))
         try:
             answer = _json_decoder.decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
@@ -408,6 +418,7 @@ class Relay:
     async def _open_decode(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
                            transfer_id: str) -> UpstreamResponse:
         payload = _json_encoder.encode(decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id))
+        req.spans.decode_sent(after_prefill=True)
         try:
             resp = await self.pool.request(d.inst.host, d.inst.http_port,
                                            self._leg_head(req, d.inst, d.rank, len(payload)), payload,
@@ -423,6 +434,7 @@ class Relay:
                 raise self._transport_error(exc, d, "decode") from None
             finally:
                 resp.close()
+        req.spans.decode_answered(resp.header(_SERVER_TIMING))
         return resp
 
     async def _prefill_side_failure(self, resp: UpstreamResponse, p: Pick, d: Pick) -> None:
@@ -452,10 +464,10 @@ class Relay:
             self.health.succeeded(d.inst)
             if prompt_tokens is not None and ctype.startswith("application/json"):
                 data = self._patch_json_usage(data, prompt_tokens)
-            return RelayResult(resp.status, ctype, body=data)
+            return RelayResult(resp.status, ctype, body=data, spans=req.spans)
         framer = EventFramer(prompt_tokens if prompt_tokens is not None and wants_stream_usage(req.body) else None)
         return RelayResult(resp.status, ctype, stream=DecodeStream(resp, req.request_id, d, self.health, framer,
-                                                                   self.settings.sse_split_max))
+                                                                   self.settings.sse_split_max), spans=req.spans)
 
     @staticmethod
     def _patch_json_usage(data: bytes, prompt_tokens: int) -> bytes:

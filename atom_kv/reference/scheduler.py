@@ -12,6 +12,7 @@ never fit is rejected up front. Blocks whose KV is lent to a remote reader
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -115,6 +116,7 @@ class Scheduler:
                 break  # this step already carries a prefill; the next one waits a step
             self.waiting.popleft()
             head.block_ids = self.blocks.allocate(self.blocks.blocks_for(head.num_prompt + head.max_tokens))
+            head.admitted_time = time.monotonic()
             if self._start_remote_load(head):
                 continue
             head.state = RequestState.RUNNING
@@ -231,6 +233,7 @@ class Scheduler:
             req = self.waiting_remote.pop(rid, None)
             if req is None:
                 continue
+            req.kv_ready_time = time.monotonic()
             # All prompt KV is here; recompute only the last prompt token for the first logits.
             req.num_computed = min(req.num_external_tokens, req.num_prompt - 1)
             req.state = RequestState.RUNNING

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from typing import Any, Optional
 
@@ -18,6 +19,8 @@ from aiohttp import web
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER, error_body
 from atom_kv.reference.engine import EngineCore
+from atom_kv.server_timing import HEADER as SERVER_TIMING
+from atom_kv.server_timing import format_server_timing
 from atom_kv.reference.metrics import EngineMetrics
 from atom_kv.reference.openai_protocol import (
     GenerateParams,
@@ -83,6 +86,13 @@ def _with_side(headers: dict[str, str], out: RequestOutput) -> dict[str, str]:
     if out.error_side is None:
         return headers
     return {**headers, KV_TRANSFER_FAILURE_HEADER: out.error_side}
+
+
+def _timed(headers: dict[str, str], req: Request) -> dict[str, str]:
+    """``headers`` plus ``Server-Timing`` with the request's spans to its first token (the engine
+    thread set them before it delivered the output that got us here)."""
+    spans = req.spans()
+    return {**headers, SERVER_TIMING: format_server_timing(spans)} if spans else headers
 
 
 class _ClientGone(Exception):
@@ -169,6 +179,7 @@ class OpenAIServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrival = time.monotonic()
         client_rid = request.headers.get("X-Request-Id")
         suffix = uuid.uuid4().hex[:12]
         rid = f"{client_rid}-{suffix}" if client_rid else f"{'chatcmpl' if chat else 'cmpl'}-{suffix}"
@@ -186,7 +197,7 @@ class OpenAIServer:
         req = Request(request_id=rid, prompt_ids=params.prompt_ids, max_tokens=params.max_tokens,
                       temperature=params.temperature, seed=params.seed,
                       kv_transfer_params=params.kv_transfer_params, stop=params.stop,
-                      stop_token_ids=params.stop_token_ids)
+                      stop_token_ids=params.stop_token_ids, arrival_time=arrival)
         queue = self.router.register(rid)
         finished = False
         try:
@@ -200,9 +211,9 @@ class OpenAIServer:
             log.debug("request %s: %d prompt tokens, max_tokens %d, stream=%s", rid, len(params.prompt_ids),
                       params.max_tokens, params.stream)
             if params.stream:
-                resp, finished = await self._stream(request, queue, rid, params, chat, headers)
+                resp, finished = await self._stream(request, queue, req, params, chat, headers)
                 return resp
-            resp, finished = await self._collect(request, queue, rid, params, chat, headers)
+            resp, finished = await self._collect(request, queue, req, params, chat, headers)
             return resp
         except _ClientGone:
             log.info("request %s: client disconnected", rid)
@@ -221,8 +232,9 @@ class OpenAIServer:
                 if transport is None or transport.is_closing():
                     raise _ClientGone() from None
 
-    async def _collect(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", rid: str,
+    async def _collect(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", req: Request,
                        params: GenerateParams, chat: bool, headers: dict[str, str]) -> tuple[web.Response, bool]:
+        rid = req.request_id
         token_ids: list[int] = []
         while True:
             out = await self._next(request, queue)
@@ -235,16 +247,17 @@ class OpenAIServer:
                     finish_reason=out.finish_reason, prompt_tokens=len(params.prompt_ids),
                     completion_tokens=out.num_output_tokens, created=now_s(),
                     kv_transfer_params=out.kv_transfer_params, stop_reason=out.stop_reason)
-                return _json(body, headers=headers), True
+                return _json(body, headers=_timed(headers, req)), True
 
-    async def _stream(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", rid: str,
+    async def _stream(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", req: Request,
                       params: GenerateParams, chat: bool,
                       headers: dict[str, str]) -> tuple[web.StreamResponse, bool]:
+        rid = req.request_id
         created = now_s()
         out = await self._next(request, queue)
         if out.error:  # failed before the first token: a plain HTTP error
             return _error(out.error, out.error_status, headers=_with_side(headers, out)), True
-        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+        resp = web.StreamResponse(headers={**_timed(headers, req), "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
