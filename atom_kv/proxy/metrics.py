@@ -52,6 +52,10 @@ class ProxyMetrics:
             "atom_kv_proxy_marked_down", "Instances taken out of routing after a connection-level failure",
             ["role"], registry=r,
         )
+        self.first_tokens_forwarded = Counter(
+            "atom_kv_proxy_first_tokens_forwarded", "Streamed requests whose first token went to the client "
+            "from the prefill's answer, before the decode leg answered", registry=r,
+        )
         self.retries = Counter("atom_kv_proxy_retries", "Re-planned P/D pairs after an upstream failure", registry=r)
         self.abandoned_prefills = Counter(
             "atom_kv_proxy_abandoned_prefills", "Prefills whose KV no decode leg will read, by reason",

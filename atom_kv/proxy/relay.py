@@ -30,6 +30,7 @@ import msgspec
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
 from atom_kv.server_timing import HEADER as SERVER_TIMING
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
+from atom_kv.proxy.first_token import FirstTokenStream, first_token_events, forwardable
 from atom_kv.proxy.health import UpstreamHealth
 from atom_kv.proxy.legs import decode_request, prefill_request, wants_stream_usage
 from atom_kv.proxy.metrics import ProxyMetrics
@@ -245,13 +246,22 @@ class Relay:
             await self._check_context(req, p, d)
             stage = "prefill"
             try:
-                prefill_kv, prompt_tokens = await self._prefill(req, p, d, transfer_id)
+                prefill_kv, prompt_tokens, answer = await self._prefill(req, p, d, transfer_id)
             finally:
                 p.credit()
             used = prefill_kv.get("transfer_id")
             if isinstance(used, str) and used:
                 transfer_id = used  # the producer's own id if it did not adopt ours
             stage = "decode"
+            early = self._first_token_events(req, d, prefill_kv, answer)
+            if early is not None:
+                stage = "handed_off"  # the decode leg's own task abandons the prefill if it fails
+                result = RelayResult(200, "text/event-stream", spans=req.spans, stream=FirstTokenStream(
+                    early, self._decode_after_first_token(req, p, d, prefill_kv, transfer_id, prompt_tokens),
+                    req.request_id))
+                req.spans.ready()
+                self.metrics.first_tokens_forwarded.inc()
+                return result
             resp = await self._open_decode(req, p, d, prefill_kv, transfer_id)
             stage = "handed_off"  # the decode engine owns the prefill's KV from here on
             result = await self._respond(resp, req, d, prompt_tokens)
@@ -383,7 +393,8 @@ class Relay:
         detail = str(exc) or type(exc).__name__
         return _Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {detail}"), pick.inst, "unreachable")
 
-    async def _prefill(self, req: _Request, p: Pick, d: Pick, transfer_id: str) -> tuple[dict[str, Any], int | None]:
+    async def _prefill(self, req: _Request, p: Pick, d: Pick,
+                       transfer_id: str) -> tuple[dict[str, Any], int | None, dict[str, Any]]:
         payload = _json_encoder.encode(prefill_request(req.body, d.inst, d.rank, transfer_id))
         started = time.perf_counter()
         req.spans.prefill_sent()
@@ -413,11 +424,44 @@ class Relay:
         usage = answer.get("usage")
         prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         logger.debug("[%s] prefill done on %s rank %d", req.request_id, p.inst.base_url, p.rank)
-        return kv, prompt_tokens if isinstance(prompt_tokens, int) else None
+        return kv, prompt_tokens if isinstance(prompt_tokens, int) else None, answer
+
+    # ------------------------------------------------------------------ first-token forwarding
+    def _first_token_events(self, req: _Request, d: Pick, prefill_kv: dict[str, Any],
+                            answer: dict[str, Any]) -> bytes | None:
+        """The client's first event(s) when this pair and request forward the prefill's token, else None."""
+        if not self.settings.first_token_forwarding or not forwardable(req.body, d.inst.features, prefill_kv):
+            return None
+        return first_token_events(answer, chat=req.path.endswith("/chat/completions"))
+
+    async def _decode_after_first_token(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
+                                        transfer_id: str, prompt_tokens: int | None) -> ResponseStream:
+        """The decode leg of a request whose first token is out: owns the abandon and the decode
+        pick's credit until its stream takes them over."""
+        try:
+            resp = await self._open_decode(req, p, d, prefill_kv, transfer_id, first_token_sent=True)
+        except BaseException as exc:
+            self._abandon_prefill(transfer_id, p, _abandon_reason("decode", exc), prefill_kv)
+            d.credit()
+            raise
+        try:
+            result = await self._respond(resp, req, d, prompt_tokens)
+        except BaseException:
+            d.credit()
+            raise
+        if result.stream is None:
+            d.credit()
+            raise ProxyError(502, f"decode instance {d.inst.base_url} answered a streamed request without a stream")
+        return result.stream
 
     async def _open_decode(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
-                           transfer_id: str) -> UpstreamResponse:
-        payload = _json_encoder.encode(decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id))
+                           transfer_id: str, first_token_sent: bool = False) -> UpstreamResponse:
+        body = decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id)
+        if first_token_sent:
+            body["kv_transfer_params"]["first_token_sent"] = True
+        elif not self.settings.first_token_forwarding:
+            body["kv_transfer_params"].pop("first_token_ids", None)  # the decode engine computes it again
+        payload = _json_encoder.encode(body)
         req.spans.decode_sent(after_prefill=True)
         try:
             resp = await self.pool.request(d.inst.host, d.inst.http_port,

@@ -19,6 +19,8 @@ from aiohttp import web
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER, error_body
 from atom_kv.reference.engine import EngineCore
+from atom_kv.reference.first_token import FEATURE as FIRST_TOKEN
+from atom_kv.reference.first_token import first_token_sent
 from atom_kv.server_timing import HEADER as SERVER_TIMING
 from atom_kv.server_timing import format_server_timing
 from atom_kv.reference.metrics import EngineMetrics
@@ -147,6 +149,7 @@ class OpenAIServer:
             "role": self.engine.role,
             "engine_id": self.engine.engine_id,
             "tp_size": self.engine.args.tp,
+            "kv_features": [FIRST_TOKEN] if self.engine.kv_config is not None else [],
             "kv_blocks": {"total": snap["kv_total"], "free": snap["kv_free"], "held": snap["kv_held"]},
             "requests": {"running": snap["running"], "waiting": snap["waiting"],
                          "waiting_remote_kv": snap["waiting_remote"]},
@@ -278,14 +281,21 @@ class OpenAIServer:
                            request: web.Request, out: RequestOutput, rid: str, params: GenerateParams,
                            chat: bool, created: int, send: Any) -> None:
         detok = IncrementalDetokenizer()
-        if chat:
+        # the proxy streamed the first token (and the chat role chunk) already: leave them out
+        skip = 1 if first_token_sent(params.kv_transfer_params) else 0
+        if chat and not skip:
             await send(chunk_body(rid=rid, model=self.model_id, chat=True, created=created, text="", finish_reason=None,
                                   role=True))
         while True:
             if out.error:
                 await send(error_body(out.error_status, out.error))
                 break
-            text = "".join(detok.push(t) for t in out.new_token_ids)
+            ids = out.new_token_ids
+            if skip:
+                for t in ids[:skip]:
+                    detok.push(t)  # its text is already out
+                ids, skip = ids[skip:], max(0, skip - len(ids))
+            text = "".join(detok.push(t) for t in ids)
             if out.finished:
                 text += detok.flush()
             if text:
