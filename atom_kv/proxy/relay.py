@@ -437,13 +437,33 @@ class Relay:
     async def _decode_after_first_token(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
                                         transfer_id: str, prompt_tokens: int | None) -> ResponseStream:
         """The decode leg of a request whose first token is out: owns the abandon and the decode
-        pick's credit until its stream takes them over."""
-        try:
-            resp = await self._open_decode(req, p, d, prefill_kv, transfer_id, first_token_sent=True)
-        except BaseException as exc:
-            self._abandon_prefill(transfer_id, p, _abandon_reason("decode", exc), prefill_kv)
-            d.credit()
-            raise
+        pick's credit until its stream takes them over. The client has seen a byte, so the pair
+        is not re-planned; a decode engine that cannot be reached is replaced by another one
+        reading the same prefill (it never saw the request, so the blocks are still held), up to
+        ``max_retries``. Any other failure abandons the prefill and ends the stream with an error."""
+        exclude: set[tuple[str, str]] = set()
+        for attempt in range(self.settings.max_retries + 1):
+            try:
+                resp = await self._open_decode(req, p, d, prefill_kv, transfer_id, first_token_sent=True)
+                break
+            except _Retryable as exc:
+                d.credit()
+                exclude.add(d.inst.key)
+                nxt = (self._pick("D", exclude, req.ctx, d.tokens)
+                       if exc.kind == "unreachable" and attempt < self.settings.max_retries else None)
+                if nxt is None or nxt.inst.key in exclude:
+                    if nxt is not None:
+                        nxt.credit()
+                    self._abandon_prefill(transfer_id, p, _abandon_reason("decode", exc), prefill_kv)
+                    raise
+                self.metrics.retries.inc()
+                logger.warning("[%s] decode leg failed after the first token (%s); trying %s", req.request_id,
+                               exc.error.message, nxt.inst.base_url)
+                d = nxt
+            except BaseException as exc:
+                self._abandon_prefill(transfer_id, p, _abandon_reason("decode", exc), prefill_kv)
+                d.credit()
+                raise
         try:
             result = await self._respond(resp, req, d, prompt_tokens)
         except BaseException:
