@@ -28,7 +28,6 @@ import aiohttp
 import msgspec
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
-from atom_kv.server_timing import HEADER as SERVER_TIMING
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.first_token import FirstTokenStream, first_token_events, forwardable
 from atom_kv.proxy.health import UpstreamHealth
@@ -47,6 +46,7 @@ from atom_kv.proxy.upstream import (
     UpstreamConnectTimeout, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout,
 )
 from atom_kv.proxy.validation import context_length_error, could_overflow, requested_max_tokens
+from atom_kv.server_timing import HEADER as SERVER_TIMING
 
 logger = logging.getLogger(__name__)
 
