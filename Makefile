@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-gpu bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +25,26 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# `make test-gpu`: the tests marked `gpu` (GPU memory through gpu_ipc and staged
+# tcp, the reference engines with --device cuda), in an environment with a GPU
+# build of torch, built once and stamped: GPU_TORCH is what pip installs first
+# (the CUDA build from PyPI by default; for ROCm, e.g.
+# GPU_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/rocm6.4").
+# GPU_VENV=/path reuses an environment built elsewhere. Without a GPU every
+# test is skipped with the reason (-rs prints it).
+GPU_VENV ?= .venv-gpu
+GPU_TORCH ?= torch==2.13.0
+GPU_STAMP := $(GPU_VENV)/.installed-gpu
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || $(PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install --quiet $(GPU_TORCH)
+	$(GPU_VENV)/bin/pip install --quiet -e '.[reference,test]'
+	touch $(GPU_STAMP)
+
+test-gpu: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs -m gpu tests
 
 # `make test-engines`: the tests that drive real engines' schedulers through our
 # adapters (tests/integrations/), each engine in its own environment, built once

@@ -71,7 +71,7 @@ KVRole = Literal["kv_producer", "kv_consumer"]
 #: Mooncake's ``protocol`` key, which ATOM users write: the transport it names, as our ``backend``
 Protocol = Literal["tcp", "rdma"]
 _PROTOCOL_BACKEND = {"tcp": "tcp", "rdma": "moriio"}
-BackendName = Literal["auto", "tcp", "cma", "moriio"]
+BackendName = Literal["auto", "tcp", "cma", "moriio", "gpu_ipc"]
 LoadFailurePolicy = Literal["fail", "recompute"]
 PollCqMode = Literal["polling", "event"]
 MoriIOTransport = Literal["rdma", "xgmi"]

@@ -170,6 +170,10 @@ HandshakeNonce = Annotated[str, msgspec.Meta(max_length=128)]
 HandshakeMac = Annotated[str, msgspec.Meta(max_length=128)]
 
 
+#: memory kind labels ("host", "gpu:N"): a few short strings
+MemoryLabels = Annotated[list[Annotated[str, msgspec.Meta(max_length=16)]], msgspec.Meta(max_length=16)]
+
+
 def handshake_port(base: int, dp_rank: int, tp_size: int, tp_rank: int) -> int:
     """Rank ``tp_rank`` of data-parallel group ``dp_rank`` listens on ``base + dp_rank*tp_size + tp_rank``."""
     return base + dp_rank * tp_size + tp_rank
@@ -190,6 +194,8 @@ class HandshakeRequest(msgspec.Struct, tag_field="t", tag="hs", kw_only=True):
     host: str = ""
     nonce: HandshakeNonce = ""
     v: int = HANDSHAKE_PROTOCOL_VERSION
+    #: memory kinds of this rank's KV cache ("host", "gpu:N"); empty from older peers (= host)
+    memory: MemoryLabels = []
 
 
 class HandshakeChallenge(msgspec.Struct, tag_field="t", tag="hs_challenge", kw_only=True):
@@ -227,6 +233,8 @@ class HandshakeReply(msgspec.Struct, tag_field="t", tag="hs_ok", kw_only=True):
     descriptor: bytes = b""
     regions: list[RegionInfo] = []
     v: int = HANDSHAKE_PROTOCOL_VERSION
+    #: memory kinds of the producer rank's KV cache; empty from older peers (= host)
+    memory: MemoryLabels = []
 
 
 class SealedHandshakeReply(msgspec.Struct, tag_field="t", tag="hs_sealed", kw_only=True):
@@ -491,6 +499,26 @@ class CmaGrantRequest(msgspec.Struct, tag_field="t", tag="cma_grant", kw_only=Tr
     v: int = CMA_PROTOCOL_VERSION
 
 
+class GpuIpcRegion(msgspec.Struct, array_like=True, frozen=True):
+    """One registered GPU region as a CUDA/HIP IPC memory handle (what torch's
+    ``UntypedStorage._share_cuda_`` returns, with ``offset``/``size`` the
+    region's place in the handle's allocation) and its address in the
+    serving process (used when reader and server are one process)."""
+
+    region: int
+    device: int
+    handle: bytes
+    offset: int
+    size: int
+    addr: int
+    ref_counter_handle: Optional[bytes] = None
+    ref_counter_offset: int = 0
+    event_handle: Optional[bytes] = None
+    event_sync_required: bool = False
+    #: the GPU's UUID: device indices differ between processes that see different GPUs
+    uuid: str = ""
+
+
 class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=True):
     """The region table a reader may read, or the refusal. ``proof`` is the
     endpoint's HMAC over both nonces when it requires the token."""
@@ -501,15 +529,21 @@ class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=T
     regions: list[RegionSpan] = []
     proof: Proof = ""
     v: int = CMA_PROTOCOL_VERSION
+    #: gpu_ipc's memory handles (empty for cma)
+    ipc: list[GpuIpcRegion] = []
 
 
 class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=True):
-    """Both descriptors of an auto backend; ``cma`` is empty when unusable."""
+    """The inner descriptors of an auto backend (``cma``, ``gpu_ipc`` empty
+    when unusable) and the memory kinds it registered (empty from older
+    peers: host)."""
 
     host_id: str
     tcp: bytes
     cma: bytes = b""
     v: int = PROTOCOL_VERSION
+    gpu_ipc: bytes = b""
+    memory: MemoryLabels = []
 
 
 # --------------------------------------------------------------------------

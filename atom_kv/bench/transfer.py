@@ -6,6 +6,12 @@ with ``--scattered`` a random permutation on both sides so nothing merges),
 verifies every byte, and prints GB/s (10^9 bytes/s) next to two ceilings
 measured in the same run: numpy memcpy of the same size and one plain
 loopback TCP stream (``sendall`` into ``recv_into``) between two processes.
+
+With ``--device cuda`` both buffers live on GPU 0 (``gpu_ipc``, staged
+``tcp``, ``auto``): the ceiling is then a same-process device-to-device torch
+copy of the same bytes, and each row says whether it meets its target:
+``gpu_ipc`` >= 0.7 x that ceiling, staged ``tcp`` >= 0.8 x ``tcp`` on host
+memory (measured in the same run, same processes), from 64 KiB blocks.
 """
 
 from __future__ import annotations
@@ -26,11 +32,17 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-BACKEND_CHOICES = ("tcp", "cma", "auto", "moriio")
+BACKEND_CHOICES = ("tcp", "cma", "auto", "moriio", "gpu_ipc")
+#: from this block size on, the GPU rows are held to their targets
+TARGET_FROM_KB = 64
+#: backend -> (what the GPU rate is compared with, the fraction it must reach)
+GPU_TARGETS = {"gpu_ipc": ("ceiling_gbps", 0.7), "tcp": ("host_gbps", 0.8), "auto": ("ceiling_gbps", 0.7)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKEND_CHOICES, default="tcp")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where both processes keep the buffers: host memory, or GPU 0 (CUDA or ROCm torch)")
     parser.add_argument("--total-mb", type=int, default=256, help="bytes read per measurement, in MiB")
     parser.add_argument("--block-kb", default="4,16,64,256,1024", help="comma-separated block sizes in KiB")
     parser.add_argument("--scattered", action="store_true", help="read blocks in a random permutation (no merging)")
@@ -73,7 +85,24 @@ def _socket_pusher(lsock: socket.socket, buf: np.ndarray, stop: threading.Event,
                 log.warning("socket ceiling: send failed: %s", exc)
 
 
-def _serve(backend_name: str, config: dict[str, Any], nbytes: int, align: int, seed: int, conn: Any) -> None:
+def _register(backend: Any, buf: Any, nbytes: int, align: int) -> list[int]:
+    """Register ``buf`` (numpy, or a torch tensor on a GPU) as the memory it is."""
+    from atom_kv.transfer import memory_of
+
+    ptr = buf.ctypes.data if isinstance(buf, np.ndarray) else buf.data_ptr()
+    return backend.register_memory(ptr, nbytes, align=align, memory=memory_of(buf))
+
+
+def _on_device(data: np.ndarray, device: str) -> Any:
+    if device == "cpu":
+        return data
+    import torch
+
+    return torch.from_numpy(data).to(device)
+
+
+def _serve(backend_name: str, config: dict[str, Any], nbytes: int, align: int, seed: int, conn: Any,
+           device: str = "cpu") -> None:
     from atom_kv.config import KVTransferConfig
     from atom_kv.transfer import create_backend
 
@@ -81,7 +110,10 @@ def _serve(backend_name: str, config: dict[str, Any], nbytes: int, align: int, s
         cfg = KVTransferConfig.from_dict({"kv_role": "kv_producer", **config})
         backend = create_backend(backend_name, cfg, host="127.0.0.1", key=f"bench-serve-{os.getpid()}")
         buf = pattern(nbytes, seed)
-        ids = backend.register_memory(buf.ctypes.data, nbytes, align=align)
+        keep = _on_device(buf, device)
+        ids = _register(backend, keep, nbytes, align)
+        if device != "cpu" and backend_name == "tcp":  # the same bytes in host memory: the staged target's base
+            ids = ids + _register(backend, buf, nbytes, align)
         desc = backend.export_descriptor()
     except Exception as exc:  # reported to the parent as one line
         conn.send(("error", f"{type(exc).__name__}: {exc}", [], 0))
@@ -195,6 +227,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"transfer bench: {exc}", file=sys.stderr)
         return 2
     cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", **config})
+    if args.device != "cpu":
+        from atom_kv.transfer.memory import gpu_unavailable_reason
+
+        if (why := gpu_unavailable_reason()) is not None:
+            print(f"transfer bench: --device {args.device}: {why}; use --device cpu", file=sys.stderr)
+            return 2
+    elif args.backend == "gpu_ipc":
+        print("transfer bench: backend 'gpu_ipc' moves GPU memory only; add --device cuda", file=sys.stderr)
+        return 2
     try:
         backend = create_backend(args.backend, cfg, host="127.0.0.1", key=f"bench-read-{os.getpid()}")
         if args.backend == "cma":
@@ -211,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     seed = 20260101
-    proc = ctx.Process(target=_serve, args=(args.backend, config, nbytes, align, seed, child), name="bench-serve", daemon=True)
+    proc = ctx.Process(target=_serve, args=(args.backend, config, nbytes, align, seed, child, args.device),
+                       name="bench-serve", daemon=True)
     proc.start()
     child.close()
     failures = 0
@@ -225,7 +267,12 @@ def run(args: argparse.Namespace) -> int:
             return 2 if "Unavailable" in desc else 1
         src = pattern(nbytes, seed)
         dst = np.zeros(nbytes, dtype=np.uint8)
-        local_ids = backend.register_memory(dst.ctypes.data, nbytes, align=align)
+        gpu = _GpuSide(src, args.device) if args.device != "cpu" else None
+        local_ids = _register(backend, gpu.dst if gpu else dst, nbytes, align)
+        host_pair = None
+        if gpu is not None and args.backend == "tcp":
+            host_pair = (ids[len(ids) // 2 :], _register(backend, dst, nbytes, align))
+            ids = ids[: len(ids) // 2]
         chunk = chunk_sizes(nbytes, align, backend.max_region_bytes)[0]
         try:
             peer = backend.add_peer(desc)
@@ -233,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"transfer bench: cannot add peer: {exc}", file=sys.stderr)
             return 1
         for block_kb in blocks_kb:
-            failures += _measure(args, backend, peer, src, dst, ids, local_ids, chunk, block_kb, sock_port, seed)
+            failures += _measure(args, backend, peer, src, dst, ids, local_ids, chunk, block_kb, sock_port, seed,
+                                 gpu=gpu, host_pair=host_pair)
     finally:
         backend.close()
         try:
@@ -247,30 +295,83 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+class _GpuSide:
+    """The reader's GPU buffers: the destination, the source bytes (to verify
+    on the device and for the ceiling: a same-process device-to-device copy)."""
+
+    def __init__(self, src: np.ndarray, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.src = torch.from_numpy(src).to(device)
+        self.dst = torch.zeros_like(self.src)
+
+    def ceiling_gbps(self) -> float:
+        self.torch.cuda.synchronize()
+        t = time.perf_counter()
+        self.dst.copy_(self.src)
+        self.torch.cuda.synchronize()
+        return self.src.numel() / (time.perf_counter() - t) / 1e9
+
+    def clear(self) -> None:
+        self.dst.zero_()
+        self.torch.cuda.synchronize()
+
+    def equal(self, nblocks: int, block: int, lperm: np.ndarray, rperm: np.ndarray) -> bool:
+        torch = self.torch
+        got = self.dst.view(nblocks, block)[torch.from_numpy(lperm).to(self.dst.device)]
+        want = self.src.view(nblocks, block)[torch.from_numpy(rperm).to(self.src.device)]
+        return bool(torch.equal(got, want))
+
+
+def _timed_read(backend: Any, peer: str, ops: np.ndarray, nbytes: int, timeout_s: float) -> tuple[float, Optional[str]]:
+    t = time.perf_counter()
+    h = backend.read(peer, ops, timeout_s=timeout_s)
+    finished = h.wait(timeout_s + 5)
+    elapsed = time.perf_counter() - t
+    if not finished or h.error:
+        return 0.0, h.error or "read did not finish"
+    return nbytes / elapsed / 1e9, None
+
+
 def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray, dst: np.ndarray,
-             ids: list[int], local_ids: list[int], chunk: int, block_kb: int, sock_port: int, seed: int) -> int:
+             ids: list[int], local_ids: list[int], chunk: int, block_kb: int, sock_port: int, seed: int,
+             gpu: Optional[_GpuSide] = None, host_pair: Optional[tuple[list[int], list[int]]] = None) -> int:
     block = block_kb << 10
     nblocks = src.nbytes // block
     ops, lperm, rperm = build_ops(nblocks, block, chunk, ids, local_ids, args.scattered, seed + block_kb)
-    rates, mem, sock = [], [], []
+    host_ops = None
+    if host_pair is not None:  # the same reads between host buffers, for the staged target
+        host_ops = build_ops(nblocks, block, chunk, host_pair[0], host_pair[1], args.scattered, seed + block_kb)[0]
+    rates, mem, sock, ceiling, host_rates = [], [], [], [], []
     verified = True
     error: Optional[str] = None
     for _ in range(max(1, args.repeat)):
         mem.append(memcpy_gbps(dst, src))
         sock.append(socket_gbps(sock_port, dst, args.timeout_s))
+        if gpu is not None:
+            ceiling.append(gpu.ceiling_gbps())
+            gpu.clear()
+        if host_ops is not None:
+            dst.fill(0)
+            rate, error = _timed_read(backend, peer, host_ops, src.nbytes, args.timeout_s)
+            if error is None and not np.array_equal(dst.reshape(nblocks, block)[lperm], src.reshape(nblocks, block)[rperm]):
+                error = "bytes read into host memory differ from the source"
+            if error is not None:
+                verified = False
+                break
+            host_rates.append(rate)
         dst.fill(0)
-        t = time.perf_counter()
-        h = backend.read(peer, ops, timeout_s=args.timeout_s)
-        finished = h.wait(args.timeout_s + 5)
-        elapsed = time.perf_counter() - t
-        if not finished or h.error:
-            error = h.error or "read did not finish"
+        rate, error = _timed_read(backend, peer, ops, src.nbytes, args.timeout_s)
+        if error is not None:
             verified = False
             break
-        rates.append(src.nbytes / elapsed / 1e9)
-        got = dst.reshape(nblocks, block)[lperm]
-        want = src.reshape(nblocks, block)[rperm]
-        if not np.array_equal(got, want):
+        rates.append(rate)
+        if gpu is not None:
+            same = gpu.equal(nblocks, block, lperm, rperm)
+        else:
+            same = np.array_equal(dst.reshape(nblocks, block)[lperm], src.reshape(nblocks, block)[rperm])
+        if not same:
             verified = False
             error = "bytes read differ from the source"
             break
@@ -286,6 +387,15 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
         "socket_gbps": round(max(sock), 3),
         "repeats": len(rates),
     }
+    if gpu is not None:
+        row["device"] = args.device
+        row["ceiling_gbps"] = round(max(ceiling), 3) if ceiling else 0.0
+        if host_rates:
+            row["host_gbps"] = round(max(host_rates), 3)
+        base, fraction = GPU_TARGETS.get(args.backend, ("ceiling_gbps", 0.7))
+        if block_kb >= TARGET_FROM_KB and row.get(base):
+            row["target"] = f">= {fraction} x {base.removesuffix('_gbps')}"
+            row["meets_target"] = bool(row["gbps"] >= fraction * row[base])
     if error:
         row["error"] = error
     if args.json:
@@ -297,6 +407,9 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
             f"{row['backend']:>6} block {block_kb:>5} KiB {'scattered' if args.scattered else 'contiguous':>10}: "
             f"{row['gbps']:7.3f} GB/s (median {row['gbps_median']:.3f})  memcpy {row['memcpy_gbps']:.3f} "
             f"({pct_mem:.0f}%)  socket {row['socket_gbps']:.3f} ({pct_sock:.0f}%)  verified={verified}"
+            + (f"  device ceiling {row['ceiling_gbps']:.3f}" if "ceiling_gbps" in row else "")
+            + (f"  host tcp {row['host_gbps']:.3f}" if "host_gbps" in row else "")
+            + (f"  target {row['target']}: {'met' if row['meets_target'] else 'MISSED'}" if "target" in row else "")
             + (f"  error: {error}" if error else ""),
             flush=True,
         )

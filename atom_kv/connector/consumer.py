@@ -65,6 +65,10 @@ class ConsumerWorker(ConnectorWorker):
             local_heads=1 if self.compat.is_mla else self.compat.num_kv_heads // self.tp_size,
         )
 
+    def _registered(self, memory: list[str]) -> None:
+        if self._peers is not None:
+            self._peers.set_memory(memory)
+
     def _renamed(self) -> None:
         if self._peers is not None:
             self._peers.rename(self.engine_id, self._name)

@@ -49,6 +49,8 @@ class RegisteredKV:
     layouts: list[TensorLayout] = field(default_factory=list)
     regions: list[RegionInfo] = field(default_factory=list)
     tensors: list[Any] = field(default_factory=list)
+    #: the memory kinds of the tensors ("host", "gpu:N"), each once, as the handshake carries them
+    memory: list[str] = field(default_factory=list)
 
 
 def compat_layout(compat: CompatInfo) -> KVLayout:
@@ -118,6 +120,8 @@ def register_kv_tensors(backend: TransferBackend, tensors: Sequence[KVTensor]) -
         out.regions.append(RegionInfo(layer=kt.layer, kind=kt.kind, region_ids=list(ids), chunk_bytes=chunk,
                                       block_bytes=kt.block_bytes, num_blocks=kt.num_blocks))
         out.tensors.append(kt.tensor)
+        if memory.label not in out.memory:
+            out.memory.append(memory.label)
     return out
 
 

@@ -26,6 +26,7 @@ from atom_kv.connector.layout import HeadOverlap, ReadPlanner, TensorLayout
 from atom_kv.connector.stats import TransferStats
 from atom_kv.connector.types import LoadSpec
 from atom_kv.transfer import TransferBackend
+from atom_kv.transfer.memory import pair_refusal
 from atom_kv.wire import HandshakeRequest
 
 __all__ = ["Peer", "PeerKey", "PeerTable", "producer_port"]
@@ -95,6 +96,11 @@ class PeerTable:
             self._request = msgspec.structs.replace(self._request, engine_id=engine_id)
             self._name = name
 
+    def set_memory(self, memory: list[str]) -> None:
+        """Tell producers the memory kinds of this rank's KV cache from now on."""
+        with self._lock:
+            self._request = msgspec.structs.replace(self._request, memory=list(memory))
+
     def get(self, spec: LoadSpec, remote_rank: int) -> tuple[PeerKey, cf.Future]:
         """The peer's key and its (maybe still running) handshake; starts one if none is cached."""
         key = (spec.remote_engine_id, spec.remote_host, producer_port(spec, remote_rank))
@@ -147,6 +153,8 @@ class PeerTable:
             if not reply.ok:
                 raise HandshakeRejected(f"handshake with {host}:{port} refused: {reply.error}")
             if reply.compat is not None and (err := compat_mismatch(self._request.compat, reply.compat, "decode", "prefill")):
+                raise HandshakeRejected(f"handshake with {host}:{port}: {err}")
+            if err := pair_refusal(self._backend.name, self._backend.memory_kinds, reply.memory, "prefill engine"):
                 raise HandshakeRejected(f"handshake with {host}:{port}: {err}")
             if key[0] and reply.engine_id and reply.engine_id != key[0]:
                 # a restarted producer: the KV this transfer names is gone

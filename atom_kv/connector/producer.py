@@ -32,6 +32,7 @@ from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handshake_port
 from atom_kv.connector.types import ConnectorMetadata
 from atom_kv.connector.worker import ConnectorWorker
+from atom_kv.transfer.memory import pair_refusal
 from atom_kv.wire import DoneAck, DoneReading, HandshakeReply, HandshakeRequest, Issued, Release, blocks_digest
 
 __all__ = ["ProducerWorker"]
@@ -134,13 +135,17 @@ class ProducerWorker(ConnectorWorker):
     def _answer_handshake(self, req: HandshakeRequest) -> HandshakeReply:
         with self._lock:
             regions = list(self._kv.regions)
+            memory = list(self._kv.memory)
         base = dict(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                    dp_rank=self.dp_rank, compat=self.compat, backend=self.backend.name, host=self.host)
+                    dp_rank=self.dp_rank, compat=self.compat, backend=self.backend.name, host=self.host,
+                    memory=memory)
         error = compat_mismatch(self.compat, req.compat, "prefill", "decode")
         if error is None and not regions:
             error = "the producer has not registered its KV caches yet"
         if error is None and req.backend and req.backend != self.backend.name:
             error = f"transfer backend mismatch: {self.backend.name} (here) vs {req.backend} (peer)"
+        if error is None:
+            error = pair_refusal(self.backend.name, self.backend.memory_kinds, req.memory, "decode engine")
         if error is not None:
             logger.warning("%s: refused handshake from engine %s rank %d: %s",
                            self._name, req.engine_id, req.tp_rank, error)

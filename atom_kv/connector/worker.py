@@ -103,8 +103,13 @@ class ConnectorWorker(WorkerHooks):
         registered = register_kv_tensors(self.backend, describe_kv_caches(kv_caches, self.compat, self.tp_size))
         with self._lock:
             self._kv = registered
-        logger.info("%s: registered %d KV tensors (%d layers) with the %s backend",
-                    self._name, len(registered.layouts), self.compat.num_layers, self.backend.name)
+        self._registered(registered.memory)
+        logger.info("%s: registered %d KV tensors (%d layers, %s memory) with the %s backend",
+                    self._name, len(registered.layouts), self.compat.num_layers, ", ".join(registered.memory),
+                    self.backend.name)
+
+    def _registered(self, memory: list[str]) -> None:
+        """The KV caches are registered, in ``memory`` ("host", "gpu:N"): tell what the role built."""
 
     def set_engine_id(self, engine_id: str) -> None:
         """ATOM builds its model runners before the scheduler-side connector

@@ -75,11 +75,12 @@ def run(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
     print(f"starting proxy, prefill (TP={args.tp_prefill}), decode (TP={args.tp_decode}) and a colocated engine "
-          f"on 127.0.0.1 (backend {args.backend}) ...", flush=True)
+          f"on 127.0.0.1 (backend {args.backend}, device {args.device}) ...", flush=True)
+    device = ["--device", args.device]
     cluster = Cluster([
-        EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=512),
-        EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=512),
-        EngineSpec("colocated", num_blocks=512),
+        EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=512, extra_args=device),
+        EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=512, extra_args=device),
+        EngineSpec("colocated", num_blocks=512, extra_args=device),
     ], heartbeat_timeout=5.0)
     try:
         t0 = time.monotonic()
@@ -129,7 +130,9 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m atom_kv.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", default="auto", choices=["auto", "tcp", "cma"])
+    p.add_argument("--backend", default="auto", choices=["auto", "tcp", "cma", "gpu_ipc"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where every engine keeps its model and KV cache (cuda also means ROCm)")
     p.add_argument("--tp-prefill", type=int, default=1, choices=[1, 2])
     p.add_argument("--tp-decode", type=int, default=1, choices=[1, 2])
     p.add_argument("--max-tokens", type=int, default=32)
@@ -142,6 +145,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     except MissingExtraError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if args.device == "cuda":
+        from atom_kv.transfer.memory import gpu_unavailable_reason
+
+        if (why := gpu_unavailable_reason()) is not None:
+            print(f"error: --device cuda: {why}; use --device cpu", file=sys.stderr)
+            return 2
+    elif args.backend == "gpu_ipc":
+        print("error: --backend gpu_ipc moves GPU memory only; add --device cuda, or use --backend auto",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.WARNING)
     # Ctrl-C and SIGTERM both unwind through `finally`, which stops every process we started
     # (SIGINT may arrive ignored when launched from a non-interactive shell).

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--model-id", default="atom-kv-tiny", help="served model name (also checked in KV handshakes)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model and its KV cache live; cuda also means a ROCm build of torch "
+                        "(TP ranks take GPU tp_rank mod the GPUs visible)")
     p.add_argument("--default-max-tokens", type=int, default=16)
     p.add_argument("--startup-timeout", type=float, default=120.0, help="seconds for TP ranks to start")
     p.add_argument("--step-timeout", type=float, default=300.0,
@@ -121,6 +124,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if getattr(args, flag) < 1:
             print(f"error: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if args.device == "cuda":
+        from atom_kv.transfer.memory import gpu_unavailable_reason
+
+        if (why := gpu_unavailable_reason()) is not None:
+            print(f"error: --device cuda: {why}; use --device cpu", file=sys.stderr)
+            return 2
     if 2 % args.tp:
         print(f"error: --tp {args.tp} must divide the model's 2 KV heads (use 1 or 2)", file=sys.stderr)
         return 2
@@ -133,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         EngineArgs(model_id=args.model_id, seed=args.seed, num_layers=args.num_layers, tp=args.tp,
                    num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                   host=args.host, threads=args.threads, startup_timeout_s=args.startup_timeout,
+                   host=args.host, threads=args.threads, device=args.device, startup_timeout_s=args.startup_timeout,
                    step_timeout_s=args.step_timeout),
         kv_config, router.deliver,
     )

@@ -44,6 +44,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     host: str = "127.0.0.1"
     threads: int = 1
+    device: str = "cpu"  # the model's and the KV cache's: "cpu" or "cuda"
     idle_tick_s: float = 0.1      # slowest connector poll while transfers are outstanding
     fast_tick_s: float = 0.002    # first poll after a load starts or a transfer event arrives
     step_timeout_s: float = 300.0
@@ -104,7 +105,7 @@ class EngineCore:
         specs = [
             RankSpec(model=a.model_config(), model_id=a.model_id, num_blocks=a.num_blocks,
                      block_size=a.block_size, tp_rank=r, tp_size=a.tp, engine_id=self.engine_id,
-                     host=a.host, kv_config_json=cfg_json)
+                     host=a.host, kv_config_json=cfg_json, device=a.device)
             for r in range(a.tp)
         ]
         self._executor = create_executor(specs, threads=a.threads, startup_timeout_s=a.startup_timeout_s,
@@ -120,7 +121,7 @@ class EngineCore:
             self.scheduler.hooks = self._hooks
         self._thread = threading.Thread(target=self._loop, name="atom-kv-engine-core", daemon=True)
         self._thread.start()
-        log.info("engine %s (%s, tp=%d) started", self.engine_id, self.role, a.tp)
+        log.info("engine %s (%s, tp=%d, device %s) started", self.engine_id, self.role, a.tp, a.device)
 
     def close(self) -> None:
         """Stop the loop, the hooks and the workers. Idempotent."""

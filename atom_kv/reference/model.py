@@ -67,6 +67,7 @@ class TinyLlama:
         tp_rank: int = 0,
         tp_size: int = 1,
         all_reduce: Optional[Callable[[torch.Tensor], None]] = None,
+        device: "torch.device | str" = "cpu",
     ) -> None:
         if cfg.num_kv_heads % tp_size or cfg.num_heads % tp_size or cfg.intermediate % tp_size:
             raise ValueError(
@@ -74,6 +75,7 @@ class TinyLlama:
                 f"num_heads={cfg.num_heads} and intermediate={cfg.intermediate}"
             )
         self.cfg = cfg
+        self.device = torch.device(device)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.heads = cfg.num_heads // tp_size
@@ -101,9 +103,11 @@ class TinyLlama:
             self.w[p + "w_down"] = full[p + "w_down"][:, m0:m1].contiguous()
             self.w[p + "attn_norm"] = full[p + "attn_norm"]
             self.w[p + "mlp_norm"] = full[p + "mlp_norm"]
+        # weights are generated on the CPU (the same numbers on every device), then moved
+        self.w = {name: t.to(self.device) for name, t in self.w.items()}
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        self._inv_freq = inv_freq
-        self._workspace = torch.empty(0)  # K/V gather space of paged attention, see _gather_context
+        self._inv_freq = inv_freq.to(self.device)
+        self._workspace = torch.empty(0, device=self.device)  # K/V gather space of paged attention, see _gather_context
 
     # ------------------------------------------------------------------ pieces
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -141,10 +145,11 @@ class TinyLlama:
                 positions.append(pos)
                 blocks.append(c.block_ids[pos // bs])
                 offsets.append(pos % bs)
-        tok_t = torch.tensor(tokens, dtype=torch.long)
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        blk_t = torch.tensor(blocks, dtype=torch.long)
-        off_t = torch.tensor(offsets, dtype=torch.long)
+        dev = self.device
+        tok_t = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        blk_t = torch.tensor(blocks, dtype=torch.long, device=dev)
+        off_t = torch.tensor(offsets, dtype=torch.long, device=dev)
         n = tok_t.shape[0]
         x = self.w["embed"][tok_t]
         scale = 1.0 / math.sqrt(d)
@@ -157,7 +162,7 @@ class TinyLlama:
             k_cache, v_cache = cache.layers[layer]
             k_cache[blk_t, :, off_t, :] = k
             v_cache[blk_t, :, off_t, :] = v
-            attn = torch.empty(n, self.heads * d)
+            attn = torch.empty(n, self.heads * d, device=dev)
             row = 0
             for c in chunks:
                 t = len(c.token_ids)
@@ -174,7 +179,7 @@ class TinyLlama:
         for c in chunks:
             row += len(c.token_ids)
             ends.append(row - 1)
-        last = self._rms(x[torch.tensor(ends, dtype=torch.long)], self.w["final_norm"])
+        last = self._rms(x[torch.tensor(ends, dtype=torch.long, device=dev)], self.w["final_norm"])
         return last @ self.w["lm_head"].T
 
     def _gather_context(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: list[int],
@@ -193,9 +198,9 @@ class TinyLlama:
         nb = (ctx + bs - 1) // bs
         layer = k_cache.numel()
         if self._workspace.numel() < 3 * layer:
-            self._workspace = torch.empty(3 * layer, dtype=k_cache.dtype)
+            self._workspace = torch.empty(3 * layer, dtype=k_cache.dtype, device=self.device)
         n = nb * hkv * bs * d
-        idx = torch.tensor(block_ids[:nb], dtype=torch.long)
+        idx = torch.tensor(block_ids[:nb], dtype=torch.long, device=self.device)
         staged = self._workspace[:n].view(nb, hkv, bs, d)
         out = []
         for i, cache in enumerate((k_cache, v_cache)):
@@ -224,7 +229,7 @@ class TinyLlama:
         elif chunk.start_pos == 0:
             out = _sdpa(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
         else:  # queries sit at the end of the context: bottom-right aligned causal mask
-            q_pos = torch.arange(chunk.start_pos, ctx)[:, None]
-            mask = torch.arange(ctx)[None, :] <= q_pos
+            q_pos = torch.arange(chunk.start_pos, ctx, device=self.device)[:, None]
+            mask = torch.arange(ctx, device=self.device)[None, :] <= q_pos
             out = _sdpa(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1).reshape(t, -1)

@@ -12,9 +12,37 @@ from atom_kv.reference.kv_cache import PagedKVCache
 from atom_kv.reference.model import SeqChunk, TinyLlama
 from atom_kv.reference.rank_io import ChunkTuple, RankSpec, StepResult
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "host_all_reduce", "rank_device"]
 
 log = logging.getLogger(__name__)
+
+
+def rank_device(spec: RankSpec) -> torch.device:
+    """The rank's device: the CPU, or for "cuda" GPU ``tp_rank`` modulo the
+    GPUs visible (ranks share a GPU when there are fewer GPUs than ranks)."""
+    if spec.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--device {spec.device}: no GPU visible to torch {torch.__version__}; use --device cpu")
+    device = torch.device("cuda", spec.tp_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the same float32 math in P/D and colocated engines
+    torch.backends.cudnn.allow_tf32 = False
+    return device
+
+
+def host_all_reduce(reduce: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """``reduce`` (gloo's all-reduce, host tensors) for tensors on any device."""
+
+    def all_reduce(t: torch.Tensor) -> None:
+        if t.device.type == "cpu":
+            reduce(t)
+            return
+        host = t.cpu()
+        reduce(host)
+        t.copy_(host)
+
+    return all_reduce
 
 
 class ModelRunner:
@@ -23,13 +51,16 @@ class ModelRunner:
     def __init__(self, spec: RankSpec, all_reduce: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         self.spec = spec
         cfg = spec.model
-        self.model = TinyLlama(cfg, tp_rank=spec.tp_rank, tp_size=spec.tp_size, all_reduce=all_reduce)
+        self.device = rank_device(spec)
+        self.model = TinyLlama(cfg, tp_rank=spec.tp_rank, tp_size=spec.tp_size, all_reduce=all_reduce,
+                               device=self.device)
         self.cache = PagedKVCache(
             num_layers=cfg.num_layers,
             num_blocks=spec.num_blocks,
             kv_heads=cfg.num_kv_heads // spec.tp_size,
             block_size=spec.block_size,
             head_dim=cfg.head_dim,
+            device=self.device,
         )
         self.hooks: Any = None
         if spec.kv_config_json:
@@ -58,8 +89,8 @@ class ModelRunner:
             )
             self.hooks.register_kv_caches(self.cache.layers)
         log.info(
-            "rank %d/%d ready: %d KV blocks of %d tokens (%.1f MiB)",
-            spec.tp_rank, spec.tp_size, spec.num_blocks, spec.block_size, self.cache.nbytes / 2**20,
+            "rank %d/%d ready on %s: %d KV blocks of %d tokens (%.1f MiB)",
+            spec.tp_rank, spec.tp_size, self.device, spec.num_blocks, spec.block_size, self.cache.nbytes / 2**20,
         )
 
     def step(self, chunks: list[ChunkTuple], meta: Optional[ConnectorMetadata]) -> StepResult:
@@ -70,7 +101,7 @@ class ModelRunner:
         if chunks:
             out = self.model.forward([SeqChunk(list(t), s, list(b)) for t, s, b in chunks], self.cache)
             if self.spec.tp_rank == 0:
-                logits = out.numpy()
+                logits = out.cpu().numpy()
         if self.hooks is not None:
             return StepResult(logits, self.hooks.get_finished(), dict(self.hooks.stats()))
         return StepResult(logits, KVConnectorOutput(), {})

@@ -113,7 +113,7 @@ def _worker_main(spec: RankSpec, conn: Connection, threads: int, parent_pid: int
         import torch
         import torch.distributed as dist
 
-        from atom_kv.reference.runner import ModelRunner
+        from atom_kv.reference.runner import ModelRunner, host_all_reduce
 
         torch.set_num_threads(threads)
         dist.init_process_group(
@@ -123,7 +123,7 @@ def _worker_main(spec: RankSpec, conn: Connection, threads: int, parent_pid: int
             world_size=spec.tp_size,
             timeout=timedelta(seconds=collective_timeout_s),
         )
-        runner = ModelRunner(spec, all_reduce=lambda t: dist.all_reduce(t))
+        runner = ModelRunner(spec, all_reduce=host_all_reduce(dist.all_reduce))
         conn.send(("ready", None))
         while True:
             if not conn.poll(1.0):

@@ -53,6 +53,7 @@ BACKENDS = {
     "cma": "atom_kv.transfer.cma:CmaBackend",
     "auto": "atom_kv.transfer.auto:AutoBackend",
     "moriio": "atom_kv.transfer.moriio:MoriIOBackend",
+    "gpu_ipc": "atom_kv.transfer.gpu_ipc:GpuIpcBackend",
 }
 
 

@@ -1,7 +1,10 @@
-"""The cma backend's grant endpoint: a :class:`FrameServer` in the serving
-process that hands its region table to a reader (after challenge-response
-when an ``auth_token`` is set), plus :func:`request_grant`, the reader's side.
-A grant also proves the serving process is alive at ``add_peer`` time.
+"""The grant endpoint of the same-host backends (cma, gpu_ipc): a
+:class:`FrameServer` in the serving process that hands its region table to a
+reader (after challenge-response when an ``auth_token`` is set), plus
+:func:`request_grant`, the reader's side. A grant also proves the serving
+process is alive at ``add_peer`` time. gpu_ipc's grant also carries the GPU
+memory handles (``ipc``): capabilities, which is why they travel only here,
+to a reader that proved the token, and never in a descriptor.
 
 One connection, one grant::
 
@@ -63,7 +66,13 @@ class CmaControlServer:
         max_connections: int,
         spans: Callable[[], list[tuple[int, int, int]]],
         label: str,
+        name: str = "cma",
+        purpose: str = PURPOSE_CMA_GRANT,
+        handles: Optional[Callable[[], list[wire.GpuIpcRegion]]] = None,
     ) -> None:
+        self._name = name
+        self._purpose = purpose
+        self._handles = handles
         self._token = auth_token.encode("utf-8") if auth_token else None
         self._timeout = timeout_s
         self._max_connections = max_connections
@@ -105,7 +114,7 @@ class CmaControlServer:
 
     def _busy(self) -> bytes:
         return wire.encode(wire.CmaChallenge(
-            ok=False, error=f"cma: the grant endpoint has {self._max_connections} connections open "
+            ok=False, error=f"{self._name}: the grant endpoint has {self._max_connections} connections open "
                             "(cma_grant_max_connections); try again later",
         ))
 
@@ -117,21 +126,22 @@ class CmaControlServer:
         except wire.WireError as exc:
             theirs = peek_version(payload)
             if theirs is not None and theirs != wire.CMA_PROTOCOL_VERSION:
-                return self._refuse(conn, "version", who, version_refusal("cma", "reader", theirs,
+                return self._refuse(conn, "version", who, version_refusal(self._name, "reader", theirs,
                                                                           wire.CMA_PROTOCOL_VERSION))
-            return self._refuse(conn, "decode", who, f"cma: bad grant request: {exc}")
+            return self._refuse(conn, "decode", who, f"{self._name}: bad grant request: {exc}")
         who = f"{who} (pid {req.pid}, {req.key!r})"
         if req.v != wire.CMA_PROTOCOL_VERSION:
-            return self._refuse(conn, "version", who, version_refusal("cma", "reader", req.v,
+            return self._refuse(conn, "version", who, version_refusal(self._name, "reader", req.v,
                                                                       wire.CMA_PROTOCOL_VERSION))
         proof = ""
         if self._token is not None:
-            if not reader_proof_ok(self._token, PURPOSE_CMA_GRANT, conn.nonce, req.nonce, req.proof):
-                return self._refuse(conn, "auth", who, "cma: the grant endpoint refused this reader: wrong or "
-                                                       f"missing auth_token proof; {AUTH_HINT}")
-            proof = server_proof(self._token, PURPOSE_CMA_GRANT, conn.nonce, req.nonce)
+            if not reader_proof_ok(self._token, self._purpose, conn.nonce, req.nonce, req.proof):
+                return self._refuse(conn, "auth", who, f"{self._name}: the grant endpoint refused this reader: "
+                                                       f"wrong or missing auth_token proof; {AUTH_HINT}")
+            proof = server_proof(self._token, self._purpose, conn.nonce, req.nonce)
         spans = [wire.RegionSpan(region=r, addr=a, size=s) for r, a, s in self._spans()]
-        self._send(conn, wire.CmaGrantReply(ok=True, pid=os.getpid(), regions=spans, proof=proof))
+        ipc = self._handles() if self._handles is not None else []
+        self._send(conn, wire.CmaGrantReply(ok=True, pid=os.getpid(), regions=spans, proof=proof, ipc=ipc))
         self.events.count("granted")
         log.info("%s: granted %d regions", who, len(spans))
         return False
@@ -151,7 +161,7 @@ class CmaControlServer:
 
 def request_grant(
     desc: wire.CmaDescriptor, key: str, auth_token: Optional[str], timeout_s: float,
-    events: Optional[EndpointEvents] = None,
+    events: Optional[EndpointEvents] = None, *, name: str = "cma", purpose: str = PURPOSE_CMA_GRANT,
 ) -> wire.CmaGrantReply:
     """Ask a peer's grant endpoint for its region table, within ``timeout_s``.
 
@@ -165,25 +175,25 @@ def request_grant(
         with socket.create_connection((desc.ctl_host, desc.ctl_port), timeout=timeout_s) as sock:
             challenge = decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.CmaChallenge)
             if challenge.v != wire.CMA_PROTOCOL_VERSION:
-                raise TransferError(f"{version_refusal('cma', 'peer', challenge.v, wire.CMA_PROTOCOL_VERSION)} "
+                raise TransferError(f"{version_refusal(name, 'peer', challenge.v, wire.CMA_PROTOCOL_VERSION)} "
                                     f"(grant endpoint {where})")
             if not challenge.ok:
                 return wire.CmaGrantReply(ok=False, error=f"{challenge.error} (grant endpoint {where})")
-            proof = ReaderProof(auth_token, PURPOSE_CMA_GRANT, challenge.nonce, "cma", f"grant endpoint {where}")
+            proof = ReaderProof(auth_token, purpose, challenge.nonce, name, f"grant endpoint {where}")
             request = wire.CmaGrantRequest(pid=os.getpid(), key=key, nonce=proof.nonce, proof=proof.proof)
             sock.sendall(frame(wire.encode(request)))
             reply = decode(recv_frame(sock, deadline, MAX_GRANT_REPLY), wire.CmaGrantReply)
     except wire.WireError as exc:
         if events is not None:
-            events.warn("bad_grant", f"cma: bad answer from grant endpoint {where}: {exc}")
-        raise TransferError(f"cma: bad answer from grant endpoint {where}: {exc}") from None
+            events.warn("bad_grant", f"{name}: bad answer from grant endpoint {where}: {exc}")
+        raise TransferError(f"{name}: bad answer from grant endpoint {where}: {exc}") from None
     except TimeoutError:
-        raise TransferError(f"cma: grant endpoint {where} did not answer within {timeout_s:g}s "
+        raise TransferError(f"{name}: grant endpoint {where} did not answer within {timeout_s:g}s "
                             "(cma_grant_timeout_s)") from None
     except OSError as exc:
-        raise TransferError(f"cma: cannot reach grant endpoint {where}: {exc}") from None
+        raise TransferError(f"{name}: cannot reach grant endpoint {where}: {exc}") from None
     if reply.v != wire.CMA_PROTOCOL_VERSION:
-        raise TransferError(f"{version_refusal('cma', 'peer', reply.v, wire.CMA_PROTOCOL_VERSION)} "
+        raise TransferError(f"{version_refusal(name, 'peer', reply.v, wire.CMA_PROTOCOL_VERSION)} "
                             f"(grant endpoint {where})")
     if reply.ok:
         proof.check_server(reply.proof)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from atom_kv.transfer.base import MAX_REGION_BYTES, ReadHandle, chunk_sizes
+from atom_kv.transfer.memory import HOST, MemoryKind
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
@@ -38,37 +39,82 @@ def resolve_config(config: Optional["KVTransferConfig"]) -> "KVTransferConfig":
 
 
 class RegionTable:
-    """Registered regions of this process: id -> (address, size), plus a
-    writable memoryview per region. Ids are dense, starting at 0."""
+    """Registered regions of this process: id -> (address, size, memory), a
+    writable memoryview per host region and, for *staged* regions (GPU
+    memory, or host memory when staging is forced for tests), a tensor alias,
+    a copier and the staging pool (``atom_kv.transfer.staging``). Ids are
+    dense, starting at 0. ``staging_pairs`` bounds the pool."""
 
-    def __init__(self) -> None:
+    def __init__(self, staging_pairs: int = 2) -> None:
         self._lock = threading.Lock()
         self.addrs = np.zeros(0, dtype=np.uint64)
         self.sizes = np.zeros(0, dtype=np.uint64)
-        self._views: list[memoryview] = []
+        self.staged = np.zeros(0, dtype=bool)
+        self._views: list[Optional[memoryview]] = []
+        self._memory: list[MemoryKind] = []
+        self._tensors: dict[int, Any] = {}
+        self._copiers: dict[int, Any] = {}
+        self._staging_pairs = staging_pairs
+        self.pool: Any = None
 
     def __len__(self) -> int:
         return len(self._views)
 
-    def add(self, ptr: int, size: int, align: int, limit: int = MAX_REGION_BYTES) -> list[int]:
-        """Register ``size`` bytes at ``ptr`` as chunks; returns the new ids."""
+    def add(self, ptr: int, size: int, align: int, limit: int = MAX_REGION_BYTES, *,
+            memory: MemoryKind = HOST, staged: bool = False) -> list[int]:
+        """Register ``size`` bytes at ``ptr`` as chunks; returns the new ids.
+        GPU memory is always staged and never gets a memoryview (its address
+        is not a host address)."""
         if not isinstance(ptr, int) or ptr <= 0:
             raise ValueError(f"register_memory: ptr must be a positive address, got {ptr!r}")
         sizes = chunk_sizes(size, align, limit)
+        staged = staged or memory.is_gpu
+        copier = None
+        if staged:
+            from atom_kv.transfer.staging import StagingPool, copier_for
+
+            copier = copier_for(memory, self._copiers)
+            if self.pool is None:
+                self.pool = StagingPool(copier, self._staging_pairs)
         with self._lock:
             first = len(self._views)
             addrs = []
             off = 0
-            for n in sizes:
+            for i, n in enumerate(sizes):
                 addrs.append(ptr + off)
-                self._views.append(memoryview((ctypes.c_char * n).from_address(ptr + off)).cast("B"))
+                view = None if memory.is_gpu else memoryview((ctypes.c_char * n).from_address(ptr + off)).cast("B")
+                self._views.append(view)
+                self._memory.append(memory)
+                if copier is not None:
+                    self._tensors[first + i] = copier.region(ptr + off, n, view)
                 off += n
             self.addrs = np.concatenate([self.addrs, np.asarray(addrs, dtype=np.uint64)])
             self.sizes = np.concatenate([self.sizes, np.asarray(sizes, dtype=np.uint64)])
+            self.staged = np.concatenate([self.staged, np.full(len(sizes), staged)])
             return list(range(first, first + len(sizes)))
 
+    def any_staged(self, regions: np.ndarray) -> bool:
+        """Whether any of ``regions`` (bounds-checked ids) goes through staging."""
+        return self.pool is not None and bool(self.staged[regions].any())
+
+    def tensor(self, region: int) -> Any:
+        """A uint8 tensor aliasing the region (made on first use for an unstaged host region)."""
+        t = self._tensors.get(region)
+        if t is None:
+            from atom_kv.transfer.staging import copier_for
+
+            t = self._tensors[region] = copier_for(HOST, self._copiers).region(0, 0, self._views[region])
+        return t
+
+    def copier(self, region: int) -> Any:
+        from atom_kv.transfer.staging import copier_for
+
+        return copier_for(self._memory[region], self._copiers)
+
     def view(self, region: int) -> memoryview:
-        return self._views[region]
+        view = self._views[region]
+        assert view is not None, "GPU memory has no host view"
+        return view
 
     def views(self, regions: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> list[memoryview]:
         """Memoryviews of ``[offset, offset+size)`` in each region, in order
@@ -88,6 +134,9 @@ class RegionTable:
     def clear(self) -> None:
         with self._lock:
             self._views = []
+            self._memory = []
+            self._tensors = {}
+            self.staged = np.zeros(0, dtype=bool)
             self.addrs = np.zeros(0, dtype=np.uint64)
             self.sizes = np.zeros(0, dtype=np.uint64)
 

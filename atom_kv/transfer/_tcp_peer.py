@@ -184,6 +184,11 @@ class TcpPeer:
                 raise ConnectionError(
                     f"reply {reply.req_id}/{reply.total} bytes does not match request {req_id}/{expected}"
                 )
+            if self._local.any_staged(table[:, 0]):  # GPU memory: received into staging buffers, pipelined
+                from atom_kv.transfer.staging import recv_staged
+
+                recv_staged(sock, self._local, table[:, 0], table[:, 1], sizes, job.deadline, state.handle.done)
+                return None
             views = self._local.views(table[:, 0], table[:, 1], sizes)
             recv_views(sock, views, sizes, job.deadline, state.handle.done)
             return None

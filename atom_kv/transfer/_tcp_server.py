@@ -218,6 +218,14 @@ class TcpReadServer:
             return
         total = int(sizes.sum())
         head = frame(wire.encode(wire.ReadReply(req_id=rid, ok=True, total=total)))
+        if self._regions.any_staged(regions):  # GPU memory: gathered into staging buffers, pipelined
+            from atom_kv.transfer.staging import send_staged
+
+            deadline = time.monotonic() + self._settings.send_timeout_s
+            send_views(conn.sock, [memoryview(head)], np.array([len(head)], dtype=np.int64), deadline)
+            send_staged(conn.sock, self._regions, regions, offsets, sizes, deadline)
+            log.debug("%s: request %d: sent %d staged bytes in %d ranges", who, rid, total, len(table))
+            return
         views = [memoryview(head)]
         views.extend(self._regions.views(regions, offsets, sizes))
         lengths = np.empty(len(views), dtype=np.int64)

@@ -27,6 +27,7 @@ from atom_kv.transfer.base import TransferError
 
 __all__ = [
     "PURPOSE_CMA_GRANT",
+    "PURPOSE_GPU_IPC_GRANT",
     "PURPOSE_TCP_READ",
     "RateLimitedLog",
     "ReaderProof",
@@ -39,6 +40,7 @@ __all__ = [
 
 PURPOSE_TCP_READ = "atom-kv/tcp-read/v1"
 PURPOSE_CMA_GRANT = "atom-kv/cma-grant/v1"
+PURPOSE_GPU_IPC_GRANT = "atom-kv/gpu-ipc-grant/v1"
 
 #: how the reader's and the server's proofs differ
 _READER = b"reader"

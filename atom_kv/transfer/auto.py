@@ -1,10 +1,14 @@
-"""``auto`` backend: ``cma`` for peers on this host (same kernel boot and pid
-namespace, and the kernel allows it), ``tcp`` otherwise.
+"""``auto`` backend: per peer and per memory kind, the best inner backend
+(:func:`atom_kv.transfer.routes.choose_route`): ``gpu_ipc`` for GPU memory on
+one host, ``cma`` for host memory on one host, staged ``tcp`` otherwise.
 
-Memory is registered with both inner backends (same region ids) and the
-exported descriptor carries both descriptors plus this host's identity.
-When a same-host peer's cma grant fails or times out, the peer is read over
-tcp instead (a warning, counted as "cma_fallbacks").
+Memory is registered with every inner backend that serves all the kinds
+registered so far (same region ids everywhere); one that cannot serve a newly
+registered kind is closed and offered no more. ``gpu_ipc`` is built on the
+first GPU registration. The exported descriptor carries the inner
+descriptors, this host's identity and the registered memory kinds. When a
+same-host route (cma, gpu_ipc) fails at ``add_peer``, the peer is read over
+tcp instead (a warning, counted as "<backend>_fallbacks").
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._lifecycle import Lifecycle
-from atom_kv.transfer.memory import HOST, MemoryKind
+from atom_kv.transfer.memory import HOST, MemoryKind, kinds_of
 from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError
+from atom_kv.transfer.routes import choose_route
 from atom_kv.transfer.tcp import TcpBackend
 
 if TYPE_CHECKING:
@@ -30,14 +35,18 @@ __all__ = ["AutoBackend"]
 
 log = logging.getLogger(__name__)
 
+#: inner backends besides tcp, in the order their descriptors are offered
+_SAME_HOST = ("cma", "gpu_ipc")
+
 
 class AutoBackend(TransferBackend):
-    """Owns one tcp and (when usable here) one cma backend and routes each
-    peer to the best of them. Both listen on ``bind_host`` (``host`` when not
-    given) and advertise ``host``."""
+    """Owns one tcp and (when usable here) one cma and one gpu_ipc backend,
+    and routes each peer to the best of them. All listen on ``bind_host``
+    (``host`` when not given) and advertise ``host``."""
 
     name = "auto"
     accepts_op_arrays = True
+    memory_kinds = frozenset({"host", "gpu"})
 
     def __init__(
         self,
@@ -47,29 +56,53 @@ class AutoBackend(TransferBackend):
         bind_host: Optional[str] = None,
         key: Optional[str] = None,
     ) -> None:
+        self._args = (config, host, bind_host, key)
         self._tcp = TcpBackend(config, host=host, bind_host=bind_host, key=key)
-        self._cma: Optional[TransferBackend] = None
-        self.cma_unavailable: Optional[str] = cma_unavailable_reason()
-        if self.cma_unavailable is None:
-            from atom_kv.transfer.cma import CmaBackend
-
-            try:
-                self._cma = CmaBackend(config, host=host, bind_host=bind_host, key=key)
-            except BackendUnavailable as exc:
-                self.cma_unavailable = str(exc)
-        if self.cma_unavailable:
-            log.info("auto: cma not usable here, tcp only: %s", self.cma_unavailable)
+        self._extra: dict[str, TransferBackend] = {}
+        self.unavailable: dict[str, str] = {}
+        reason = cma_unavailable_reason()
+        if reason is None:
+            self._try_build("cma")
+        else:
+            self.unavailable["cma"] = reason
+        if "cma" in self.unavailable:
+            log.info("auto: cma not usable here, tcp for host memory: %s", self.unavailable["cma"])
+        self._kinds: set[str] = set()
+        self._labels: list[str] = []
         self._host_id = host_identity()
         self._lock = threading.Lock()
         self._life = Lifecycle("auto", self._lock)
         self._routes: dict[str, tuple[TransferBackend, str]] = {}
-        self.events = EndpointEvents(log, "auto cma fallbacks")
+        self.events = EndpointEvents(log, "auto fallbacks")
+
+    @property
+    def cma_unavailable(self) -> Optional[str]:
+        return self.unavailable.get("cma")
+
+    def _try_build(self, name: str) -> None:
+        from atom_kv.transfer import create_backend
+
+        config, host, bind_host, key = self._args
+        try:
+            self._extra[name] = create_backend(name, config, host=host, bind_host=bind_host, key=key)
+        except BackendUnavailable as exc:
+            self.unavailable[name] = str(exc)
 
     def _inner(self) -> list[TransferBackend]:
-        return [b for b in (self._tcp, self._cma) if b is not None]
+        return [self._tcp, *self._extra.values()]
 
     def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
         self.check_memory(memory)
+        if memory.is_gpu and not self._kinds and "gpu_ipc" not in self._extra and "gpu_ipc" not in self.unavailable:
+            self._try_build("gpu_ipc")
+            if "gpu_ipc" in self.unavailable:
+                log.info("auto: gpu_ipc not usable here, staged tcp for GPU memory: %s", self.unavailable["gpu_ipc"])
+        for name, be in list(self._extra.items()):
+            if memory.kind not in be.memory_kinds:  # it could not keep region ids in step: offered no more
+                log.info("auto: %s memory registered, so %s is not used (it serves %s)",
+                         memory.label, name, ", ".join(sorted(be.memory_kinds)))
+                del self._extra[name]
+                be.close()
         ids = None
         for be in self._inner():
             be.max_region_bytes = self.max_region_bytes
@@ -78,11 +111,15 @@ class AutoBackend(TransferBackend):
                 raise TransferError(f"auto: inner backends disagree on region ids ({ids} vs {got})")
             ids = got
         assert ids is not None
+        self._kinds.add(memory.kind)
+        if memory.label not in self._labels:
+            self._labels.append(memory.label)
         return ids
 
     def export_descriptor(self) -> bytes:
-        cma = self._cma.export_descriptor() if self._cma is not None else b""
-        return wire.encode(wire.AutoDescriptor(host_id=self._host_id, tcp=self._tcp.export_descriptor(), cma=cma))
+        inner = {name: be.export_descriptor() for name, be in self._extra.items()}
+        return wire.encode(wire.AutoDescriptor(host_id=self._host_id, tcp=self._tcp.export_descriptor(),
+                                               memory=list(self._labels), **inner))
 
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()
@@ -91,16 +128,18 @@ class AutoBackend(TransferBackend):
         except wire.WireError as exc:
             log.warning("auto: bad peer descriptor: %s", exc)
             raise TransferError(f"auto: bad peer descriptor: {exc}") from None
-        chosen: TransferBackend = self._tcp
-        inner_desc = desc.tcp
-        if desc.cma and self._cma is not None and desc.host_id == self._host_id:
-            chosen, inner_desc = self._cma, desc.cma
+        theirs = {"tcp": desc.tcp, **{name: getattr(desc, name) for name in _SAME_HOST}}
+        offered = {name for name in ("tcp", *self._extra) if theirs.get(name)}
+        name = choose_route(frozenset(self._kinds or {"host"}), kinds_of(desc.memory),
+                            same_host=desc.host_id == self._host_id, offered=offered)
+        chosen = self._tcp if name == "tcp" else self._extra[name]
         try:
-            inner_id = chosen.add_peer(inner_desc)
+            inner_id = chosen.add_peer(theirs[name])
         except TransferError as exc:  # kernel refusal, grant refused, silent or unreachable endpoint
             if chosen is self._tcp:
                 raise
-            self.events.warn("cma_fallbacks", f"auto: cma failed for a same-host peer ({exc}); falling back to tcp")
+            self.events.warn(f"{name}_fallbacks",
+                             f"auto: {name} failed for a same-host peer ({exc}); falling back to tcp")
             chosen = self._tcp
             inner_id = chosen.add_peer(desc.tcp)
         peer_id = f"auto/{inner_id}"
@@ -110,13 +149,15 @@ class AutoBackend(TransferBackend):
         return peer_id
 
     def backend_for(self, peer_id: str) -> str:
-        """Name of the inner backend serving ``peer_id`` ("cma" or "tcp")."""
+        """Name of the inner backend serving ``peer_id`` ("gpu_ipc", "cma" or "tcp")."""
         return self._routes[peer_id][0].name
 
     def stats(self) -> dict[str, int]:
-        """"cma_fallbacks" plus the inner backends' counts, prefixed "tcp_"/"cma_"."""
+        """"cma_fallbacks", "gpu_ipc_fallbacks" plus the inner backends'
+        counts, prefixed with their names."""
         out = self.events.snapshot()
-        out.setdefault("cma_fallbacks", 0)
+        for name in _SAME_HOST:
+            out.setdefault(f"{name}_fallbacks", 0)
         for be in self._inner():
             out.update({f"{be.name}_{k}": v for k, v in be.stats().items()})
         return out

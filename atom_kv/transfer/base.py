@@ -149,7 +149,8 @@ class TransferBackend(abc.ABC):
     memory_kinds: frozenset[str] = frozenset({"host"})
 
     #: what to use instead when refused GPU memory (the refusal's last clause)
-    gpu_alternative: str = "use backend 'gpu_ipc' (same node), 'nixl' or 'moriio', or staged 'tcp'"
+    gpu_alternative: str = ("use backend 'auto' (gpu_ipc on one node, staged tcp across nodes), 'gpu_ipc' or 'tcp' "
+                            "(docs/gpu.md)")
 
     #: largest region :meth:`register_memory` creates; tests lower it on an
     #: instance to exercise chunk boundaries with small buffers.

@@ -12,11 +12,14 @@ backend declares the kinds it can serve in
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 from atom_kv.transfer._errors import UnsupportedMemory
 
-__all__ = ["HOST", "MemoryKind", "UnsupportedMemory", "check_memory", "gpu", "memory_of"]
+__all__ = [
+    "HOST", "MemoryKind", "UnsupportedMemory", "check_memory", "gpu", "gpu_unavailable_reason", "kinds_of",
+    "memory_of", "pair_refusal",
+]
 
 
 class MemoryKind(NamedTuple):
@@ -86,3 +89,48 @@ def check_memory(backend_name: str, kinds: frozenset[str], memory: MemoryKind, *
     hint = f"; {instead}" if instead else ""
     raise UnsupportedMemory(f"transfer backend {backend_name!r} cannot serve {memory.label} memory "
                             f"(it serves {', '.join(sorted(kinds))}){hint}")
+
+
+def kinds_of(labels: "list[str] | tuple[str, ...]") -> frozenset[str]:
+    """The kinds ("host", "gpu") a handshake's memory labels name; an empty
+    list (a peer from before memory kinds were exchanged) means host memory.
+    Unknown labels are kept as they are, so the refusal can name them."""
+    if not labels:
+        return frozenset({"host"})
+    out = set()
+    for label in labels:
+        try:
+            out.add(MemoryKind.parse(label).kind)
+        except ValueError:
+            out.add(label)
+    return frozenset(out)
+
+
+def pair_refusal(
+    backend_name: str, kinds: frozenset[str], peer_labels: "list[str] | tuple[str, ...]", peer_is: str = "peer",
+) -> "str | None":
+    """One line refusing a peer whose registered memory ``backend_name`` (serving
+    ``kinds`` here) cannot move, else None. Each side runs it on the other's
+    labels from the handshake, so a pair that cannot work is refused on both."""
+    missing = sorted(kinds_of(peer_labels) - kinds)
+    if not missing:
+        return None
+    shown = ", ".join(peer_labels) if peer_labels else "host (an atom-kv that does not say)"
+    return (f"memory kind mismatch: the {peer_is}'s KV cache is in {shown} memory, which transfer backend "
+            f"{backend_name!r} cannot move (it serves {', '.join(sorted(kinds))}); use backend 'auto' on both "
+            "engines, or one that serves both sides' memory (docs/gpu.md)")
+
+
+def gpu_unavailable_reason(min_devices: int = 1) -> Optional[str]:
+    """None when torch sees at least ``min_devices`` GPUs (CUDA, or ROCm
+    through torch's ``cuda`` device), else why not, in one line."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        build = "ROCm" if getattr(torch.version, "hip", None) else ("CUDA" if torch.version.cuda else "CPU-only")
+        return f"no GPU visible to torch {torch.__version__} ({build} build)"
+    if torch.cuda.device_count() < min_devices:
+        return f"{torch.cuda.device_count()} GPU(s) visible, {min_devices} needed"
+    return None

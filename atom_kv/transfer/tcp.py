@@ -5,6 +5,11 @@ straight from registered memory with ``sendmsg``; the reading side
 (:class:`~atom_kv.transfer._tcp_peer.TcpPeer`) receives straight into the
 destination with ``recvmsg_into``, over ``tcp_streams`` parallel connections.
 Works between any two hosts.
+
+GPU memory is *staged* (:mod:`atom_kv.transfer.staging`): the serving side
+gathers the requested ranges into pinned host buffers and sends those; the
+reader receives into pinned buffers and copies them to the GPU, pipelined.
+The wire protocol is the same, so either side may be staged or not.
 """
 
 from __future__ import annotations
@@ -70,6 +75,11 @@ class TcpBackend(TransferBackend):
 
     name = "tcp"
     accepts_op_arrays = True
+    memory_kinds = frozenset({"host", "gpu"})
+
+    #: stage host memory too (through the host copier): the CPU suite runs
+    #: the staging code GPU memory uses this way. Set before registering.
+    stage_host_memory: bool = False
 
     def __init__(
         self,
@@ -89,7 +99,7 @@ class TcpBackend(TransferBackend):
         self._streams = cfg.tcp_streams
         self._connect_timeout = cfg.handshake_timeout_s
         self._io_timeout = cfg.transfer_timeout_s
-        self._regions = RegionTable()
+        self._regions = RegionTable(staging_pairs=cfg.tcp_server_threads + cfg.tcp_streams)
         self._lock = threading.Lock()
         self._life = Lifecycle("tcp", self._lock, key=self._key)
         self._server: Optional[TcpReadServer] = None
@@ -112,9 +122,11 @@ class TcpBackend(TransferBackend):
     def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
         self._life.check_open()
         self.check_memory(memory)
-        ids = self._regions.add(ptr, size, align, self.max_region_bytes)
+        ids = self._regions.add(ptr, size, align, self.max_region_bytes, memory=memory,
+                                staged=self.stage_host_memory)
         _ = self.server
-        log.info("tcp %s: registered %d bytes at 0x%x as regions %s", self._key, size, ptr, ids)
+        log.info("tcp %s: registered %d bytes of %s memory at 0x%x as regions %s%s", self._key, size, memory.label,
+                 ptr, ids, " (staged)" if self._regions.staged[ids[0]] else "")
         return ids
 
     def export_descriptor(self) -> bytes:

@@ -112,7 +112,7 @@ def test_a_host_named_by_a_client_gets_nothing_derived_from_the_token():
             assert TOKEN.encode() not in frame
             fields = msgspec.msgpack.decode(frame)
             assert set(fields) <= {"t", "v", "engine_id", "tp_rank", "tp_size", "compat", "backend", "host",
-                                   "nonce"}, fields  # nothing keyed with the token: no MAC, no proof
+                                   "nonce", "memory"}, fields  # nothing keyed with the token: no MAC, no proof
     finally:
         dw.close()
         fake.close()

@@ -21,6 +21,18 @@ def pattern(size: int, seed: int = SEED) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
+def place(data: np.ndarray, device: str) -> tuple[Any, int, Any]:
+    """``data`` where a spec keeps its memory: (buffer, its address, its memory kind)."""
+    from atom_kv.transfer.memory import memory_of
+
+    if device == "cpu":
+        return data, data.ctypes.data, memory_of(data)
+    import torch
+
+    t = torch.from_numpy(data).to(device)
+    return t, t.data_ptr(), memory_of(t)
+
+
 def _serve(spec_name: str, config: dict[str, Any], size: int, align: int, region_limit: int, conn: Any) -> None:
     try:
         from tests.transfer.backends import by_name
@@ -32,9 +44,10 @@ def _serve(spec_name: str, config: dict[str, Any], size: int, align: int, region
 
         cfg = KVTransferConfig.from_dict({"kv_role": "kv_producer", **spec.config, **config})
         backend = create_backend(spec.backend, cfg, host="127.0.0.1", key=f"serve-{spec_name}-{os.getpid()}")
-        buf = pattern(size)
+        buf, ptr, memory = place(pattern(size), spec.device)
         backend.max_region_bytes = region_limit
-        ids = backend.register_memory(buf.ctypes.data, buf.nbytes, align=align)
+        spec.prepare(backend)
+        ids = backend.register_memory(ptr, size, align=align, memory=memory)
         conn.send(("ready", backend.export_descriptor(), ids, os.getpid()))
     except Exception as exc:  # reported to the test, which fails with it
         conn.send(("error", f"{type(exc).__name__}: {exc}", [], os.getpid()))

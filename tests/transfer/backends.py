@@ -12,7 +12,11 @@ To add a backend, append one ``BackendSpec`` to ``SPECS`` below:
                   backend can run here, else a one-line reason to skip
                   (only for genuine hardware/library absence);
 * ``config``    - extra ``KVTransferConfig`` keys for both sides;
-* ``supports_auth`` - whether the backend enforces ``auth_token``.
+* ``supports_auth`` - whether the backend enforces ``auth_token``;
+* ``device``    - "cpu" (host memory) or "cuda" (GPU 0 on both sides: such
+                  specs carry the ``gpu`` marker and skip without a GPU);
+* ``stage_host`` - run the staging path GPU memory takes on host memory
+                  (``TcpBackend.stage_host_memory``), both sides.
 
 The suite lowers ``TransferBackend.max_region_bytes`` on both sides (to get
 many small chunks) before ``register_memory``; a backend must honour it.
@@ -38,6 +42,13 @@ class BackendSpec:
     skip_reason: Optional[str] = None
     config: dict[str, Any] = field(default_factory=dict)
     supports_auth: bool = True
+    device: str = "cpu"
+    stage_host: bool = False
+
+    def prepare(self, backend: Any) -> None:
+        """Set what this spec changes on a backend before it registers memory."""
+        if self.stage_host:
+            backend.stage_host_memory = True
 
     def run_setup(self) -> None:
         if self.setup:
@@ -62,8 +73,17 @@ def cma_skip_reason() -> Optional[str]:
     return cma_unavailable_reason()
 
 
+def gpu_skip_reason() -> Optional[str]:
+    """None when torch sees a GPU here, else why the GPU specs skip."""
+    from atom_kv.transfer.memory import gpu_unavailable_reason
+
+    return gpu_unavailable_reason()
+
+
 SPECS: list[BackendSpec] = [
     BackendSpec(name="tcp", backend="tcp"),
+    # the staging path of GPU memory, run on host memory through the host copier
+    BackendSpec(name="tcp-staged", backend="tcp", stage_host=True),
     BackendSpec(name="cma", backend="cma", skip_reason="tests.transfer.backends:cma_skip_reason"),
     BackendSpec(name="auto", backend="auto"),
     # moriio-fake / moriio entries are appended below this line.
@@ -81,6 +101,11 @@ SPECS: list[BackendSpec] = [
         skip_reason="tests.transfer.fake_mori:real_moriio_skip_reason",
         supports_auth=False,
     ),
+    # GPU memory on both sides (marked `gpu`: `make test-gpu`)
+    BackendSpec(name="tcp-cuda", backend="tcp", device="cuda", skip_reason="tests.transfer.backends:gpu_skip_reason"),
+    BackendSpec(name="gpu_ipc-cuda", backend="gpu_ipc", device="cuda",
+                skip_reason="tests.transfer.backends:gpu_skip_reason"),
+    BackendSpec(name="auto-cuda", backend="auto", device="cuda", skip_reason="tests.transfer.backends:gpu_skip_reason"),
 ]
 
 

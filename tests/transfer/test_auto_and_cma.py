@@ -218,3 +218,18 @@ def test_auto_falls_back_to_tcp_when_the_grant_is_refused() -> None:
     finally:
         b.close()
         a.close()
+
+
+@needs_cma
+def test_auto_routes_by_the_peers_memory_kind() -> None:
+    """A same-host peer whose KV cache is in GPU memory is not a cma peer: staged tcp."""
+    src = np.arange(1 << 14, dtype=np.uint32).view(np.uint8)
+    dst = np.zeros_like(src)
+    with create_backend("auto", _cfg()) as a, create_backend("auto", _cfg()) as b:
+        a.register_memory(src.ctypes.data, src.nbytes, align=4096)
+        b.register_memory(dst.ctypes.data, dst.nbytes, align=4096)
+        desc = wire.decode(a.export_descriptor(), wire.AutoDescriptor)
+        assert desc.memory == ["host"] and desc.cma and not desc.gpu_ipc
+        assert b.backend_for(b.add_peer(wire.encode(desc))) == "cma"  # type: ignore[attr-defined]
+        desc.memory = ["gpu:0"]  # stand-in: the peer says its memory is on a GPU
+        assert b.backend_for(b.add_peer(wire.encode(desc))) == "tcp"  # type: ignore[attr-defined]

@@ -114,3 +114,18 @@ def test_moriio_backend_with_mori_keys_is_accepted_and_unavailable_here(capsys: 
     assert bench.run(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "MORI-IO unavailable" in err
+
+
+def test_bench_device_cuda_without_a_gpu_exits_2_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from atom_kv.transfer.memory import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is visible here")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    for backend in ("gpu_ipc", "tcp"):
+        assert bench.run(parser.parse_args(["--backend", backend, "--device", "cuda", "--total-mb", "1"])) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "--device cuda: no GPU visible" in err
+    assert bench.run(parser.parse_args(["--backend", "gpu_ipc", "--total-mb", "1"])) == 2
+    assert "add --device cuda" in capsys.readouterr().err

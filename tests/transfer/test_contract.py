@@ -13,7 +13,7 @@ import pytest
 
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import ChunkedRegion, ReadOp, TransferBackend, TransferError, create_backend, split_pair
-from tests.transfer._serve import ServerProc, pattern
+from tests.transfer._serve import ServerProc, pattern, place
 from tests.transfer.backends import SPECS, BackendSpec
 
 BLOCK = 4096
@@ -23,7 +23,11 @@ LOCAL_LIMIT = 48 * 1024  # local chunks of 12 blocks: boundaries differ on both 
 TIMEOUT = 2.0
 
 
-@pytest.fixture(params=SPECS, ids=[s.name for s in SPECS], scope="module")
+def _params(specs: list[BackendSpec]) -> list[Any]:
+    return [pytest.param(s, id=s.name, marks=[pytest.mark.gpu] if s.device != "cpu" else []) for s in specs]
+
+
+@pytest.fixture(params=_params(SPECS), scope="module")
 def spec(request: pytest.FixtureRequest) -> BackendSpec:
     spec: BackendSpec = request.param
     reason = spec.reason_to_skip()
@@ -65,12 +69,21 @@ class Reader:
     def __init__(self, spec: BackendSpec, srv: ServerProc, **config: Any) -> None:
         self.backend: TransferBackend = create_backend(spec.backend, _config(spec, **config), key=f"reader-{spec.name}")
         self.backend.max_region_bytes = LOCAL_LIMIT
-        self.dst = np.zeros(SIZE, dtype=np.uint8)
-        ids = self.backend.register_memory(self.dst.ctypes.data, SIZE, align=BLOCK)
+        spec.prepare(self.backend)
+        self._dst, ptr, memory = place(np.zeros(SIZE, dtype=np.uint8), spec.device)
+        ids = self.backend.register_memory(ptr, SIZE, align=BLOCK, memory=memory)
         self.local = ChunkedRegion(tuple(ids), LOCAL_LIMIT, SIZE)
         self.remote = ChunkedRegion(tuple(srv.region_ids), REMOTE_LIMIT, srv.size)
         self.src = pattern(SIZE)
         self.peer = ""
+
+    @property
+    def dst(self) -> np.ndarray:
+        """The destination's bytes (a host copy when it lives on a GPU)."""
+        return self._dst if isinstance(self._dst, np.ndarray) else self._dst.cpu().numpy()
+
+    def fill(self, value: int, end: int = SIZE) -> None:
+        self._dst[:end] = value
 
     def connect(self, srv: ServerProc) -> str:
         self.peer = self.backend.add_peer(srv.descriptor)
@@ -159,7 +172,7 @@ def test_out_of_range_rejected_then_server_keeps_serving(reader: Reader) -> None
         ReadOp(0, 0, 0, 1 << 40, BLOCK),  # far outside
     ]
     for op in bad:
-        reader.dst[:BLOCK] = 0
+        reader.fill(0, BLOCK)
         h = reader.backend.read(reader.peer, [op], timeout_s=TIMEOUT)
         assert h.wait(TIMEOUT + 3)
         assert h.error is not None and "outside" in h.error, h.error
@@ -182,7 +195,7 @@ _AUTH_SPECS = [s for s in SPECS if s.supports_auth]
 
 # MORI-IO reads are one-sided RDMA: no serving code runs to check a token (the
 # connector's handshake does), so such backends are not parametrised here
-@pytest.mark.parametrize("spec", _AUTH_SPECS, ids=[s.name for s in _AUTH_SPECS], indirect=True)
+@pytest.mark.parametrize("spec", _params(_AUTH_SPECS), indirect=True)
 def test_auth_token(spec: BackendSpec) -> None:
     srv = _start(spec, auth_token="s3cret")
     try:
@@ -257,7 +270,7 @@ def test_close_releases_sockets_and_threads(spec: BackendSpec, server: ServerPro
     other = Reader(spec, server)
     other.connect(server)
     other.peer = other.backend.add_peer(r.backend.export_descriptor())
-    r.dst[:] = 7
+    r.fill(7)
     other.read_ok([ReadOp(other.local.region_ids[0], 0, r.local.region_ids[0], 0, BLOCK)])
     assert (other.dst[:BLOCK] == 7).all()
     assert _atomkv_threads() - threads_before, "backend runs no named threads"
