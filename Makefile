@@ -1,7 +1,8 @@
 # Two entry points: `make demo` (the main job) and `make test`.
 # Both build .venv from scratch if needed, installing the CPU torch pin first
-# so the `reference` extra's torch range is already satisfied (a bare torch
-# requirement would pull the CUDA build).
+# so the `reference` extra's torch range (and NIXL's bare torch requirement) is
+# already satisfied (a bare torch requirement would pull the CUDA build). The
+# `nixl` extra (about 70 MB, a few seconds) makes CI run the nixl backend for real.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[reference,test]'
+	$(BIN)/pip install --quiet -e '.[reference,test,nixl]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,7 +27,7 @@ test: $(STAMP)
 clean:
 	rm -rf $(VENV)
 
-# `make test-gpu`: the tests marked `gpu` (GPU memory through gpu_ipc and staged
+# `make test-gpu`: the tests marked `gpu` (GPU memory through gpu_ipc, nixl and staged
 # tcp, the reference engines with --device cuda), in an environment with a GPU
 # build of torch, built once and stamped: GPU_TORCH is what pip installs first
 # (the CUDA build from PyPI by default; for ROCm, e.g.
@@ -40,7 +41,7 @@ GPU_STAMP := $(GPU_VENV)/.installed-gpu
 $(GPU_STAMP): pyproject.toml
 	test -x $(GPU_VENV)/bin/python || $(PY) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/pip install --quiet $(GPU_TORCH)
-	$(GPU_VENV)/bin/pip install --quiet -e '.[reference,test]'
+	$(GPU_VENV)/bin/pip install --quiet -e '.[reference,test,nixl]'
 	touch $(GPU_STAMP)
 
 test-gpu: $(GPU_STAMP)

@@ -46,6 +46,7 @@ __all__ = [
     "canonical",
     "mac",
     "new_nonce",
+    "same_mac",
     "sign_fields",
     "sign_struct",
     "struct_payload",
@@ -101,9 +102,16 @@ def mac(token: str | bytes, purpose: str, payload: bytes) -> str:
 
 def verify_mac(token: str | bytes, purpose: str, payload: bytes, mac_hex: object) -> bool:
     """Constant-time check of a hex MAC; False for anything that is not a string."""
-    if not isinstance(mac_hex, str):
+    return same_mac(mac(token, purpose, payload), mac_hex)
+
+
+def same_mac(expected: str, given: object) -> bool:
+    """Constant-time comparison of the MAC we computed with one a peer sent: False for
+    anything that is not a string, non-ASCII text included (``hmac.compare_digest``
+    raises ``TypeError`` on non-ASCII ``str``)."""
+    if not isinstance(given, str):
         return False
-    return hmac.compare_digest(mac(token, purpose, payload), mac_hex)
+    return hmac.compare_digest(expected.encode("utf-8"), given.encode("utf-8", "surrogatepass"))
 
 
 def new_nonce() -> str:

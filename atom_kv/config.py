@@ -71,10 +71,13 @@ KVRole = Literal["kv_producer", "kv_consumer"]
 #: Mooncake's ``protocol`` key, which ATOM users write: the transport it names, as our ``backend``
 Protocol = Literal["tcp", "rdma"]
 _PROTOCOL_BACKEND = {"tcp": "tcp", "rdma": "moriio"}
-BackendName = Literal["auto", "tcp", "cma", "moriio", "gpu_ipc"]
+BackendName = Literal["auto", "tcp", "cma", "moriio", "gpu_ipc", "nixl"]
 LoadFailurePolicy = Literal["fail", "recompute"]
 PollCqMode = Literal["polling", "event"]
 MoriIOTransport = Literal["rdma", "xgmi"]
+NixlPlugins = Annotated[
+    list[NonEmptyStr], msgspec.Meta(min_length=1, description="a non-empty list of NIXL plugin names, e.g. [\"UCX\"]")
+]
 
 
 def is_port(value: Any, *, allow_zero: bool = True) -> bool:
@@ -246,11 +249,16 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     tcp_max_connections: PositiveInt = 512
     tcp_max_ranges_per_request: RangesPerRequest = 8192
     tcp_read_timeout_s: PositiveSeconds = 10.0
+    tcp_hello_timeout_s: PositiveSeconds = 2.0
+    tcp_max_unauthenticated_per_source: PositiveInt = 64
     tcp_idle_timeout_s: PositiveSeconds = 300.0
     cma_grant_timeout_s: PositiveSeconds = 3.0
     cma_grant_max_connections: PositiveInt = 64
     moriio_backend: MoriIOTransport = "rdma"
     poll_cq_mode: PollCqMode = "polling"
+    nixl_plugins: NixlPlugins = msgspec.field(default_factory=lambda: ["UCX"])
+    nixl_progress_threads: NonNegativeInt = 0
+    nixl_ucx_tls: Optional[NonEmptyStr] = None
 
     def __post_init__(self) -> None:
         names = self.__struct_fields__

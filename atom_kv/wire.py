@@ -47,6 +47,7 @@ __all__ = [
     "Issued",
     "KVTransferParams",
     "MoriIODescriptor",
+    "NixlDescriptor",
     "PeerProof",
     "PeerProofRequest",
     "ReadRange",
@@ -82,6 +83,19 @@ class WireError(ValueError):
     """Bytes that are not a valid message of the expected family."""
 
 
+# Bounds on what a peer that has not proven anything may send (checked while decoding, before anything is kept).
+#: a name: an engine id, a model, a backend, a dtype, a layout label, a sender
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+#: a host name or address (DNS names are at most 253 characters)
+HostName = Annotated[str, msgspec.Meta(max_length=255)]
+#: an http URL an engine advertises
+UrlText = Annotated[str, msgspec.Meta(max_length=1024)]
+#: a rank, a size, a count: never negative, never huge
+Rank = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+#: a transfer id as it travels on the handshake port (at most 128 characters, as adopted from a request)
+WireTransferId = Annotated[str, msgspec.Meta(max_length=128)]
+
+
 # --------------------------------------------------------------------------
 # Discovery: engine rank 0 (DEALER) -> proxy (ROUTER)
 # --------------------------------------------------------------------------
@@ -93,18 +107,18 @@ class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=Tru
     and ``mac``; the token itself is never sent."""
 
     role: Literal["P", "D"]
-    index: str
-    request_address: str
+    index: Name
+    request_address: UrlText
     handshake_port: int
     dp_size: int = 1
     tp_size: int = 1
-    transfer_mode: str = "read"
+    transfer_mode: Name = "read"
     v: int = PROTOCOL_VERSION
-    engine_id: Optional[str] = None
-    model: Optional[str] = None
+    engine_id: Optional[Name] = None
+    model: Optional[Name] = None
     ts: Optional[float] = None
-    nonce: Optional[str] = None
-    mac: Optional[str] = None
+    nonce: Optional[Name] = None
+    mac: Optional[Name] = None
 
 
 class HelloPing(msgspec.Struct, tag_field="type", tag="HELLO", kw_only=True):
@@ -128,14 +142,14 @@ class CompatInfo(msgspec.Struct, kw_only=True, frozen=True):
     otherwise.
     """
 
-    model_id: str
-    dtype: str
-    num_layers: int
-    num_kv_heads: int  # total across all TP ranks
-    head_dim: int
-    block_size: int
+    model_id: Name
+    dtype: Name
+    num_layers: Rank
+    num_kv_heads: Rank  # total across all TP ranks
+    head_dim: Rank
+    block_size: Rank
     is_mla: bool = False
-    layout: str = ""
+    layout: Name = ""
 
     def __post_init__(self) -> None:
         if not self.layout:
@@ -186,12 +200,12 @@ class HandshakeRequest(msgspec.Struct, tag_field="t", tag="hs", kw_only=True):
     producer then answers with a :class:`HandshakeChallenge` instead of the
     reply. Nothing here is derived from the token."""
 
-    engine_id: str
-    tp_rank: int
-    tp_size: int
+    engine_id: Name
+    tp_rank: Rank
+    tp_size: Rank
     compat: CompatInfo
-    backend: str
-    host: str = ""
+    backend: Name
+    host: HostName = ""
     nonce: HandshakeNonce = ""
     v: int = HANDSHAKE_PROTOCOL_VERSION
     #: memory kinds of this rank's KV cache ("host", "gpu:N"); empty from older peers (= host)
@@ -273,16 +287,16 @@ class DoneReading(msgspec.Struct, tag_field="t", tag="done", kw_only=True):
     confirms only a read of its own blocks of that transfer. With a token,
     signed (``ts``, ``nonce``, ``mac``; :func:`atom_kv.auth.sign_struct`)."""
 
-    transfer_id: str
-    engine_id: str
-    tp_rank: int
-    tp_size: int
+    transfer_id: WireTransferId
+    engine_id: Name
+    tp_rank: Rank
+    tp_size: Rank
     ok: bool = True
     #: ask the producer rank to answer with a :class:`DoneAck`
     want_ack: bool = False
-    block_offset: int = 0
-    num_blocks: int = 0
-    blocks_digest: str = ""
+    block_offset: Rank = 0
+    num_blocks: Rank = 0
+    blocks_digest: Name = ""
     ts: Optional[float] = None
     nonce: Optional[HandshakeNonce] = None
     mac: Optional[HandshakeMac] = None
@@ -311,9 +325,9 @@ class Release(msgspec.Struct, tag_field="t", tag="release", kw_only=True):
     idempotent. ``sender`` and ``reason`` are for the producer's log. With a
     token, signed (``ts``, ``nonce``, ``mac``; :func:`atom_kv.auth.sign_struct`)."""
 
-    transfer_id: str
-    reason: str = ""
-    sender: str = ""
+    transfer_id: WireTransferId
+    reason: Name = ""
+    sender: Name = ""
     ts: Optional[float] = None
     nonce: Optional[HandshakeNonce] = None
     mac: Optional[HandshakeMac] = None
@@ -327,7 +341,7 @@ class Issued(msgspec.Struct, tag_field="t", tag="issued", kw_only=True):
     confirms reads only of transfers it knows were issued. Signed like
     :class:`Release`."""
 
-    transfer_id: str
+    transfer_id: WireTransferId
     block_ids: list[int]
     ts: Optional[float] = None
     nonce: Optional[HandshakeNonce] = None
@@ -401,6 +415,26 @@ class MoriIODescriptor(msgspec.Struct, tag_field="t", tag="mori", kw_only=True, 
     transport: str
     memories: list[bytes]
     sizes: list[int]
+    v: int = PROTOCOL_VERSION
+
+
+# --------------------------------------------------------------------------
+# nixl backend descriptor (carried opaquely in HandshakeReply.descriptor)
+# --------------------------------------------------------------------------
+class NixlDescriptor(msgspec.Struct, tag_field="t", tag="nixl", kw_only=True, array_like=True):
+    """One NIXL agent's reachability: its name, its agent metadata (connection
+    info and registered memory, from ``get_agent_metadata``), the plugins it
+    runs, and per registered region (index = region id) its address, size and
+    device (-1 for host memory). ``align`` is the gcd of its registered block
+    sizes, the granularity of its prepared descriptor lists."""
+
+    agent: str
+    metadata: bytes
+    plugins: list[str]
+    addrs: list[int]
+    sizes: list[int]
+    devices: list[int]
+    align: int = 1
     v: int = PROTOCOL_VERSION
 
 
@@ -534,8 +568,8 @@ class CmaGrantReply(msgspec.Struct, tag_field="t", tag="cma_grant_ok", kw_only=T
 
 
 class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=True):
-    """The inner descriptors of an auto backend (``cma``, ``gpu_ipc`` empty
-    when unusable) and the memory kinds it registered (empty from older
+    """The inner descriptors of an auto backend (``cma``, ``gpu_ipc``, ``nixl``
+    empty when unusable) and the memory kinds it registered (empty from older
     peers: host)."""
 
     host_id: str
@@ -544,6 +578,7 @@ class AutoDescriptor(msgspec.Struct, tag_field="t", tag="auto_desc", kw_only=Tru
     v: int = PROTOCOL_VERSION
     gpu_ipc: bytes = b""
     memory: MemoryLabels = []
+    nixl: bytes = b""
 
 
 # --------------------------------------------------------------------------

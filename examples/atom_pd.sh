@@ -20,6 +20,8 @@ POLICY=${POLICY:-recompute}              # or fail
 P_TP=${P_TP:-1}; P_GPUS=${P_GPUS:-0}
 D_TP=${D_TP:-1}; D_GPUS=${D_GPUS:-1}
 LOGS=${LOGS:-atom-pd-logs}
+# the cluster secret: the proxy's --registration-token and every engine's auth_token (docs/security.md)
+AUTH_TOKEN=${AUTH_TOKEN:-$(openssl rand -hex 32)}
 mkdir -p "$LOGS"
 
 pids=()
@@ -37,11 +39,12 @@ trap cleanup EXIT INT TERM
 }
 
 kv_config() {  # role handshake_port http_port
-  printf '{"kv_connector": "atom_kv", "kv_role": "%s", "backend": "%s", "handshake_port": %d, "http_port": %d, "proxy_ip": "%s", "proxy_ping_port": %d, "load_failure_policy": "%s"}' \
-    "$1" "$BACKEND" "$2" "$3" "$HOST_IP" "$DISCOVERY_PORT" "$POLICY"
+  printf '{"kv_connector": "atom_kv", "kv_role": "%s", "backend": "%s", "handshake_port": %d, "http_port": %d, "proxy_ip": "%s", "proxy_ping_port": %d, "load_failure_policy": "%s", "auth_token": "%s"}' \
+    "$1" "$BACKEND" "$2" "$3" "$HOST_IP" "$DISCOVERY_PORT" "$POLICY" "$AUTH_TOKEN"
 }
 
-"$PY" -m atom_kv.proxy --host 0.0.0.0 --port "$PROXY_PORT" --discovery-port "$DISCOVERY_PORT" \
+"$PY" -m atom_kv.proxy --host "$HOST_IP" --port "$PROXY_PORT" --discovery-port "$DISCOVERY_PORT" \
+  --registration-token "$AUTH_TOKEN" \
   >"$LOGS/proxy.log" 2>&1 & pids+=($!)
 
 # ATOM's --port is its internal engine port: distinct per server on one host.
@@ -54,8 +57,8 @@ HIP_VISIBLE_DEVICES=$D_GPUS ATOM_HOST_IP=$HOST_IP "$PY" -m atom.entrypoints.open
 
 echo "waiting (up to 15 min: model load and graph capture) for the proxy to list both engines ..."
 for _ in $(seq 1 900); do
-  if curl -sf "http://127.0.0.1:$PROXY_PORT/health" >/dev/null; then
-    curl -s "http://127.0.0.1:$PROXY_PORT/health"; echo
+  if curl -sf "http://$HOST_IP:$PROXY_PORT/health" >/dev/null; then
+    curl -s "http://$HOST_IP:$PROXY_PORT/health"; echo
     echo "ready: http://$HOST_IP:$PROXY_PORT/v1/completions (Ctrl-C to stop; logs in $LOGS/)"
     wait
     exit 0

@@ -29,6 +29,8 @@ D_PORT=${D_PORT:-8200}
 BACKEND=${BACKEND:-auto}
 VLLM_ARGS=${VLLM_ARGS:-}
 LOGS=${LOGS:-$(mktemp -d)}
+# the cluster secret: the proxy's --registration-token and both engines' auth_token (docs/security.md)
+AUTH_TOKEN=${AUTH_TOKEN:-$(openssl rand -hex 32)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 pids=()
@@ -46,13 +48,13 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 kv_config() {  # role side_channel_port http_port
-  printf '{"kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm", "kv_role": "%s", "kv_connector_extra_config": {"backend": "%s", "handshake_port": %d, "host_ip": "%s", "proxy_ip": "%s", "proxy_ping_port": %d, "http_port": %d, "ping_interval_s": 1.0}}' \
-    "$1" "$BACKEND" "$2" "$HOST" "$HOST" "$DISCOVERY_PORT" "$3"
+  printf '{"kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm", "kv_role": "%s", "kv_connector_extra_config": {"backend": "%s", "handshake_port": %d, "host_ip": "%s", "proxy_ip": "%s", "proxy_ping_port": %d, "http_port": %d, "ping_interval_s": 1.0, "auth_token": "%s"}}' \
+    "$1" "$BACKEND" "$2" "$HOST" "$HOST" "$DISCOVERY_PORT" "$3" "$AUTH_TOKEN"
 }
 
 echo "logs in $LOGS"
 "$PY" -m atom_kv.proxy --host "$HOST" --port "$PROXY_PORT" --discovery-host "$HOST" \
-  --discovery-port "$DISCOVERY_PORT" --heartbeat-timeout 10 >"$LOGS/proxy.log" 2>&1 & pids+=($!)
+  --discovery-port "$DISCOVERY_PORT" --registration-token "$AUTH_TOKEN" --heartbeat-timeout 10 >"$LOGS/proxy.log" 2>&1 & pids+=($!)
 # pin each engine to its devices when asked (an empty list would hide every GPU)
 p_env=(); [ -n "${P_DEVICES:-}" ] && p_env=(CUDA_VISIBLE_DEVICES="$P_DEVICES" HIP_VISIBLE_DEVICES="$P_DEVICES")
 d_env=(); [ -n "${D_DEVICES:-}" ] && d_env=(CUDA_VISIBLE_DEVICES="$D_DEVICES" HIP_VISIBLE_DEVICES="$D_DEVICES")

@@ -178,6 +178,11 @@ def test_direct_construction_validates():
         ({"qp_per_transfer": 0}, "`qp_per_transfer` must be >= 1, got 0"),
         ({"kv_connector": None}, "`kv_connector` must be a string, got None"),
         ({"enable_notification": 1}, "`enable_notification` must be true or false, got 1"),
+        ({"backend": "nixI"}, "`backend` must be one of 'auto', 'tcp', 'cma', 'moriio', 'gpu_ipc', 'nixl', got 'nixI'"),
+        ({"nixl_plugins": "UCX"}, "`nixl_plugins` must be a list, got 'UCX'"),
+        ({"nixl_plugins": []}, '`nixl_plugins` must be a non-empty list of NIXL plugin names, e.g. ["UCX"], got []'),
+        ({"nixl_progress_threads": -1}, "`nixl_progress_threads` must be >= 0, got -1"),
+        ({"nixl_ucx_tls": ""}, "`nixl_ucx_tls` must be a non-empty string, got ''"),
     ],
 )
 def test_exact_messages(body, message):

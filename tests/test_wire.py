@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import msgpack
+import msgspec
 import pytest
 
 from atom_kv import wire
@@ -282,3 +283,28 @@ def test_adoptable_transfer_ids():
     assert wire.adoptable_transfer_id("x" * wire.MAX_TRANSFER_ID_CHARS) is not None
     for bad in ("x" * (wire.MAX_TRANSFER_ID_CHARS + 1), "", "line\n", "tab\t", "naïve", 7, None, b"id"):
         assert wire.adoptable_transfer_id(bad) is None, bad
+
+
+def test_fields_a_stranger_sends_are_bounded_while_decoding():
+    from atom_kv.proxy.discovery import decode_discovery
+
+    ping = {"type": "register", "role": "D", "index": "0", "request_address": "http://h:1/v1/completions",
+            "handshake_port": 1}
+    decode_discovery(msgpack.packb(ping))
+    for key, value in (("index", "i" * 300), ("request_address", "http://h:1/" + "x" * 2000),
+                       ("engine_id", "e" * 300), ("model", "m" * 300)):
+        with pytest.raises(wire.WireError):
+            decode_discovery(msgpack.packb({**ping, key: value}))
+    moriio = {"type": "D", "http_address": "h:1" + "0" * 2000, "zmq_address": "handshake:1"}
+    with pytest.raises(wire.WireError):
+        decode_discovery(msgpack.packb(moriio))
+    req = wire.HandshakeRequest(engine_id="x", tp_rank=0, tp_size=1, backend="tcp",
+                                compat=wire.CompatInfo(model_id="m", dtype="f", num_layers=1, num_kv_heads=1,
+                                                       head_dim=1, block_size=1))
+    wire.decode(wire.encode(req), wire.HandshakeMessage)
+    for change in (dict(engine_id="e" * 300), dict(host="h" * 300), dict(backend="b" * 300), dict(tp_rank=-1),
+                   dict(tp_size=1 << 40)):
+        with pytest.raises(wire.WireError):
+            wire.decode(wire.encode(msgspec.structs.replace(req, **change)), wire.HandshakeMessage)
+    with pytest.raises(wire.WireError):
+        wire.decode(wire.encode(wire.Release(transfer_id="t" * 200)), wire.HandshakeMessage)

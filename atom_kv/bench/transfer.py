@@ -6,6 +6,10 @@ with ``--scattered`` a random permutation on both sides so nothing merges),
 verifies every byte, and prints GB/s (10^9 bytes/s) next to two ceilings
 measured in the same run: numpy memcpy of the same size and one plain
 loopback TCP stream (``sendall`` into ``recv_into``) between two processes.
+With ``--backend nixl`` it also times NIXL's own transfer loop on the same
+buffers in the same run (the same blocks as descriptor lists straight into
+``initialize_xfer`` / ``transfer`` / ``check_xfer_state``) and prints our
+backend's ratio to it (target: >= 0.9).
 
 With ``--device cuda`` both buffers live on GPU 0 (``gpu_ipc``, staged
 ``tcp``, ``auto``): the ceiling is then a same-process device-to-device torch
@@ -32,11 +36,14 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-BACKEND_CHOICES = ("tcp", "cma", "auto", "moriio", "gpu_ipc")
+BACKEND_CHOICES = ("tcp", "cma", "auto", "moriio", "gpu_ipc", "nixl")
 #: from this block size on, the GPU rows are held to their targets
 TARGET_FROM_KB = 64
 #: backend -> (what the GPU rate is compared with, the fraction it must reach)
 GPU_TARGETS = {"gpu_ipc": ("ceiling_gbps", 0.7), "tcp": ("host_gbps", 0.8), "auto": ("ceiling_gbps", 0.7)}
+
+#: ``--backend nixl``: our backend must reach this fraction of raw NIXL's GB/s
+NIXL_TARGET_RATIO = 0.9
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -281,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
         for block_kb in blocks_kb:
             failures += _measure(args, backend, peer, src, dst, ids, local_ids, chunk, block_kb, sock_port, seed,
-                                 gpu=gpu, host_pair=host_pair)
+                                 gpu=gpu, host_pair=host_pair, desc=desc)
     finally:
         backend.close()
         try:
@@ -336,19 +343,32 @@ def _timed_read(backend: Any, peer: str, ops: np.ndarray, nbytes: int, timeout_s
 
 def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray, dst: np.ndarray,
              ids: list[int], local_ids: list[int], chunk: int, block_kb: int, sock_port: int, seed: int,
-             gpu: Optional[_GpuSide] = None, host_pair: Optional[tuple[list[int], list[int]]] = None) -> int:
+             gpu: Optional[_GpuSide] = None, host_pair: Optional[tuple[list[int], list[int]]] = None,
+             desc: bytes = b"") -> int:
     block = block_kb << 10
     nblocks = src.nbytes // block
     ops, lperm, rperm = build_ops(nblocks, block, chunk, ids, local_ids, args.scattered, seed + block_kb)
     host_ops = None
     if host_pair is not None:  # the same reads between host buffers, for the staged target
         host_ops = build_ops(nblocks, block, chunk, host_pair[0], host_pair[1], args.scattered, seed + block_kb)[0]
-    rates, mem, sock, ceiling, host_rates = [], [], [], [], []
+    rates, mem, sock, ceiling, host_rates, raw = [], [], [], [], [], []
     verified = True
     error: Optional[str] = None
-    for _ in range(max(1, args.repeat)):
+    raw_loop = (RawNixl(backend, desc, dst, lperm * block, rperm * block, block)
+                if args.backend == "nixl" and gpu is None else None)
+    if raw_loop is not None:
+        # untimed: the first read prepares the peer's NIXL descriptor lists and
+        # UCX's connection (once per peer); raw NIXL gets its warm-up too
+        backend.read(peer, ops, timeout_s=args.timeout_s).wait(args.timeout_s + 5)
+        raw_loop.gbps(args.timeout_s)
+    for i in range(max(1, args.repeat)):
         mem.append(memcpy_gbps(dst, src))
         sock.append(socket_gbps(sock_port, dst, args.timeout_s))
+        # raw NIXL before our read on even repeats, after it on odd ones, so
+        # neither always runs in the other's wake
+        if raw_loop is not None and i % 2 == 0 and (error := _raw_once(raw_loop, raw, dst, src, lperm, rperm, args)):
+            verified = False
+            break
         if gpu is not None:
             ceiling.append(gpu.ceiling_gbps())
             gpu.clear()
@@ -375,6 +395,9 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
             verified = False
             error = "bytes read differ from the source"
             break
+        if raw_loop is not None and i % 2 == 1 and (error := _raw_once(raw_loop, raw, dst, src, lperm, rperm, args)):
+            verified = False
+            break
     row = {
         "backend": args.backend,
         "block_kb": block_kb,
@@ -387,6 +410,9 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
         "socket_gbps": round(max(sock), 3),
         "repeats": len(rates),
     }
+    if raw:
+        row["raw_nixl_gbps"] = round(max(raw), 3)
+        row["raw_ratio"] = round(row["gbps"] / row["raw_nixl_gbps"], 3) if row["raw_nixl_gbps"] else 0.0
     if gpu is not None:
         row["device"] = args.device
         row["ceiling_gbps"] = round(max(ceiling), 3) if ceiling else 0.0
@@ -406,7 +432,10 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
         print(
             f"{row['backend']:>6} block {block_kb:>5} KiB {'scattered' if args.scattered else 'contiguous':>10}: "
             f"{row['gbps']:7.3f} GB/s (median {row['gbps_median']:.3f})  memcpy {row['memcpy_gbps']:.3f} "
-            f"({pct_mem:.0f}%)  socket {row['socket_gbps']:.3f} ({pct_sock:.0f}%)  verified={verified}"
+            f"({pct_mem:.0f}%)  socket {row['socket_gbps']:.3f} ({pct_sock:.0f}%)"
+            + (f"  raw NIXL {row['raw_nixl_gbps']:.3f} (ratio {row['raw_ratio']:.2f}, target >= {NIXL_TARGET_RATIO})"
+               if "raw_nixl_gbps" in row else "")
+            + f"  verified={verified}"
             + (f"  device ceiling {row['ceiling_gbps']:.3f}" if "ceiling_gbps" in row else "")
             + (f"  host tcp {row['host_gbps']:.3f}" if "host_gbps" in row else "")
             + (f"  target {row['target']}: {'met' if row['meets_target'] else 'MISSED'}" if "target" in row else "")
@@ -414,3 +443,57 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
             flush=True,
         )
     return 0 if verified else 1
+
+
+def _raw_once(raw_loop: "RawNixl", raw: list[float], dst: np.ndarray, src: np.ndarray, lperm: np.ndarray,
+              rperm: np.ndarray, args: argparse.Namespace) -> Optional[str]:
+    """One raw NIXL measurement appended to ``raw``, verified; the error, or None."""
+    dst.fill(0)
+    try:
+        raw.append(raw_loop.gbps(args.timeout_s))
+    except RuntimeError as exc:
+        return str(exc)
+    block = raw_loop.block
+    nblocks = src.nbytes // block
+    if not np.array_equal(dst.reshape(nblocks, block)[lperm], src.reshape(nblocks, block)[rperm]):
+        return "raw NIXL read bytes that differ from the source"
+    return None
+
+
+class RawNixl:
+    """NIXL's own transfer loop on our backend's agent and buffers: one
+    descriptor per block, local and remote lists straight into
+    ``initialize_xfer``, ``transfer``, then ``check_xfer_state`` until done
+    (the loop a NIXL user writes, polling without sleeping)."""
+
+    def __init__(self, backend: Any, desc: bytes, dst: np.ndarray, local_offsets: np.ndarray,
+                 remote_offsets: np.ndarray, block: int) -> None:
+        from atom_kv import wire
+
+        remote = wire.decode(desc, wire.NixlDescriptor)
+        self.agent, self.lock = backend.native_agent()
+        self.remote_name = remote.agent
+        n = len(local_offsets)
+        self.local_rows = np.zeros((n, 3), dtype=np.uint64)
+        self.local_rows[:, 0] = dst.ctypes.data + local_offsets.astype(np.uint64)
+        self.local_rows[:, 1] = block
+        self.remote_rows = self.local_rows.copy()
+        self.remote_rows[:, 0] = remote.addrs[0] + remote_offsets.astype(np.uint64)  # one contiguous buffer
+        self.nbytes = n * block
+        self.block = block
+
+    def gbps(self, timeout_s: float) -> float:
+        with self.lock:
+            t = time.perf_counter()
+            local = self.agent.get_xfer_descs(self.local_rows, "DRAM")
+            remote = self.agent.get_xfer_descs(self.remote_rows, "DRAM")
+            xfer = self.agent.initialize_xfer("READ", local, remote, self.remote_name)
+            state = self.agent.transfer(xfer)
+            deadline = time.monotonic() + timeout_s
+            while state == "PROC" and time.monotonic() < deadline:
+                state = self.agent.check_xfer_state(xfer)
+            elapsed = time.perf_counter() - t
+            xfer.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL transfer ended in state {state}")
+        return self.nbytes / elapsed / 1e9

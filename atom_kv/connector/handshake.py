@@ -15,7 +15,6 @@ the port, and every refusal, is counted and logged at a bounded rate.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import queue
@@ -28,7 +27,16 @@ import zmq
 
 from atom_kv import wire
 from atom_kv._ratelimit import RateLimitedLog
-from atom_kv.auth import PURPOSE_DONE, PURPOSE_ISSUED, PURPOSE_RELEASE, AuthError, ReplayWindow, new_nonce, verify_struct
+from atom_kv.auth import (
+    PURPOSE_DONE,
+    PURPOSE_ISSUED,
+    PURPOSE_RELEASE,
+    AuthError,
+    ReplayWindow,
+    new_nonce,
+    same_mac,
+    verify_struct,
+)
 from atom_kv.connector.confirm import DealerCache, DoneAckClient
 from atom_kv.connector.endpoints import connect_socket, tcp_endpoint
 from atom_kv.connector.handshake_auth import (
@@ -36,8 +44,10 @@ from atom_kv.connector.handshake_auth import (
     ChallengeTable,
     ack_mac,
     client_proof,
+    client_proof_of_digest,
     peer_proof,
     reply_mac,
+    request_digest,
     server_proof,
 )
 from atom_kv.connector.stats import TransferStats
@@ -76,8 +86,10 @@ logger = logging.getLogger(__name__)
 
 #: Largest frame the handshake port accepts; bigger ones drop the connection.
 MAX_MESSAGE_BYTES = 1 << 20
-#: Challenges a producer rank remembers at once (the oldest is dropped past it).
+#: Challenges a producer rank remembers at once (a new one is refused past it; none is dropped early).
 MAX_CHALLENGES = 4096
+#: Challenges pending at once for one peer address (a decode engine has one per rank and handshake in flight).
+MAX_CHALLENGES_PER_SOURCE = 64
 _POLL_MS = 200
 _BATCH = 64  # messages handled between two housekeeping passes
 
@@ -109,6 +121,14 @@ def version_refusal(peer_version: Any) -> str:
     """The one line that refuses a peer speaking another handshake protocol version."""
     return (f"handshake protocol version {peer_version} (peer) is not version {HANDSHAKE_PROTOCOL_VERSION} "
             "(here): run the same atom-kv release on the prefill and decode engines")
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The sending peer's IP address (ZeroMQ's ``Peer-Address`` property), or "" where unknown."""
+    try:
+        return frame.get("Peer-Address") or ""
+    except (zmq.ZMQError, AttributeError, TypeError, UnicodeDecodeError):
+        return ""
 
 
 def _decode(data: bytes, type_: Any) -> Any:
@@ -172,7 +192,7 @@ class HandshakeServer:
         self._on_tick = on_tick
         self._stats = stats
         self._stop = threading.Event()
-        self._challenges = ChallengeTable(MAX_CHALLENGES, challenge_ttl_s)
+        self._challenges = ChallengeTable(MAX_CHALLENGES, challenge_ttl_s, MAX_CHALLENGES_PER_SOURCE)
         self._replay = ReplayWindow(auth_window_s, replay_entries)
         self.port = port
         self.warnings = RateLimitedLog(logger, f"refused messages on handshake port {port}",
@@ -219,7 +239,7 @@ class HandshakeServer:
     def _receive_batch(self) -> None:
         for _ in range(_BATCH):
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                parts = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:
@@ -227,20 +247,17 @@ class HandshakeServer:
                     logger.warning("handshake server: receive failed: %s", exc)
                 return
             try:
-                self._handle(frames)
-            except Exception:  # a bug in a handler must not kill the server
-                self._stats.add(bad_messages=1)
-                logger.exception("handshake server: failed to handle a message")
+                self._handle([part.bytes for part in parts], _peer_address(parts[-1]))
+            except Exception as exc:  # a bug in a handler must not kill the server, nor let a peer flood the log
+                self._refuse("internal", f"failed to handle a message: {type(exc).__name__}: {exc}")
+                logger.debug("handshake server: failed to handle a message", exc_info=True)
 
     def _housekeeping(self) -> None:
         for ch in self._challenges.expire():
-            self._refuse("unanswered", f"handshake from engine {ch.request.engine_id} rank {ch.request.tp_rank} "
-                                       f"({ch.request.host or 'unknown host'}) never answered the challenge: the "
+            req = ch.request
+            self._refuse("unanswered", f"handshake from engine {req.engine_id} rank {req.tp_rank} "
+                                       f"({req.host or 'unknown host'}) never answered the challenge: the "
                                        "decode engine could not verify this engine's proof (different auth_token?)")
-        if self._challenges.evicted:
-            n, self._challenges.evicted = self._challenges.evicted, 0
-            self._refuse("challenges_full", f"dropped {n} outstanding handshake challenge(s): more than "
-                                            f"{MAX_CHALLENGES} handshakes in flight")
         self.warnings.flush()
         if self._on_tick is not None:
             try:
@@ -281,7 +298,7 @@ class HandshakeServer:
             pass  # the pipe is full (a wake-up is pending anyway) or closed
 
     # -- messages ------------------------------------------------------------
-    def _handle(self, frames: list[bytes]) -> None:
+    def _handle(self, frames: list[bytes], source: str = "") -> None:
         identity, payloads = frames[0], frames[1:]
         if len(payloads) == 2 and payloads[0] == b"":
             payloads = payloads[1:]  # REQ-style envelope
@@ -299,7 +316,7 @@ class HandshakeServer:
             self._refuse("decode", str(exc))
             return
         if isinstance(msg, HandshakeRequest):
-            self._on_request(identity, data, msg)
+            self._on_request(identity, data, msg, source)
         elif isinstance(msg, HandshakeProof):
             self._on_proof(identity, msg)
         elif isinstance(msg, PeerProofRequest):
@@ -315,7 +332,7 @@ class HandshakeServer:
         else:
             self._on_release_msg(msg)
 
-    def _on_request(self, identity: bytes, data: bytes, req: HandshakeRequest) -> None:
+    def _on_request(self, identity: bytes, data: bytes, req: HandshakeRequest, source: str = "") -> None:
         if self._token is None:
             self._send(identity, wire.encode(self._responder(req)))
             return
@@ -328,7 +345,15 @@ class HandshakeServer:
             return
         p_nonce = new_nonce()
         engine_id, rank = self._identity()
-        self._challenges.add(p_nonce, Challenge(identity, req.nonce, data, req, self._challenges.new_deadline()))
+        full = self._challenges.add(p_nonce, Challenge(identity, req.nonce, request_digest(data), wire.encode(req),
+                                                       self._challenges.new_deadline(), source))
+        if full is not None:
+            limit = (f"{MAX_CHALLENGES} handshakes in flight" if full == "full" else
+                     f"{MAX_CHALLENGES_PER_SOURCE} handshakes in flight from {source or 'one address'}")
+            self._refuse("challenges_" + full, f"handshake from {who} refused: more than {limit}")
+            self._send(identity, wire.encode(HandshakeReply(
+                ok=False, error="handshake rejected: too many handshakes in flight; retry the handshake")))
+            return
         challenge = HandshakeChallenge(engine_id=engine_id, tp_rank=rank, nonce=p_nonce,
                                        proof=server_proof(self._token, req.nonce, p_nonce, engine_id, rank))
         self._send(identity, wire.encode(challenge))
@@ -340,18 +365,19 @@ class HandshakeServer:
                 ok=False, error="handshake rejected: this prefill engine has no auth_token")))
             return
         ch = self._challenges.take(msg.nonce)
-        if ch is None or not hmac.compare_digest(ch.identity, identity):
+        if ch is None or ch.identity != identity:
             self._refuse("challenge", "handshake proof for an unknown or expired challenge")
             self._send(identity, wire.encode(HandshakeReply(
                 ok=False, error="handshake rejected: unknown or expired challenge; retry the handshake")))
             return
-        expected = client_proof(self._token, ch.c_nonce, msg.nonce, ch.request_bytes)
-        if not hmac.compare_digest(expected, msg.proof):
-            self._refuse("auth", f"handshake from engine {ch.request.engine_id} rank {ch.request.tp_rank} "
-                                 f"({ch.request.host or 'unknown host'}): wrong auth_token")
+        expected = client_proof_of_digest(self._token, ch.c_nonce, msg.nonce, ch.request_digest)
+        request = ch.request
+        if not same_mac(expected, msg.proof):
+            self._refuse("auth", f"handshake from engine {request.engine_id} rank {request.tp_rank} "
+                                 f"({request.host or 'unknown host'}): wrong auth_token")
             self._send(identity, wire.encode(HandshakeReply(ok=False, error="handshake rejected: wrong auth_token")))
             return
-        reply = wire.encode(self._responder(ch.request))
+        reply = wire.encode(self._responder(request))
         sealed = SealedHandshakeReply(reply=reply, mac=reply_mac(self._token, ch.c_nonce, msg.nonce, reply))
         self._send(identity, wire.encode(sealed))
 
@@ -499,7 +525,7 @@ def _proven_handshake(ex: _Exchange, token: str, request: HandshakeRequest, sent
     if not isinstance(first, HandshakeChallenge):
         raise HandshakeError(f"unexpected {type(first).__name__} from {ex.where}")
     expected = server_proof(token, request.nonce, first.nonce, first.engine_id, first.tp_rank)
-    if not hmac.compare_digest(expected, first.proof):
+    if not same_mac(expected, first.proof):
         raise HandshakeRejected(f"{ex.where} did not prove it knows the auth token (a different auth_token, or "
                                 "not a prefill engine of this cluster); nothing was sent to it")
     ex.send(HandshakeProof(nonce=first.nonce, proof=client_proof(token, request.nonce, first.nonce, sent)))
@@ -510,7 +536,7 @@ def _proven_handshake(ex: _Exchange, token: str, request: HandshakeRequest, sent
         raise HandshakeRejected(f"{ex.where} sent an unsealed reply after the challenge; not trusted")
     if not isinstance(second, SealedHandshakeReply):
         raise HandshakeError(f"unexpected {type(second).__name__} from {ex.where}")
-    if not hmac.compare_digest(reply_mac(token, request.nonce, first.nonce, second.reply), second.mac):
+    if not same_mac(reply_mac(token, request.nonce, first.nonce, second.reply), second.mac):
         raise HandshakeRejected(f"the handshake reply from {ex.where} was altered (wrong MAC); not trusted")
     try:
         return _decode(second.reply, HandshakeReply)

@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from atom_kv._lru import BoundedDict
 from atom_kv.auth import (
     PURPOSE_DONE_ACK,
     PURPOSE_HANDSHAKE_CLIENT,
@@ -39,15 +38,17 @@ from atom_kv.auth import (
     struct_payload,
     verify_mac,
 )
-from atom_kv.wire import DoneAck, HandshakeRequest
+from atom_kv.wire import DoneAck, HandshakeRequest, decode
 
 __all__ = [
     "Challenge",
     "ChallengeTable",
     "ack_mac",
     "client_proof",
+    "client_proof_of_digest",
     "peer_proof",
     "reply_mac",
+    "request_digest",
     "server_proof",
     "verify_ack",
 ]
@@ -61,8 +62,17 @@ def server_proof(token: str, c_nonce: str, p_nonce: str, engine_id: str, tp_rank
 
 def client_proof(token: str, c_nonce: str, p_nonce: str, request: bytes) -> str:
     """The consumer's answer: both nonces and the request bytes it sent."""
-    return mac(token, PURPOSE_HANDSHAKE_CLIENT,
-               canonical({"c": c_nonce, "p": p_nonce, "request": hashlib.sha256(request).digest()}))
+    return client_proof_of_digest(token, c_nonce, p_nonce, request_digest(request))
+
+
+def request_digest(request: bytes) -> bytes:
+    """What :func:`client_proof` covers of the request (32 bytes: all a producer keeps of it)."""
+    return hashlib.sha256(request).digest()
+
+
+def client_proof_of_digest(token: str, c_nonce: str, p_nonce: str, digest: bytes) -> str:
+    """:func:`client_proof` from the request's :func:`request_digest`."""
+    return mac(token, PURPOSE_HANDSHAKE_CLIENT, canonical({"c": c_nonce, "p": p_nonce, "request": digest}))
 
 
 def reply_mac(token: str, c_nonce: str, p_nonce: str, reply: bytes) -> str:
@@ -86,35 +96,59 @@ def verify_ack(token: str, ack: DoneAck, request_nonce: str) -> bool:
     return verify_mac(token, PURPOSE_DONE_ACK, struct_payload(ack, request_nonce=request_nonce), ack.mac)
 
 
-@dataclass
+@dataclass(slots=True)
 class Challenge:
-    """One challenge the producer sent and waits on an answer for."""
+    """One challenge the producer sent and waits on an answer for: a few hundred
+    bytes. The request as received is kept only as its digest (what the proof
+    covers), and the request itself re-encoded from its decoded, bounded fields
+    (anything else the peer sent is gone)."""
 
     identity: bytes        # the consumer's socket identity (the answer must come from it)
     c_nonce: str
-    request_bytes: bytes   # the request as received: the consumer's proof covers it
-    request: HandshakeRequest
+    request_digest: bytes  # :func:`request_digest` of the request as received: the consumer's proof covers it
+    request_bytes: bytes   # ``wire.encode`` of the decoded request
     deadline: float
+    source: str = ""       # the peer's address: at most ``per_source`` pending challenges each
+
+    @property
+    def request(self) -> HandshakeRequest:
+        return decode(self.request_bytes, HandshakeRequest)
 
 
 class ChallengeTable:
-    """Owns a producer rank's outstanding challenges: at most ``capacity``
-    (the oldest is dropped past it, and counted), each forgotten after ``ttl_s``.
+    """Owns a producer rank's outstanding challenges: at most ``capacity`` in all
+    and ``per_source`` per peer address, each forgotten after ``ttl_s``. A full
+    table (or a source at its cap) refuses the new challenge: a pending one is
+    never dropped early, so strangers cannot evict a proving peer's challenge.
     Single-threaded (the handshake server's thread)."""
 
-    def __init__(self, capacity: int, ttl_s: float) -> None:
+    def __init__(self, capacity: int, ttl_s: float, per_source: int | None = None) -> None:
         self.ttl_s = ttl_s
-        self.evicted = 0
-        self._items: BoundedDict[str, Challenge] = BoundedDict(capacity, on_evict=self._count_eviction)
-
-    def _count_eviction(self, _nonce: str, _challenge: Challenge) -> None:
-        self.evicted += 1
+        self.capacity = capacity
+        self.per_source = capacity if per_source is None else per_source
+        self._items: dict[str, Challenge] = {}  # insertion order is deadline order (one ttl for all)
+        self._by_source: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, p_nonce: str, challenge: Challenge) -> None:
+    def add(self, p_nonce: str, challenge: Challenge) -> Optional[str]:
+        """Remember ``challenge``; returns None, or why it was refused (``"full"``, ``"source"``)."""
+        if len(self._items) >= self.capacity:
+            return "full"
+        held = self._by_source.get(challenge.source, 0)
+        if held >= self.per_source:
+            return "source"
         self._items[p_nonce] = challenge
+        self._by_source[challenge.source] = held + 1
+        return None
+
+    def _forget(self, challenge: Challenge) -> None:
+        left = self._by_source.get(challenge.source, 1) - 1
+        if left > 0:
+            self._by_source[challenge.source] = left
+        else:
+            self._by_source.pop(challenge.source, None)
 
     def new_deadline(self, now: Optional[float] = None) -> float:
         return (time.monotonic() if now is None else now) + self.ttl_s
@@ -122,7 +156,10 @@ class ChallengeTable:
     def take(self, p_nonce: str, now: Optional[float] = None) -> Optional[Challenge]:
         """The challenge ``p_nonce`` names (forgotten now), or None if unknown or expired."""
         challenge = self._items.pop(p_nonce, None)
-        if challenge is None or challenge.deadline < (time.monotonic() if now is None else now):
+        if challenge is None:
+            return None
+        self._forget(challenge)
+        if challenge.deadline < (time.monotonic() if now is None else now):
             return None
         return challenge
 
@@ -132,6 +169,9 @@ class ChallengeTable:
         expired = []
         for nonce, challenge in self._items.items():
             if challenge.deadline >= now:
-                break  # insertion order is deadline order (one ttl for all)
+                break
             expired.append(nonce)
-        return [self._items.pop(nonce) for nonce in expired]
+        out = [self._items.pop(nonce) for nonce in expired]
+        for challenge in out:
+            self._forget(challenge)
+        return out

@@ -18,7 +18,6 @@ cannot prove it gets nothing derived from the token.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import queue
@@ -34,7 +33,7 @@ import zmq
 from atom_kv import wire
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
-from atom_kv.auth import PURPOSE_ISSUED, PURPOSE_RELEASE, new_nonce, sign_struct
+from atom_kv.auth import PURPOSE_ISSUED, PURPOSE_RELEASE, new_nonce, same_mac, sign_struct
 from atom_kv.config import NonEmptyStr, NonNegativeInt, PeerPort, PositiveInt
 from atom_kv.connector.confirm import DealerCache
 from atom_kv.connector.handshake_auth import peer_proof
@@ -309,7 +308,7 @@ class NoticeSender:
         assert self._token is not None
         expected = peer_proof(self._token, w.nonce, answer.engine_id, answer.tp_rank)
         del waiting[target]
-        if answer.v != HANDSHAKE_PROTOCOL_VERSION or not hmac.compare_digest(expected, answer.proof):
+        if answer.v != HANDSHAKE_PROTOCOL_VERSION or not same_mac(expected, answer.proof):
             self.counts["unproven"] += 1
             self._drop(target, len(w.releases), "it did not prove the auth token (different auth_token, or none)")
             return

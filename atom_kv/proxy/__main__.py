@@ -98,16 +98,28 @@ def build_parser() -> argparse.ArgumentParser:
     d = ProxySettings()
     p = argparse.ArgumentParser(prog="atom-kv-proxy", description="Prefill/decode proxy for ATOM-compatible engines.")
     g = p.add_argument_group("listening")
-    g.add_argument("--host", default=d.host, help="HTTP listen address (default %(default)s)")
+    g.add_argument("--host", default=d.host,
+                   help="HTTP listen address (default %(default)s: loopback only); discovery follows it unless "
+                        "--discovery-host says otherwise, and needs --registration-token off loopback")
     g.add_argument("--port", type=_port, default=d.port, help="HTTP port; 0 picks a free one (default %(default)s)")
     g.add_argument("--header-timeout", type=_positive, default=d.header_timeout,
                    help="seconds a client has to send a request head; also the idle keep-alive limit "
                         "(default %(default)s)")
     g.add_argument("--body-timeout", type=_positive, default=d.body_timeout,
                    help="seconds a client has to send a request body, else 408 (default %(default)s)")
+    g.add_argument("--stall-timeout", type=_positive, default=d.stall_timeout,
+                   help="seconds a client may read nothing while its answer waits (its socket buffer full); then "
+                        "the connection is dropped, the decode leg aborted and the prefill released "
+                        "(default %(default)s)")
     g.add_argument("--max-request-bytes", type=_pos_int, default=d.max_request_bytes,
                    help="largest request body, else 413 (default %(default)s)")
+    g.add_argument("--max-inflight-body-bytes", type=_pos_int, default=d.max_inflight_body_bytes,
+                   help="request bodies the proxy holds at once, all clients together; a request past it is "
+                        "answered 503 (default %(default)s)")
     g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
+    g.add_argument("--admin-token", default=None,
+                   help="the management routes (/instances, /metrics) answer only requests with "
+                        "'Authorization: Bearer <this token>' (default: open; /health always is)")
     g.add_argument("--shutdown-timeout", type=_positive, default=d.shutdown_timeout,
                    help="graceful shutdown grace period (s)")
 
@@ -132,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--registration-token", default=None,
                    help="accept only pings signed with this shared token, and sign releases with it: the engines' "
                         "auth_token (one cluster secret)")
+    g.add_argument("--allow-open-registration", action="store_true",
+                   help="accept unsigned pings on a non-loopback discovery address (without --registration-token): "
+                        "anyone who can reach the discovery port can then register an engine and receive client "
+                        "requests; refused without this flag")
     g.add_argument("--no-release", dest="release_prefills", action="store_false",
                    help="do not send releases to prefill engines for abandoned prefills (for engines that do not "
                         "speak atom-kv's handshake port; their blocks then wait for their lease)")
@@ -198,6 +214,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         discovery_port=args.discovery_port, heartbeat_timeout=args.heartbeat_timeout, policy=args.policy,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         registration_token=args.registration_token, registration_window_s=args.registration_window,
+        allow_open_registration=args.allow_open_registration,
         release_prefills=args.release_prefills, first_token_forwarding=args.first_token_forwarding,
         max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
         static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
@@ -209,9 +226,9 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         decode_timeout=args.decode_timeout, tokenize_timeout=args.tokenize_timeout,
         circuit_failures=args.circuit_failures, circuit_cooldown_s=args.circuit_cooldown,
         max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
-        sse_split_max=args.sse_split_max,
-        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog,
+        sse_split_max=args.sse_split_max, max_inflight_body_bytes=args.max_inflight_body_bytes,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
+        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, admin_token=args.admin_token,
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 from quart import Quart, Response, request
 
+from atom_kv.auth import same_mac
 from atom_kv.proxy.discovery import DiscoveryError, DiscoveryListener
 from atom_kv.proxy.errors import ProxyError
 from atom_kv.proxy.fastpath import CompletionsHandler, valid_request_id
@@ -157,13 +158,25 @@ def create_app(settings: ProxySettings) -> Quart:
         ok = counts["prefill"] > 0 and counts["decode"] > 0
         return _json_response(200 if ok else 503, {"status": "ok" if ok else "unavailable", **counts})
 
+    def _admin_refusal() -> Response | None:
+        """With ``--admin-token``, the management routes answer only ``Authorization: Bearer <token>``."""
+        if settings.admin_token is None:
+            return None
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() == "bearer" and same_mac(settings.admin_token, token.strip()):
+            return None
+        return Response(ProxyError(401, f"{request.path} needs the admin token (Authorization: Bearer ...)").body(),
+                        status=401, headers={"WWW-Authenticate": "Bearer"}, content_type="application/json")
+
     @app.get("/instances")
     async def instances() -> Response:
-        return _json_response(200, state.registry.snapshot())
+        return _admin_refusal() or _json_response(200, state.registry.snapshot())
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return Response(metrics.render(state.registry.counts()), status=200, content_type=metrics.content_type)
+        return _admin_refusal() or Response(metrics.render(state.registry.counts()), status=200,
+                                            content_type=metrics.content_type)
 
     @app.errorhandler(404)
     async def _not_found(_: Exception) -> Response:

@@ -28,7 +28,8 @@ from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_field
 from atom_kv.config import is_port
 from atom_kv.proxy.metrics import ProxyMetrics
 from atom_kv.proxy.registry import Registration, Registry, RegistryFull
-from atom_kv.wire import PROTOCOL_VERSION, HelloPing, RegisterPing, WireError
+from atom_kv.proxy.settings import is_loopback
+from atom_kv.wire import PROTOCOL_VERSION, HelloPing, Name, RegisterPing, UrlText, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +39,12 @@ _BURST = 256  # pings handled per wake-up before yielding to the loop
 
 
 class _MoriioPing(msgspec.Struct, tag_field="type", kw_only=True):
-    http_address: str
-    zmq_address: str
+    http_address: UrlText
+    zmq_address: UrlText
     dp_size: int = 1
     tp_size: int = 1
-    transfer_mode: str = "read"
-    model: Optional[str] = None
+    transfer_mode: Name = "read"
+    model: Optional[Name] = None
 
 
 class MoriioPrefillPing(_MoriioPing, tag="P"):
@@ -198,6 +199,11 @@ class DiscoveryListener:
         self._task = asyncio.create_task(self._run(), name="atom-kv-proxy-discovery")
         logger.info("discovery listening on tcp://%s:%d%s", self.host, self.port,
                     " (signed pings only)" if self.registration_token else "")
+        if self.registration_token is None:
+            reach = "any local process" if is_loopback(self.host) else "ANY HOST THAT CAN REACH IT"
+            logger.warning("REGISTRATION IS OPEN on tcp://%s:%d: %s can register an engine and receive client "
+                           "requests; set --registration-token to accept signed pings only", self.host, self.port,
+                           reach)
         return self.port
 
     async def close(self) -> None:
@@ -234,8 +240,9 @@ class DiscoveryListener:
             except zmq.ZMQError as exc:
                 logger.error("discovery socket error: %s", exc)
                 await asyncio.sleep(self.poll_s)
-            except Exception:  # keep discovery alive whatever one message does
-                logger.exception("unexpected error in discovery")
+            except Exception as exc:  # keep discovery alive whatever one message does; counted, rate-limited
+                self._refuse("internal", "a discovery message", f"{type(exc).__name__}: {exc}")
+                logger.debug("unexpected error in discovery", exc_info=True)
 
     def _refuse(self, reason: str, who: str, detail: str) -> None:
         self.metrics.rejected_registrations.labels(reason).inc()

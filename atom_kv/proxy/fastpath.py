@@ -40,7 +40,7 @@ def valid_request_id(value: str | None) -> str:
     return os.urandom(16).hex()
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes | bytearray) -> dict[str, Any]:
     """The request body as a JSON object; a 400 naming the problem otherwise (bad UTF-8 and
     absurd nesting included: they are the client's mistake, not a proxy failure)."""
     try:
@@ -112,7 +112,8 @@ class CompletionsHandler:
                              request_id, record)
             return
         try:
-            body = parse_body(exchange.body)
+            body = parse_body(exchange.body_view())  # in place, then the raw bytes go
+            exchange.drop_body()
             result = await self.relay.relay(path, body, request_id, exchange.header(b"authorization"),
                                             received=record.t0)
         except ProxyError as err:
@@ -163,7 +164,7 @@ class CompletionsHandler:
             record.client_gone()
             raise
         finally:
-            stream.aclose()  # no-op after a complete stream; aborts the decode leg otherwise
+            stream.aclose(release=exchange.stalled)  # no-op after a complete stream; aborts the decode leg otherwise
 
 
 def _headers(content_type: str, request_id: str) -> list[tuple[bytes, bytes]]:

@@ -117,11 +117,13 @@ class FirstTokenStream:
         self._inner = inner
         await inner.pipe(sink)
 
-    def aclose(self) -> None:
+    def aclose(self, release: bool = False) -> None:
+        """Abandon the answer; ``release``: the client stalled, the decode stream's own release
+        applies (a decode leg still opening is cancelled, which abandons the prefill)."""
         self._closed = True
         if self._inner is not None:
-            self._inner.aclose()
+            self._inner.aclose(release)
         elif not self._opening.done():
             self._opening.cancel()
         elif not self._opening.cancelled() and self._opening.exception() is None:
-            self._opening.result().aclose()  # opened, but never piped
+            self._opening.result().aclose(release)  # opened, but never piped

@@ -48,12 +48,13 @@ class UpstreamHealth:
     def succeeded(self, inst: Instance) -> None:
         inst.breaker.record_success()
 
-    def failed(self, inst: Instance, kind: str, exc: BaseException | None = None) -> None:
-        """One failed exchange (``kind`` labels the counter); a connection-level failure
-        also takes the instance out of routing until a probe reaches it."""
+    def failed(self, inst: Instance, kind: str, exc: BaseException | None = None, request: object = None) -> None:
+        """One failed exchange (``kind`` labels the counter) of ``request`` (the breaker counts
+        one request once); a connection-level failure also takes the instance out of routing
+        until a probe reaches it."""
         name = ROLE_NAMES[inst.role]
         self.metrics.upstream_failures.labels(name, kind).inc()
-        if inst.breaker.record_failure(time.monotonic()):
+        if inst.breaker.record_failure(time.monotonic(), request):
             self.metrics.circuit_opened.labels(name).inc()
             logger.warning("circuit opened for %s instance %s after %d consecutive failures",
                            name, inst.base_url, inst.breaker.failures)

@@ -12,12 +12,26 @@ Quart app through a minimal ASGI bridge (:mod:`atom_kv.proxy.asgi_bridge`).
 :class:`_ServerConnection` owns one client's connection:
 
 - keep-alive, and pipelined requests answered in order, one at a time (reading
-  pauses while one waits);
+  pauses while one waits); the next one is not answered, and nothing more is
+  read, while the client's socket buffer is above its high-water mark (a client
+  that pipelines and never reads costs one buffer, not a growing heap); at most
+  ``max_pipelined`` wait per connection (429 and the connection ends past it);
+- a client that reads nothing for ``stall_timeout`` while an answer waits in
+  its socket buffer is dropped: its request's task is cancelled (the exchange
+  says ``stalled``, so the handler can release what it holds) and ``on_stall``
+  counts it;
 - a request head must arrive within ``header_timeout`` (from the connection's
   start or the previous answer: also the idle keep-alive limit) and stay under
-  ``max_head_bytes``, else the connection is closed (431 when too big);
+  ``max_head_bytes`` in all and ``max_headers`` header lines, however it is
+  split across reads, else the connection is closed (431 when too big);
+- requests are routed on the raw path (never percent-decoded); an encoded
+  slash (``%2F``, ``%5C``) in it is refused (400);
 - a body must arrive within ``body_timeout`` (else 408) and stay within
   ``max_request_bytes`` (else 413, at once when ``Content-Length`` says so);
+  all bodies held at once (read or being read, until their answer ends) stay
+  within ``body_budget`` bytes, else 503 (at once when ``Content-Length`` says
+  so); a body whose length is announced is read into one buffer of that size
+  (no second copy to join its pieces);
   ``Expect: 100-continue`` is answered;
 - answers: fixed length (:meth:`Exchange.respond`), or streamed
   (:meth:`Exchange.start_stream` then :meth:`Exchange.write` per piece: one
@@ -47,6 +61,18 @@ __all__ = ["HTTPServer", "Exchange", "Handler", "Producer"]
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
+#: requests read ahead on one connection while another is answered (more: 429, and the connection ends)
+MAX_PIPELINED = 32
+#: header lines in one request head (more: 431)
+MAX_HEADERS = 100
+#: bodies announced larger than this are read into one buffer of their size
+_PREALLOCATE_FROM = 64 * 1024
+#: request bodies held at once across every connection (more: 503)
+BODY_BUDGET = 1 << 30
+
+
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback: the head is over a limit (the message says which)."""
 
 _REASONS = {s.value: s.phrase.encode("ascii") for s in http.HTTPStatus}
 _JSON = b"application/json"
@@ -85,8 +111,10 @@ class Exchange:
     through :meth:`respond` or :meth:`start_stream`/:meth:`write`/:meth:`end`."""
 
     __slots__ = ("conn", "method", "raw_target", "path", "raw_path", "query", "headers", "http_version",
-                 "keep_alive", "body_parts", "body_size", "refusal", "complete", "head_done", "expect_continue",
-                 "_pending_head", "_chunked", "_finished", "_started", "task", "_producer", "_head_only", "_done")
+                 "keep_alive", "body_parts", "body_size", "refusal", "head_size", "complete", "head_done",
+                 "expect_continue",
+                 "_pending_head", "_chunked", "_finished", "_started", "task", "_producer", "_head_only", "_done",
+                 "stalled", "_buf", "budget_held")
 
     def __init__(self, conn: "_ServerConnection") -> None:
         self.conn = conn
@@ -99,7 +127,11 @@ class Exchange:
         self.http_version = "1.1"
         self.keep_alive = True
         self.body_parts: list[bytes] = []
+        self._buf: bytearray | None = None  # the body, when its length was announced
+        self.budget_held = 0  # bytes of the server's body budget this request holds
         self.body_size = 0
+        self.head_size = 0
+        self.stalled = False  # dropped because the client read nothing for ``stall_timeout``
         self.refusal: tuple[int, str] | None = None
         self.complete = False  # the whole request (head and body) is in, or it was refused
         self.head_done = False
@@ -114,8 +146,21 @@ class Exchange:
         self.task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ request
+    def body_view(self) -> bytes | bytearray:
+        """The body without a copy (a parser reads it in place)."""
+        if self._buf is not None:
+            return self._buf
+        return self.body
+
+    def drop_body(self) -> None:
+        """Forget the raw body (once parsed): its memory goes back before the answer ends."""
+        self._buf = None
+        self.body_parts = []
+
     @property
     def body(self) -> bytes:
+        if self._buf is not None:
+            return bytes(self._buf)
         parts = self.body_parts
         if len(parts) != 1:
             joined = b"".join(parts)
@@ -239,6 +284,7 @@ class Exchange:
     def _set_done(self) -> None:
         self._finished = True
         self._producer = None
+        self.release_budget()
         done = self._done
         if done is not None and not done.done():
             done.set_result(None)
@@ -246,6 +292,12 @@ class Exchange:
     def _end(self) -> None:
         self._set_done()
         self.conn.exchange_finished(self)
+
+    def release_budget(self) -> None:
+        """Give this request's share of the server's body budget back (idempotent)."""
+        held, self.budget_held = self.budget_held, 0
+        if held:
+            self.conn.server.body_in_flight -= held
 
     def abort(self) -> None:
         """Give up on an answer that cannot be completed: the connection is dropped."""
@@ -275,6 +327,7 @@ class _ServerConnection(asyncio.Protocol):
         self.head_timer: asyncio.TimerHandle | None = None
         self.body_timer: asyncio.TimerHandle | None = None
         self.linger_timer: asyncio.TimerHandle | None = None
+        self.stall_timer: asyncio.TimerHandle | None = None
         self.writing_paused = False
         self.reading_paused = False
         self.closed = False
@@ -309,7 +362,11 @@ class _ServerConnection(asyncio.Protocol):
             for exchange in (*self.queue, self.active):
                 if exchange is not None:
                     exchange.keep_alive = False
-        except httptools.HttpParserCallbackError:
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, _HeadTooLarge):
+                self._bad_request(str(cause), status=431)
+                return
             logger.exception("error in the HTTP parser callbacks")
             self.close(abort=True)
             return
@@ -325,12 +382,9 @@ class _ServerConnection(asyncio.Protocol):
                 return
             if parsing.head_done and not parsing.complete and self.body_timer is None:
                 self.body_timer = self.loop.call_later(self.server.body_timeout, self._body_timed_out)
-        if self.active is None:
-            if self.queue:
-                self._dispatch()
-        elif self.queue and not self.reading_paused:
-            self.reading_paused = True  # pipelined: read on once the current answer is out
-            self.transport.pause_reading()  # type: ignore[union-attr]
+        if self.active is None and self.queue and not self.writing_paused:
+            self._dispatch()
+        self._update_reading()
 
     def eof_received(self) -> bool | None:
         return None  # the client closed its side: treated as gone (connection_lost follows)
@@ -344,6 +398,9 @@ class _ServerConnection(asyncio.Protocol):
             active._set_done()
             if active.task is not None:
                 active.task.cancel()  # the client went away: the handler unwinds (and cancels its upstream legs)
+        for ex in (*self.queue, self.parsing):
+            if ex is not None:
+                ex.release_budget()
         self.queue.clear()
         self.parsing = None
         if not self.server.connections:
@@ -354,26 +411,72 @@ class _ServerConnection(asyncio.Protocol):
         active = self.active
         if active is not None and active._producer is not None:
             active._producer.pause_reading()
+        self._update_reading()  # nothing more is read (nor answered) until the client reads
+        if self.stall_timer is None and not self.closed:
+            self.stall_timer = self.loop.call_later(self.server.stall_timeout, self._stalled)
 
     def resume_writing(self) -> None:
         self.writing_paused = False
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
         active = self.active
         if active is not None and active._producer is not None:
             active._producer.resume_reading()
+        if self.active is None and self.queue and not self.closed:
+            self._dispatch()
+        self._update_reading()
+
+    def _stalled(self) -> None:
+        """The client read nothing for ``stall_timeout`` while an answer waited: drop it."""
+        self.stall_timer = None
+        if self.closed or not self.writing_paused:
+            return
+        if self.active is not None:
+            self.active.stalled = True
+        logger.info("client %s read nothing for %gs while its answer waited: connection dropped",
+                    self.peer, self.server.stall_timeout)
+        if self.server.on_stall is not None:
+            self.server.on_stall()
+        self.close(abort=True)
+
+    def _update_reading(self) -> None:
+        """Read while nothing waits for its turn and the client reads what we write."""
+        transport = self.transport
+        if transport is None or self.closed or self.linger_timer is not None:
+            return
+        pause = self.writing_paused or (bool(self.queue) and self.active is not None)
+        if pause and not self.reading_paused:
+            self.reading_paused = True
+            transport.pause_reading()
+        elif not pause and self.reading_paused:
+            self.reading_paused = False
+            if not self.stop_reading:
+                transport.resume_reading()
 
     # ------------------------------------------------------------------ parser callbacks
     def on_message_begin(self) -> None:
-        self.parsing = Exchange(self)
+        self.parsing = None if self.stop_reading else Exchange(self)  # after a refusal: nothing more is taken
 
     def on_url(self, url: bytes) -> None:
         ex = self.parsing
         if ex is not None:
             ex.raw_target += url
+            self._count_head(ex, len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         ex = self.parsing
         if ex is not None:
             ex.headers.append((name.lower(), value))
+            self._count_head(ex, len(name) + len(value) + 4)
+            if len(ex.headers) > self.server.max_headers:
+                raise _HeadTooLarge(f"request head has more than {self.server.max_headers} header lines")
+
+    def _count_head(self, ex: Exchange, size: int) -> None:
+        """The whole head's size, however it arrived (one read or many)."""
+        ex.head_size += size
+        if ex.head_size > self.server.max_head_bytes:
+            raise _HeadTooLarge(f"request head exceeds {self.server.max_head_bytes} bytes")
 
     def on_headers_complete(self) -> None:
         ex = self.parsing
@@ -390,6 +493,9 @@ class _ServerConnection(asyncio.Protocol):
         raw_path, _, ex.query = target.partition(b"?")
         ex.raw_path = raw_path
         ex.path = (unquote_to_bytes(raw_path) if b"%" in raw_path else raw_path).decode("utf-8", "replace")
+        if b"%" in raw_path and (b"%2f" in raw_path.lower() or b"%5c" in raw_path.lower()):
+            self._refuse(ex, 400, "encoded slash in the request path")
+            return
         limit = self.server.max_request_bytes
         for key, value in ex.headers:
             if key == b"content-length":
@@ -400,6 +506,11 @@ class _ServerConnection(asyncio.Protocol):
                 if length > limit:
                     self._refuse(ex, 413, f"request body exceeds {limit} bytes")
                     return
+                if length > 0:
+                    if not self._reserve(ex, length):
+                        return
+                    if length > _PREALLOCATE_FROM:
+                        ex._buf = bytearray(length)
             elif key == b"expect" and value.lower() == b"100-continue":
                 ex.expect_continue = True
         if ex.expect_continue and ex.http_version == "1.1" and self.idle and self.transport is not None:
@@ -410,11 +521,29 @@ class _ServerConnection(asyncio.Protocol):
         ex = self.parsing
         if ex is None or ex.refusal is not None:
             return
+        start = ex.body_size
         ex.body_size += len(body)
         if ex.body_size > self.server.max_request_bytes:
             self._refuse(ex, 413, f"request body exceeds {self.server.max_request_bytes} bytes")
             return
-        ex.body_parts.append(body)
+        if ex.body_size > ex.budget_held and not self._reserve(ex, ex.body_size - ex.budget_held):
+            return  # a chunked body: its budget grows as it arrives
+        if ex._buf is not None:
+            ex._buf[start:ex.body_size] = body
+        else:
+            ex.body_parts.append(body)
+
+    def _reserve(self, ex: Exchange, size: int) -> bool:
+        """Take ``size`` more bytes of the server's body budget for ``ex``, or refuse it (503)."""
+        server = self.server
+        if server.body_in_flight + size > server.body_budget:
+            ex.release_budget()
+            self._refuse(ex, 503, f"the proxy holds {server.body_budget} bytes of request bodies already; "
+                                  "retry later")
+            return False
+        server.body_in_flight += size
+        ex.budget_held += size
+        return True
 
     def on_message_complete(self) -> None:
         ex = self.parsing
@@ -425,6 +554,9 @@ class _ServerConnection(asyncio.Protocol):
             self.body_timer.cancel()
             self.body_timer = None
         if ex.refusal is None:
+            if len(self.queue) >= self.server.max_pipelined:
+                self._refuse(ex, 429, f"more than {self.server.max_pipelined} pipelined requests waiting")
+                return
             ex.complete = True
             self.queue.append(ex)
 
@@ -435,7 +567,7 @@ class _ServerConnection(asyncio.Protocol):
         ex.refusal = (status, message)
         ex.complete = True
         ex.keep_alive = False
-        ex.body_parts = []
+        ex.drop_body()
         self.stop_reading = True
         self.parsing = None
         if self.body_timer is not None:
@@ -456,6 +588,9 @@ class _ServerConnection(asyncio.Protocol):
         """Unparseable input: answered (unless a request is being answered, which then
         ends the connection) and nothing more is read."""
         self.stop_reading = True
+        for ex in (*self.queue, self.parsing):
+            if ex is not None:
+                ex.release_budget()
         self.parsing = None
         self.queue.clear()
         if self.active is not None:
@@ -470,11 +605,8 @@ class _ServerConnection(asyncio.Protocol):
     def _dispatch(self) -> None:
         ex = self.queue.popleft()
         self.active = ex
-        if self.reading_paused and not self.queue:
-            self.reading_paused = False
-            if not self.stop_reading:
-                self.transport.resume_reading()  # type: ignore[union-attr]
-        handler = self.server.routes.get(ex.path, self.server.fallback)
+        self._update_reading()
+        handler = self.server.routes.get(ex.raw_path.decode("latin-1"), self.server.fallback)  # the raw path
         ex.task = task = self.loop.create_task(handler(ex))
         task.add_done_callback(lambda t, ex=ex: self._handler_done(ex, t))
 
@@ -502,9 +634,11 @@ class _ServerConnection(asyncio.Protocol):
                 self.close()
             return
         if self.queue:
-            self._dispatch()
+            if not self.writing_paused:
+                self._dispatch()  # else: once the client has read (resume_writing)
         elif self.parsing is None or not self.parsing.head_done:
             self._arm_head_timer()
+        self._update_reading()
 
     # ------------------------------------------------------------------ plumbing
     def write(self, data: bytes) -> None:
@@ -557,6 +691,9 @@ class _ServerConnection(asyncio.Protocol):
 
     def _cancel_timers(self) -> None:
         self._cancel_head_timer()
+        if self.stall_timer is not None and self.closed:
+            self.stall_timer.cancel()
+            self.stall_timer = None
         if self.linger_timer is not None and self.closed:
             self.linger_timer.cancel()
             self.linger_timer = None
@@ -569,7 +706,9 @@ class HTTPServer:
     """Owns the listening socket's server and every client connection (see the module doc)."""
 
     def __init__(self, routes: dict[str, Handler], fallback: Handler, *, header_timeout: float, body_timeout: float,
-                 max_request_bytes: int, max_head_bytes: int = MAX_HEAD_BYTES) -> None:
+                 max_request_bytes: int, max_head_bytes: int = MAX_HEAD_BYTES,
+                 max_pipelined: int = MAX_PIPELINED, max_headers: int = MAX_HEADERS, stall_timeout: float = 60.0,
+                 on_stall: Callable[[], None] | None = None, body_budget: int = BODY_BUDGET) -> None:
         self.loop = asyncio.get_running_loop()
         self.routes = routes
         self.fallback = fallback
@@ -577,6 +716,12 @@ class HTTPServer:
         self.body_timeout = body_timeout
         self.max_request_bytes = max_request_bytes
         self.max_head_bytes = max_head_bytes
+        self.max_pipelined = max_pipelined
+        self.max_headers = max_headers
+        self.stall_timeout = stall_timeout
+        self.body_budget = body_budget
+        self.body_in_flight = 0  # bytes of request bodies held now (see Exchange.budget_held)
+        self.on_stall = on_stall
         self.connections: set[_ServerConnection] = set()
         self.all_closed = asyncio.Event()
         self.shutting_down = False

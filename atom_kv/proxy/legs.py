@@ -3,6 +3,11 @@
 Both legs carry the same ``transfer_id``, minted by the proxy before the
 prefill is sent (vLLM's MoRIIO engines require it on both legs; atom-kv's
 producer adopts it), and every key vLLM's toy P/D proxies set.
+
+The proxy owns ``kv_transfer_params`` on both legs: whatever the client sent
+under that key is dropped, and the legs' params are built only from the
+registry and the prefill's answer (a client must never point a decode
+engine's handshake at a port of its choosing).
 """
 
 from __future__ import annotations
@@ -23,9 +28,7 @@ def prefill_request(body: dict[str, Any], decode: Instance, decode_rank: int, tr
     min_tokens = req.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > 1:
         req["min_tokens"] = 1
-    client_kv = body.get("kv_transfer_params")
-    kv: dict[str, Any] = dict(client_kv) if isinstance(client_kv, dict) else {}
-    kv.update(
+    kv: dict[str, Any] = dict(
         do_remote_decode=True,
         do_remote_prefill=False,
         remote_engine_id=decode.engine_id,
@@ -52,9 +55,7 @@ def decode_request(
 
     ``transfer_id`` is the one the prefill used (its answer's, else ours)."""
     req = dict(body)
-    client_kv = body.get("kv_transfer_params")
-    kv: dict[str, Any] = dict(client_kv) if isinstance(client_kv, dict) else {}
-    kv.update(prefill_kv)
+    kv: dict[str, Any] = dict(prefill_kv)  # never the client's
     kv["do_remote_prefill"] = True
     kv["do_remote_decode"] = False
     kv["transfer_id"] = transfer_id

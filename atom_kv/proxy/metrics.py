@@ -80,6 +80,10 @@ class ProxyMetrics:
         self.client_disconnects = Counter(
             "atom_kv_proxy_client_disconnects", "Requests cancelled because the client went away", registry=r
         )
+        self.client_stalls = Counter(
+            "atom_kv_proxy_client_stalls", "Connections dropped because the client read nothing for "
+            "--stall-timeout while an answer waited (its decode leg aborted, its prefill released)", registry=r
+        )
         for outcome in ("sent", "dropped", "no_address"):
             self.releases.labels(outcome)
         for role in ("prefill", "decode"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -36,10 +37,11 @@ class RegistryFull(Exception):
 
 
 class CircuitBreaker:
-    """Per-instance breaker: open after ``threshold`` consecutive failures,
-    half-open after ``cooldown_s`` (one trial request at a time; a trial whose
-    outcome never arrives, e.g. the client left, frees the slot after another
-    ``cooldown_s``), closed again on a success."""
+    """Per-instance breaker: open after ``threshold`` consecutive failures of
+    *different* requests (one request retried on this instance counts once, so
+    one client cannot trip it alone), half-open after ``cooldown_s`` (one trial
+    request at a time; a trial whose outcome never arrives, e.g. the client left,
+    frees the slot after another ``cooldown_s``), closed again on a success."""
 
     def __init__(self, threshold: int, cooldown_s: float) -> None:
         self.threshold = threshold
@@ -48,6 +50,7 @@ class CircuitBreaker:
         self.opened_at = 0.0
         self._open = False
         self._trial_started: float | None = None
+        self._streak: OrderedDict[object, None] = OrderedDict()  # requests counted in ``failures`` (bounded)
 
     def state(self, now: float | None = None) -> str:
         if not self._open:
@@ -73,9 +76,18 @@ class CircuitBreaker:
         self.failures = 0
         self._open = False
         self._trial_started = None
+        self._streak.clear()
 
-    def record_failure(self, now: float) -> bool:
-        """Count a failure; returns True when this failure (re)opened the circuit."""
+    def record_failure(self, now: float, request: object = None) -> bool:
+        """Count a failure of ``request`` (None: a failure of its own, always counted; a
+        request already counted in this streak is not counted again); returns True when
+        this failure (re)opened the circuit."""
+        if request is not None:
+            if request in self._streak:
+                return False
+            self._streak[request] = None
+            if len(self._streak) > 4 * self.threshold + 16:
+                self._streak.popitem(last=False)
         self.failures += 1
         if self._trial_started is not None or self.failures >= self.threshold:
             self._open = True
@@ -83,6 +95,14 @@ class CircuitBreaker:
             self._trial_started = None
             return True
         return False
+
+    def forgive(self, request: object) -> None:
+        """``request`` failed the same way elsewhere too: its failure was the request's, not
+        this instance's, so it no longer counts (unless it already opened the circuit)."""
+        if request in self._streak:
+            del self._streak[request]
+            if not self._open and self.failures > 0:
+                self.failures -= 1
 
 
 @dataclass

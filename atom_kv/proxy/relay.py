@@ -18,11 +18,12 @@ engine, and the pair is re-planned with a different prefill.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import msgspec
@@ -59,11 +60,12 @@ _SERVER_TIMING = SERVER_TIMING.lower()
 class _Retryable(Exception):
     """An upstream failure worth re-planning the pair for (``inst`` is excluded next time)."""
 
-    def __init__(self, error: ProxyError, inst: Instance, kind: str) -> None:
+    def __init__(self, error: ProxyError, inst: Instance, kind: str, status: int = 0) -> None:
         super().__init__(error.message)
         self.error = error
         self.inst = inst
         self.kind = kind  # "unreachable", "rejected", "bad_response" or "kv_transfer"
+        self.status = status  # the upstream's status, for "rejected"
 
 
 @dataclass
@@ -101,6 +103,7 @@ class _Request:
     ctx: RouteContext
     max_tokens: int | None
     spans: RequestSpans
+    key: int = 0  # this relay's own number for the request: what an instance's breaker counts once
 
 
 def _abandon_reason(stage: str, exc: BaseException) -> str:
@@ -135,6 +138,7 @@ class Relay:
                                   log_interval_s=settings.log_summary_interval_s)
                          if settings.release_prefills else None)
         self._models_rr = 0
+        self._request_keys = itertools.count(1)
         self._uses_text = any(p.uses_text for p in policies.values())
         self._models_timeout = aiohttp.ClientTimeout(total=settings.models_timeout, connect=settings.connect_timeout)
         self._tokenize_timeout = aiohttp.ClientTimeout(total=settings.tokenize_timeout,
@@ -213,9 +217,10 @@ class Relay:
         text = prompt_text(body)
         tokens = estimate_prompt_tokens(body, text)
         req = _Request(path, body, request_id, auth, RouteContext(text, tokens), max_tokens,
-                       RequestSpans(self.metrics.spans, received))
+                       RequestSpans(self.metrics.spans, received), next(self._request_keys))
         exclude: dict[str, set[tuple[str, str]]] = {"P": set(), "D": set()}
         last_error: ProxyError | None = None
+        rejected: list[_Retryable] = []
         for attempt in range(self.settings.max_retries + 1):
             if attempt:
                 self.metrics.retries.inc()
@@ -233,8 +238,23 @@ class Relay:
                 exclude[exc.inst.role].add(exc.inst.key)
                 last_error = exc.error
                 logger.warning("[%s] attempt %d failed: %s", request_id, attempt + 1, exc.error.message)
+                if exc.kind == "rejected" and self._request_failure(req, exc, rejected):
+                    break
         assert last_error is not None
         raise last_error
+
+    @staticmethod
+    def _request_failure(req: _Request, exc: _Retryable, rejected: list[_Retryable]) -> bool:
+        """Whether this 5xx is the request's own failure: it failed the same way on another
+        instance of the same pool. Then no instance is charged for it, and it is not retried."""
+        same = [e for e in rejected if e.inst.role == exc.inst.role and e.status == exc.status
+                and e.inst.key != exc.inst.key]
+        rejected.append(exc)
+        if not same:
+            return False
+        for e in (*same, exc):
+            e.inst.breaker.forgive(req.key)
+        return True
 
     async def _run_pair(self, req: _Request, p: Pick, d: Pick) -> RelayResult:
         """One attempt on one pair. Owns both picks' credits and the abandon hook."""
@@ -264,7 +284,8 @@ class Relay:
                 return result
             resp = await self._open_decode(req, p, d, prefill_kv, transfer_id)
             stage = "handed_off"  # the decode engine owns the prefill's KV from here on
-            result = await self._respond(resp, req, d, prompt_tokens)
+            result = await self._respond(resp, req, d, prompt_tokens, lambda: self._abandon_prefill(
+                transfer_id, p, "client_stalled", prefill_kv))
             return result
         except BaseException as exc:
             if stage in ("prefill", "decode"):
@@ -367,29 +388,29 @@ class Relay:
         return None
 
     # ------------------------------------------------------------------ legs
-    async def _error_status(self, resp: UpstreamResponse, pick: Pick, leg: str) -> None:
+    async def _error_status(self, resp: UpstreamResponse, pick: Pick, leg: str, req: _Request) -> None:
         """Turn a non-200 upstream answer into a passthrough (4xx) or a retryable 502 (5xx)."""
         body = await resp.read()
         ctype = resp.header("content-type", "application/json")
         if resp.status < 500:
             self.health.succeeded(pick.inst)
             raise UpstreamResponseError(resp.status, body, ctype)
-        self.health.failed(pick.inst, "5xx")
+        self.health.failed(pick.inst, "5xx", request=req.key)
         text = body[:300].decode("utf-8", "replace")
         raise _Retryable(ProxyError(502, f"{leg} instance {pick.inst.base_url} answered {resp.status}: {text}"),
-                         pick.inst, "rejected")
+                         pick.inst, "rejected", resp.status)
 
-    def _transport_error(self, exc: UpstreamError, pick: Pick, leg: str) -> Exception:
+    def _transport_error(self, exc: UpstreamError, pick: Pick, leg: str, req: _Request) -> Exception:
         base = pick.inst.base_url
         if isinstance(exc, UpstreamConnectTimeout):
-            self.health.failed(pick.inst, "connect")
+            self.health.failed(pick.inst, "connect", request=req.key)
             self.health.mark_down(pick.inst, "connect timed out")
             return _Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {exc}"),
                               pick.inst, "unreachable")
         if isinstance(exc, UpstreamTimeout):
-            self.health.failed(pick.inst, "timeout")
+            self.health.failed(pick.inst, "timeout", request=req.key)
             return ProxyError(504, f"{leg} instance {base} timed out")
-        self.health.failed(pick.inst, "connection", exc)
+        self.health.failed(pick.inst, "connection", exc, request=req.key)
         detail = str(exc) or type(exc).__name__
         return _Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {detail}"), pick.inst, "unreachable")
 
@@ -403,21 +424,21 @@ class Relay:
                                            self._leg_head(req, p.inst, p.rank, len(payload)), payload,
                                            whole=True, total_timeout=self.settings.prefill_timeout)
             if resp.status != 200:
-                await self._error_status(resp, p, "prefill")
+                await self._error_status(resp, p, "prefill", req)
             raw = await resp.read()
         except UpstreamError as exc:
-            raise self._transport_error(exc, p, "prefill") from None
+            raise self._transport_error(exc, p, "prefill", req) from None
         self.metrics.prefill_duration.observe(time.perf_counter() - started)
         req.spans.prefill_answered(resp.header(_SERVER_TIMING))
         try:
             answer = _json_decoder.decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-            self.health.failed(p.inst, "bad_response")
+            self.health.failed(p.inst, "bad_response", request=req.key)
             raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} returned invalid JSON"),
                              p.inst, "bad_response") from None
         kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(kv, dict):
-            self.health.failed(p.inst, "bad_response")
+            self.health.failed(p.inst, "bad_response", request=req.key)
             raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} returned no kv_transfer_params"),
                              p.inst, "bad_response")
         self.health.succeeded(p.inst)
@@ -465,7 +486,8 @@ class Relay:
                 d.credit()
                 raise
         try:
-            result = await self._respond(resp, req, d, prompt_tokens)
+            result = await self._respond(resp, req, d, prompt_tokens, lambda: self._abandon_prefill(
+                transfer_id, p, "client_stalled", prefill_kv))
         except BaseException:
             d.credit()
             raise
@@ -488,42 +510,42 @@ class Relay:
                                            self._leg_head(req, d.inst, d.rank, len(payload)), payload,
                                            read_timeout=self.settings.decode_timeout)
         except UpstreamError as exc:
-            raise self._transport_error(exc, d, "decode") from None
+            raise self._transport_error(exc, d, "decode", req) from None
         if resp.status != 200:
             try:
                 if resp.header(_KV_FAILURE).lower() == "prefill":
-                    await self._prefill_side_failure(resp, p, d)
-                await self._error_status(resp, d, "decode")
+                    await self._prefill_side_failure(resp, p, d, req)
+                await self._error_status(resp, d, "decode", req)
             except UpstreamError as exc:
-                raise self._transport_error(exc, d, "decode") from None
+                raise self._transport_error(exc, d, "decode", req) from None
             finally:
                 resp.close()
         req.spans.decode_answered(resp.header(_SERVER_TIMING))
         return resp
 
-    async def _prefill_side_failure(self, resp: UpstreamResponse, p: Pick, d: Pick) -> None:
+    async def _prefill_side_failure(self, resp: UpstreamResponse, p: Pick, d: Pick, req: _Request) -> None:
         """The decode engine could not read the prefill's KV: charge the prefill
         instance (the decode engine answered as it should) and re-plan the pair."""
         body = await resp.read()
         self.health.succeeded(d.inst)
-        self.health.failed(p.inst, "kv_transfer")
+        self.health.failed(p.inst, "kv_transfer", request=req.key)
         text = body[:300].decode("utf-8", "replace")
         raise _Retryable(ProxyError(502, f"decode instance {d.inst.base_url} could not read the KV of prefill "
                                          f"instance {p.inst.base_url}: {text}"), p.inst, "kv_transfer")
 
     async def _respond(self, resp: UpstreamResponse, req: _Request, d: Pick,
-                       prompt_tokens: int | None) -> RelayResult:
+                       prompt_tokens: int | None, on_release: Callable[[], None] | None = None) -> RelayResult:
         ctype = resp.header("content-type", "application/json")
         if not ctype.startswith("text/event-stream"):
             try:
                 data = await resp.read()
             except UpstreamError as exc:
-                err = self._transport_error(exc, d, "decode")
+                err = self._transport_error(exc, d, "decode", req)
                 raise (err.error if isinstance(err, _Retryable) else err) from None
             finally:
                 resp.close()
             if not data:
-                self.health.failed(d.inst, "bad_response")
+                self.health.failed(d.inst, "bad_response", request=req.key)
                 raise ProxyError(502, f"decode instance {d.inst.base_url} returned an empty response")
             self.health.succeeded(d.inst)
             if prompt_tokens is not None and ctype.startswith("application/json"):
@@ -531,7 +553,8 @@ class Relay:
             return RelayResult(resp.status, ctype, body=data, spans=req.spans)
         framer = EventFramer(prompt_tokens if prompt_tokens is not None and wants_stream_usage(req.body) else None)
         return RelayResult(resp.status, ctype, stream=DecodeStream(resp, req.request_id, d, self.health, framer,
-                                                                   self.settings.sse_split_max), spans=req.spans)
+                                                                   self.settings.sse_split_max, on_release),
+                           spans=req.spans)
 
     @staticmethod
     def _patch_json_usage(data: bytes, prompt_tokens: int) -> bytes:

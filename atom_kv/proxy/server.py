@@ -62,7 +62,9 @@ async def serve_app(app: Quart, settings: ProxySettings, stop: asyncio.Event,
         raise
     try:
         server = HTTPServer(state.completions.routes(), ASGIBridge(app), header_timeout=settings.header_timeout,
-                            body_timeout=settings.body_timeout, max_request_bytes=settings.max_request_bytes)
+                            body_timeout=settings.body_timeout, max_request_bytes=settings.max_request_bytes,
+                            stall_timeout=settings.stall_timeout, on_stall=state.metrics.client_stalls.inc,
+                            body_budget=settings.max_inflight_body_bytes)
         try:
             await server.start(sock, settings.backlog)
         except BaseException:

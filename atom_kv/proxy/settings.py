@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from atom_kv.proxy.static import StaticEngine
@@ -13,7 +14,7 @@ POLICIES = ("round_robin", "random", "power_of_two", "least_loaded", "prefix_has
 class ProxySettings:
     """Proxy configuration. Timeouts are seconds; every network wait uses one of them."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless the operator names another address
     port: int = 10001
     discovery: bool = True  # listen for registration pings
     discovery_host: str | None = None  # None: the HTTP host
@@ -35,6 +36,8 @@ class ProxySettings:
     # off: the decode leg gets no first_token_ids (it computes the first token again, as before)
     first_token_forwarding: bool = True
     registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
+    allow_open_registration: bool = False  # unsigned pings on a non-loopback discovery address (operator's choice)
+    admin_token: str | None = None  # bearer token for /instances and /metrics (None: open)
     max_instances: int = 256
     max_tp_size: int = 512
     max_dp_size: int = 512
@@ -55,10 +58,12 @@ class ProxySettings:
     discovery_poll_s: float = 0.5
     max_upstream_connections: int = 4096
     max_request_bytes: int = 64 * 1024 * 1024
+    max_inflight_body_bytes: int = 1 << 30  # request bodies held at once, all clients together (more: 503)
     sse_split_max: int = 4  # SSE events arriving together are written one by one up to this many
     # HTTP server
     header_timeout: float = 10.0  # request head must arrive within this (also the idle keep-alive limit)
     body_timeout: float = 30.0  # request body must arrive within this
+    stall_timeout: float = 60.0  # a client that reads nothing this long while an answer waits is dropped
     shutdown_timeout: float = 5.0
     backlog: int = 4096
     log_summary_interval_s: float = 10.0  # rate-limited warnings: one summary per interval
@@ -71,8 +76,8 @@ class ProxySettings:
         positive = (
             "heartbeat_timeout", "connect_timeout", "prefill_timeout", "decode_timeout", "models_timeout",
             "tokenize_timeout", "circuit_cooldown_s", "discovery_poll_s", "shutdown_timeout", "probe_interval_s",
-            "probe_timeout", "header_timeout", "body_timeout", "registration_window_s", "log_summary_interval_s",
-            "balance_rel_threshold",
+            "probe_timeout", "header_timeout", "body_timeout", "stall_timeout", "registration_window_s",
+            "log_summary_interval_s", "balance_rel_threshold",
         )
         for name in positive:
             if not getattr(self, name) > 0:
@@ -80,7 +85,8 @@ class ProxySettings:
         for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
-        for name in ("circuit_failures", "max_instances", "max_tp_size", "max_dp_size", "cache_max_chars"):
+        for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
+                     "cache_max_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -93,6 +99,19 @@ class ProxySettings:
             if engine.dp_size > self.max_dp_size:
                 raise ValueError(f"{engine.url}: dp={engine.dp_size} exceeds max_dp_size {self.max_dp_size}")
 
+        if (self.discovery and self.registration_token is None and not self.allow_open_registration
+                and not is_loopback(self.discovery_bind_host)):
+            raise ValueError(
+                f"registration_token: discovery on {self.discovery_bind_host or 'every address'} (not loopback) "
+                "would let anyone who reaches it register an engine and receive client requests: set "
+                "--registration-token (the engines' auth_token), or --allow-open-registration to accept unsigned "
+                "pings anyway, or --discovery-host 127.0.0.1")
+
+    @property
+    def registration_open(self) -> bool:
+        """Whether discovery accepts unsigned pings (no token)."""
+        return self.discovery and self.registration_token is None
+
     @property
     def discovery_bind_host(self) -> str:
         """Where discovery listens: ``discovery_host``, else the HTTP ``host``."""
@@ -102,3 +121,13 @@ class ProxySettings:
         """The policy name of the prefill ("P") or decode ("D") pool."""
         chosen = self.prefill_policy if role == "P" else self.decode_policy
         return chosen if chosen is not None else self.policy
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback address; names and ``""`` are not."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

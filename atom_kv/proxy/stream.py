@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from atom_kv.openai_errors import sse_error_event
 from atom_kv.proxy.health import UpstreamHealth
@@ -35,11 +35,12 @@ class StreamSink(Protocol):
 
 class ResponseStream(Protocol):
     """What the HTTP layer needs from a streamed answer: ``pipe`` it to the client
-    (returns once the client's answer is complete), and ``aclose()`` to abandon it."""
+    (returns once the client's answer is complete), and ``aclose()`` to abandon it
+    (``release``: also release the prefill's KV, e.g. the client stalled)."""
 
     async def pipe(self, sink: StreamSink) -> None: ...
 
-    def aclose(self) -> None: ...
+    def aclose(self, release: bool = False) -> None: ...
 
 
 class DecodeStream:
@@ -63,8 +64,9 @@ class DecodeStream:
     """
 
     def __init__(self, resp: UpstreamResponse, request_id: str, d: "Pick", health: UpstreamHealth,
-                 framer: EventFramer, split_max: int = 4) -> None:
+                 framer: EventFramer, split_max: int = 4, on_release: Callable[[], None] | None = None) -> None:
         self._resp = resp
+        self._on_release = on_release
         self._request_id = request_id
         self._d = d
         self._health = health
@@ -86,7 +88,7 @@ class DecodeStream:
             sink.flush_head()
             await self._done
 
-    def aclose(self) -> None:
+    def aclose(self, release: bool = False) -> None:
         if self._upstream_over:
             return
         if self.complete:
@@ -94,6 +96,8 @@ class DecodeStream:
         self._upstream_over = True
         self._resp.close()
         self._d.credit()
+        if release and self._on_release is not None:
+            self._on_release()
         logger.info("[%s] decode leg cancelled (the client went away mid-stream)", self._request_id)
 
     # ------------------------------------------------------------------ back-pressure

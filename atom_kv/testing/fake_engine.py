@@ -150,6 +150,7 @@ class FakeEngine:
         # failure and behaviour knobs
         self.fail_status: int | None = None
         self.fail_count: int | None = None  # None: every request fails while fail_status is set
+        self.fail_prompt: str | None = None  # a prompt containing this always gets a 500 (a "poison" request)
         self.hang = False
         self.drop_after_chunks: int | None = None
         self.empty_response = False  # answer 200 with no body (non-stream) or no events (stream)
@@ -303,6 +304,8 @@ class FakeEngine:
             if self._should_fail():
                 assert self.fail_status is not None
                 return _vllm_error(self.fail_status, f"fake engine failure {self.fail_status}")
+            if self.fail_prompt is not None and self.fail_prompt in _prompt_text(body):
+                return _vllm_error(500, "fake engine failure: this prompt always fails")
             if self.hang:
                 await asyncio.sleep(3600)
             if self.delay_s:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Iterator, NamedTuple, Optional
 
-__all__ = ["ProcStat", "process_stats", "process_stat"]
+__all__ = ["ProcStat", "process_stats", "process_stat", "rss_bytes"]
 
 
 class ProcStat(NamedTuple):
@@ -44,3 +44,12 @@ def process_stats() -> Iterator[ProcStat]:
             stat = process_stat(int(entry))
             if stat is not None:
                 yield stat
+
+
+def rss_bytes(pid: Optional[int] = None) -> int:
+    """Resident memory of ``pid`` (this process by default), in bytes."""
+    with open(f"/proc/{pid if pid is not None else 'self'}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/<pid>/status")

@@ -1,7 +1,7 @@
 """Transfer backends: one-sided reads of registered memory from a peer.
 
 Backends are imported lazily by :func:`create_backend`, so ``import atom_kv``
-never fails because an optional backend (MORI-IO) cannot load here.
+never fails because an optional backend (MORI-IO, NIXL) cannot load here.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ BACKENDS = {
     "auto": "atom_kv.transfer.auto:AutoBackend",
     "moriio": "atom_kv.transfer.moriio:MoriIOBackend",
     "gpu_ipc": "atom_kv.transfer.gpu_ipc:GpuIpcBackend",
+    "nixl": "atom_kv.transfer.nixl:NixlBackend",
 }
 
 

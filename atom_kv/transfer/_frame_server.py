@@ -7,13 +7,16 @@ What it guarantees whatever the peers do:
 - **Bounded threads**: 1 selector thread + ``limits.threads`` handlers, however
   many connections are open.
 - **Bounded connections**: at most ``limits.max_connections``; one more is sent
-  the protocol's refusal frame and closed (counted as "busy").
+  the protocol's refusal frame and closed (counted as "busy"). At most
+  ``limits.max_unauthenticated_per_source`` of them may wait for their hello
+  from one peer address (one more: "busy_source"), so strangers on one host
+  cannot hold every slot.
 - **No allocation before authentication**: until the handler marks a
   connection authenticated, a frame may announce at most
   :data:`HELLO_FRAME_MAX` bytes; afterwards at most ``limits.max_frame``. A
   bigger announcement drops the connection ("oversized") before any buffer
   is allocated for it.
-- **Timeouts**: the hello must arrive within ``limits.read_timeout_s`` of the
+- **Timeouts**: the hello must arrive within ``limits.hello_timeout_s`` of the
   accept, every later frame within ``read_timeout_s`` of its first byte
   ("timeout"), and an authenticated connection with no frame for
   ``limits.idle_timeout_s`` is closed ("idle").
@@ -61,6 +64,12 @@ class ServerLimits:
     read_timeout_s: float
     idle_timeout_s: float
     threads: int
+    hello_timeout_s: Optional[float] = None  # None: read_timeout_s
+    max_unauthenticated_per_source: Optional[int] = None  # None: max_connections
+
+    @property
+    def hello_s(self) -> float:
+        return self.read_timeout_s if self.hello_timeout_s is None else self.hello_timeout_s
 
 
 class Conn:
@@ -69,12 +78,14 @@ class Conn:
     and ``nonce`` belong to the protocol."""
 
     __slots__ = ("cid", "sock", "peer", "authenticated", "nonce", "data", "_header", "_hgot", "_buf", "_bgot",
-                 "deadline", "_busy")
+                 "deadline", "_busy", "source", "_unproven")
 
-    def __init__(self, cid: int, sock: socket.socket, peer: str) -> None:
+    def __init__(self, cid: int, sock: socket.socket, peer: str, source: str = "") -> None:
         self.cid = cid
         self.sock = sock
         self.peer = peer
+        self.source = source  # the peer's address
+        self._unproven = False  # counted among its source's connections waiting for their hello
         self.authenticated = False
         self.nonce = ""
         #: protocol-specific per-connection state
@@ -133,6 +144,7 @@ class FrameServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._lock = threading.Lock()
         self._conns: dict[int, Conn] = {}
+        self._unproven: dict[str, int] = {}  # peer address -> its connections waiting for their hello
         self._returned: list[tuple[Conn, bool]] = []
         self._seq = 0
         self._next_check = float("inf")
@@ -199,15 +211,25 @@ class FrameServer:
                 return
             peer = f"{addr[0]}:{addr[1]}"
             sock.setblocking(False)
+            source = str(addr[0])
+            per_source = self._limits.max_unauthenticated_per_source or self._limits.max_connections
             with self._lock:
                 full = len(self._conns) >= self._limits.max_connections
-                if not full:
+                crowded = not full and self._unproven.get(source, 0) >= per_source
+                if not full and not crowded:
                     self._seq += 1
-                    conn = Conn(self._seq, sock, peer)
+                    conn = Conn(self._seq, sock, peer, source)
                     self._conns[conn.cid] = conn
-            if full:
-                self.events.warn("busy", f"{self._label}: refused a connection from {peer}: "
-                                         f"{self._limits.max_connections} connections already open")
+                    conn._unproven = True
+                    self._unproven[source] = self._unproven.get(source, 0) + 1
+            if full or crowded:
+                if full:
+                    self.events.warn("busy", f"{self._label}: refused a connection from {peer}: "
+                                             f"{self._limits.max_connections} connections already open")
+                else:
+                    self.events.warn("busy_source", f"{self._label}: refused a connection from {peer}: "
+                                                    f"{per_source} connections from {source} already wait for "
+                                                    "their hello")
                 _send_small(sock, frame(self._refuse_busy()))
                 sock.close()
                 continue
@@ -215,7 +237,7 @@ class FrameServer:
             if not _send_small(sock, frame(self._greet(conn))):
                 self._close(conn)
                 continue
-            self._arm(conn, time.monotonic() + self._limits.read_timeout_s)
+            self._arm(conn, time.monotonic() + self._limits.hello_s)
             self._sel.register(sock, selectors.EVENT_READ, conn)
 
     def _on_readable(self, conn: Conn) -> None:
@@ -283,6 +305,9 @@ class FrameServer:
         now = time.monotonic()
         for conn, keep in returned:
             conn._busy = False
+            if conn.authenticated and conn._unproven:
+                with self._lock:
+                    self._proven(conn)
             if not keep or self._stop.is_set():
                 self._close(conn)
                 continue
@@ -292,7 +317,7 @@ class FrameServer:
             except (OSError, ValueError):
                 self._close(conn)
                 continue
-            timeout = self._limits.idle_timeout_s if conn.authenticated else self._limits.read_timeout_s
+            timeout = self._limits.idle_timeout_s if conn.authenticated else self._limits.hello_s
             self._arm(conn, now + timeout)
 
     def _expire(self, now: float) -> None:
@@ -308,7 +333,7 @@ class FrameServer:
             if conn.deadline <= now:
                 if not conn.authenticated:
                     self._drop(conn, ("timeout", f"{self._label}: dropped {conn.peer}: no complete hello within "
-                                                 f"{self._limits.read_timeout_s:g}s"))
+                                                 f"{self._limits.hello_s:g}s"))
                 elif conn._hgot or conn._buf is not None:
                     self._drop(conn, ("timeout", f"{self._label}: dropped {conn.peer}: a request frame did not "
                                                  f"complete within {self._limits.read_timeout_s:g}s"))
@@ -334,9 +359,20 @@ class FrameServer:
             pass
         self._close(conn)
 
+    def _proven(self, conn: Conn) -> None:
+        """``conn`` no longer counts toward its source's connections waiting for a hello (lock held)."""
+        if conn._unproven:
+            conn._unproven = False
+            left = self._unproven.get(conn.source, 1) - 1
+            if left > 0:
+                self._unproven[conn.source] = left
+            else:
+                self._unproven.pop(conn.source, None)
+
     def _close(self, conn: Conn) -> None:
         with self._lock:
             self._conns.pop(conn.cid, None)
+            self._proven(conn)
         try:
             conn.sock.close()
         except OSError:
@@ -356,8 +392,11 @@ class FrameServer:
                 except (OSError, TimeoutError) as exc:
                     log.info("%s: connection from %s dropped while answering: %s", self._label, conn.peer,
                              exc or type(exc).__name__)
-                except Exception:  # a bug must drop this connection, not the handler thread
-                    log.exception("%s: unexpected error answering %s", self._label, conn.peer)
+                except Exception as exc:  # a bug must drop this connection, not the handler thread
+                    # counted and logged rate-limited like any refusal (a peer must not flood the log)
+                    self.events.warn("internal", f"{self._label}: unexpected error answering {conn.peer}: "
+                                                 f"{type(exc).__name__}: {exc}")
+                    log.debug("%s: unexpected error answering %s", self._label, conn.peer, exc_info=True)
             self._give_back(conn, keep)
 
     def _give_back(self, conn: Conn, keep: bool) -> None:

@@ -57,6 +57,8 @@ class TcpServerSettings:
     idle_timeout_s: float
     threads: int
     send_timeout_s: float
+    hello_timeout_s: float = 2.0
+    max_unauthenticated_per_source: int = 64
 
     @classmethod
     def from_config(cls, cfg: "KVTransferConfig") -> "TcpServerSettings":
@@ -67,6 +69,8 @@ class TcpServerSettings:
             idle_timeout_s=cfg.tcp_idle_timeout_s,
             threads=cfg.tcp_server_threads,
             send_timeout_s=cfg.transfer_timeout_s,
+            hello_timeout_s=cfg.tcp_hello_timeout_s,
+            max_unauthenticated_per_source=cfg.tcp_max_unauthenticated_per_source,
         )
 
 
@@ -97,6 +101,8 @@ class TcpReadServer:
             read_timeout_s=settings.read_timeout_s,
             idle_timeout_s=settings.idle_timeout_s,
             threads=settings.threads,
+            hello_timeout_s=settings.hello_timeout_s,
+            max_unauthenticated_per_source=settings.max_unauthenticated_per_source,
         )
         self._server = FrameServer(
             "atomkv-tcp", label, bind_host, limits, self.events,

@@ -1,13 +1,14 @@
 """``auto`` backend: per peer and per memory kind, the best inner backend
 (:func:`atom_kv.transfer.routes.choose_route`): ``gpu_ipc`` for GPU memory on
-one host, ``cma`` for host memory on one host, staged ``tcp`` otherwise.
+one host, ``cma`` for host memory on one host, ``nixl`` for GPU memory across
+hosts where NIXL is installed on both sides, staged ``tcp`` otherwise.
 
 Memory is registered with every inner backend that serves all the kinds
 registered so far (same region ids everywhere); one that cannot serve a newly
-registered kind is closed and offered no more. ``gpu_ipc`` is built on the
-first GPU registration. The exported descriptor carries the inner
+registered kind is closed and offered no more. ``gpu_ipc`` and ``nixl`` are
+built on the first GPU registration (``nixl`` only where NIXL loads). The exported descriptor carries the inner
 descriptors, this host's identity and the registered memory kinds. When a
-same-host route (cma, gpu_ipc) fails at ``add_peer``, the peer is read over
+route other than tcp (cma, gpu_ipc, nixl) fails at ``add_peer``, the peer is read over
 tcp instead (a warning, counted as "<backend>_fallbacks").
 """
 
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 
 #: inner backends besides tcp, in the order their descriptors are offered
 _SAME_HOST = ("cma", "gpu_ipc")
+#: every inner backend besides tcp, as named in the descriptor
+_EXTRA = (*_SAME_HOST, "nixl")
 
 
 class AutoBackend(TransferBackend):
@@ -88,6 +91,20 @@ class AutoBackend(TransferBackend):
         except BackendUnavailable as exc:
             self.unavailable[name] = str(exc)
 
+    def _try_build_nixl(self) -> None:
+        """Build ``nixl`` for GPU memory across hosts when NIXL loads here
+        (without it, staged tcp serves those peers)."""
+        from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+
+        reason = nixl_unavailable_reason()
+        if reason is None:
+            self._try_build("nixl")
+            reason = self.unavailable.get("nixl")
+        else:
+            self.unavailable["nixl"] = reason
+        if reason is not None:
+            log.info("auto: nixl not usable here, staged tcp for GPU memory across hosts: %s", reason)
+
     def _inner(self) -> list[TransferBackend]:
         return [self._tcp, *self._extra.values()]
 
@@ -97,6 +114,7 @@ class AutoBackend(TransferBackend):
             self._try_build("gpu_ipc")
             if "gpu_ipc" in self.unavailable:
                 log.info("auto: gpu_ipc not usable here, staged tcp for GPU memory: %s", self.unavailable["gpu_ipc"])
+            self._try_build_nixl()
         for name, be in list(self._extra.items()):
             if memory.kind not in be.memory_kinds:  # it could not keep region ids in step: offered no more
                 log.info("auto: %s memory registered, so %s is not used (it serves %s)",
@@ -128,7 +146,7 @@ class AutoBackend(TransferBackend):
         except wire.WireError as exc:
             log.warning("auto: bad peer descriptor: %s", exc)
             raise TransferError(f"auto: bad peer descriptor: {exc}") from None
-        theirs = {"tcp": desc.tcp, **{name: getattr(desc, name) for name in _SAME_HOST}}
+        theirs = {"tcp": desc.tcp, **{name: getattr(desc, name) for name in _EXTRA}}
         offered = {name for name in ("tcp", *self._extra) if theirs.get(name)}
         name = choose_route(frozenset(self._kinds or {"host"}), kinds_of(desc.memory),
                             same_host=desc.host_id == self._host_id, offered=offered)
@@ -139,7 +157,7 @@ class AutoBackend(TransferBackend):
             if chosen is self._tcp:
                 raise
             self.events.warn(f"{name}_fallbacks",
-                             f"auto: {name} failed for a same-host peer ({exc}); falling back to tcp")
+                             f"auto: {name} failed for this peer ({exc}); falling back to tcp")
             chosen = self._tcp
             inner_id = chosen.add_peer(desc.tcp)
         peer_id = f"auto/{inner_id}"
@@ -149,14 +167,14 @@ class AutoBackend(TransferBackend):
         return peer_id
 
     def backend_for(self, peer_id: str) -> str:
-        """Name of the inner backend serving ``peer_id`` ("gpu_ipc", "cma" or "tcp")."""
+        """Name of the inner backend serving ``peer_id`` ("gpu_ipc", "cma", "nixl" or "tcp")."""
         return self._routes[peer_id][0].name
 
     def stats(self) -> dict[str, int]:
         """"cma_fallbacks", "gpu_ipc_fallbacks" plus the inner backends'
         counts, prefixed with their names."""
         out = self.events.snapshot()
-        for name in _SAME_HOST:
+        for name in _EXTRA:
             out.setdefault(f"{name}_fallbacks", 0)
         for be in self._inner():
             out.update({f"{be.name}_{k}": v for k, v in be.stats().items()})

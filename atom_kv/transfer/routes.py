@@ -31,10 +31,13 @@ class Route:
         return local <= self.local and peer <= self.peer and (same_host or not self.same_host)
 
 
-#: tried in order: GPU to GPU on one host, host to host on one host, then staged tcp for anything
+#: tried in order: GPU to GPU on one host, host to host on one host, GPU to
+#: GPU across hosts over NIXL (RDMA) when both sides offer it, then staged tcp
+#: for anything
 ROUTES: tuple[Route, ...] = (
     Route("gpu_ipc", frozenset({"gpu"}), frozenset({"gpu"}), same_host=True),
     Route("cma", frozenset({"host"}), frozenset({"host"}), same_host=True),
+    Route("nixl", frozenset({"gpu"}), frozenset({"gpu"}), same_host=False),
     Route("tcp", _ANY, _ANY, same_host=False),
 )
 

@@ -416,12 +416,16 @@ def test_outstanding_challenges_are_bounded_and_expire():
     from atom_kv.connector.handshake_auth import Challenge, ChallengeTable
 
     req = wire.HandshakeRequest(engine_id="x", tp_rank=0, tp_size=1, compat=compat(), backend="tcp")
-    table = ChallengeTable(capacity=3, ttl_s=1.0)
-    for i in range(5):  # a flood of handshakes nobody answers
-        table.add(f"n{i}", Challenge(b"id", "c" * 32, b"", req, table.new_deadline(now=100.0 + i * 0.1)))
-    assert len(table) == 3 and table.evicted == 2  # the oldest were dropped, and counted
-    assert table.take("n0", now=100.5) is None  # evicted
-    assert table.take("n2", now=100.5) is not None and table.take("n2", now=100.5) is None  # answered once
-    assert table.take("n3", now=105.0) is None  # answered too late
-    assert [c.deadline for c in table.expire(now=105.0)] == [pytest.approx(101.4)]
+    table = ChallengeTable(capacity=3, ttl_s=1.0, per_source=2)
+    added = [table.add(f"n{i}", Challenge(b"id", "c" * 32, b"d" * 32, wire.encode(req),
+                                          table.new_deadline(now=100.0 + i * 0.1),
+                                          source="10.0.0.1" if i < 3 else "10.0.0.2"))
+             for i in range(5)]  # a flood of handshakes nobody answers
+    assert added == [None, None, "source", None, "full"]  # refused, never evicting a pending one
+    assert len(table) == 3
+    assert table.take("n0", now=100.5) is not None and table.take("n0", now=100.5) is None  # answered once
+    assert table.add("n5", Challenge(b"id", "c" * 32, b"d" * 32, wire.encode(req), table.new_deadline(now=100.5),
+                                     source="10.0.0.1")) is None  # room again, for that source too
+    assert table.take("n1", now=105.0) is None  # answered too late
+    assert [c.deadline for c in table.expire(now=105.0)] == [pytest.approx(101.3), pytest.approx(101.5)]
     assert len(table) == 0

@@ -15,12 +15,17 @@ import pytest
 
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.web import scrape_metrics
+from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
 from tests.e2e.helpers import PROMPTS, generate, get_json
 
 COMBOS = [
     pytest.param((tp_p, tp_d, backend), id=f"P{tp_p}-D{tp_d}-{backend}")
     for backend in ("tcp", "cma")
     for tp_p, tp_d in ((1, 1), (2, 2), (2, 1), (1, 2))
+] + [
+    # real NIXL (UCX on loopback), one TP mix: the backend is what differs
+    pytest.param((2, 1, "nixl"), id="P2-D1-nixl",
+                 marks=pytest.mark.skipif(bool(nixl_unavailable_reason()), reason=nixl_unavailable_reason() or "")),
 ]
 
 

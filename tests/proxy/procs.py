@@ -55,8 +55,9 @@ class _LineReader:
 class ProxyProcess:
     """``python -m atom_kv.proxy`` on port 0; reads its ports back from its ready line."""
 
-    def __init__(self, *args: str, timeout: float = 15.0) -> None:
-        cmd = [sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", "0", *args]
+    def __init__(self, *args: str, timeout: float = 15.0, host: str | None = "127.0.0.1") -> None:
+        cmd = [sys.executable, "-m", "atom_kv.proxy", *(("--host", host) if host is not None else ()), "--port", "0",
+               *args]
         if "--no-discovery" not in args and "--discovery-port" not in args:
             cmd += ["--discovery-port", "0"]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -306,3 +306,21 @@ async def test_instances_listing_shows_state(make_proxy, make_engine):
         async with s.get(proxy.url + "/instances") as r:
             (entry,) = await r.json()
     assert entry["state"] == "up" and entry["down_reason"] is None and entry["max_model_len"] == 32768
+
+
+async def test_a_non_ascii_mac_is_a_counted_refusal_not_a_traceback(make_proxy, make_engine, caplog):
+    """Today's reproduction: a non-ASCII MAC made hmac.compare_digest raise TypeError; 2,000
+    pings gave 2,000 tracebacks, uncounted."""
+    proxy = await make_proxy(registration_token="s3cret")
+    p = await make_engine("P")
+    d = await make_engine("D")
+    bad = []
+    for _ in range(200):
+        ping = msgspec.msgpack.decode(p.register_ping(token="s3cret"))
+        ping["mac"] = "\u00e9" * 64
+        bad.append(msgspec.msgpack.encode(ping))
+    await _sent(proxy, bad)
+    await register(proxy, d, token="s3cret")
+    assert proxy.count("atom_kv_proxy_rejected_registrations_total", reason="auth") == 200
+    assert not any(r.exc_info for r in caplog.records)
+    assert len([r for r in caplog.records if "refused registration" in r.getMessage()]) <= 2

@@ -91,3 +91,20 @@ async def test_two_proxies_in_one_process_are_independent(make_proxy, make_engin
     await register(a, p)
     assert len(a.registry.live("P")) == 1 and b.registry.live("P") == []
     assert a.metrics.registry is not b.metrics.registry
+
+
+async def test_the_admin_token_guards_the_management_routes(make_proxy):
+    """Today's reproduction: /instances and /metrics showed the topology and the handshake ports to anyone."""
+    import aiohttp
+
+    proxy = await make_proxy(admin_token="adm-1234")
+    async with aiohttp.ClientSession() as s:
+        for path in ("/instances", "/metrics"):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer \u00e9"},
+                            {"Authorization": "adm-1234"}):
+                async with s.get(proxy.url + path, headers=headers) as r:
+                    assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer", (path, headers)
+            async with s.get(proxy.url + path, headers={"Authorization": "Bearer adm-1234"}) as r:
+                assert r.status == 200
+        async with s.get(proxy.url + "/health") as r:
+            assert r.status == 503  # open to probes (no engines here)

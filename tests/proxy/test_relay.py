@@ -276,3 +276,22 @@ async def test_events_reach_the_client_as_they_arrive(pd):
                     arrivals.append(time.monotonic())
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:4])]
     assert len(arrivals) >= 5 and all(g > 0.05 for g in gaps), gaps
+
+
+async def test_the_proxy_owns_kv_transfer_params_on_both_legs(pd):
+    """Today's reproduction: a client's remote_handshake_port, remote_dp_rank and remote_tp_size
+    reached the decode leg, pointing the decode engine's handshake at a port of its choosing."""
+    proxy, p, d = pd
+    client_kv = {"remote_handshake_port": 22, "remote_dp_rank": 7, "remote_tp_size": 99, "remote_host": "10.6.6.6",
+                 "remote_notify_port": 23, "do_remote_prefill": True, "planted": "x"}
+    status, _, _ = await post(proxy.url, {"prompt": "hi", "max_tokens": 2, "kv_transfer_params": client_kv})
+    assert status == 200
+    (prefill_leg,) = [r.body["kv_transfer_params"] for r in p.received]
+    (decode_leg,) = [r.body["kv_transfer_params"] for r in d.received]
+    for kv in (prefill_leg, decode_leg):
+        assert "planted" not in kv and "remote_notify_port" not in kv
+        assert 7 not in (kv.get("remote_dp_rank"), kv.get("dp_rank")) and kv["remote_host"] == "127.0.0.1"
+    assert prefill_leg["do_remote_decode"] is True and prefill_leg["do_remote_prefill"] is False
+    assert prefill_leg["remote_handshake_port"] == 42222 and prefill_leg["remote_tp_size"] == 4
+    assert decode_leg["remote_handshake_port"] == 41111  # the prefill's, from its answer and the registry
+    assert decode_leg["remote_tp_size"] == 2 and decode_leg["remote_dp_rank"] == 0

@@ -97,8 +97,8 @@ async def test_retries_are_bounded(make_proxy, make_engine):
     ps = [await make_engine("P") for _ in range(4)]
     d = await make_engine("D")
     await register(proxy, *ps, d)
-    for p in ps:
-        p.fail_status = 500
+    for p, status in zip(ps, (500, 502, 503, 504)):  # each fails its own way (the same way twice: no retry)
+        p.fail_status = status
     assert await _complete(proxy, 1) == [502]
     assert sum(len(p.received) for p in ps) == 3  # 1 + max_retries, each on a different instance
     assert all(len(p.received) <= 1 for p in ps)
@@ -184,3 +184,68 @@ async def test_client_disconnect_mid_stream_cancels_decode(pd_pair):
     assert proxy.count("atom_kv_proxy_client_disconnects_total") == 1
     assert proxy.count("atom_kv_proxy_requests_total", endpoint="/v1/completions", status="499") == 1
     assert _abandoned(proxy, "client_gone") == 0  # the decode engine had taken the KV over
+
+
+async def test_one_poison_request_does_not_open_the_only_instances_breaker(make_proxy, make_engine):
+    """Today's reproduction: one request the engine always answers 500 was retried on the same,
+    only instance and opened its breaker; every other client got 503."""
+    proxy = await make_proxy(max_retries=2, circuit_failures=3, circuit_cooldown_s=30.0)
+    p = await make_engine("P")
+    d = await make_engine("D")
+    await register(proxy, p, d)
+    d.fail_prompt = "poison"
+    assert await _complete(proxy, 1, prompt="poison") == [502]
+    assert len(d.received) == 3  # retried: the failure might have been the instance's
+    (inst,) = proxy.registry.live("D")
+    assert inst.breaker.state() == "closed" and inst.breaker.failures == 1  # one request, counted once
+    assert await _complete(proxy, 3) == [200] * 3  # everyone else is still served
+
+
+async def test_poison_requests_failing_on_two_instances_charge_neither(make_proxy, make_engine):
+    """Today's reproduction: with several instances, 3 such requests took them all out."""
+    proxy = await make_proxy(max_retries=2, circuit_failures=2, circuit_cooldown_s=30.0)
+    p = await make_engine("P")
+    ds = [await make_engine("D") for _ in range(3)]
+    await register(proxy, p, *ds)
+    for d in ds:
+        d.fail_prompt = "poison"
+    assert await _complete(proxy, 3, prompt="poison") == [502] * 3
+    assert sum(len(d.received) for d in ds) == 6  # each stopped after the same 500 on a second instance
+    assert all(i.breaker.state() == "closed" and i.breaker.failures == 0 for i in proxy.registry.live("D"))
+    assert await _complete(proxy, 3) == [200] * 3
+
+
+async def test_failures_of_different_requests_still_open_the_breaker(make_proxy, make_engine):
+    proxy = await make_proxy(max_retries=0, circuit_failures=3, circuit_cooldown_s=30.0)
+    p = await make_engine("P")
+    d = await make_engine("D")
+    await register(proxy, p, d)
+    d.fail_status = 500  # the instance is unwell: every request fails there
+    assert await _complete(proxy, 4) == [502, 502, 502, 503]
+    (inst,) = proxy.registry.known("D")
+    assert inst.breaker.state() == "open"
+
+
+async def test_a_client_that_stops_reading_is_dropped_after_the_stall_timeout(make_proxy, make_engine):
+    """Today's reproduction: a streaming client that stopped reading pinned the decode request (and
+    its slot and KV) for as long as it slept. Now: both legs are aborted, the prefill is released
+    and it is counted."""
+    import socket
+
+    proxy = await make_proxy(stall_timeout=0.5, decode_timeout=30.0)
+    p = await make_engine("P", max_model_len=1 << 20)
+    d = await make_engine("D", max_model_len=1 << 20)
+    await register(proxy, p, d)
+    d.events_per_write = 200
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.connect(("127.0.0.1", proxy.settings.port))
+    data = msgspec.json.encode({"prompt": "x", "max_tokens": 200_000, "stream": True})
+    raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"X-Request-Id: sleeper\r\nContent-Length: %d\r\n\r\n%b" % (len(data), data))
+    try:
+        assert await d.wait_until(lambda: "sleeper" in d.cancelled, timeout=20.0)  # the decode leg was aborted
+        assert proxy.count("atom_kv_proxy_client_stalls_total") == 1
+        assert _abandoned(proxy, "client_stalled") == 1  # its prefill's release went out
+    finally:
+        raw.close()

@@ -73,11 +73,23 @@ def cma_skip_reason() -> Optional[str]:
     return cma_unavailable_reason()
 
 
+def nixl_skip_reason() -> Optional[str]:
+    """None when NIXL's Python API loads here, else its one-line install hint."""
+    from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+
+    return nixl_unavailable_reason()
+
+
 def gpu_skip_reason() -> Optional[str]:
     """None when torch sees a GPU here, else why the GPU specs skip."""
     from atom_kv.transfer.memory import gpu_unavailable_reason
 
     return gpu_unavailable_reason()
+
+
+def nixl_gpu_skip_reason() -> Optional[str]:
+    """None when NIXL loads and torch sees a GPU here, else why not."""
+    return gpu_skip_reason() or nixl_skip_reason()
 
 
 SPECS: list[BackendSpec] = [
@@ -101,11 +113,16 @@ SPECS: list[BackendSpec] = [
         skip_reason="tests.transfer.fake_mori:real_moriio_skip_reason",
         supports_auth=False,
     ),
+    # real NIXL (UCX over cma/shared memory/TCP on loopback); reads are
+    # one-sided, so the token is proven by the connector's handshake only
+    BackendSpec(name="nixl", backend="nixl", skip_reason="tests.transfer.backends:nixl_skip_reason", supports_auth=False),
     # GPU memory on both sides (marked `gpu`: `make test-gpu`)
     BackendSpec(name="tcp-cuda", backend="tcp", device="cuda", skip_reason="tests.transfer.backends:gpu_skip_reason"),
     BackendSpec(name="gpu_ipc-cuda", backend="gpu_ipc", device="cuda",
                 skip_reason="tests.transfer.backends:gpu_skip_reason"),
     BackendSpec(name="auto-cuda", backend="auto", device="cuda", skip_reason="tests.transfer.backends:gpu_skip_reason"),
+    BackendSpec(name="nixl-cuda", backend="nixl", device="cuda", supports_auth=False,
+                skip_reason="tests.transfer.backends:nixl_gpu_skip_reason"),
 ]
 
 

@@ -129,3 +129,21 @@ def test_bench_device_cuda_without_a_gpu_exits_2_in_one_line(capsys: pytest.Capt
         assert err.count("\n") == 0 and "--device cuda: no GPU visible" in err
     assert bench.run(parser.parse_args(["--backend", "gpu_ipc", "--total-mb", "1"])) == 2
     assert "add --device cuda" in capsys.readouterr().err
+
+
+def test_bench_nixl_rows_carry_raw_nixl_next_to_ours() -> None:
+    from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+
+    if nixl_unavailable_reason():
+        pytest.skip(nixl_unavailable_reason())
+    out = subprocess.run(
+        [sys.executable, "-m", "atom_kv.bench", "transfer", "--backend", "nixl", "--total-mb", "4",
+         "--block-kb", "4,64", "--scattered", "--repeat", "2", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["block_kb"] for r in rows] == [4, 64]
+    for r in rows:
+        assert r["verified"] is True and r["raw_nixl_gbps"] > 0
+        assert r["raw_ratio"] == pytest.approx(r["gbps"] / r["raw_nixl_gbps"], rel=0.01)

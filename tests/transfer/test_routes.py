@@ -24,6 +24,11 @@ ALL = frozenset({"tcp", "cma", "gpu_ipc"})
         (H | G, H, True, ALL, "tcp"),  # a process with both kinds registered
         (G, G, True, frozenset({"tcp", "cma"}), "tcp"),  # no gpu_ipc on one side
         (H, H, True, frozenset({"tcp"}), "tcp"),  # cma not usable here
+        (G, G, False, ALL | {"nixl"}, "nixl"),  # GPU across hosts: RDMA through NIXL before staged tcp
+        (G, G, True, ALL | {"nixl"}, "gpu_ipc"),  # one host: IPC stays first
+        (H, H, False, ALL | {"nixl"}, "tcp"),  # host memory across hosts: tcp
+        (G, H, False, ALL | {"nixl"}, "tcp"),  # mixed kinds: staged tcp
+        (G, G, False, frozenset({"tcp", "cma"}), "tcp"),  # NIXL not on both sides
     ],
 )
 def test_choice_per_pair_of_kinds(local, peer, same_host, offered, expected):

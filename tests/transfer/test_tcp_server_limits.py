@@ -79,7 +79,7 @@ def _close_all(socks: list[socket.socket]) -> None:
 
 
 def test_many_idle_connections_keep_threads_bounded_and_excess_is_refused(make_served) -> None:
-    srv = make_served(tcp_max_connections=50, tcp_read_timeout_s=60)
+    srv = make_served(tcp_max_connections=50, tcp_read_timeout_s=60, tcp_hello_timeout_s=60)
     threads_before = thread_count()
     rss_before = rss_bytes()
     socks = [socket.create_connection((srv.host, srv.port), timeout=5) for _ in range(300)]
@@ -162,8 +162,8 @@ def _dribble_until_dropped(s: socket.socket, limit_s: float) -> float:
 
 
 @pytest.mark.parametrize("token", [None, "tok"])
-def test_dribbling_hello_is_dropped_after_the_read_timeout(make_served, token) -> None:
-    srv = make_served(auth_token=token, tcp_read_timeout_s=0.5)
+def test_dribbling_hello_is_dropped_after_the_hello_timeout(make_served, token) -> None:
+    srv = make_served(auth_token=token, tcp_read_timeout_s=60, tcp_hello_timeout_s=0.5)
     s, _ = tcp_open(srv.host, srv.port)
     with s:
         s.sendall(struct.pack("!I", 200))
@@ -247,7 +247,7 @@ def _serve_with_few_fds(conn: Any) -> None:
 
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (96, hard))
-    be = TcpBackend(_cfg(tcp_max_connections=10_000), key="few-fds")
+    be = TcpBackend(_cfg(tcp_max_connections=10_000, tcp_max_unauthenticated_per_source=10_000), key="few-fds")
     buf = np.full(SIZE, 7, dtype=np.uint8)
     be.register_memory(buf.ctypes.data, SIZE, align=BLOCK)
     conn.send(be.export_descriptor())
@@ -290,3 +290,35 @@ def test_out_of_file_descriptors_pauses_accepting_without_spinning() -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(5)
+
+
+def _stranger(srv: Served, source: str = "127.0.0.2") -> socket.socket:
+    s = socket.socket()
+    s.bind((source, 0))
+    s.settimeout(5)
+    s.connect((srv.host, srv.port))
+    return s
+
+
+def test_strangers_on_one_host_cannot_hold_every_slot(make_served) -> None:
+    """Today's reproduction: idle connections that never authenticate held every
+    tcp_max_connections slot until the read timeout."""
+    srv = make_served(auth_token="tok", tcp_max_connections=20, tcp_max_unauthenticated_per_source=8,
+                      tcp_read_timeout_s=60, tcp_hello_timeout_s=60)
+    socks = [_stranger(srv) for _ in range(40)]
+    try:
+        wait_until(lambda: srv.stats().get("busy_source", 0) == 32, 10, interval=0.02, what="32 strangers refused")
+        assert srv.backend.server.connections == 8
+        srv.read_check(auth_token="tok")  # a reader from another address still gets in
+    finally:
+        _close_all(socks)
+
+
+def test_a_silent_connection_is_dropped_after_the_hello_timeout(make_served) -> None:
+    srv = make_served(auth_token="tok", tcp_read_timeout_s=60, tcp_hello_timeout_s=0.3)
+    s = _stranger(srv)
+    with s:
+        t0 = time.monotonic()
+        assert closed_by_peer(s, 5), "a connection that never sent its hello was kept"
+        assert time.monotonic() - t0 < 3
+    assert srv.stats()["timeout"] == 1
