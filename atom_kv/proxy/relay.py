@@ -217,7 +217,7 @@ class Relay:
         text = prompt_text(body)
         tokens = estimate_prompt_tokens(body, text)
         req = _Request(path, body, request_id, auth, RouteContext(text, tokens), max_tokens,
-                       RequestSpans(self.metrics.spans, received), next(self._request_keys))
+                       RequestSpans(self.metrics, received), next(self._request_keys))
         exclude: dict[str, set[tuple[str, str]]] = {"P": set(), "D": set()}
         last_error: ProxyError | None = None
         rejected: list[_Retryable] = []

@@ -27,8 +27,12 @@ its ``/metrics``. Every span is observed once per request into the
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from atom_kv.server_timing import parse_server_timing
+
+if TYPE_CHECKING:
+    from atom_kv.proxy.metrics import ProxyMetrics
 
 __all__ = ["RequestSpans", "SPANS"]
 
@@ -40,19 +44,20 @@ _DECODE = {"admission": "decode_admission", "kv_wait": "kv_wait", "first_step": 
 
 
 class RequestSpans:
-    """Owns one request's marks; observes each span into ``histogram`` (labelled ``span``) as
-    soon as it is known."""
+    """Owns one request's marks; observes each span into the proxy's span histogram as soon as
+    it is known."""
 
-    __slots__ = ("_histogram", "t0", "_prefill_sent", "_prefill_done", "_decode_sent", "_ready", "_written")
+    __slots__ = ("_metrics", "t0", "_prefill_sent", "_prefill_done", "_decode_sent", "_ready", "_written")
 
-    def __init__(self, histogram, t0: float | None = None) -> None:
-        self._histogram = histogram
+    def __init__(self, metrics: "ProxyMetrics", t0: float | None = None) -> None:
+        self._metrics = metrics
         self.t0 = time.perf_counter() if t0 is None else t0
         self._prefill_sent = self._prefill_done = self._decode_sent = self._ready = 0.0
         self._written = False
 
     def _observe(self, span: str, seconds: float) -> None:
-        self._histogram.labels(span).observe(max(0.0, seconds))
+        m = self._metrics
+        m.child(m.spans, span).observe(max(0.0, seconds))
 
     def prefill_sent(self) -> None:
         self._prefill_sent = time.perf_counter()

@@ -107,3 +107,4 @@ def test_closing_before_the_decode_leg_answers_cancels_it():
         await asyncio.wait_for(piping, 5)  # returns quietly: the client is gone
 
     asyncio.run(main())
+
