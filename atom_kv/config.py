@@ -68,6 +68,10 @@ _POST_BATCH_SIZE = f"{_POST_BATCH_DEFAULT} (library default) or >= 1"
 PostBatchSize = Annotated[int, msgspec.Meta(ge=_POST_BATCH_DEFAULT, description=_POST_BATCH_SIZE)]
 
 KVRole = Literal["kv_producer", "kv_consumer"]
+#: The one-line answer to a ``--kv-transfer-config`` without ``kv_role`` (never guessed: a decode
+#: engine that silently became a producer would lend blocks nobody reads and read none).
+KV_ROLE_REQUIRED = ("kv-transfer-config: `kv_role` is required: 'kv_producer' (a prefill engine) or 'kv_consumer' "
+                    "(a decode engine); 'kv_both' is not supported")
 #: Mooncake's ``protocol`` key, which ATOM users write: the transport it names, as our ``backend``
 Protocol = Literal["tcp", "rdma"]
 _PROTOCOL_BACKEND = {"tcp": "tcp", "rdma": "moriio"}
@@ -208,6 +212,10 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     works unchanged; the second group is ours. Constructing one validates
     every field (:class:`ConfigError` naming the key).
 
+    ``kv_role`` has no default: :meth:`from_dict` refuses a config without
+    it, except where the caller says what the engine itself defaults to
+    (ATOM: ``kv_producer``, as its own connectors do).
+
     Two more of ATOM's keys are read by :meth:`from_dict` only:
     ``kv_connector_extra_config`` (an object of our keys, merged in, as ATOM's
     offload connector reads its own) and ``connectors`` (ATOM's ``multi``
@@ -215,7 +223,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     """
 
     # --- ATOM's keys -------------------------------------------------------
-    kv_role: KVRole = "kv_producer"
+    kv_role: KVRole
     kv_connector: str = "atom_kv"
     proxy_ip: Optional[str] = None
     proxy_ping_port: Port = 36367
@@ -295,8 +303,12 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         return [p.strip() for p in self.proxy_ip.split(",") if p.strip()]
 
     @classmethod
-    def from_dict(cls, data: Any) -> "KVTransferConfig":
-        """Validate a mapping; raise :class:`ConfigError` with a one-line message."""
+    def from_dict(cls, data: Any, *, default_role: Optional[KVRole] = None) -> "KVTransferConfig":
+        """Validate a mapping; raise :class:`ConfigError` with a one-line message.
+
+        A mapping without ``kv_role`` takes ``default_role`` (only an engine
+        whose own default that is passes one), else is refused.
+        """
         if not isinstance(data, dict):
             raise ConfigError(
                 f"kv-transfer-config: expected a JSON object like "
@@ -314,6 +326,10 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 hint = difflib.get_close_matches(str(key), sorted(fields), n=1, cutoff=0.5)
                 suggestion = f"; did you mean `{hint[0]}`?" if hint else ""
                 raise ConfigError(f"kv-transfer-config: unknown key `{key}`{suggestion}")
+        if "kv_role" not in data:
+            if default_role is None:
+                raise ConfigError(KV_ROLE_REQUIRED)
+            data = {**data, "kv_role": default_role}
         try:
             return cls(**data)
         except ConfigError as exc:

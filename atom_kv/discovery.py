@@ -10,11 +10,18 @@ With ``auth_token`` configured, every ping is signed afresh (``ts``, ``nonce``,
 ``mac``; see :mod:`atom_kv.auth`) so a proxy started with
 ``--registration-token`` can tell it from a forgery or a replay. The token
 itself never leaves the engine.
+
+An engine pings only once it serves: a pinger built with
+``wait_until_serving`` first waits, in its own thread, until the engine's
+HTTP address accepts connections (engines that build their connector before
+their HTTP server listens: vLLM, ATOM), so a proxy never probes an engine
+that is still starting.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from typing import Literal, Optional
 
@@ -29,6 +36,10 @@ from atom_kv.wire import RegisterPing
 __all__ = ["RegistrationPinger", "build_registration_pinger", "parse_proxy_address"]
 
 logger = logging.getLogger(__name__)
+
+_CONNECT_TIMEOUT_S = 1.0   # one attempt to reach the engine's own HTTP server
+_SERVING_RETRY_S = 0.5     # between attempts while it starts
+_SERVING_WARN_AFTER_S = (30.0, 120.0)
 
 
 def parse_proxy_address(address: str, default_port: int) -> tuple[str, int]:
@@ -56,8 +67,9 @@ class RegistrationPinger:
     """Owns the DEALER sockets to the proxies and the thread that pings them."""
 
     def __init__(self, ping: RegisterPing, proxies: list[tuple[str, int]], interval_s: float,
-                 auth_token: Optional[str] = None) -> None:
+                 auth_token: Optional[str] = None, serving_at: Optional[tuple[str, int]] = None) -> None:
         self.ping = ping
+        self.serving_at = serving_at  # ping only once this (host, port) accepts connections
         self.proxies = proxies
         self.interval_s = interval_s
         self.sent = 0
@@ -84,7 +96,30 @@ class RegistrationPinger:
                         ", ".join(f"{h}:{p}" for h, p in self.proxies), self.interval_s)
         return self
 
+    def _wait_until_serving(self) -> bool:
+        """Block (on the stop event, between connection attempts) until ``serving_at`` accepts a
+        connection; False if closed first."""
+        assert self.serving_at is not None
+        host, port = self.serving_at
+        waited = 0.0
+        while not self._stop.is_set():
+            try:
+                socket.create_connection((host, port), timeout=_CONNECT_TIMEOUT_S).close()
+                return True
+            except OSError:
+                pass
+            if self._stop.wait(_SERVING_RETRY_S):
+                return False
+            waited += _SERVING_RETRY_S
+            if waited in _SERVING_WARN_AFTER_S:
+                logger.warning("the engine's HTTP server is still not accepting connections on %s:%d after %.0f s; "
+                               "it registers with the proxy once it does (check that http_port is the port it "
+                               "serves on and that it listens on %s)", host, port, waited, host)
+        return False
+
     def _run(self) -> None:
+        if self.serving_at is not None and not self._wait_until_serving():
+            return
         ctx = zmq.Context()
         socks = []
         try:
@@ -135,8 +170,11 @@ def build_registration_pinger(
     dp_size: int = 1,
     engine_id: str,
     model: Optional[str] = None,
+    wait_until_serving: bool = False,
 ) -> RegistrationPinger:
-    """A pinger for every address in ``config.proxy_ip`` (call ``.start()``; no proxies: a no-op)."""
+    """A pinger for every address in ``config.proxy_ip`` (call ``.start()``; no proxies: a no-op).
+
+    ``wait_until_serving``: its thread pings only once ``http_host:http_port`` accepts connections."""
     if role not in ("P", "D"):
         raise ValueError(f"role must be 'P' or 'D', got {role!r}")
     proxies = [parse_proxy_address(a, config.proxy_ping_port) for a in config.proxy_addresses]
@@ -151,4 +189,5 @@ def build_registration_pinger(
         engine_id=engine_id,
         model=model,
     )
-    return RegistrationPinger(ping, proxies, config.ping_interval_s, auth_token=config.auth_token)
+    return RegistrationPinger(ping, proxies, config.ping_interval_s, auth_token=config.auth_token,
+                              serving_at=(http_host, http_port) if wait_until_serving else None)

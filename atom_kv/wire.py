@@ -188,9 +188,16 @@ HandshakeMac = Annotated[str, msgspec.Meta(max_length=128)]
 MemoryLabels = Annotated[list[Annotated[str, msgspec.Meta(max_length=16)]], msgspec.Meta(max_length=16)]
 
 
-def handshake_port(base: int, dp_rank: int, tp_size: int, tp_rank: int) -> int:
-    """Rank ``tp_rank`` of data-parallel group ``dp_rank`` listens on ``base + dp_rank*tp_size + tp_rank``."""
-    return base + dp_rank * tp_size + tp_rank
+def handshake_port(base: int, dp_rank: int, tp_size: int, tp_rank: int, *, pp_rank: int = 0,
+                   dp_size: int = 1) -> int:
+    """The side-channel port of one producer rank: ATOM main's layout
+    (``port_offset.side_channel_port_offset``),
+    ``base + pp_rank*(dp_size*tp_size) + dp_rank*tp_size + tp_rank``.
+
+    Every port this package binds or dials for a rank comes from here, so our
+    engines and ATOM's find each other's ports. ``dp_size`` matters only for
+    pipeline stages after the first."""
+    return base + pp_rank * (dp_size * tp_size) + dp_rank * tp_size + tp_rank
 
 
 class HandshakeRequest(msgspec.Struct, tag_field="t", tag="hs", kw_only=True):
@@ -241,6 +248,9 @@ class HandshakeReply(msgspec.Struct, tag_field="t", tag="hs_ok", kw_only=True):
     tp_rank: int = 0
     tp_size: int = 1
     dp_rank: int = 0
+    #: the pipeline stage this rank is; its ``regions`` name the layers it holds
+    pp_rank: int = 0
+    pp_size: int = 1
     compat: Optional[CompatInfo] = None
     backend: str = ""
     host: str = ""
@@ -625,6 +635,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     remote_dp_size: Optional[PositiveInt] = None
     remote_tp_size: Optional[PositiveInt] = None
     remote_dp_rank: Optional[NonNegativeInt] = None
+    remote_pp_size: Optional[PositiveInt] = None
     tp_size: Optional[PositiveInt] = None
     dp_rank: Optional[NonNegativeInt] = None
     transfer_id: Optional[NonEmptyStr] = None

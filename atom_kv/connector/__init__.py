@@ -32,7 +32,7 @@ def create_worker(config: KVTransferConfig, *, bind_host: Optional[str] = None, 
     servers) bind ``bind_host``, by default the rank's ``host``: never every
     interface unless ``"0.0.0.0"`` is asked for.
     ``identity``: the keyword arguments of :class:`ConnectorWorker` (engine_id,
-    host, tp_rank, tp_size, dp_rank, compat, backend)."""
+    host, tp_rank, tp_size, dp_rank, dp_size, pp_rank, pp_size, compat, backend)."""
     if config.is_producer:
         return ProducerWorker(config, bind_host=bind_host, **identity)
     return ConsumerWorker(config, bind_host=bind_host, **identity)

@@ -99,11 +99,13 @@ class DoneAckClient:
         msg: DoneReading,
         timeout_s: float,
         stop: threading.Event,
+        tp_size: int = 0,
     ) -> Optional[str]:
         """Send ``msg`` (``want_ack=True``; signed here when there is a token) to
         every producer rank in ``targets`` (rank -> host, port) and wait up to
         ``timeout_s`` for each one's :class:`DoneAck`. Returns None when every
-        rank confirmed the read as valid, else the reason the read cannot be trusted."""
+        rank confirmed the read as valid, else the reason the read cannot be trusted.
+        With ``tp_size``, a rank is ``pp_rank*tp_size + tp_rank`` (pipeline stages)."""
         if self._token is not None:
             msg = sign_struct(self._token, PURPOSE_DONE, msg)
         data = wire.encode(msg)
@@ -138,7 +140,7 @@ class DoneAckClient:
                 except zmq.ZMQError as exc:
                     self._drop(host, port)
                     return f"no confirmation from producer rank {rank} at {host}:{port}: {exc}"
-                verdict = self._judge(frames[-1], msg, rank, host, port)
+                verdict = self._judge(frames[-1], msg, rank, host, port, rank % tp_size if tp_size else rank)
                 if verdict is None:
                     continue  # a stale ack of an earlier question
                 if verdict:
@@ -147,7 +149,8 @@ class DoneAckClient:
                 del waiting[sock]
         return None
 
-    def _judge(self, data: bytes, msg: DoneReading, rank: int, host: str, port: int) -> Optional[str]:
+    def _judge(self, data: bytes, msg: DoneReading, rank: int, host: str, port: int,
+               tp_rank: Optional[int] = None) -> Optional[str]:
         """"" for a valid confirmation of ``msg``, the reason for any other
         answer, or None for an ack that answers an older question."""
         try:
@@ -169,7 +172,7 @@ class DoneAckClient:
             logger.debug("ignoring a done ack for transfer %s from %s:%d that does not answer this notice",
                          ack.transfer_id, host, port)
             return None
-        if ack.transfer_id != msg.transfer_id or ack.tp_rank != rank:
+        if ack.transfer_id != msg.transfer_id or ack.tp_rank != (rank if tp_rank is None else tp_rank):
             logger.debug("ignoring a stale done ack for transfer %s from %s:%d", ack.transfer_id, host, port)
             return None
         if not ack.valid:

@@ -24,8 +24,9 @@ import time
 from typing import Optional
 
 from atom_kv.connector.confirm import DoneAckClient
-from atom_kv.connector.layout import LayoutError, block_runs, head_overlaps
+from atom_kv.connector.layout import HeadOverlap, LayoutError, block_runs, head_overlaps
 from atom_kv.connector.peers import PeerTable, producer_port
+from atom_kv.connector.pipeline import check_stage_cover
 from atom_kv.connector.reads import LoadState, RankRead, ReadContext
 from atom_kv.connector.scheduler import load_budget_s
 from atom_kv.connector.types import ConnectorMetadata, LoadSpec
@@ -103,6 +104,10 @@ class ConsumerWorker(ConnectorWorker):
         except LayoutError as exc:
             self._fail_load(rid, str(exc))
             return
+        if spec.remote_pp_size > 1:  # the same heads from every pipeline stage: rank = stage*tp + tp_rank
+            tp = spec.remote_tp_size
+            overlaps = [HeadOverlap(s * tp + o.remote_rank, o.local_first, o.remote_first, o.count)
+                        for s in range(spec.remote_pp_size) for o in overlaps]
         ranks = {o.remote_rank for o in overlaps}
         st = LoadState(spec, now, set(ranks), frozenset(ranks))
         with self._lock:
@@ -134,6 +139,8 @@ class ConsumerWorker(ConnectorWorker):
             if st.pending:
                 return
             error = st.error
+        if error is None and st.spec.remote_pp_size > 1:
+            error = self._check_stages(st)
         if error is None:
             # the last read of this load (a read thread): the blocks only count
             # once every producer rank read from confirms it still held them
@@ -147,6 +154,17 @@ class ConsumerWorker(ConnectorWorker):
         if error is not None:
             logger.warning("%s: request %s: load of transfer %s failed: %s",
                            self._name, rid, st.spec.transfer_id, error)
+
+    def _check_stages(self, st: LoadState) -> Optional[str]:
+        """Every layer here was read from exactly one pipeline stage (per producer TP rank read from)."""
+        tp, pp = st.spec.remote_tp_size, st.spec.remote_pp_size
+        local_layers = {t.layer for t in self._kv.layouts}
+        for tp_rank in sorted({r % tp for r in st.read_ranks}):
+            held = [st.stage_layers.get(s * tp + tp_rank, []) for s in range(pp)]
+            why = check_stage_cover(local_layers, held)
+            if why is not None:
+                return f"cannot map the prefill's pipeline stages onto this engine's layers: {why}"
+        return None
 
     def _confirm_reads(self, st: LoadState) -> Optional[str]:
         """Send ``DoneReading(want_ack)`` to the producer ranks read from (they
@@ -164,7 +182,7 @@ class ConsumerWorker(ConnectorWorker):
                           tp_size=self.tp_size, ok=True, want_ack=True, block_offset=spec.remote_block_offset,
                           num_blocks=len(spec.remote_block_ids), blocks_digest=blocks_digest(spec.remote_block_ids))
         try:
-            return client.confirm(targets, msg, self.config.handshake_timeout_s, self._stop)
+            return client.confirm(targets, msg, self.config.handshake_timeout_s, self._stop, tp_size=spec.remote_tp_size)
         except Exception as exc:  # never lose a load to a bug: fail it clearly
             logger.exception("%s: request %s: confirming transfer %s crashed", self._name, spec.request_id,
                              spec.transfer_id)

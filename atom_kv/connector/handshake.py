@@ -214,7 +214,7 @@ class HandshakeServer:
             self._close_fds()
             raise HandshakeError(
                 f"cannot listen for handshakes on {bind_host}:{port} "
-                f"(handshake_port + dp_rank*tp_size + tp_rank): {exc}"
+                f"(handshake_port + pp_rank*dp_size*tp_size + dp_rank*tp_size + tp_rank): {exc}"
             ) from None
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()

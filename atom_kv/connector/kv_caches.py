@@ -16,7 +16,7 @@ K/V and shuffled V, MLA, ``block_ratio``, vLLM's one-tensor-per-layer
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 from atom_kv.connector.base import KVCacheLayer
 from atom_kv.connector.cache_layouts import KVLayout, LayoutMismatch, describe_tensor
@@ -61,19 +61,26 @@ def compat_layout(compat: CompatInfo) -> KVLayout:
     return layout
 
 
-def describe_kv_caches(kv_caches: Sequence[KVCacheLayer], compat: CompatInfo, tp_size: int) -> list[KVTensor]:
+def describe_kv_caches(kv_caches: Sequence[KVCacheLayer], compat: CompatInfo, tp_size: int,
+                       layers: Optional[Sequence[int]] = None) -> list[KVTensor]:
     """Validate the engine's caches (one entry per layer) and describe each tensor.
 
     An entry is a ``(k, v)`` pair, one tensor (an MLA latent, or the ``kv``
     tensor of a fused layout), or a mapping of kind to tensor. Raises
     ``ValueError`` with one line naming the layer and what was expected.
+    ``layers``: the model layer of each entry (a pipeline stage holds only
+    some); by default every layer of the model, in order.
     """
-    if len(kv_caches) != compat.num_layers:
-        raise ValueError(f"got {len(kv_caches)} KV cache layers, compat says num_layers={compat.num_layers}")
+    if layers is None:
+        if len(kv_caches) != compat.num_layers:
+            raise ValueError(f"got {len(kv_caches)} KV cache layers, compat says num_layers={compat.num_layers}")
+        layers = range(compat.num_layers)
+    elif len(kv_caches) != len(layers):
+        raise ValueError(f"got {len(kv_caches)} KV cache layers for the {len(layers)} layers of this stage")
     layout = compat_layout(compat)
     heads = 1 if layout.is_mla else compat.num_kv_heads // tp_size
     out: list[KVTensor] = []
-    for layer, entry in enumerate(kv_caches):
+    for layer, entry in zip(layers, kv_caches):
         for kind, t in _named(layer, entry, layout):
             width = compat.head_dim if kind in ("k", "v", "kv", "latent") else None
             try:

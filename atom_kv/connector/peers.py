@@ -38,8 +38,11 @@ PeerKey = tuple[str, str, int]
 
 
 def producer_port(spec: LoadSpec, rank: int) -> int:
-    """The handshake port of producer rank ``rank`` of the engine ``spec`` reads from."""
-    return handshake_port(spec.remote_handshake_port, spec.remote_dp_rank, spec.remote_tp_size, rank)
+    """The handshake port of producer rank ``rank`` of the engine ``spec`` reads from:
+    ``rank`` is ``pp_rank*tp_size + tp_rank`` (just the TP rank without pipeline stages)."""
+    stage, tp_rank = divmod(rank, spec.remote_tp_size)
+    return handshake_port(spec.remote_handshake_port, spec.remote_dp_rank, spec.remote_tp_size, tp_rank,
+                          pp_rank=stage, dp_size=spec.remote_dp_size)
 
 
 @dataclass
@@ -107,7 +110,8 @@ class PeerTable:
         with self._lock:
             fut = self._peers.get(key)
             if fut is None or (fut.done() and fut.exception() is not None):
-                fut = self._pool.submit(self._handshake, key, remote_rank, spec.remote_tp_size)
+                fut = self._pool.submit(self._handshake, key, remote_rank, spec.remote_tp_size, spec.remote_dp_rank,
+                                        spec.remote_pp_size)
                 self._peers[key] = fut
             return key, fut
 
@@ -144,7 +148,8 @@ class PeerTable:
         """Stop the pool; running handshakes end with the connector's stop event."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _handshake(self, key: PeerKey, remote_rank: int, remote_tp: int) -> Peer:
+    def _handshake(self, key: PeerKey, remote_rank: int, remote_tp: int, remote_dp: int = 0,
+                   remote_pp: int = 1) -> Peer:
         _, host, port = key
         t0 = time.perf_counter()
         try:
@@ -162,11 +167,18 @@ class PeerTable:
                     f"{host}:{port} is now engine {reply.engine_id}, not {key[0]} that prefilled this "
                     "request (the prefill engine restarted; its KV is gone)"
                 )
-            if reply.tp_size != remote_tp or reply.tp_rank != remote_rank:
+            stage, tp_rank = divmod(remote_rank, remote_tp)
+            if reply.tp_size != remote_tp or reply.tp_rank != tp_rank:
                 raise HandshakeRejected(
                     f"{host}:{port} is TP rank {reply.tp_rank} of {reply.tp_size}, "
-                    f"expected rank {remote_rank} of {remote_tp}"
+                    f"expected rank {tp_rank} of {remote_tp}"
                 )
+            if reply.pp_rank != stage or reply.pp_size != remote_pp:
+                raise HandshakeRejected(f"{host}:{port} is pipeline stage {reply.pp_rank} of {reply.pp_size}, "
+                                        f"expected stage {stage} of {remote_pp}")
+            if reply.dp_rank != remote_dp:
+                raise HandshakeRejected(f"{host}:{port} is DP rank {reply.dp_rank}, expected DP rank {remote_dp} "
+                                        "(the rank that prefilled this request)")
             peer_id = self._backend.add_peer(reply.descriptor)
         except HandshakeError:
             self._stats.add(handshake_failures=1)

@@ -91,7 +91,8 @@ class ProducerWorker(ConnectorWorker):
         self._server = HandshakeServer(
             self._ctx,
             bind_host=self.bind_host,
-            port=handshake_port(cfg.handshake_port, self.dp_rank, self.tp_size, self.tp_rank),
+            port=handshake_port(cfg.handshake_port, self.dp_rank, self.tp_size, self.tp_rank,
+                                pp_rank=self.pp_rank, dp_size=self.dp_size),
             auth_token=cfg.auth_token,
             identity=lambda: (self.engine_id, self.tp_rank),
             responder=self._answer_handshake,
@@ -137,8 +138,8 @@ class ProducerWorker(ConnectorWorker):
             regions = list(self._kv.regions)
             memory = list(self._kv.memory)
         base = dict(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                    dp_rank=self.dp_rank, compat=self.compat, backend=self.backend.name, host=self.host,
-                    memory=memory)
+                    dp_rank=self.dp_rank, pp_rank=self.pp_rank, pp_size=self.pp_size, compat=self.compat,
+                    backend=self.backend.name, host=self.host, memory=memory)
         error = compat_mismatch(self.compat, req.compat, "prefill", "decode")
         if error is None and not regions:
             error = "the producer has not registered its KV caches yet"

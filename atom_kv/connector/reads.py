@@ -15,7 +15,7 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -47,6 +47,8 @@ class LoadState:
     read_ranks: frozenset[int] = frozenset()
     error: Optional[str] = None
     cancelled: bool = False
+    #: with pipeline stages: the layers each producer rank (``pp_rank*tp_size + tp_rank``) said it holds
+    stage_layers: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -154,8 +156,13 @@ class RankRead:
         if self._ops is not None and self._ops_peer is peer:
             return self._ops
         c0 = time.thread_time()
+        local = self._local
+        if self.load.spec.remote_pp_size > 1:  # a stage holds some layers: read those from it
+            held = sorted({t.layer for t in peer.tensors})
+            self.load.stage_layers[self.remote_rank] = held
+            local = [t for t in local if t.layer in held]
         try:
-            planner = peer.planner(self._local, self._overlap, local_heads=self._ctx.local_heads,
+            planner = peer.planner(local, self._overlap, local_heads=self._ctx.local_heads,
                                    remote_heads=self._remote_heads)
             # numpy only pays off for many ranges (heterogeneous TP, long prompts)
             use_array = self._ctx.backend.accepts_op_arrays and planner.num_ops(self._runs) >= ARRAY_MIN_OPS

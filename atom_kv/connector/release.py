@@ -70,16 +70,19 @@ class ReleaseSpec:
     handshake_port: int
     tp_size: int = 1
     dp_rank: int = 0
+    pp_size: int = 1
+    dp_size: int = 1
 
     def targets(self) -> list[tuple[str, int]]:
-        """(host, port) of every producer rank."""
-        return [(self.host, handshake_port(self.handshake_port, self.dp_rank, self.tp_size, r))
-                for r in range(self.tp_size)]
+        """(host, port) of every producer rank of the DP rank: each TP rank of each pipeline stage."""
+        return [(self.host, handshake_port(self.handshake_port, self.dp_rank, self.tp_size, r, pp_rank=s,
+                                           dp_size=self.dp_size))
+                for s in range(self.pp_size) for r in range(self.tp_size)]
 
     @classmethod
     def from_load(cls, spec: LoadSpec) -> "ReleaseSpec":
         return cls(spec.transfer_id, spec.remote_host, spec.remote_handshake_port, spec.remote_tp_size,
-                   spec.remote_dp_rank)
+                   spec.remote_dp_rank, spec.remote_pp_size, spec.remote_dp_size)
 
 
 def _field(raw: Mapping[str, Any], keys: tuple[str, ...], type_: Any, default: Any = None) -> Any:
@@ -105,11 +108,15 @@ def release_spec_from_params(raw: Any) -> Optional[ReleaseSpec]:
     port = _field(raw, ("remote_handshake_port", "remote_port"), PeerPort)
     tp = _field(raw, ("remote_tp_size", "tp_size"), PositiveInt, 1)
     dp = _field(raw, ("remote_dp_rank", "dp_rank"), NonNegativeInt, 0)
-    if None in (tid, host, port, tp, dp) or tp > MAX_RELEASE_RANKS:
+    # the pipeline/DP sizes only add ports: when unreadable, release at least the first stage
+    pp = _field(raw, ("remote_pp_size",), PositiveInt, 1) or 1
+    dp_size = _field(raw, ("remote_dp_size",), PositiveInt, 1) or 1
+    if None in (tid, host, port, tp, dp) or tp * pp > MAX_RELEASE_RANKS:
         return None
-    if handshake_port(port, dp, tp, tp - 1) > 65535:
+    dp_size = max(dp_size, dp + 1)
+    if handshake_port(port, dp, tp, tp - 1, pp_rank=pp - 1, dp_size=dp_size) > 65535:
         return None
-    return ReleaseSpec(tid, host, port, tp, dp)
+    return ReleaseSpec(tid, host, port, tp, dp, pp, dp_size)
 
 
 #: a notice and the purpose its signature is made for

@@ -148,6 +148,8 @@ class ConnectorScheduler(SchedulerHooks):
         host: str,
         tp_size: int,
         dp_rank: int = 0,
+        dp_size: int = 1,
+        pp_size: int = 1,
         block_size: int,
         release_sender: Optional[Callable[[ReleaseSpec, str], None]] = None,
         announce_sends: bool = False,
@@ -161,6 +163,8 @@ class ConnectorScheduler(SchedulerHooks):
         self.host = host
         self.tp_size = tp_size
         self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.pp_size = pp_size
         self.block_size = block_size
         self._budget = load_backstop_s(config)
         # producer
@@ -301,6 +305,8 @@ class ConnectorScheduler(SchedulerHooks):
             remote_tp_size=p.producer_tp_size,
             remote_dp_rank=p.producer_dp_rank,
             remote_block_offset=match.num_computed_tokens // self.block_size,
+            remote_pp_size=p.remote_pp_size or 1,
+            remote_dp_size=max(p.remote_dp_size or 1, p.producer_dp_rank + 1),
         )
 
     def _skip_load(self, request_id: str, match: _Match) -> None:
@@ -316,7 +322,8 @@ class ConnectorScheduler(SchedulerHooks):
     def _release_of(match: _Match) -> ReleaseSpec:
         p = match.params
         return ReleaseSpec(p.transfer_id or "", p.remote_host or "", p.producer_handshake_port or 0,
-                           p.producer_tp_size, p.producer_dp_rank)
+                           p.producer_tp_size, p.producer_dp_rank, p.remote_pp_size or 1,
+                           max(p.remote_dp_size or 1, p.producer_dp_rank + 1))
 
     def _release_params(self, raw: Any, reason: str) -> None:
         spec = release_spec_from_params(raw)
@@ -497,6 +504,8 @@ class ConnectorScheduler(SchedulerHooks):
             remote_dp_rank=self.dp_rank,
             tp_size=self.tp_size,
             dp_rank=self.dp_rank,
+            remote_dp_size=self.dp_size if self.dp_size > 1 else None,
+            remote_pp_size=self.pp_size if self.pp_size > 1 else None,
             transfer_id=tid,
         ).to_dict()
         if not blocks:
@@ -506,8 +515,8 @@ class ConnectorScheduler(SchedulerHooks):
         self._lease_by_req[rid] = tid
         self._pending_sends.append(SendSpec(transfer_id=tid, block_ids=blocks))
         if self._announce_sends:  # the ranks may see this step's metadata only with the next batch
-            self._notices().issue(ReleaseSpec(tid, self.host, self.config.handshake_port, self.tp_size, self.dp_rank),
-                                  blocks)
+            self._notices().issue(ReleaseSpec(tid, self.host, self.config.handshake_port, self.tp_size, self.dp_rank,
+                                              self.pp_size, max(self.dp_size, self.dp_rank + 1)), blocks)
         self._add_timer(deadline, "lease", tid)
         if self._early_done.pop(tid, None) is not None:
             self._leases[tid].deadline = 0.0  # already read or released: free on the next update

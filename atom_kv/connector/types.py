@@ -29,6 +29,9 @@ class LoadSpec(msgspec.Struct, kw_only=True, array_like=True):
     #: where ``remote_block_ids`` start in the transfer's block list (blocks
     #: before it were cached locally and are not read)
     remote_block_offset: int = 0
+    #: the producer's pipeline stages (each holds some layers) and DP size (places later stages' ports)
+    remote_pp_size: int = 1
+    remote_dp_size: int = 1
 
 
 class SendSpec(msgspec.Struct, kw_only=True, array_like=True):

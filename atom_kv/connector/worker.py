@@ -21,6 +21,7 @@ from atom_kv.config import KVTransferConfig
 from atom_kv.connector.base import KVCacheLayer, WorkerHooks
 from atom_kv.connector.kv_caches import RegisteredKV, describe_kv_caches, register_kv_tensors
 from atom_kv.connector.layout import head_range
+from atom_kv.connector.pipeline import stage_layers
 from atom_kv.connector.stats import TransferStats
 from atom_kv.connector.types import KVConnectorOutput
 from atom_kv.transfer import TransferBackend, create_backend
@@ -48,6 +49,10 @@ class ConnectorWorker(WorkerHooks):
         tp_rank: int,
         tp_size: int,
         dp_rank: int = 0,
+        dp_size: Optional[int] = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        start_layer: int = 0,
         compat: CompatInfo,
         backend: Optional[TransferBackend] = None,
         bind_host: Optional[str] = None,
@@ -59,6 +64,14 @@ class ConnectorWorker(WorkerHooks):
             raise ValueError(f"{type(self).__name__} serves kv_role {self.role!r}, the config says {config.kv_role!r}")
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} is outside tp_size {tp_size}")
+        if dp_size is None:  # only later pipeline stages' ports depend on it
+            if pp_size > 1:
+                raise ValueError("dp_size is needed with pipeline stages (pp_size > 1): it places their ports")
+            dp_size = dp_rank + 1
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside dp_size {dp_size}")
+        if not 0 <= pp_rank < pp_size:
+            raise ValueError(f"pp_rank {pp_rank} is outside pp_size {pp_size}")
         if not compat.is_mla:
             head_range(compat.num_kv_heads, tp_size, tp_rank)  # raises LayoutError when heads don't divide
         self.config = config
@@ -68,6 +81,10 @@ class ConnectorWorker(WorkerHooks):
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
+        self.start_layer = start_layer
         self.compat = compat
         self._name = f"{engine_id}/dp{dp_rank}/tp{tp_rank}"
         self._lock = threading.Lock()
@@ -100,7 +117,15 @@ class ConnectorWorker(WorkerHooks):
 
     # ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Sequence[KVCacheLayer]) -> None:
-        registered = register_kv_tensors(self.backend, describe_kv_caches(kv_caches, self.compat, self.tp_size))
+        """Register this rank's caches; a pipeline stage passes only its own layers
+        (``start_layer`` onwards), which its handshake then names."""
+        layers = None
+        if self.pp_size > 1:
+            n = len(kv_caches)
+            regions = len(describe_kv_caches(kv_caches, self.compat, self.tp_size, layers=range(n)))
+            layers = stage_layers(regions, n, self.start_layer, self.compat.num_layers, self.pp_size, self.pp_rank)
+        tensors = describe_kv_caches(kv_caches, self.compat, self.tp_size, layers=layers)
+        registered = register_kv_tensors(self.backend, tensors)
         with self._lock:
             self._kv = registered
         self._registered(registered.memory)

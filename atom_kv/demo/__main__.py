@@ -74,12 +74,12 @@ def _stream(client, model: str, prompt: str, max_tokens: int) -> tuple[str, floa
 def run(args: argparse.Namespace) -> int:
     from openai import OpenAI
 
-    print(f"starting proxy, prefill (TP={args.tp_prefill}), decode (TP={args.tp_decode}) and a colocated engine "
-          f"on 127.0.0.1 (backend {args.backend}, device {args.device}) ...", flush=True)
+    print(f"starting proxy, prefill (DP={args.dp} TP={args.tp_prefill}), decode (DP={args.dp} TP={args.tp_decode}) "
+          f"and a colocated engine on 127.0.0.1 (backend {args.backend}, device {args.device}) ...", flush=True)
     device = ["--device", args.device]
     cluster = Cluster([
-        EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=512, extra_args=device),
-        EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=512, extra_args=device),
+        EngineSpec("P", tp=args.tp_prefill, dp=args.dp, backend=args.backend, num_blocks=512, extra_args=device),
+        EngineSpec("D", tp=args.tp_decode, dp=args.dp, backend=args.backend, num_blocks=512, extra_args=device),
         EngineSpec("colocated", num_blocks=512, extra_args=device),
     ], heartbeat_timeout=5.0)
     try:
@@ -135,6 +135,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="where every engine keeps its model and KV cache (cuda also means ROCm)")
     p.add_argument("--tp-prefill", type=int, default=1, choices=[1, 2])
     p.add_argument("--tp-decode", type=int, default=1, choices=[1, 2])
+    p.add_argument("--dp", type=int, default=1, choices=[1, 2, 3, 4],
+                   help="data-parallel ranks of the prefill and of the decode engine (requests spread over them)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1))
     p.add_argument("--model", default="atom-kv-tiny")

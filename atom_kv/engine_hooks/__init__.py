@@ -51,6 +51,8 @@ def build_scheduler_hooks(
     host: str,
     tp_size: int,
     dp_rank: int = 0,
+    dp_size: int = 1,
+    pp_size: int = 1,
     block_size: int,
     announce_sends: bool = False,
 ) -> SchedulerHooks:
@@ -59,10 +61,12 @@ def build_scheduler_hooks(
     ``announce_sends``: for an engine that hands ``build_connector_meta()`` to
     its ranks only with its next batch (so a rank could learn late that a
     transfer was issued, and a decode engine's read of it would not be
-    confirmed in time): the producer tells its ranks directly as well."""
+    confirmed in time): the producer tells its ranks directly as well.
+    ``dp_size``/``pp_size``: the engine's DP ranks and prefill pipeline stages,
+    announced in the prefill's ``kv_transfer_params`` (where its ranks listen)."""
     return ConnectorScheduler(
-        config, engine_id=engine_id, host=host, tp_size=tp_size, dp_rank=dp_rank, block_size=block_size,
-        announce_sends=announce_sends,
+        config, engine_id=engine_id, host=host, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size, pp_size=pp_size,
+        block_size=block_size, announce_sends=announce_sends,
     )
 
 
@@ -74,13 +78,20 @@ def build_worker_hooks(
     tp_rank: int,
     tp_size: int,
     dp_rank: int = 0,
+    dp_size: Optional[int] = None,
+    pp_rank: int = 0,
+    pp_size: int = 1,
+    start_layer: int = 0,
     compat: CompatInfo,
     bind_host: Optional[str] = None,
 ) -> WorkerHooks:
     """The worker-side connector of one TP rank, for ``config.kv_role``
     (producers start their handshake server here, listening on ``bind_host``:
-    by default ``host``, the address other engines dial)."""
+    by default ``host``, the address other engines dial).
+
+    A prefill pipeline stage passes ``pp_rank``/``pp_size``, ``dp_size`` (its
+    port depends on it) and ``start_layer``, the model layer of its first cache."""
     return create_worker(
-        config, engine_id=engine_id, host=host, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, compat=compat,
-        bind_host=bind_host,
+        config, engine_id=engine_id, host=host, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size,
+        pp_rank=pp_rank, pp_size=pp_size, start_layer=start_layer, compat=compat, bind_host=bind_host,
     )

@@ -175,8 +175,10 @@ def create_app(settings: ProxySettings) -> Quart:
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
-        return _admin_refusal() or Response(metrics.render(state.registry.counts()), status=200,
-                                            content_type=metrics.content_type)
+        registry = state.registry
+        return _admin_refusal() or Response(
+            metrics.render(registry.counts(), [*registry.known("P"), *registry.known("D")]),
+            status=200, content_type=metrics.content_type)
 
     @app.errorhandler(404)
     async def _not_found(_: Exception) -> Response:

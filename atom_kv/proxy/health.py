@@ -14,11 +14,11 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from atom_kv.proxy.metrics import ProxyMetrics
 from atom_kv.proxy.registry import DOWN, PENDING, ROLE_NAMES, Instance, Registry
+from atom_kv.proxy.upstream import UpstreamConnectionError, UpstreamError, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,7 @@ MAX_CONCURRENT_PROBES = 32
 
 def is_connection_failure(exc: BaseException) -> bool:
     """Refused, reset or dropped before an answer: the engine process (or its host) is not there."""
-    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                            aiohttp.ClientOSError, aiohttp.ClientPayloadError, ConnectionError))
+    return isinstance(exc, ConnectionError)
 
 
 class UpstreamHealth:
@@ -70,7 +69,8 @@ class HealthMonitor:
     """Owns the periodic task: evicts silent instances and probes static, new and down ones.
 
     A probe is ``GET /health``: connection refused/reset or a 5xx marks the
-    instance down; any other answer (a 404 too: the server is there) marks it
+    instance down, except one never reached yet, which is still *starting*
+    (it may register before its server listens: no "down" for that); any other answer (a 404 too: the server is there) marks it
     up, and fills in what the engine reports (``engine_id``, ``tp_size``,
     ``role``); ``GET /v1/models`` is asked once for ``max_model_len``.
     A probe that times out changes nothing (a static engine then goes silent
@@ -83,8 +83,9 @@ class HealthMonitor:
         self.health = health
         self.interval_s = interval_s
         self.tick_s = tick_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=min(connect_timeout, timeout_s))
-        self._session: aiohttp.ClientSession | None = None
+        self._timeout_s = timeout_s
+        self._connect_timeout = min(connect_timeout, timeout_s)
+        self._pool: UpstreamPool | None = None
         self._task: asyncio.Task | None = None
         self._probing: dict[tuple[str, str], asyncio.Task] = {}
         self._next_probe: dict[tuple[str, str], float] = {}
@@ -92,10 +93,9 @@ class HealthMonitor:
 
     async def start(self) -> None:
         if self._task is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=MAX_CONCURRENT_PROBES, keepalive_timeout=4.0),
-                cookie_jar=aiohttp.DummyCookieJar(), timeout=self._timeout,
-            )
+            # idle connections close after 4 s, below uvicorn's 5 s keep-alive (vLLM's server)
+            self._pool = UpstreamPool(connect_timeout=self._connect_timeout, keepalive_s=4.0,
+                                      limit=MAX_CONCURRENT_PROBES)
             self._task = asyncio.create_task(self._run(), name="atom-kv-proxy-health")
 
     async def close(self) -> None:
@@ -105,9 +105,9 @@ class HealthMonitor:
             t.cancel()
         await asyncio.gather(*([task] if task else []), *probes, return_exceptions=True)
         self._probing.clear()
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
 
     async def _run(self) -> None:
         registry = self.registry
@@ -153,19 +153,18 @@ class HealthMonitor:
 
     async def probe(self, inst: Instance) -> None:
         """Probe ``inst`` once and apply the outcome."""
-        assert self._session is not None
+        assert self._pool is not None
         try:
-            async with self._session.get(inst.url("/health")) as resp:
-                status = resp.status
-                raw = await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-            if is_connection_failure(exc):
-                self.health.mark_down(inst, f"health probe: {exc or type(exc).__name__}")
-            else:
-                logger.debug("health probe of %s timed out", inst.base_url)
+            status, _, raw = await self._pool.fetch(inst.host, inst.http_port, b"GET", b"/health",
+                                                    total_timeout=self._timeout_s)
+        except UpstreamConnectionError as exc:
+            self._not_serving(inst, f"health probe: {exc or type(exc).__name__}")
+            return
+        except UpstreamError:  # timed out (connecting or answering): changes nothing
+            logger.debug("health probe of %s timed out", inst.base_url)
             return
         if status >= 500:
-            self.health.mark_down(inst, f"health probe answered {status}")
+            self._not_serving(inst, f"health probe answered {status}")
             return
         info = self._decode(raw) if status == 200 else None
         if info is not None and not self._apply(inst, info):
@@ -173,6 +172,13 @@ class HealthMonitor:
         if inst.max_model_len is None:
             await self._learn_model(inst)  # before it is routable: the first request is checked too
         self.registry.mark_up(inst)
+
+    def _not_serving(self, inst: Instance, reason: str) -> None:
+        """A probe that found no serving engine: down, unless no probe ever reached it (then still starting)."""
+        if inst.state == PENDING:
+            self.registry.still_starting(inst, reason)
+        else:
+            self.health.mark_down(inst, reason)
 
     @staticmethod
     def _decode(raw: bytes) -> dict[str, Any] | None:
@@ -203,14 +209,15 @@ class HealthMonitor:
         return True
 
     async def _learn_model(self, inst: Instance) -> None:
-        assert self._session is not None
+        assert self._pool is not None
         try:
-            async with self._session.get(inst.url("/v1/models")) as resp:
-                if resp.status != 200:
-                    return
-                info = self._decode(await resp.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            status, _, raw = await self._pool.fetch(inst.host, inst.http_port, b"GET", b"/v1/models",
+                                                    total_timeout=self._timeout_s)
+        except UpstreamError:
             return
+        if status != 200:
+            return
+        info = self._decode(raw)
         data = info.get("data") if info else None
         if not isinstance(data, list) or not data or not isinstance(data[0], dict):
             return

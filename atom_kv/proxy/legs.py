@@ -16,10 +16,26 @@ from typing import Any
 
 from atom_kv.proxy.registry import Instance
 
+#: the body field ATOM's routers inject to name the DP rank (``_get_data_parallel_rank``)
+DP_RANK_FIELD = "data_parallel_rank"
 
-def prefill_request(body: dict[str, Any], decode: Instance, decode_rank: int, transfer_id: str) -> dict[str, Any]:
-    """The prefill leg: one token, no streaming, and where the KV will be read from."""
+
+def _set_dp_rank(req: dict[str, Any], target: Instance, rank: int) -> None:
+    """Name the DP rank the proxy picked in the body, for engines that read the field;
+    never leave a client's own value for an engine that would not expect it."""
+    if target.takes_dp_rank_field:
+        req[DP_RANK_FIELD] = rank
+    else:
+        req.pop(DP_RANK_FIELD, None)
+
+
+def prefill_request(body: dict[str, Any], decode: Instance, decode_rank: int, transfer_id: str,
+                    prefill: Instance | None = None, prefill_rank: int = 0) -> dict[str, Any]:
+    """The prefill leg: one token, no streaming, and where the KV will be read from
+    (with ``prefill``, the DP rank it runs on, for engines that take the body field)."""
     req = dict(body)
+    if prefill is not None:
+        _set_dp_rank(req, prefill, prefill_rank)
     req["stream"] = False
     req.pop("stream_options", None)
     req["max_tokens"] = 1
@@ -50,11 +66,15 @@ def prefill_request(body: dict[str, Any], decode: Instance, decode_rank: int, tr
 
 def decode_request(
     body: dict[str, Any], prefill_kv: dict[str, Any], prefill: Instance, prefill_rank: int, transfer_id: str,
+    decode: Instance | None = None, decode_rank: int = 0,
 ) -> dict[str, Any]:
-    """The decode leg: the original request plus every key the prefill returned.
+    """The decode leg: the original request plus every key the prefill returned
+    (with ``decode``, the DP rank it runs on, for engines that take the body field).
 
     ``transfer_id`` is the one the prefill used (its answer's, else ours)."""
     req = dict(body)
+    if decode is not None:
+        _set_dp_rank(req, decode, decode_rank)
     kv: dict[str, Any] = dict(prefill_kv)  # never the client's
     kv["do_remote_prefill"] = True
     kv["do_remote_decode"] = False

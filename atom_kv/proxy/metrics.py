@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -77,6 +77,19 @@ class ProxyMetrics:
         self.circuit_opened = Counter(
             "atom_kv_proxy_circuit_opened", "Times an instance's circuit breaker opened", ["role"], registry=r
         )
+        self.dp_routed = Counter(
+            "atom_kv_proxy_dp_rank_requests", "Legs routed to each (instance, DP rank), by role",
+            ["role", "instance", "dp_rank"], registry=r,
+        )
+        self.dp_outstanding_tokens = Gauge(
+            "atom_kv_proxy_dp_rank_outstanding_tokens",
+            "Estimated prompt tokens of the legs in flight on each (instance, DP rank)",
+            ["role", "instance", "dp_rank"], registry=r,
+        )
+        self.dp_outstanding_requests = Gauge(
+            "atom_kv_proxy_dp_rank_outstanding_requests", "Legs in flight on each (instance, DP rank)",
+            ["role", "instance", "dp_rank"], registry=r,
+        )
         self.client_disconnects = Counter(
             "atom_kv_proxy_client_disconnects", "Requests cancelled because the client went away", registry=r
         )
@@ -99,9 +112,23 @@ class ProxyMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def render(self, counts: dict[str, int]) -> bytes:
+    def routed(self, role: str, instance: str, dp_rank: int) -> None:
+        """One leg went to ``dp_rank`` of ``instance``."""
+        self.child(self.dp_routed, "prefill" if role == "P" else "decode", instance, str(dp_rank)).inc()
+
+    def render(self, counts: dict[str, int], instances: Iterable[Any] = ()) -> bytes:
+        """The exposition text; ``instances`` (registry :class:`Instance` objects) give the
+        per-(instance, DP rank) load gauges, rebuilt on every scrape so gone instances vanish."""
         for role, n in counts.items():
             self.instances.labels(role).set(n)
+        self.dp_outstanding_tokens.clear()
+        self.dp_outstanding_requests.clear()
+        for inst in instances:
+            role = "prefill" if inst.role == "P" else "decode"
+            for rank, (tokens, reqs) in enumerate(zip(inst.outstanding_tokens, inst.outstanding_requests,
+                                                      strict=False)):
+                self.dp_outstanding_tokens.labels(role, inst.base_url, str(rank)).set(tokens)
+                self.dp_outstanding_requests.labels(role, inst.base_url, str(rank)).set(reqs)
         return generate_latest(self.registry)
 
 

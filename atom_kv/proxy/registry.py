@@ -5,9 +5,11 @@ monitor and the relay all live there), so there are no locks.
 
 An instance is routable when it is *live* (heard from, by ping or probe,
 within ``heartbeat_timeout``) and *up* (its last probe or request did not
-fail at the connection level). New discovered instances start *pending*
-until a probe reaches them; an instance whose connection is refused or reset
-goes *down* at once and comes back on the next successful probe.
+fail at the connection level). New instances start *pending* (starting)
+until a probe reaches them, whatever the probes before found: an engine may
+register before its server listens, and that is not "down". An instance that
+was up and whose connection is refused or reset goes *down* at once and comes
+back on the next successful probe.
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ class Instance:
     tokenize: bool | None = None  # None: not asked yet; False: the engine has no /tokenize
     inflight: int = 0
     outstanding_tokens: list[int] = field(default_factory=list)
+    outstanding_requests: list[int] = field(default_factory=list)  # per DP rank
+    dp_rank_field: bool = False  # static only: the engine takes the `data_parallel_rank` body field
     dp_counter: int = 0
     pinned: frozenset[str] = frozenset()  # fields given by flag: never overwritten by what the engine reports
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
@@ -148,6 +152,13 @@ class Instance:
     def key(self) -> tuple[str, str]:
         return (self.role, self.base_url)
 
+    @property
+    def takes_dp_rank_field(self) -> bool:
+        """Whether the legs may carry the ``data_parallel_rank`` body field: ATOM-format
+        engines (ATOM, atom-kv's reference engine) read it; vLLM's MoRIIO engines get
+        only the header; a static engine says so in its spec (``dp_rank_field=1``)."""
+        return self.source == "atom" or self.dp_rank_field
+
     def next_dp_rank(self) -> int:
         """Cycle through every DP rank of this instance (no aliasing across instances)."""
         rank = self.dp_counter % self.dp_size
@@ -158,16 +169,21 @@ class Instance:
         if dp_size != self.dp_size:
             self.dp_size = dp_size
             self.outstanding_tokens = (self.outstanding_tokens + [0] * dp_size)[:dp_size]
+            self.outstanding_requests = (self.outstanding_requests + [0] * dp_size)[:dp_size]
 
     def charge(self, dp_rank: int, tokens: int) -> None:
         self.inflight += 1
         if dp_rank < len(self.outstanding_tokens):  # dp_size may change on re-registration
             self.outstanding_tokens[dp_rank] += tokens
+        if dp_rank < len(self.outstanding_requests):
+            self.outstanding_requests[dp_rank] += 1
 
     def credit(self, dp_rank: int, tokens: int) -> None:
         self.inflight = max(0, self.inflight - 1)
         if dp_rank < len(self.outstanding_tokens):
             self.outstanding_tokens[dp_rank] = max(0, self.outstanding_tokens[dp_rank] - tokens)
+        if dp_rank < len(self.outstanding_requests):
+            self.outstanding_requests[dp_rank] = max(0, self.outstanding_requests[dp_rank] - 1)
 
     def describe(self, now: float) -> dict:
         return {
@@ -191,6 +207,8 @@ class Instance:
             "last_seen_age_s": round(now - self.last_seen, 3) if self.last_seen else None,
             "inflight": self.inflight,
             "outstanding_tokens": list(self.outstanding_tokens),
+            "outstanding_requests": list(self.outstanding_requests),
+            "dp_rank_field": self.takes_dp_rank_field,
             "circuit": self.breaker.state(now),
         }
 
@@ -262,7 +280,7 @@ class Registry:
         return Instance(
             role=role, base_url=base_url, host=host, http_port=http_port, handshake_port=handshake_port,
             dp_size=dp_size, tp_size=tp_size, breaker=CircuitBreaker(self._circuit_failures, self._circuit_cooldown_s),
-            outstanding_tokens=[0] * dp_size,
+            outstanding_tokens=[0] * dp_size, outstanding_requests=[0] * dp_size,
         )
 
     def _make_room(self, now: float) -> None:
@@ -325,6 +343,7 @@ class Registry:
         inst.source = "static"
         inst.engine_id = engine.engine_id
         inst.notify_port = engine.notify_port
+        inst.dp_rank_field = engine.dp_rank_field
         inst.pinned = frozenset(k for k, v in (("tp_size", engine.tp_size), ("engine_id", engine.engine_id)) if v)
         self._instances[inst.key] = inst
         self._changed()
@@ -342,6 +361,13 @@ class Registry:
         self.wakeup.set()
         self._warn.event("down", f"{ROLE_NAMES[inst.role]} instance {inst.base_url} is down: {reason}")
         return True
+
+    def still_starting(self, inst: Instance, reason: str) -> None:
+        """A probe did not reach ``inst``, which has never been up: it stays pending (not routed), said once."""
+        if not inst.down_reason:
+            self._info.event("starting", f"{ROLE_NAMES[inst.role]} instance {inst.base_url} is starting ({reason}); "
+                                         "routed once a health probe reaches it")
+        inst.down_reason = reason
 
     def mark_up(self, inst: Instance, now: float | None = None) -> None:
         """A probe reached ``inst``: routable again (static instances also count it as a heartbeat)."""

@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import aiohttp
 import msgspec
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
@@ -34,6 +33,7 @@ from atom_kv.proxy.first_token import FirstTokenStream, first_token_events, forw
 from atom_kv.proxy.health import UpstreamHealth
 from atom_kv.proxy.legs import decode_request, prefill_request, wants_stream_usage
 from atom_kv.proxy.metrics import ProxyMetrics
+from atom_kv.proxy.pick import Pick
 from atom_kv.proxy.policies import (
     Policy, RouteContext, estimate_prompt_tokens, prompt_text, token_id_prompt_lengths,
 )
@@ -66,21 +66,6 @@ class _Retryable(Exception):
         self.inst = inst
         self.kind = kind  # "unreachable", "rejected", "bad_response" or "kv_transfer"
         self.status = status  # the upstream's status, for "rejected"
-
-
-@dataclass
-class Pick:
-    """One leg's routing decision and what was charged for it."""
-
-    inst: Instance
-    rank: int
-    tokens: int
-    credited: bool = False
-
-    def credit(self) -> None:
-        if not self.credited:
-            self.credited = True
-            self.inst.credit(self.rank, self.tokens)
 
 
 @dataclass
@@ -121,9 +106,9 @@ def _abandon_reason(stage: str, exc: BaseException) -> str:
 class Relay:
     """Owns the upstream connections and runs requests through P then D.
 
-    The two legs go through :class:`~atom_kv.proxy.upstream.UpstreamPool` (a lean
-    pooled HTTP/1.1 client); ``/v1/models`` and ``/tokenize`` through an aiohttp
-    session."""
+    Everything it sends upstream (the two legs, ``/v1/models``, ``/tokenize``)
+    goes through one :class:`~atom_kv.proxy.upstream.UpstreamPool` (a lean
+    pooled HTTP/1.1 client)."""
 
     def __init__(self, settings: ProxySettings, registry: Registry, policies: dict[str, Policy],
                  health: UpstreamHealth, metrics: ProxyMetrics) -> None:
@@ -132,7 +117,6 @@ class Relay:
         self.policies = policies
         self.health = health
         self.metrics = metrics
-        self._session: aiohttp.ClientSession | None = None
         self._pool: UpstreamPool | None = None
         self.releaser = (Releaser(metrics, token=settings.registration_token,
                                   log_interval_s=settings.log_summary_interval_s)
@@ -140,9 +124,6 @@ class Relay:
         self._models_rr = 0
         self._request_keys = itertools.count(1)
         self._uses_text = any(p.uses_text for p in policies.values())
-        self._models_timeout = aiohttp.ClientTimeout(total=settings.models_timeout, connect=settings.connect_timeout)
-        self._tokenize_timeout = aiohttp.ClientTimeout(total=settings.tokenize_timeout,
-                                                       connect=settings.connect_timeout)
 
     async def start(self) -> None:
         if self._pool is None:
@@ -150,34 +131,13 @@ class Relay:
             # never reuse a connection the engine is closing
             self._pool = UpstreamPool(connect_timeout=self.settings.connect_timeout, keepalive_s=4.0,
                                       limit=self.settings.max_upstream_connections)
-        if self._session is None:
-            connector = aiohttp.TCPConnector(
-                # below uvicorn's 5 s keep-alive (vLLM's server): never reuse a connection the engine is closing
-                limit=self.settings.max_upstream_connections, limit_per_host=0, keepalive_timeout=4.0,
-            )
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(total=None, connect=self.settings.connect_timeout),
-                cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's upstream cookies to another
-                # bytes pass through untouched: no compression negotiated, none undone
-                auto_decompress=False, skip_auto_headers=("Accept-Encoding", "User-Agent"),
-            )
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
         if self.releaser is not None:
             await self.releaser.close()  # releases queued by requests cancelled at shutdown still go out
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise ProxyError(503, "proxy is not started")
-        return self._session
 
     @property
     def pool(self) -> UpstreamPool:
@@ -195,6 +155,7 @@ class Relay:
         inst, rank = self.policies[role].choose(fresh or healthy, ctx)
         inst.breaker.on_dispatch(now)
         inst.charge(rank, tokens)
+        self.metrics.routed(role, inst.base_url, rank)
         return Pick(inst, rank, tokens)
 
     def _no_instance(self, role: Role) -> ProxyError:
@@ -365,15 +326,14 @@ class Relay:
             if inst.tokenize is False:
                 continue
             try:
-                async with self.session.post(inst.url("/tokenize"), data=data, timeout=self._tokenize_timeout,
-                                             headers=self._headers(req.request_id, 0, req.auth)) as resp:
-                    if resp.status in (404, 405):
-                        inst.tokenize = False
-                        continue
-                    raw = await resp.read()
-                    status = resp.status
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                status, _, raw = await self.pool.fetch(inst.host, inst.http_port, b"POST", b"/tokenize", body=data,
+                                                       headers=self._headers(req.request_id, 0, req.auth),
+                                                       total_timeout=self.settings.tokenize_timeout)
+            except UpstreamError as exc:
                 logger.debug("[%s] /tokenize on %s failed: %s", req.request_id, inst.base_url, exc)
+                continue
+            if status in (404, 405):
+                inst.tokenize = False
                 continue
             if status != 200:
                 continue
@@ -416,7 +376,7 @@ class Relay:
 
     async def _prefill(self, req: _Request, p: Pick, d: Pick,
                        transfer_id: str) -> tuple[dict[str, Any], int | None, dict[str, Any]]:
-        payload = _json_encoder.encode(prefill_request(req.body, d.inst, d.rank, transfer_id))
+        payload = _json_encoder.encode(prefill_request(req.body, d.inst, d.rank, transfer_id, p.inst, p.rank))
         started = time.perf_counter()
         req.spans.prefill_sent()
         try:
@@ -498,7 +458,7 @@ class Relay:
 
     async def _open_decode(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
                            transfer_id: str, first_token_sent: bool = False) -> UpstreamResponse:
-        body = decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id)
+        body = decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id, d.inst, d.rank)
         if first_token_sent:
             body["kv_transfer_params"]["first_token_sent"] = True
         elif not self.settings.first_token_forwarding:
@@ -572,17 +532,18 @@ class Relay:
             raise self._no_instance("D")
         inst = live[self._models_rr % len(live)]
         self._models_rr += 1
-        headers = {"X-Request-Id": request_id}
+        headers = {"x-request-id": request_id}
         if auth:
-            headers["Authorization"] = auth
+            headers["authorization"] = auth
         try:
-            async with self.session.get(inst.url("/v1/models"), headers=headers, timeout=self._models_timeout) as resp:
-                data = await resp.read()
-                return RelayResult(resp.status, resp.headers.get("Content-Type", "application/json"), body=data)
-        except aiohttp.ConnectionTimeoutError:
+            status, answer_headers, data = await self.pool.fetch(inst.host, inst.http_port, b"GET", b"/v1/models",
+                                                                 headers=headers,
+                                                                 total_timeout=self.settings.models_timeout)
+        except UpstreamConnectTimeout:
             raise ProxyError(502, f"decode instance {inst.base_url} unreachable: connect timed out") from None
-        except (asyncio.TimeoutError, TimeoutError):
+        except UpstreamTimeout:
             raise ProxyError(504, f"decode instance {inst.base_url} timed out") from None
-        except (aiohttp.ClientError, ConnectionError) as exc:
+        except UpstreamError as exc:
             self.health.failed(inst, "connection", exc)
             raise ProxyError(502, f"decode instance {inst.base_url} unreachable: {exc}") from None
+        return RelayResult(status, answer_headers.get("content-type", "application/json"), body=data)

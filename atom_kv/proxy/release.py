@@ -50,9 +50,13 @@ class ProducerAddress:
     port: int
     tp_size: int
     dp_rank: int
+    pp_size: int = 1
+    dp_size: int = 1
 
     def targets(self) -> list[tuple[str, int]]:
-        return [(self.host, handshake_port(self.port, self.dp_rank, self.tp_size, r)) for r in range(self.tp_size)]
+        """Every TP rank of every pipeline stage of the DP rank (ATOM's port layout)."""
+        return [(self.host, handshake_port(self.port, self.dp_rank, self.tp_size, r, pp_rank=s, dp_size=self.dp_size))
+                for s in range(self.pp_size) for r in range(self.tp_size)]
 
     @classmethod
     def of(cls, prefill_kv: Optional[dict[str, Any]], inst: Instance, dp_rank: int) -> Optional["ProducerAddress"]:
@@ -64,9 +68,12 @@ class ProducerAddress:
         tp = _get(kv, ("remote_tp_size", "tp_size"), PositiveInt) or inst.tp_size
         dp = _get(kv, ("remote_dp_rank", "dp_rank"), NonNegativeInt)
         dp = dp_rank if dp is None else dp
-        if not host or not port or not 1 <= tp <= MAX_RANKS or handshake_port(port, dp, tp, tp - 1) > 65535:
+        pp = _get(kv, ("remote_pp_size",), PositiveInt) or 1
+        dp_size = max(_get(kv, ("remote_dp_size",), PositiveInt) or inst.dp_size, dp + 1)
+        if not host or not port or not 1 <= tp * pp <= MAX_RANKS or \
+                handshake_port(port, dp, tp, tp - 1, pp_rank=pp - 1, dp_size=dp_size) > 65535:
             return None
-        return cls(host, port, tp, dp)
+        return cls(host, port, tp, dp, pp, dp_size)
 
 
 def _get(kv: dict[str, Any], keys: tuple[str, ...], type_: Any) -> Any:

@@ -2,7 +2,9 @@
 
 An engine spec is ``URL[,HANDSHAKE_PORT][,key=value...]`` with keys ``tp``,
 ``dp``, ``engine_id`` and ``notify_port``: what a registration ping would
-carry. Whatever is not given is learnt from the engine (``/health`` reports
+carry; and ``dp_rank_field`` (``1``: the engine reads the ``data_parallel_rank``
+body field, as ATOM and atom-kv's reference engine do; ``0``, the default:
+it gets the rank only in the ``X-data-parallel-rank`` header). Whatever is not given is learnt from the engine (``/health`` reports
 ``engine_id`` and ``tp_size`` on atom-kv's reference engine, ``/v1/models``
 reports ``max_model_len``) or left unset.
 """
@@ -16,7 +18,7 @@ from atom_kv.config import is_port
 
 __all__ = ["StaticEngine", "parse_engine_spec"]
 
-_KEYS = ("tp", "dp", "engine_id", "notify_port")
+_KEYS = ("tp", "dp", "engine_id", "notify_port", "dp_rank_field")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,13 @@ class StaticEngine:
     dp_size: int = 1
     engine_id: str | None = None
     notify_port: int | None = None
+    dp_rank_field: bool = False
+
+
+def _flag(text: str, what: str, spec: str) -> bool:
+    if text not in ("0", "1"):
+        raise ValueError(f"{spec!r}: {what} must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def _port(text: str, what: str, spec: str) -> int:
@@ -91,4 +100,5 @@ def parse_engine_spec(role: str, spec: str) -> StaticEngine:
         dp_size=_positive(fields["dp"], "dp", spec) if "dp" in fields else 1,
         engine_id=fields.get("engine_id") or None,
         notify_port=_port(fields["notify_port"], "notify_port", spec) if "notify_port" in fields else None,
+        dp_rank_field=_flag(fields["dp_rank_field"], "dp_rank_field", spec) if "dp_rank_field" in fields else False,
     )

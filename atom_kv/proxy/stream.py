@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 from atom_kv.openai_errors import sse_error_event
 from atom_kv.proxy.health import UpstreamHealth
+from atom_kv.proxy.pick import Pick
 from atom_kv.proxy.sse import DONE_EVENT, EventFramer
 from atom_kv.proxy.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
-
-if TYPE_CHECKING:
-    from atom_kv.proxy.relay import Pick
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +61,7 @@ class DecodeStream:
     request; it is idempotent and safe at any point.
     """
 
-    def __init__(self, resp: UpstreamResponse, request_id: str, d: "Pick", health: UpstreamHealth,
+    def __init__(self, resp: UpstreamResponse, request_id: str, d: Pick, health: UpstreamHealth,
                  framer: EventFramer, split_max: int = 4, on_release: Callable[[], None] | None = None) -> None:
         self._resp = resp
         self._on_release = on_release

@@ -30,8 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-file", default=None,
                    help="write the bound HTTP port to this file (atomically) once requests can be served")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (must divide the 2 KV heads)")
+    p.add_argument("--data-parallel-size", "--dp", dest="dp", type=int, default=1,
+                   help="data-parallel ranks behind this address, each with its own scheduler, KV cache and "
+                        "TP ranks; a request names its rank with the `data_parallel_rank` body field or the "
+                        "X-data-parallel-rank header, else the least-loaded rank takes it")
     p.add_argument("--kv-transfer-config", default=None, help="JSON; see docs/configuration.md")
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks per rank")
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks per DP rank")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-model-len", type=int, default=10240, help="prompt + generated tokens per request")
@@ -119,10 +123,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not is_port(args.port):
         print(f"error: --port must be in 0..65535 (0: the OS picks one), got {args.port}", file=sys.stderr)
         return 2
-    for flag in ("tp", "num_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
+    for flag in ("tp", "dp", "num_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens",
                  "num_layers", "threads"):
         if getattr(args, flag) < 1:
-            print(f"error: --{flag.replace('_', '-')} must be >= 1", file=sys.stderr)
+            name = "data-parallel-size" if flag == "dp" else flag.replace("_", "-")
+            print(f"error: --{name} must be >= 1", file=sys.stderr)
             return 2
     if args.device == "cuda":
         from atom_kv.transfer.memory import gpu_unavailable_reason
@@ -133,18 +138,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     if 2 % args.tp:
         print(f"error: --tp {args.tp} must divide the model's 2 KV heads (use 1 or 2)", file=sys.stderr)
         return 2
+    if kv_config is not None and kv_config.handshake_port + args.dp * args.tp - 1 > 65535:
+        print(f"error: kv-transfer-config: `handshake_port` {kv_config.handshake_port} leaves no room for "
+              f"{args.dp * args.tp} side-channel ports (one per DP x TP rank) below 65536", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from atom_kv.reference.engine import EngineArgs, EngineCore
+    from atom_kv.reference.dp import DataParallelEngine
+    from atom_kv.reference.engine import EngineArgs
     from atom_kv.reference.server import OutputRouter
 
     router = OutputRouter()
-    engine = EngineCore(
+    engine = DataParallelEngine(
         EngineArgs(model_id=args.model_id, seed=args.seed, num_layers=args.num_layers, tp=args.tp,
                    num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                    host=args.host, threads=args.threads, device=args.device, startup_timeout_s=args.startup_timeout,
                    step_timeout_s=args.step_timeout),
-        kv_config, router.deliver,
+        kv_config, router.deliver, dp_size=args.dp,
     )
 
     def make_pinger(http_port: int) -> Any:
@@ -155,7 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return engine_hooks.build_registration_pinger(
             kv_config, role="P" if kv_config.is_producer else "D",
             index=args.instance_index or str(http_port), http_host=args.host, http_port=http_port,
-            tp_size=args.tp, dp_size=1, engine_id=engine.engine_id, model=args.model_id,
+            tp_size=args.tp, dp_size=args.dp, engine_id=engine.engine_id, model=args.model_id,
         )
 
     try:

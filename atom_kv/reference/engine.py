@@ -63,10 +63,20 @@ class EngineCore:
         kv_config: Optional[KVTransferConfig],
         on_output: Callable[[RequestOutput], None],
         on_fatal: Optional[Callable[[str], None]] = None,
+        *,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        engine_id: Optional[str] = None,
     ) -> None:
+        """``dp_rank``/``dp_size``: this core's data-parallel rank among the
+        cores behind one address (its ranks listen on that rank's side-channel
+        ports); ``engine_id`` overrides the configured or random name."""
         self.args = args
         self.kv_config = kv_config
-        self.engine_id = (kv_config.engine_id if kv_config and kv_config.engine_id else None) or uuid.uuid4().hex[:16]
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.engine_id = engine_id or (
+            kv_config.engine_id if kv_config and kv_config.engine_id else None) or uuid.uuid4().hex[:16]
         self._on_output = on_output
         self.on_fatal = on_fatal
         self._commands: "queue.Queue[tuple[str, Any]]" = queue.Queue()
@@ -105,7 +115,8 @@ class EngineCore:
         specs = [
             RankSpec(model=a.model_config(), model_id=a.model_id, num_blocks=a.num_blocks,
                      block_size=a.block_size, tp_rank=r, tp_size=a.tp, engine_id=self.engine_id,
-                     host=a.host, kv_config_json=cfg_json, device=a.device)
+                     host=a.host, kv_config_json=cfg_json, device=a.device, dp_rank=self.dp_rank,
+                     dp_size=self.dp_size)
             for r in range(a.tp)
         ]
         self._executor = create_executor(specs, threads=a.threads, startup_timeout_s=a.startup_timeout_s,
@@ -114,14 +125,15 @@ class EngineCore:
             from atom_kv import engine_hooks
 
             self._hooks = engine_hooks.build_scheduler_hooks(
-                self.kv_config, engine_id=self.engine_id, host=a.host, tp_size=a.tp, dp_rank=0,
-                block_size=a.block_size,
+                self.kv_config, engine_id=self.engine_id, host=a.host, tp_size=a.tp, dp_rank=self.dp_rank,
+                dp_size=self.dp_size, block_size=a.block_size,
             )
             self._aggregator = engine_hooks.KVOutputAggregator(a.tp)
             self.scheduler.hooks = self._hooks
-        self._thread = threading.Thread(target=self._loop, name="atom-kv-engine-core", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"atom-kv-engine-core-dp{self.dp_rank}", daemon=True)
         self._thread.start()
-        log.info("engine %s (%s, tp=%d, device %s) started", self.engine_id, self.role, a.tp, a.device)
+        log.info("engine %s (%s, dp rank %d/%d, tp=%d, device %s) started", self.engine_id, self.role, self.dp_rank,
+                 self.dp_size, a.tp, a.device)
 
     def close(self) -> None:
         """Stop the loop, the hooks and the workers. Idempotent."""

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one engine, on its own ``CollectorRegistry``."""
+"""Prometheus metrics of one engine (all its DP ranks), on its own ``CollectorRegistry``."""
 
 from __future__ import annotations
 
@@ -9,33 +9,40 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from atom_kv.reference.engine import EngineCore
+    from atom_kv.reference.dp import DataParallelEngine
 
 __all__ = ["EngineMetrics"]
 
 
 class _EngineCollector:
-    """Reads the engine's snapshot, counters and per-rank transfer stats at scrape time."""
+    """Reads each DP rank's snapshot, counters and per-TP-rank transfer stats at scrape time
+    (every series carries a ``dp_rank`` label)."""
 
-    def __init__(self, engine: "EngineCore") -> None:
+    def __init__(self, engine: "DataParallelEngine") -> None:
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
         e = self._engine
-        snap = e.snapshot()
+        snaps = e.snapshots()
         gauges = {
-            "atom_kv_kv_blocks_total": ("KV cache blocks in the engine", snap["kv_total"]),
-            "atom_kv_kv_blocks_free": ("KV cache blocks free", snap["kv_free"]),
+            "atom_kv_kv_blocks_total": ("KV cache blocks of the DP rank", lambda s: s["kv_total"]),
+            "atom_kv_kv_blocks_free": ("KV cache blocks free", lambda s: s["kv_free"]),
             "atom_kv_kv_blocks_used": ("KV cache blocks allocated (including held)",
-                                       snap["kv_total"] - snap["kv_free"]),
-            "atom_kv_kv_blocks_held": ("KV blocks held for remote readers", snap["kv_held"]),
-            "atom_kv_requests_running": ("requests running", snap["running"]),
-            "atom_kv_requests_waiting": ("requests waiting for blocks or a slot", snap["waiting"]),
-            "atom_kv_requests_waiting_remote_kv": ("requests waiting for remote KV", snap["waiting_remote"]),
+                                       lambda s: s["kv_total"] - s["kv_free"]),
+            "atom_kv_kv_blocks_held": ("KV blocks held for remote readers", lambda s: s["kv_held"]),
+            "atom_kv_requests_running": ("requests running", lambda s: s["running"]),
+            "atom_kv_requests_waiting": ("requests waiting for blocks or a slot", lambda s: s["waiting"]),
+            "atom_kv_requests_waiting_remote_kv": ("requests waiting for remote KV", lambda s: s["waiting_remote"]),
+            "atom_kv_load_requests": ("requests given to the DP rank and not yet answered",
+                                      lambda s: s["load_requests"]),
+            "atom_kv_load_prompt_tokens": ("prompt tokens of the requests given to the DP rank and not yet answered",
+                                           lambda s: s["load_prompt_tokens"]),
         }
         for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=float(value))
-        counters = dict(e.counters)
+            fam = GaugeMetricFamily(name, doc, labels=["dp_rank"])
+            for rank, snap in enumerate(snaps):
+                fam.add_metric([str(rank)], float(value(snap)))
+            yield fam
         for key, doc in (
             ("prompt_tokens", "prompt tokens computed"),
             ("generation_tokens", "tokens generated"),
@@ -44,24 +51,28 @@ class _EngineCollector:
             ("requests_aborted", "requests aborted"),
             ("steps", "engine steps"),
         ):
-            yield CounterMetricFamily(f"atom_kv_{key}", doc, value=float(counters.get(key, 0)))
+            fam = CounterMetricFamily(f"atom_kv_{key}", doc, labels=["dp_rank"])
+            for rank, core in enumerate(e.cores):
+                fam.add_metric([str(rank)], float(dict(core.counters).get(key, 0)))
+            yield fam
         per_key: dict[str, GaugeMetricFamily] = {}
-        for rank, stats in enumerate(list(e.worker_stats)):
-            for key, value in stats.items():
-                name = "atom_kv_transfer_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
-                fam = per_key.get(name)
-                if fam is None:
-                    fam = per_key[name] = GaugeMetricFamily(
-                        name, f"connector transfer stat `{key}` (cumulative, per TP rank)", labels=["rank"]
-                    )
-                fam.add_metric([str(rank)], float(value))
+        for dp_rank, core in enumerate(e.cores):
+            for rank, stats in enumerate(list(core.worker_stats)):
+                for key, value in stats.items():
+                    name = "atom_kv_transfer_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+                    fam = per_key.get(name)
+                    if fam is None:
+                        fam = per_key[name] = GaugeMetricFamily(
+                            name, f"connector transfer stat `{key}` (cumulative, per TP rank)",
+                            labels=["dp_rank", "rank"])
+                    fam.add_metric([str(dp_rank), str(rank)], float(value))
         yield from per_key.values()
 
 
 class EngineMetrics:
     """Owns the engine's registry; ``render()`` gives the exposition text."""
 
-    def __init__(self, engine: "EngineCore") -> None:
+    def __init__(self, engine: "DataParallelEngine") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_EngineCollector(engine))
 

@@ -34,6 +34,7 @@ class RankSpec:
     host: str
     kv_config_json: Optional[str] = None
     dp_rank: int = 0
+    dp_size: int = 1
     device: str = "cpu"  # "cpu" or "cuda" (also ROCm builds of torch): the model and its KV cache
 
 

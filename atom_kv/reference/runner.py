@@ -85,6 +85,7 @@ class ModelRunner:
                 tp_rank=spec.tp_rank,
                 tp_size=spec.tp_size,
                 dp_rank=spec.dp_rank,
+                dp_size=spec.dp_size,
                 compat=compat,
             )
             self.hooks.register_kv_caches(self.cache.layers)

@@ -18,11 +18,9 @@ from typing import Any, Optional
 from aiohttp import web
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER, error_body
-from atom_kv.reference.engine import EngineCore
+from atom_kv.reference.dp import DataParallelEngine
 from atom_kv.reference.first_token import FEATURE as FIRST_TOKEN
 from atom_kv.reference.first_token import first_token_sent
-from atom_kv.server_timing import HEADER as SERVER_TIMING
-from atom_kv.server_timing import format_server_timing
 from atom_kv.reference.metrics import EngineMetrics
 from atom_kv.reference.openai_protocol import (
     GenerateParams,
@@ -35,6 +33,8 @@ from atom_kv.reference.openai_protocol import (
 )
 from atom_kv.reference.request import Request, RequestError, RequestOutput
 from atom_kv.reference.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from atom_kv.server_timing import HEADER as SERVER_TIMING
+from atom_kv.server_timing import format_server_timing
 
 __all__ = ["OutputRouter", "OpenAIServer"]
 
@@ -117,7 +117,7 @@ async def _json_http_errors(request: web.Request, handler: Any) -> web.StreamRes
 class OpenAIServer:
     """Owns the aiohttp application: OpenAI routes, vLLM's ``/tokenize``, ``/health`` and ``/metrics``."""
 
-    def __init__(self, engine: EngineCore, router: OutputRouter, *, default_max_tokens: int = 16) -> None:
+    def __init__(self, engine: DataParallelEngine, router: OutputRouter, *, default_max_tokens: int = 16) -> None:
         self.engine = engine
         self.router = router
         self.tokenizer = ByteTokenizer()
@@ -143,16 +143,29 @@ class OpenAIServer:
             "root": self.model_id, "max_model_len": self.engine.args.max_model_len}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        snap = self.engine.snapshot()
+        snaps = self.engine.snapshots()
+
+        def total(key: str) -> int:
+            return sum(s[key] for s in snaps)
+
         body = {
             "status": "error" if self.engine.fatal else "ok",
             "role": self.engine.role,
             "engine_id": self.engine.engine_id,
             "tp_size": self.engine.args.tp,
-            "kv_features": [FIRST_TOKEN] if self.engine.kv_config is not None else [],
-            "kv_blocks": {"total": snap["kv_total"], "free": snap["kv_free"], "held": snap["kv_held"]},
-            "requests": {"running": snap["running"], "waiting": snap["waiting"],
-                         "waiting_remote_kv": snap["waiting_remote"]},
+            "dp_size": self.engine.dp_size,
+            "kv_features": [FIRST_TOKEN] if self.engine.role != "colocated" else [],
+            "kv_blocks": {"total": total("kv_total"), "free": total("kv_free"), "held": total("kv_held")},
+            "requests": {"running": total("running"), "waiting": total("waiting"),
+                         "waiting_remote_kv": total("waiting_remote")},
+            "dp_ranks": [{
+                "dp_rank": rank,
+                "engine_id": self.engine.cores[rank].engine_id,
+                "kv_blocks": {"total": s["kv_total"], "free": s["kv_free"], "held": s["kv_held"]},
+                "requests": {"running": s["running"], "waiting": s["waiting"],
+                             "waiting_remote_kv": s["waiting_remote"]},
+                "load": {"requests": s["load_requests"], "prompt_tokens": s["load_prompt_tokens"]},
+            } for rank, s in enumerate(snaps)],
         }
         if self.engine.fatal:
             body["error"] = self.engine.fatal
@@ -194,6 +207,7 @@ class OpenAIServer:
         try:
             params = parse_request(body, self.tokenizer, chat=chat, default_max_tokens=self.default_max_tokens,
                                    served_model=self.model_id)
+            rank = self.engine.rank_for(body, request.headers)
         except RequestError as exc:
             self.engine.reject(body.get("kv_transfer_params") if isinstance(body, dict) else None)
             return _error(exc.message, exc.status, exc.param, headers=headers)
@@ -205,14 +219,14 @@ class OpenAIServer:
         finished = False
         try:
             try:
-                self.engine.submit(req)
+                self.engine.submit(req, rank)
             except RequestError as exc:
                 finished = True
                 log.info("request %s rejected: %s", rid, exc.message)
-                self.engine.reject(params.kv_transfer_params)
+                self.engine.reject(params.kv_transfer_params, rank)
                 return _error(exc.message, exc.status, exc.param, headers=headers)
-            log.debug("request %s: %d prompt tokens, max_tokens %d, stream=%s", rid, len(params.prompt_ids),
-                      params.max_tokens, params.stream)
+            log.debug("request %s: %d prompt tokens, max_tokens %d, stream=%s, dp rank %d", rid,
+                      len(params.prompt_ids), params.max_tokens, params.stream, rank)
             if params.stream:
                 resp, finished = await self._stream(request, queue, req, params, chat, headers)
                 return resp
@@ -225,6 +239,7 @@ class OpenAIServer:
             self.router.unregister(rid)
             if not finished:
                 self.engine.abort(rid)
+            self.engine.finish(rid)
 
     async def _next(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]") -> RequestOutput:
         while True:

@@ -167,7 +167,7 @@ class ProcessExecutor:
             proc = ctx.Process(
                 target=_worker_main,
                 args=(spec, child_conn, threads, os.getpid(), level, step_timeout_s, startup_timeout_s),
-                name=f"atom-kv-tp{spec.tp_rank}",
+                name=f"atom-kv-dp{spec.dp_rank}-tp{spec.tp_rank}",
                 daemon=True,
             )
             proc.start()

@@ -30,7 +30,8 @@ class EngineSpec:
 
     role: str  # "P", "D" or "colocated"
     tp: int = 1
-    num_blocks: int = 256
+    dp: int = 1  # data-parallel ranks behind the engine's one address
+    num_blocks: int = 256  # per DP rank
     backend: str = "auto"
     extra_config: dict = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
@@ -67,7 +68,7 @@ class Cluster:
         cfg: dict[str, Any] = {
             "kv_role": "kv_producer" if spec.role == "P" else "kv_consumer",
             "backend": spec.backend,
-            "handshake_port": free_port_range(spec.tp),
+            "handshake_port": free_port_range(spec.tp * spec.dp),
             "ping_interval_s": self.ping_interval_s,
         }
         if self.with_proxy and spec.register:
@@ -83,7 +84,8 @@ class Cluster:
         """Engine ``i``'s command line: HTTP on ``port`` (0: the OS picks), reported in its port file."""
         spec = self.specs[i]
         return [sys.executable, "-m", "atom_kv.reference", "--host", "127.0.0.1", "--port", str(port),
-                "--port-file", self._port_file(i), "--tp", str(spec.tp), "--num-blocks", str(spec.num_blocks),
+                "--port-file", self._port_file(i), "--tp", str(spec.tp), "--data-parallel-size", str(spec.dp),
+                "--num-blocks", str(spec.num_blocks),
                 "--log-level", "INFO", "--instance-index", str(i), *spec.extra_args, *self._configs[i]]
 
     def _launch_engine(self, i: int, name: str, port: int) -> None:

@@ -22,9 +22,14 @@ def rank_main(conn, spec: dict[str, Any]) -> None:
     try:
         for backend, (engine_id, port) in spec["engines"].items():
             cfg = config(spec["role"], port, backend=backend, **spec.get("overrides", {}))
+            stage = spec.get("stage", {})  # a pipeline stage: pp_rank, pp_size, dp_*, start_layer, num_layers
             w = create_worker(cfg, engine_id=engine_id, host="127.0.0.1", tp_rank=spec["tp_rank"],
-                              tp_size=spec["tp_size"], compat=compat(), bind_host="127.0.0.1")
+                              tp_size=spec["tp_size"], compat=compat(), bind_host="127.0.0.1",
+                              **{k: v for k, v in stage.items() if k != "num_layers"})
             c = make_caches(spec["num_blocks"], spec["tp_rank"], spec["tp_size"], fill=producer)
+            if stage:
+                first = stage.get("start_layer", 0)
+                c = c[first:first + stage["num_layers"]]
             w.register_kv_caches(c)
             workers[backend], caches[backend] = w, c
         conn.send(("ready", None))
@@ -57,11 +62,11 @@ class RankProcess:
     """The test's handle on one rank process."""
 
     def __init__(self, name: str, role: str, tp_rank: int, tp_size: int, engines: dict[str, tuple[str, int]],
-                 num_blocks: int, overrides: dict | None = None) -> None:
+                 num_blocks: int, overrides: dict | None = None, stage: dict | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         spec = dict(name=name, role=role, tp_rank=tp_rank, tp_size=tp_size, engines=engines,
-                    num_blocks=num_blocks, overrides=overrides or {})
+                    num_blocks=num_blocks, overrides=overrides or {}, stage=stage or {})
         self.proc = ctx.Process(target=rank_main, args=(child, spec), name=name, daemon=True)
         self.proc.start()
         child.close()

@@ -118,3 +118,33 @@ def test_parse_proxy_address():
     assert parse_proxy_address("[::1]:7", 1) == ("::1", 7)
     with pytest.raises(ValueError, match="port"):
         parse_proxy_address("h:x", 1)
+
+
+def test_a_pinger_that_waits_for_its_engine_pings_only_once_the_engine_serves():
+    """vLLM and ATOM build their connector before their HTTP server listens: no ping (so no proxy probe of a
+    port nobody answers) until that port accepts connections; closing while it waits stops the thread."""
+    http_port = free_port()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    cfg = config("kv_consumer", 6500, proxy_ip=f"127.0.0.1:{port}", ping_interval_s=0.1)
+    pinger = build_registration_pinger(cfg, role="D", index="0", http_host="127.0.0.1", http_port=http_port,
+                                       tp_size=1, engine_id="D-1", wait_until_serving=True).start()
+    idle = build_registration_pinger(cfg, role="D", index="1", http_host="127.0.0.1", http_port=free_port(),
+                                     tp_size=1, engine_id="D-2", wait_until_serving=True).start()
+    server = socket.socket()
+    try:
+        assert not router.poll(600), "pinged before the engine's HTTP server listened"
+        server.bind(("127.0.0.1", http_port))
+        server.listen(8)
+        assert router.poll(5000), "no ping once the engine's HTTP server listened"
+        ping = wire.decode(router.recv_multipart()[-1], wire.RegistrationMessage)
+        assert ping.engine_id == "D-1" and pinger.sent >= 1
+    finally:
+        pinger.close()
+        idle.close()
+        server.close()
+        router.close(0)
+        ctx.destroy(linger=0)
+    assert not pinger._thread.is_alive() and not idle._thread.is_alive() and idle.sent == 0

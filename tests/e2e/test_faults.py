@@ -182,6 +182,7 @@ def test_prefill_killed_mid_run_then_restarted(cluster, colocated):
     ('{"kv_role": "kv_producer", "tcp_streams": 0}', "tcp_streams"),
     ('{"kv_role": "kv_producer", "abort_timeout": 3}', "abort_timeout"),
     ('{"kv_role": "decoder"}', "kv_role"),
+    ('{"handshake_port": 6401}', "kv_role"),  # never guessed: a decode engine must not become a producer
 ])
 def test_bad_kv_transfer_config_exits_with_one_line(config, key):
     proc = subprocess.run([sys.executable, "-m", "atom_kv.reference", "--port", "1", "--kv-transfer-config", config],

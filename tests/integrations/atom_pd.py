@@ -56,7 +56,8 @@ register()  # what atom_kv_atom.pth does at start-up (test_atom_hook.py proves t
 
 
 def atom_config(role: str, *, tp: int, block_size: int, num_blocks: int, port: int, backend: str,
-                max_num_seqs: int = 8, prefix_caching: bool = False, **kv: Any) -> SimpleNamespace:
+                max_num_seqs: int = 8, prefix_caching: bool = False, dp_rank: int = 0, dp_size: int = 1,
+                **kv: Any) -> SimpleNamespace:
     """What ATOM's Scheduler and our connector read from ATOM's ``Config`` (ATOM's tests' MockConfig fields)."""
     kv_cfg = dict(kv_connector="atom_kv", kv_role=role, handshake_port=port, backend=backend,
                   handshake_timeout_s=2.0, transfer_timeout_s=2.0, abort_timeout_s=30.0, transfer_retries=0)
@@ -68,7 +69,8 @@ def atom_config(role: str, *, tp: int, block_size: int, num_blocks: int, port: i
         eos_token_id=EOS, stop_token_ids=[], scheduler_delay_factor=0.0, speculative_config=None,
         hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"], sliding_window=128),
         kv_transfer_config=kv_cfg, tensor_parallel_size=tp,
-        parallel_config=SimpleNamespace(data_parallel_rank=0, data_parallel_size=1), model="/models/tiny-llama",
+        parallel_config=SimpleNamespace(data_parallel_rank=dp_rank, data_parallel_size=dp_size),
+        model="/models/tiny-llama",
     )
 
 
@@ -92,7 +94,7 @@ class Rank:
     """One TP rank's model runner: its KV tensors as ATOM allocates them and its worker connector."""
 
     def __init__(self, config: Any, tp_rank: int, tp: int, *, mla: bool, dtype: torch.dtype,
-                 shuffled_v: bool = True) -> None:
+                 shuffled_v: bool = True, dp_rank: int = 0) -> None:
         self.tp_rank, self.tp, self.mla, self.dtype, self.shuffled_v = tp_rank, tp, mla, dtype, shuffled_v
         self.block_size = config.kv_cache_block_size
         nb = config.num_kvcache_blocks
@@ -117,7 +119,7 @@ class Rank:
                 caches[f"layer_{layer}"] = KVCacheTensor(layer_num=layer, k_cache=t["k"], v_cache=t["v"],
                                                          k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
             self.layers.append(t)
-        self.worker = AtomKVWorker(config, tp_rank=tp_rank, tp_size=tp, dp_rank=0, host="127.0.0.1")
+        self.worker = AtomKVWorker(config, tp_rank=tp_rank, tp_size=tp, dp_rank=dp_rank, host="127.0.0.1")
         self.worker.register_kv_caches(caches, None, num_blocks=nb)
 
     def _slot(self, t: torch.Tensor, kind: str, block: int, slot: int, h: int) -> torch.Tensor:
@@ -165,19 +167,24 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class AtomEngine:
-    """ATOM's scheduler plus TP model runners in this process, stepped like ATOM's EngineCore."""
+    """ATOM's scheduler plus TP model runners in this process, stepped like ATOM's EngineCore
+    (one DP rank of an engine: ``dp_rank`` of ``dp_size``, as ATOM's DP-attention engine cores)."""
 
     def __init__(self, name: str, role: str, *, tp: int, port: int, seed: int, backend: str = "tcp",
                  block_size: int = 16, num_blocks: int = 64, mla: bool = False, fp8: bool = False,
-                 shuffled_v: bool = True, prefix_caching: bool = False, **kv: Any) -> None:
+                 shuffled_v: bool = True, prefix_caching: bool = False, dp_rank: int = 0, dp_size: int = 1,
+                 upstream: bool = False, **kv: Any) -> None:
         self.name = name
         self.seed = seed
         self.remote_seed: Optional[int] = None  # the producer's, for KV read from it
+        self.remote_seed_of: dict[int, int] = {}  # per request, where producers differ (DP ranks)
         self.config = atom_config(role, tp=tp, block_size=block_size, num_blocks=num_blocks, port=port,
-                                  backend=backend, prefix_caching=prefix_caching, **kv)
+                                  backend=backend, prefix_caching=prefix_caching, dp_rank=dp_rank, dp_size=dp_size,
+                                  **kv)
+        self.config.upstream_connector_contract = upstream  # the fake ATOM with docs/atom-upstream.md
         self.num_blocks = num_blocks
-        self.ranks = [Rank(self.config, r, tp, mla=mla, dtype=FP8 if fp8 else torch.bfloat16, shuffled_v=shuffled_v)
-                      for r in range(tp)]
+        self.ranks = [Rank(self.config, r, tp, mla=mla, dtype=FP8 if fp8 else torch.bfloat16, shuffled_v=shuffled_v,
+                           dp_rank=dp_rank) for r in range(tp)]
         self.sched = Scheduler(self.config)  # ATOM builds the connector here, through its factory
         self.connector = self.sched.kv_connector
         assert type(self.connector).__name__ == "AtomKVScheduler", type(self.connector)
@@ -270,10 +277,11 @@ class AtomEngine:
 
     def _computed_by(self, seq: Sequence) -> Callable[[int], int]:
         """Which engine's seed each prompt position's KV must carry."""
-        if seq.id in self.prefilled or self.remote_seed is None:
+        remote = self.remote_seed_of.get(seq.id, self.remote_seed)
+        if seq.id in self.prefilled or remote is None:
             return lambda _: self.seed
         cached = self.cached_at_alloc.get(seq.id, 0)
-        return lambda pos: self.seed if pos < cached else self.remote_seed
+        return lambda pos: self.seed if pos < cached else remote
 
     # -- checks --------------------------------------------------------------
     def blocks_in_use(self) -> int:

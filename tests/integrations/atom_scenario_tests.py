@@ -15,7 +15,8 @@ __all__ = [
     "test_pd_exchange", "test_pd_exchange_mla_replicated_latent",
     "test_pd_exchange_block_of_two_physical_blocks_heterogeneous_tp", "test_pd_exchange_fp8_with_scales",
     "test_engines_with_different_kv_layouts_refuse_each_other_in_one_line", "test_failed_load",
-    "test_abort_while_loading", "test_lease_expiry",
+    "test_abort_while_loading", "test_abort_while_queued_releases_the_prefill_at_once", "test_lease_expiry",
+    "test_dp_ranks_on_both_sides",
 ]
 
 
@@ -54,5 +55,15 @@ def test_abort_while_loading():
     sc.abort_while_loading()
 
 
+def test_abort_while_queued_releases_the_prefill_at_once():
+    sc.aborted_while_queued()
+
+
 def test_lease_expiry():
     sc.lease_expiry()
+
+
+@pytest.mark.parametrize("p_dp,d_dp,p_tp,d_tp", [(2, 2, 1, 1), (2, 1, 1, 2), (1, 2, 2, 1)],
+                         ids=["P-dp2-D-dp2", "P-dp2-D-dp1tp2", "P-dp1tp2-D-dp2"])
+def test_dp_ranks_on_both_sides(p_dp, d_dp, p_tp, d_tp):
+    sc.dp_exchange(p_dp, d_dp, p_tp, d_tp)

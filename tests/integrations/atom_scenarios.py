@@ -9,6 +9,7 @@ engines is free and no connector work is left at the end.
 from __future__ import annotations
 
 import logging
+import time
 
 from atom.model_engine.sequence import SequenceStatus
 
@@ -111,6 +112,48 @@ def abort_while_loading(d_tp: int = 2) -> None:
         D.close()
 
 
+def _holds_nothing(engine: AtomEngine) -> None:
+    """The connector keeps no per-request state once every request has ended."""
+    c = engine.connector
+    assert not (c._matched or c._parked or c._loaded or c._draining), (
+        c._matched, c._parked, c._loaded, c._draining)
+    assert c._hooks.num_loads() == 0 and not c.has_pending_work()
+
+
+def aborted_while_queued(rounds: int = 3, release_within_s: float = 2.0, upstream: bool = False) -> None:
+    """Decode requests aborted while still queued, before ATOM asked the connector anything (ATOM ends them
+    in ``schedule()`` and tells no connector), and one aborted after its load finished but before its first
+    decode (ATOM keeps its id in ``finished_recving_kv_req_ids``): every prefill block comes back within
+    ``release_within_s`` (the lease is 30 s), every consumer block is freed, and the consumer's connector
+    keeps nothing of them, round after round. ``upstream``: the fake ATOM with docs/atom-upstream.md, which
+    hands the connector its BlockManager and reports those requests itself (nothing of ATOM is wrapped)."""
+    P, D = _engines(1, 1, "tcp", d_kv={"upstream": True} if upstream else None)
+    assert ("take_rejected" in vars(D.sched)) is not upstream  # ATOM main: the connector watches take_rejected()
+    try:
+        for _ in range(rounds):
+            prefilled = prefill_on(P, PROMPTS)
+            assert P.blocks_in_use() > 0  # held for the readers, for up to abort_timeout_s (30 s)
+            queued = [D.add(p, 3, decode_params(s)) for p, s in zip(PROMPTS[:2], prefilled[:2])]
+            for seq in queued:
+                D.abort(seq)  # the client left before the decode engine's scheduler ran
+            start = time.monotonic()
+            run_until([P, D], lambda: all(s.id in D.finished for s in queued) and P.blocks_in_use() == 3,
+                      timeout_s=release_within_s)
+            assert time.monotonic() - start < release_within_s
+            for seq in queued:
+                assert seq.leave_reason == "aborted" and seq.output_tokens == [] and seq.id not in D.prefilled
+            loaded = D.add(PROMPTS[2], 3, decode_params(prefilled[2]))
+            run_until([P, D], lambda: loaded.id in D.sched.finished_recving_kv_req_ids)
+            D.abort(loaded)  # the load is done, its first decode not scheduled yet
+            run_until([P, D], lambda: loaded.id in D.finished and P.idle() and D.idle(), timeout_s=10)
+            assert loaded.leave_reason == "aborted" and D.errors == [], D.errors
+            _holds_nothing(D)
+            _holds_nothing(P)
+    finally:
+        P.close()
+        D.close()
+
+
 def lease_expiry(backend: str = "tcp") -> None:
     """Nobody reads: the producer frees the blocks after ``abort_timeout_s`` and reuses them; a consumer that
     reads afterwards is told its read is invalid and recomputes instead of decoding another request's KV."""
@@ -176,3 +219,50 @@ def layout_mismatch(backend: str = "tcp") -> list[str]:
         logging.getLogger("atom_kv").removeHandler(handler)
         P.close()
         D.close()
+
+
+def dp_exchange(p_dp: int, d_dp: int, p_tp: int = 1, d_tp: int = 1, backend: str = "tcp") -> None:
+    """DP-attention engines on both sides: one ATOM scheduler per DP rank, the ranks of
+    each side sharing one base handshake port (ATOM's port layout). Request ``i`` is
+    prefilled on prefill rank ``i % p_dp`` and decoded on decode rank ``(i + 1) % d_dp``;
+    each prefill rank holds exactly its own requests' blocks until its reader is done,
+    every decode rank checks it read the KV of the prefill rank (its own seed) that
+    computed the prompt, and every rank of both sides ends with every block free."""
+    p_port, d_port = port_range(p_dp * p_tp), port_range(d_dp * d_tp)
+    Ps: list[AtomEngine] = []
+    Ds: list[AtomEngine] = []
+    try:
+        for r in range(p_dp):
+            Ps.append(AtomEngine(f"P{r}", "kv_producer", tp=p_tp, port=p_port, seed=1 + 2 * r, backend=backend,
+                                 dp_rank=r, dp_size=p_dp))
+        for r in range(d_dp):
+            Ds.append(AtomEngine(f"D{r}", "kv_consumer", tp=d_tp, port=d_port, seed=100 + r, backend=backend,
+                                 dp_rank=r, dp_size=d_dp))
+        prompts = PROMPTS + [list(range(600, 633))]
+        on_p = [i % p_dp for i in range(len(prompts))]
+        on_d = [(i + 1) % d_dp for i in range(len(prompts))]
+        prefilled = {}
+        for r, P in enumerate(Ps):
+            mine = [i for i in range(len(prompts)) if on_p[i] == r]
+            for i, seq in zip(mine, prefill_on(P, [prompts[i] for i in mine])):
+                prefilled[i] = seq
+                assert seq.kv_transfer_params_output["dp_rank"] == r
+                assert seq.kv_transfer_params_output.get("remote_dp_size", 1) == p_dp
+            # held for the readers: exactly this rank's requests' blocks
+            assert P.blocks_in_use() == sum(-(-len(prompts[i]) // 16) for i in mine), (r, P.blocks_in_use())
+        dseqs = []
+        for i, prompt in enumerate(prompts):
+            D = Ds[on_d[i]]
+            seq = D.add(prompt, 4, decode_params(prefilled[i]))
+            D.remote_seed_of[seq.id] = Ps[on_p[i]].seed
+            dseqs.append((D, seq))
+        everyone = Ps + Ds
+        run_until(everyone, lambda: all(s.id in D.finished for D, s in dseqs) and all(e.idle() for e in everyone))
+        for D in Ds:
+            assert D.errors == [], D.errors
+        for prompt, (D, seq) in zip(prompts, dseqs):
+            assert seq.output_tokens == expected_output(prompt, 4) and seq.id not in D.prefilled
+        assert all(e.blocks_in_use() == 0 for e in everyone)
+    finally:
+        for e in Ps + Ds:
+            e.close()

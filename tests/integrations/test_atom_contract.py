@@ -181,3 +181,71 @@ def test_registering_again_starts_over_on_the_same_ports():
             worker.register_kv_caches(_caches((4, 2, 2, 16, 8), (4, 2, 2, 16, 8)), None, num_blocks=4)
     finally:
         worker.close()
+
+
+# ----------------------------------------------------------------------
+# the workarounds, behind the check of the ATOM they were verified against
+# ----------------------------------------------------------------------
+def test_abort_while_queued_with_the_upstream_change():
+    """ATOM with docs/atom-upstream.md: its BlockManager passed in, queued aborts reported to the connector."""
+    from tests.integrations import atom_scenarios as sc
+
+    sc.aborted_while_queued(rounds=1, upstream=True)
+
+
+def test_a_scheduler_unlike_atoms_is_refused_in_one_line():
+    from atom.model_engine.block_manager import BlockManager
+    from atom.model_engine.scheduler import Scheduler
+
+    from atom_kv.integrations.atom.contract import AtomChanged
+
+    cfg = atom_config("kv_consumer", tp=1, block_size=16, num_blocks=8, port=1, backend="tcp")
+
+    class NotAtomsScheduler:
+        def __init__(self) -> None:
+            self.block_manager = BlockManager(cfg)
+            self.waiting: list = []
+            self.kv_connector = AtomKVScheduler(cfg)
+
+    class WithoutTakeRejected(Scheduler):  # an ATOM that drains ended requests some other way
+        take_rejected = None
+
+    for build, changed in [(NotAtomsScheduler, "ATOM's connector is built by "),
+                           (lambda: WithoutTakeRejected(cfg), "ATOM's Scheduler no longer hands requests it ends "
+                                                              "while they wait to take_rejected()")]:
+        with pytest.raises(AtomChanged) as info:
+            build()
+        message = str(info.value)
+        assert message.startswith("atom_kv: " + changed) and "\n" not in message
+        assert "(verified against ATOM main ffdf3bb5d); see docs/atom-upstream.md" in message
+
+
+def test_the_hook_refuses_a_changed_factory_in_one_line_and_steps_aside_for_module_paths(caplog):
+    from atom_kv.integrations.atom import hook
+
+    registered = []
+
+    class RenamedFactory:  # register() no longer takes module and class names
+        @classmethod
+        def register(cls, name, *, connector_path):
+            registered.append(name)
+
+    class ModulePathFactory:  # docs/atom-upstream.md: finds connectors by kv_connector_module_path
+        @classmethod
+        def register(cls, name, *, worker_module, worker_class, scheduler_module, scheduler_class):
+            registered.append(name)
+
+        @classmethod
+        def canonical_name(cls, value, *, path="kv_transfer_config", module_path=None):
+            return value
+
+    with caplog.at_level("ERROR", logger=hook.__name__):
+        hook._hook_registers(RenamedFactory)
+        hook._hook_registers(ModulePathFactory)
+    assert registered == []
+    (record,) = caplog.records
+    assert record.getMessage().startswith("atom_kv: ATOM's KVConnectorFactory.register() no longer takes "
+                                          "worker_module, worker_class, scheduler_module, scheduler_class")
+    assert record.exc_info is None and "\n" not in record.getMessage()
+    hook.register(ModulePathFactory)  # what importing atom_kv.integrations.atom.connector does there
+    assert registered == ["atom_kv"]

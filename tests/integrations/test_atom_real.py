@@ -52,3 +52,19 @@ def test_this_is_atom_itself(record_property):
 
 def test_prefix_hit_reads_only_uncached_blocks():
     sc.prefix_hit()  # the fake ATOM has no prefix cache: this one runs against ATOM only
+
+
+def test_port_layout_is_atoms_own():
+    """Our side-channel ports are ATOM main's, computed by ATOM's own function, for every (pp, dp, tp) tried."""
+    from atom.kv_transfer.disaggregation.port_offset import side_channel_port_offset
+
+    from atom_kv.wire import handshake_port
+
+    for pp_size in (1, 2, 4):
+        for dp_size in (1, 2, 8):
+            for tp_size in (1, 2, 8):
+                for pp in range(pp_size):
+                    for dp in range(dp_size):
+                        for tp in range(tp_size):
+                            ours = handshake_port(6301, dp, tp_size, tp, pp_rank=pp, dp_size=dp_size)
+                            assert ours == 6301 + side_channel_port_offset(dp, tp, tp_size, pp, pp_size, dp_size)

@@ -5,7 +5,7 @@ atom-kv gives up on are still named by every rank."""
 from __future__ import annotations
 
 from atom_kv.engine_hooks import KVConnectorOutput, LoadSpec
-from atom_kv.integrations.vllm_ledger import RankLedger, SchedulerLedger
+from atom_kv.integrations.vllm.ledger import RankLedger, SchedulerLedger
 
 
 def load(rid: str, blocks: list[int]) -> LoadSpec:

@@ -232,10 +232,16 @@ def test_backends_without_a_known_kv_order_are_refused_at_register(model_dir, at
         connector.shutdown()
 
 
-def test_no_attention_layers_and_no_backend_vllm_can_name_is_refused(model_dir):
+def test_no_attention_layers_and_no_backend_vllm_can_name_is_refused(model_dir, monkeypatch):
+    import vllm.distributed.kv_transfer.kv_connector.utils as kv_utils
+
+    def no_backend(*args, **kwargs):  # vLLM's selector on a platform without a default backend
+        raise ValueError("Invalid attention backend for cpu")
+
     config, connector = create(model_dir, "kv_producer", base(), side=KVConnectorRole.WORKER)
     try:
-        config.compilation_config.static_forward_context.clear()  # vLLM's selector has no platform here
+        config.compilation_config.static_forward_context.clear()
+        monkeypatch.setattr(kv_utils, "get_current_attn_backends", no_backend)
         caches = allocate_kv_cache(make_kv_cache_config(config, 32), torch.device("cpu"), KVCacheLayout.LBHNC)
         with pytest.raises(UnsupportedKVCache) as info:
             connector.register_kv_caches(caches)

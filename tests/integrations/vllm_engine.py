@@ -101,6 +101,8 @@ def make_vllm_config(model_dir: Path, role: str, extra: dict[str, Any], *, tp_si
                           kv_load_failure_policy=failure_policy)
     config = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache, kv_transfer_config=kv,
                         device_config=DeviceConfig("cpu"), parallel_config=ParallelConfig(tensor_parallel_size=tp_size))
+    # vLLM's CPU platform turns async scheduling off; GPU engines run it (vLLM's default): keep what was asked
+    config.scheduler_config.async_scheduling = async_scheduling
     # vLLM's engine core resolves the layout from the connector's preference (HND)
     config.cache_config.kv_cache_layout = KVCacheLayout.LBHNC.name
     # where a loaded model's attention layers live (vLLM's connectors look their backends up there)

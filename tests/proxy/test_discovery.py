@@ -15,6 +15,7 @@ from atom_kv.discovery import build_registration_pinger
 from atom_kv.proxy.discovery import decode_discovery, to_registration
 from atom_kv.wire import HelloPing, RegisterPing, WireError, encode
 from tests.connector.kvutil import config
+from atom_kv.testing.fake_engine import FakeEngine
 from tests.proxy.fake_engine import get, post, register, send_pings
 
 
@@ -46,9 +47,35 @@ async def test_registered_but_unreachable_engine_gets_no_traffic(make_proxy, mak
     await _sent(proxy, [dead_ping])
     await register(proxy, p, d)
     assert await proxy.registry.wait_for(lambda r: r.known("P") and all(
-        i.state == "down" for i in r.known("P") if i.base_url == dead.base_url), 3.0)
+        i.state == "pending" and "health probe" in i.down_reason for i in r.known("P") if i.base_url == dead.base_url),
+        3.0)
     results = await asyncio.gather(*(post(proxy.url, {"prompt": "x"}) for _ in range(6)))
     assert [r[0] for r in results] == [200] * 6 and len(p.received) == 6 and dead.received == []
+
+
+async def test_an_engine_that_registers_before_it_serves_is_starting_never_down(make_proxy, make_engine, caplog):
+    """Engines may ping before their HTTP server listens: the proxy says "starting" once, no "down", no
+    "up again", and routes to it once a probe reaches it."""
+    caplog.set_level(logging.INFO, logger="atom_kv.proxy.registry")
+    proxy = await make_proxy(probe_interval_s=0.1)
+    d = await make_engine("D")
+    early = await make_engine("P")
+    port, ping = early.port, early.register_ping()
+    await early.close()  # registered, not listening yet
+    await _sent(proxy, [ping])
+    await register(proxy, d)
+    assert await proxy.registry.wait_for(lambda r: any(i.down_reason for i in r.known("P")), 3.0)
+    await asyncio.sleep(0.3)  # several probes find nobody there
+    late = await FakeEngine("P", engine_id=early.engine_id).start(port=port)
+    try:
+        assert await proxy.registry.wait_for(lambda r: len(r.live("P")) == 1, 3.0)
+        assert (await post(proxy.url, {"prompt": "x"}))[0] == 200 and len(late.received) == 1
+    finally:
+        await late.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(f"prefill instance http://127.0.0.1:{port} is starting" in m for m in lines) == 1, lines
+    assert not any(" is down" in m or "up again" in m for m in lines), lines
+    assert proxy.count("atom_kv_proxy_marked_down_total", role="prefill") == 0
 
 
 async def test_moriio_ping_registers(make_proxy, make_engine):

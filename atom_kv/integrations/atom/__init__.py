@@ -5,8 +5,13 @@
 - :mod:`.scheduler`: :class:`AtomKVScheduler`, ATOM's scheduler-side connector.
 - :mod:`.worker`: :class:`AtomKVWorker`, ATOM's worker-side connector, one per TP rank.
 
-Only ``scheduler``, ``worker`` and ``metadata`` import ATOM, and only ATOM
-imports them. Written against ATOM main ffdf3bb5d; see ``docs/atom.md``.
+- :mod:`.contract`: what the two workarounds (taking ATOM's ``Scheduler``
+  from the stack, the ``.pth`` hook) rely on, checked before either is used.
+- :mod:`.connector`: what an ATOM with ``kv_connector_module_path`` imports
+  (docs/atom-upstream.md).
+
+Only ``scheduler``, ``worker``, ``metadata`` and ``connector`` import ATOM, and
+only ATOM imports them. Written against ATOM main ffdf3bb5d; see ``docs/atom.md``.
 """
 
 from atom_kv.integrations.atom.hook import CONNECTOR_NAME, install, register

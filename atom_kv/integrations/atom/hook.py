@@ -21,6 +21,13 @@ imports ATOM pays for importing this module only.
 hook off. Code that embeds ATOM may instead call :func:`register` before
 creating the engine.
 
+Both the hook and :func:`register` run only on an ATOM whose factory is as
+verified (:func:`~atom_kv.integrations.atom.contract.check_factory`; else one
+logged line says what changed). Where ATOM finds connectors by
+``kv_connector_module_path`` (docs/atom-upstream.md), the hook steps aside:
+``"kv_connector_module_path": "atom_kv.integrations.atom.connector"`` registers
+``atom_kv`` when ATOM imports it.
+
 Every Python process of the environment imports this module at start-up,
 so it imports only ``os`` and ``sys`` (everything else lazily), and the wheel
 build loads it on its own to write the ``.pth``.
@@ -55,12 +62,17 @@ def register(factory: Any = None) -> None:
 
     Idempotent. ``factory`` defaults to ATOM's, imported here. Passes only the
     keyword arguments this ATOM's ``register`` takes (``aliases`` and
-    ``requires_pd_staging`` are newer than ATOM's first P/D commit).
+    ``requires_pd_staging`` are newer than ATOM's first P/D commit); raises
+    :class:`~atom_kv.integrations.atom.contract.AtomChanged` (one line) where
+    ``register`` no longer takes the module and class names.
     """
     import inspect
 
+    from atom_kv.integrations.atom.contract import check_factory
+
     if factory is None:
         from atom.kv_transfer.disaggregation.factory import KVConnectorFactory as factory
+    check_factory(factory)
     kwargs: dict[str, Any] = dict(worker_module=WORKER[0], worker_class=WORKER[1],
                                   scheduler_module=SCHEDULER[0], scheduler_class=SCHEDULER[1])
     params = inspect.signature(factory.register).parameters
@@ -73,10 +85,28 @@ def register(factory: Any = None) -> None:
     factory.register(CONNECTOR_NAME, **kwargs)
 
 
-def _report_failure() -> None:
+def _report_failure(exc: BaseException) -> None:
     import logging
 
-    logging.getLogger(__name__).exception("atom-kv: could not register the %r KV connector with ATOM", CONNECTOR_NAME)
+    from atom_kv.integrations.atom.contract import AtomChanged
+
+    log = logging.getLogger(__name__)
+    if isinstance(exc, AtomChanged):
+        log.error("%s; the %r KV connector is not registered", exc, CONNECTOR_NAME)
+    else:
+        log.error("atom-kv: could not register the %r KV connector with ATOM", CONNECTOR_NAME, exc_info=exc)
+
+
+def _hook_registers(factory: Any) -> None:
+    """What the start-up hook does once ATOM's factory exists: register, unless this ATOM finds
+    connectors by ``kv_connector_module_path`` itself (then the config names our module)."""
+    from atom_kv.integrations.atom.contract import factory_resolves_module_paths
+
+    try:
+        if not factory_resolves_module_paths(factory):
+            register(factory)
+    except Exception as exc:  # never break ATOM's own import; say why the name will be unknown
+        _report_failure(exc)
 
 
 class _RegisteringLoader:
@@ -119,10 +149,7 @@ class FactoryWatcher:
         return None
 
     def registered(self, module: Any) -> None:
-        try:
-            register(module.KVConnectorFactory)
-        except Exception:  # never break ATOM's own import; say why the name will be unknown
-            _report_failure()
+        _hook_registers(getattr(module, "KVConnectorFactory", None))
         self.remove()
 
     def remove(self) -> None:
@@ -141,10 +168,7 @@ def install() -> None:
         return
     factory_module = sys.modules.get(FACTORY_MODULE)
     if factory_module is not None:
-        try:
-            register(factory_module.KVConnectorFactory)
-        except Exception:
-            _report_failure()
+        _hook_registers(getattr(factory_module, "KVConnectorFactory", None))
         return
     if not any(isinstance(f, FactoryWatcher) for f in sys.meta_path):
         sys.meta_path.insert(0, FactoryWatcher())

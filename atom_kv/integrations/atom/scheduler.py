@@ -26,19 +26,27 @@ about the rest:
   without freeing its blocks or telling the connector. The connector notices
   (``seq.status``) at the next call, cancels the load, and frees the blocks
   once no rank can still be writing them.
+- **Consumer, ended while queued.** ATOM ends a waiting request that was
+  aborted (or can never be scheduled) in ``schedule()`` and hands it to
+  ``take_rejected()``, never to the connector, often before the connector
+  ever saw it. The connector reads what ``take_rejected()`` returns and sends
+  the producer its release at once, so the prefill's blocks do not wait for
+  their lease.
 
-Freeing a consumer's blocks needs ATOM's ``BlockManager``: the connector takes
-the one of the ``Scheduler`` that constructs it (the caller's ``self``; ATOM
-builds its connector inside ``Scheduler.__init__``), or the one passed in.
+Freeing a consumer's blocks needs ATOM's ``BlockManager``. Where ATOM passes
+it (``block_manager=``, docs/atom-upstream.md), ATOM also reports what it
+ends while queued through :meth:`AtomKVScheduler.request_finished`. ATOM main
+passes nothing: a consumer then takes the ``Scheduler`` that constructs it
+(the caller's ``self``; ATOM builds its connector inside
+``Scheduler.__init__``), after :func:`~.contract.check_scheduler` found it as
+verified, and watches its ``take_rejected()``.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import socket
 import sys
-import threading
 import uuid
 from typing import Any, Optional
 
@@ -50,6 +58,7 @@ from atom_kv import engine_hooks
 from atom_kv._lru import BoundedSet
 from atom_kv.config import ConfigError
 from atom_kv.engine_hooks.types import ConnectorMetadata, KVConnectorOutput
+from atom_kv.integrations.atom.contract import check_scheduler, constructing_scheduler
 from atom_kv.integrations.atom.metadata import AtomKVMetadata
 from atom_kv.integrations.atom.settings import AtomEngine, advertised_host, require_completion_contract
 
@@ -79,18 +88,23 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         self.host = host or advertised_host()
         self.block_size = engine.block_size
         self._engine = engine
-        self._block_manager = block_manager if block_manager is not None else _constructing_block_manager()
-        if self._block_manager is None and not self.is_producer:
-            raise RuntimeError(
-                "atom_kv: a kv_consumer needs the BlockManager of the ATOM Scheduler that builds it (to free the "
-                "blocks of failed and aborted loads), and none was found on the call stack; this ATOM builds its "
-                "connector differently from ATOM main ffdf3bb5d (see docs/atom.md)"
-            )
+        self._block_manager = block_manager
+        if block_manager is None and not self.is_producer:
+            owner = constructing_scheduler(sys._getframe(1))
+            if owner is None:
+                raise RuntimeError(
+                    "atom_kv: a kv_consumer needs the BlockManager of the ATOM Scheduler that builds it (to free "
+                    "the blocks of failed and aborted loads), and none was found on the call stack; this ATOM builds "
+                    "its connector differently from ATOM main ffdf3bb5d (see docs/atom-upstream.md)"
+                )
+            check_scheduler(owner)
+            self._block_manager = owner.block_manager
+            _watch_rejections(owner, self._ended_while_queued)
         # ATOM hands metadata to its ranks only with a batch: an idle producer's ranks hear of
         # a finished prefill's transfer directly, so they can confirm its read in time
         self._hooks = engine_hooks.build_scheduler_hooks(
             kv, engine_id=self.engine_id, host=self.host, tp_size=engine.tp_size, dp_rank=engine.dp_rank,
-            block_size=engine.block_size, announce_sends=kv.is_producer,
+            dp_size=engine.dp_size, block_size=engine.block_size, announce_sends=kv.is_producer,
         )
         # producer: finished sequences seen (ATOM reports some twice), and ids whose blocks ATOM may free now
         self._finished: BoundedSet[int] = BoundedSet(_REMEMBERED)
@@ -233,7 +247,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         the prompt's blocks while consumers read them."""
         sid = seq.id
         aborted = seq.status == SequenceStatus.ABORTED or getattr(seq, "leave_reason", None) == "aborted"
-        self._matched.pop(sid, None)
+        was_matched = self._matched.pop(sid, None) is not None
         if self.is_producer:
             if sid in self._finished:
                 return  # ATOM calls twice for a streamed request (stream output, then the finish loop)
@@ -246,9 +260,15 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
             if not delay:
                 self._free_now.append(sid)
             return
-        self._loaded.pop(sid, None)
+        if not was_matched and not seq.block_table and not self._tracked(sid):
+            self._release_unloaded(seq)  # ended while queued (ATOM with docs/atom-upstream.md reports it here)
+            return
+        never_ran = self._loaded.pop(sid, None) is not None  # a loaded request leaves _loaded when it runs
         self._local.discard(sid)
         delay, _ = self._hooks.request_finished(str(sid), list(seq.block_table), aborted=aborted)
+        if never_ran:
+            self._deallocate(seq)  # ended while queued after its load: ATOM frees only what ran
+            return
         if delay and self._parked.pop(sid, None) is not None:
             self._draining[sid] = seq
 
@@ -258,6 +278,26 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         if self.is_producer:
             return seq.id in self._finished
         return seq.id in self._draining
+
+    def _ended_while_queued(self, seqs: list) -> None:
+        """What ATOM's ``take_rejected()`` returned: requests it ended in ``schedule()`` while they
+        waited (aborted, or unschedulable), without telling the connector."""
+        for seq in seqs:
+            if not self._tracked(seq.id) and not seq.block_table:
+                self._release_unloaded(seq)
+        self._reconcile()  # the ones it knew (matched, parked, loaded) are FINISHED now
+
+    def _tracked(self, sid: int) -> bool:
+        return sid in self._matched or sid in self._parked or sid in self._loaded or sid in self._draining
+
+    def _release_unloaded(self, seq: Any) -> None:
+        """A remote-prefill request that ends before its load was queued: the producer frees its blocks now,
+        not when their lease expires."""
+        params = seq.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            logger.info("ATOM seq %s (request %s) ended before its KV load (%s); releasing the prefill's blocks",
+                        seq.id, getattr(seq, "external_request_id", None), getattr(seq, "leave_reason", None))
+            self._hooks.request_rejected(params)
 
     # ------------------------------------------------------------------
     def _reconcile(self) -> None:
@@ -324,31 +364,28 @@ def _decode_leg_params(seq: Any, params: dict) -> dict:
     return out
 
 
-def _constructing_block_manager(max_depth: int = 12) -> Any:
-    """The ``block_manager`` of the ATOM ``Scheduler`` whose ``__init__`` is building this connector.
+def _watch_rejections(scheduler: Any, ended: Any) -> None:
+    """Route what ATOM's ``take_rejected()`` returns through ``ended`` too (ATOM's engine core calls it after
+    every ``schedule()``); checked by :func:`~.contract.check_scheduler` first."""
+    take = scheduler.take_rejected
 
-    ATOM main creates ``self.block_manager`` first and the connector later in
-    ``Scheduler.__init__`` (through ``get_kvconnector`` and the factory), so
-    the nearest caller frame whose ``self`` has a ``block_manager`` with
-    ``deallocate`` and a ``waiting`` queue is that scheduler.
-    """
-    frame = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        bm = getattr(owner, "block_manager", None) if owner is not None else None
-        if bm is not None and callable(getattr(bm, "deallocate", None)) and hasattr(owner, "waiting"):
-            return bm
-        frame = frame.f_back
-    return None
+    def take_rejected() -> list:
+        seqs = take()
+        if seqs:
+            try:
+                ended(seqs)
+            except Exception:  # never break ATOM's engine step; the prefill's lease frees its blocks instead
+                logger.exception("atom_kv: could not release the prefill blocks of requests ATOM ended while queued")
+        return seqs
+
+    scheduler.take_rejected = take_rejected
 
 
 class _Announcer:
     """Registers the engine with atom-kv's proxies once ATOM's HTTP server accepts connections.
 
     ATOM builds its scheduler before its HTTP server listens; pinging earlier
-    would send requests to a port nobody answers yet.
+    would have the proxy probe a port nobody answers yet.
     """
 
     def __init__(self, owner: AtomKVScheduler, engine: AtomEngine) -> None:
@@ -361,31 +398,8 @@ class _Announcer:
         self._pinger = engine_hooks.build_registration_pinger(
             kv, role="P" if kv.is_producer else "D", index=str(self.http_port), http_host=owner.host,
             http_port=self.http_port, tp_size=engine.tp_size, dp_size=engine.dp_size, engine_id=owner.engine_id,
-            model=engine.model,
-        )
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="atom-kv-announce", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        waited = 0.0
-        while not self._stop.is_set():
-            try:
-                socket.create_connection((self.host, self.http_port), timeout=1.0).close()
-                break
-            except OSError:
-                pass
-            self._stop.wait(0.5)
-            waited += 0.5
-            if waited in (30.0, 120.0):
-                logger.warning("atom_kv: ATOM's HTTP server is still not accepting connections on %s:%d after "
-                               "%.0f s; check that kv_transfer_config's http_port equals ATOM's --server-port "
-                               "and that the server listens on %s (ATOM_HOST_IP)", self.host, self.http_port,
-                               waited, self.host)
-        if not self._stop.is_set():
-            self._pinger.start()
+            model=engine.model, wait_until_serving=True,
+        ).start()
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
         self._pinger.close()

@@ -19,6 +19,8 @@ __all__ = ["AtomEngine", "advertised_host", "require_completion_contract"]
 
 #: The ATOM commit this adapter was written and tested against.
 ATOM_COMMIT_READ = "ffdf3bb5d"
+#: ATOM's own connectors read a missing ``kv_role`` as a producer; under ATOM, so does atom-kv.
+ATOM_DEFAULT_ROLE = "kv_producer"
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class AtomEngine:
                 raise ConfigError(f"kv-transfer-config: invalid JSON: {exc.msg}") from None
         if not isinstance(raw, dict) or not raw:
             raise ConfigError("kv-transfer-config: ATOM built the atom_kv connector without a --kv-transfer-config")
-        kv = KVTransferConfig.from_dict(dict(raw))
+        kv = KVTransferConfig.from_dict(dict(raw), default_role=ATOM_DEFAULT_ROLE)
         parallel = getattr(config, "parallel_config", None)
         model = str(getattr(config, "model", "") or "")
         return cls(

@@ -69,7 +69,8 @@ class AtomKVWorker(KVConnectorBase):
         # as an engine nobody can have KV from (a restarted producer is found out).
         hooks = engine_hooks.build_worker_hooks(
             engine.kv, engine_id=f"starting-{uuid.uuid4().hex[:12]}", host=self.host, tp_rank=self.tp_rank,
-            tp_size=self.tp_size, dp_rank=self.dp_rank, compat=caches.compat,
+            tp_size=self.tp_size, dp_rank=self.dp_rank, dp_size=max(engine.dp_size, self.dp_rank + 1),
+            compat=caches.compat,
         )
         try:
             hooks.register_kv_caches(caches.layers)

