@@ -28,7 +28,7 @@ needs_nixl = pytest.mark.skipif(bool(nixl_probe.nixl_unavailable_reason()),
 
 def _pair(**config):
     """A serving and a reading backend in this process, the reader connected."""
-    cfg = KVTransferConfig.from_dict({"backend": "nixl", "transfer_timeout_s": 5.0, **config})
+    cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "nixl", "transfer_timeout_s": 5.0, **config})
     src = np.random.default_rng(3).integers(0, 256, NBLOCKS * BLOCK, dtype=np.uint8)
     dst = np.zeros_like(src)
     server = create_backend("nixl", cfg, key="serve")
@@ -76,7 +76,7 @@ def test_plan_maps_blocks_to_prepared_rows():
 def test_missing_nixl_is_one_line_with_the_install_command(monkeypatch):
     monkeypatch.setattr(nixl_probe, "MODULES", ("atom_kv_no_such_nixl._api",))
     with pytest.raises(BackendUnavailable) as info:
-        create_backend("nixl", KVTransferConfig.from_dict({"backend": "nixl"}))
+        create_backend("nixl", KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "nixl"}))
     message = str(info.value)
     assert "\n" not in message and 'pip install "atom-kv[nixl]"' in message, message
 
@@ -99,7 +99,7 @@ def test_unknown_plugin_is_refused_in_one_line():
     if nixl_probe.nixl_unavailable_reason():
         pytest.skip(nixl_probe.nixl_unavailable_reason())
     with pytest.raises(BackendUnavailable, match="NO_SUCH_PLUGIN") as info:
-        create_backend("nixl", KVTransferConfig.from_dict({"backend": "nixl", "nixl_plugins": ["NO_SUCH_PLUGIN"]}))
+        create_backend("nixl", KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "nixl", "nixl_plugins": ["NO_SUCH_PLUGIN"]}))
     assert "\n" not in str(info.value)
 
 
@@ -153,7 +153,7 @@ def _listening_tcp_addresses() -> set[str]:
 def test_a_loopback_backend_listens_on_loopback_only(monkeypatch):
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)  # restored when the test ends
     before = _listening_tcp_addresses()
-    backend = create_backend("nixl", KVTransferConfig.from_dict({"backend": "nixl"}), host="127.0.0.1")
+    backend = create_backend("nixl", KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "nixl"}), host="127.0.0.1")
     try:
         opened = _listening_tcp_addresses() - before
         assert os.environ.get("UCX_NET_DEVICES") == "lo"
@@ -171,7 +171,7 @@ def test_auto_reads_gpu_memory_from_another_host_through_nixl():
     reason = gpu_unavailable_reason() or nixl_probe.nixl_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    cfg = KVTransferConfig.from_dict({"backend": "auto", "transfer_timeout_s": 5.0})
+    cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "auto", "transfer_timeout_s": 5.0})
     server, reader = create_backend("auto", cfg, key="serve"), create_backend("auto", cfg, key="read")
     try:
         src, sptr, smem = place(pattern(NBLOCKS * BLOCK), "cuda")
