@@ -606,6 +606,11 @@ TransferId = Annotated[
 BlockIds = Annotated[list[NonNegativeInt], msgspec.Meta(min_length=1, description="a non-empty list of block numbers")]
 
 
+#: an engine's ``/health`` ``kv_features`` entry: as a decode engine it continues from
+#: ``first_token_ids`` (never recomputes the prefill's token) and honours ``first_token_sent``
+KV_FEATURE_FIRST_TOKEN = "first_token"
+
+
 class KVTransferParams(msgspec.Struct, kw_only=True):
     """The ``kv_transfer_params`` of one completion request or response.
 
@@ -614,6 +619,10 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     request carry the producer's coordinates (``remote_*``, ``tp_size``,
     ``dp_rank``, ``transfer_id``). Every key is optional here; unknown keys
     are ignored (other routers add their own). :meth:`from_dict` validates.
+    Hints the connector does not act on stay outside this schema, so a bad
+    one never costs the request its remote KV: ``first_token_ids`` (the
+    prefill's sampled token) and ``first_token_sent`` (the proxy streamed it),
+    checked by the engine that uses them (see :data:`KV_FEATURE_FIRST_TOKEN`).
     """
 
     do_remote_decode: bool = False

@@ -41,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-prefill", type=int, default=1, choices=[1, 2])
     parser.add_argument("--tp-decode", type=int, default=1, choices=[1, 2])
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="print where the time to first token goes, span by span (see atom_kv.bench.breakdown)")
+    parser.add_argument("--breakdown-tokens", default="64,2000", help="--breakdown: prompt sizes in tokens")
+    parser.add_argument("--concurrency", default="1,16", help="--breakdown: concurrency levels")
+    parser.add_argument("--rounds", type=int, default=3, help="--breakdown: alternating P/D and colocated rounds")
+    parser.add_argument("--proxy-arg", action="append", help="--breakdown: an extra proxy flag (repeatable)")
 
 
 def _prompt(size: int, salt: int) -> str:
@@ -142,6 +148,10 @@ def _measure(cluster: Cluster, size: int, args: argparse.Namespace) -> dict[str,
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.breakdown:
+        from atom_kv.bench.breakdown import run_breakdown
+
+        return run_breakdown(args)
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     blocks = (max(sizes) + args.max_tokens + 64) // 16 + 64
     extra = ["--max-model-len", str(max(sizes) + args.max_tokens + 64), "--max-num-batched-tokens",

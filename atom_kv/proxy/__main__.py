@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-release", dest="release_prefills", action="store_false",
                    help="do not send releases to prefill engines for abandoned prefills (for engines that do not "
                         "speak atom-kv's handshake port; their blocks then wait for their lease)")
+    g.add_argument("--no-first-token-forwarding", dest="first_token_forwarding", action="store_false",
+                   help="never stream the prefill's first token before the decode leg answers, and do not pass it "
+                        "to the decode engine (which then computes it again); by default it is streamed at once "
+                        "to clients of decode engines announcing the first_token feature")
     g.add_argument("--registration-window", type=_positive, default=d.registration_window_s,
                    help="seconds a signed ping's timestamp may differ from now; nonces are remembered this long "
                         "(default %(default)s)")
@@ -211,7 +215,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         registration_token=args.registration_token, registration_window_s=args.registration_window,
         allow_open_registration=args.allow_open_registration,
-        release_prefills=args.release_prefills,
+        release_prefills=args.release_prefills, first_token_forwarding=args.first_token_forwarding,
         max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
         static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
         probe_interval_s=args.probe_interval, probe_timeout=args.probe_timeout,

@@ -26,6 +26,7 @@ from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.httpserver import Exchange
 from atom_kv.proxy.metrics import ProxyMetrics, RequestRecord
 from atom_kv.proxy.relay import Relay, RelayResult
+from atom_kv.proxy.spans import RequestSpans
 
 logger = logging.getLogger(__name__)
 
@@ -58,22 +59,28 @@ def parse_body(raw: bytes | bytearray) -> dict[str, Any]:
 class _RecordedSink:
     """The client's side of a streamed answer, counting its first byte and its end."""
 
-    __slots__ = ("_exchange", "_record", "_status", "_first")
+    __slots__ = ("_exchange", "_record", "_status", "_first", "_spans")
 
-    def __init__(self, exchange: Exchange, record: RequestRecord, status: int) -> None:
+    def __init__(self, exchange: Exchange, record: RequestRecord, status: int, spans: RequestSpans | None) -> None:
         self._exchange = exchange
         self._record = record
         self._status = status
         self._first = True
+        self._spans = spans
 
     def write(self, data: bytes) -> None:
+        self._exchange.write(data)
         if self._first:
             self._first = False
             self._record.first_byte()
-        self._exchange.write(data)
+            if self._spans is not None:
+                self._spans.first_write()
 
     def end(self, data: bytes = b"") -> None:
         self._exchange.end(data)
+        if self._first and self._spans is not None:
+            self._first = False
+            self._spans.first_write()
         self._record.finish(self._status)
 
     def flush_head(self) -> None:
@@ -107,7 +114,8 @@ class CompletionsHandler:
         try:
             body = parse_body(exchange.body_view())  # in place, then the raw bytes go
             exchange.drop_body()
-            result = await self.relay.relay(path, body, request_id, exchange.header(b"authorization"))
+            result = await self.relay.relay(path, body, request_id, exchange.header(b"authorization"),
+                                            received=record.t0)
         except ProxyError as err:
             self._send_error(exchange, err, request_id, record)
             return
@@ -128,6 +136,8 @@ class CompletionsHandler:
         if result.stream is None:
             record.finish(result.status)
             exchange.respond(result.status, _headers(result.content_type, request_id), result.body or b"")
+            if result.spans is not None:
+                result.spans.first_write()
             return
         await self._send_stream(exchange, result, request_id, record)
 
@@ -149,7 +159,7 @@ class CompletionsHandler:
         ])
         try:
             # events go out as they arrive (see DecodeStream): the client sees the engine's timing
-            await stream.pipe(_RecordedSink(exchange, record, result.status))
+            await stream.pipe(_RecordedSink(exchange, record, result.status, result.spans))
         except asyncio.CancelledError:
             record.client_gone()
             raise

@@ -195,6 +195,9 @@ class HealthMonitor:
                 _ROLE_WORDS["P"] | _ROLE_WORDS["D"]):
             self.health.mark_down(inst, f"the engine reports role {role!r}, registered as {ROLE_NAMES[inst.role]}")
             return False
+        features = info.get("kv_features")
+        if isinstance(features, list):
+            inst.features = frozenset(f for f in features[:32] if isinstance(f, str) and len(f) <= 64)
         if not inst.static:
             return True
         engine_id = info.get("engine_id")

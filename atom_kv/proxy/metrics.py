@@ -10,6 +10,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
+_SPAN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                 30)
+
 CLIENT_CLOSED = 499  # nginx's status for "the client went away first"
 
 
@@ -36,6 +39,10 @@ class ProxyMetrics:
             "atom_kv_proxy_time_to_first_byte_seconds", "Time from request arrival to the first response byte",
             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.spans = Histogram(
+            "atom_kv_proxy_span_seconds", "Time to first token, span by span (see atom_kv.proxy.spans)",
+            ["span"], buckets=_SPAN_BUCKETS, registry=r,
+        )
         self.instances = Gauge("atom_kv_proxy_instances", "Usable instances by role", ["role"], registry=r)
         self.evictions = Counter(
             "atom_kv_proxy_evictions", "Instances evicted for missing heartbeats (or failed probes)", ["role"],
@@ -44,6 +51,10 @@ class ProxyMetrics:
         self.marked_down = Counter(
             "atom_kv_proxy_marked_down", "Instances taken out of routing after a connection-level failure",
             ["role"], registry=r,
+        )
+        self.first_tokens_forwarded = Counter(
+            "atom_kv_proxy_first_tokens_forwarded", "Streamed requests whose first token went to the client "
+            "from the prefill's answer, before the decode leg answered", registry=r,
         )
         self.retries = Counter("atom_kv_proxy_retries", "Re-planned P/D pairs after an upstream failure", registry=r)
         self.abandoned_prefills = Counter(

@@ -131,6 +131,7 @@ class Instance:
     last_seen: float = 0.0
     last_seen_wall: float = 0.0
     max_model_len: int | None = None  # from the engine's /v1/models
+    features: frozenset[str] = frozenset()  # the engine's /health ``kv_features`` (e.g. "first_token")
     tokenize: bool | None = None  # None: not asked yet; False: the engine has no /tokenize
     inflight: int = 0
     outstanding_tokens: list[int] = field(default_factory=list)
@@ -192,6 +193,7 @@ class Instance:
             "port": self.http_port,
             "handshake_port": self.handshake_port,
             "notify_port": self.notify_port,
+            "features": sorted(self.features),
             "tp_size": self.tp_size,
             "dp_size": self.dp_size,
             "index": self.index,

@@ -29,6 +29,7 @@ import msgspec
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
+from atom_kv.proxy.first_token import FirstTokenStream, first_token_events, forwardable
 from atom_kv.proxy.health import UpstreamHealth
 from atom_kv.proxy.legs import decode_request, prefill_request, wants_stream_usage
 from atom_kv.proxy.metrics import ProxyMetrics
@@ -39,18 +40,21 @@ from atom_kv.proxy.policies import (
 from atom_kv.proxy.registry import ROLE_NAMES, Instance, Registry, Role
 from atom_kv.proxy.release import ProducerAddress, Releaser
 from atom_kv.proxy.settings import ProxySettings
+from atom_kv.proxy.spans import RequestSpans
 from atom_kv.proxy.sse import EventFramer, patch_usage
 from atom_kv.proxy.stream import DecodeStream, ResponseStream
 from atom_kv.proxy.upstream import (
     UpstreamConnectTimeout, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout,
 )
 from atom_kv.proxy.validation import context_length_error, could_overflow, requested_max_tokens
+from atom_kv.server_timing import HEADER as SERVER_TIMING
 
 logger = logging.getLogger(__name__)
 
 _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
 _KV_FAILURE = KV_TRANSFER_FAILURE_HEADER.lower()
+_SERVER_TIMING = SERVER_TIMING.lower()
 
 
 class _Retryable(Exception):
@@ -72,6 +76,7 @@ class RelayResult:
     content_type: str
     body: bytes | None = None
     stream: ResponseStream | None = None
+    spans: RequestSpans | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class _Request:
     auth: str | None
     ctx: RouteContext
     max_tokens: int | None
+    spans: RequestSpans
     key: int = 0  # this relay's own number for the request: what an instance's breaker counts once
 
 
@@ -164,13 +170,15 @@ class Relay:
         return ProxyError(503, f"all {len(live)} {name} instance(s) are unhealthy (circuit open)")
 
     # ------------------------------------------------------------------ relay
-    async def relay(self, path: str, body: dict[str, Any], request_id: str, auth: str | None) -> RelayResult:
-        """Run one completion request; raises ProxyError / UpstreamResponseError for error replies."""
+    async def relay(self, path: str, body: dict[str, Any], request_id: str, auth: str | None,
+                    received: float | None = None) -> RelayResult:
+        """Run one completion request; raises ProxyError / UpstreamResponseError for error replies.
+        ``received``: when the request arrived (``time.perf_counter()``), where its spans start."""
         max_tokens = requested_max_tokens(body)  # before anything is spent
         text = prompt_text(body)
         tokens = estimate_prompt_tokens(body, text)
         req = _Request(path, body, request_id, auth, RouteContext(text, tokens), max_tokens,
-                       next(self._request_keys))
+                       RequestSpans(self.metrics, received), next(self._request_keys))
         exclude: dict[str, set[tuple[str, str]]] = {"P": set(), "D": set()}
         last_error: ProxyError | None = None
         rejected: list[_Retryable] = []
@@ -219,13 +227,22 @@ class Relay:
             await self._check_context(req, p, d)
             stage = "prefill"
             try:
-                prefill_kv, prompt_tokens = await self._prefill(req, p, d, transfer_id)
+                prefill_kv, prompt_tokens, answer = await self._prefill(req, p, d, transfer_id)
             finally:
                 p.credit()
             used = prefill_kv.get("transfer_id")
             if isinstance(used, str) and used:
                 transfer_id = used  # the producer's own id if it did not adopt ours
             stage = "decode"
+            early = self._first_token_events(req, d, prefill_kv, answer)
+            if early is not None:
+                stage = "handed_off"  # the decode leg's own task abandons the prefill if it fails
+                result = RelayResult(200, "text/event-stream", spans=req.spans, stream=FirstTokenStream(
+                    early, self._decode_after_first_token(req, p, d, prefill_kv, transfer_id, prompt_tokens),
+                    req.request_id))
+                req.spans.ready()
+                self.metrics.first_tokens_forwarded.inc()
+                return result
             resp = await self._open_decode(req, p, d, prefill_kv, transfer_id)
             stage = "handed_off"  # the decode engine owns the prefill's KV from here on
             result = await self._respond(resp, req, d, prompt_tokens, lambda: self._abandon_prefill(
@@ -357,9 +374,11 @@ class Relay:
         detail = str(exc) or type(exc).__name__
         return _Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {detail}"), pick.inst, "unreachable")
 
-    async def _prefill(self, req: _Request, p: Pick, d: Pick, transfer_id: str) -> tuple[dict[str, Any], int | None]:
+    async def _prefill(self, req: _Request, p: Pick, d: Pick,
+                       transfer_id: str) -> tuple[dict[str, Any], int | None, dict[str, Any]]:
         payload = _json_encoder.encode(prefill_request(req.body, d.inst, d.rank, transfer_id, p.inst, p.rank))
         started = time.perf_counter()
+        req.spans.prefill_sent()
         try:
             resp = await self.pool.request(p.inst.host, p.inst.http_port,
                                            self._leg_head(req, p.inst, p.rank, len(payload)), payload,
@@ -370,6 +389,7 @@ class Relay:
         except UpstreamError as exc:
             raise self._transport_error(exc, p, "prefill", req) from None
         self.metrics.prefill_duration.observe(time.perf_counter() - started)
+        req.spans.prefill_answered(resp.header(_SERVER_TIMING))
         try:
             answer = _json_decoder.decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
@@ -385,12 +405,66 @@ class Relay:
         usage = answer.get("usage")
         prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         logger.debug("[%s] prefill done on %s rank %d", req.request_id, p.inst.base_url, p.rank)
-        return kv, prompt_tokens if isinstance(prompt_tokens, int) else None
+        return kv, prompt_tokens if isinstance(prompt_tokens, int) else None, answer
+
+    # ------------------------------------------------------------------ first-token forwarding
+    def _first_token_events(self, req: _Request, d: Pick, prefill_kv: dict[str, Any],
+                            answer: dict[str, Any]) -> bytes | None:
+        """The client's first event(s) when this pair and request forward the prefill's token, else None."""
+        if not self.settings.first_token_forwarding or not forwardable(req.body, d.inst.features, prefill_kv):
+            return None
+        return first_token_events(answer, chat=req.path.endswith("/chat/completions"))
+
+    async def _decode_after_first_token(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
+                                        transfer_id: str, prompt_tokens: int | None) -> ResponseStream:
+        """The decode leg of a request whose first token is out: owns the abandon and the decode
+        pick's credit until its stream takes them over. The client has seen a byte, so the pair
+        is not re-planned; a decode engine that cannot be reached is replaced by another one
+        reading the same prefill (it never saw the request, so the blocks are still held), up to
+        ``max_retries``. Any other failure abandons the prefill and ends the stream with an error."""
+        exclude: set[tuple[str, str]] = set()
+        for attempt in range(self.settings.max_retries + 1):
+            try:
+                resp = await self._open_decode(req, p, d, prefill_kv, transfer_id, first_token_sent=True)
+                break
+            except _Retryable as exc:
+                d.credit()
+                exclude.add(d.inst.key)
+                nxt = (self._pick("D", exclude, req.ctx, d.tokens)
+                       if exc.kind == "unreachable" and attempt < self.settings.max_retries else None)
+                if nxt is None or nxt.inst.key in exclude:
+                    if nxt is not None:
+                        nxt.credit()
+                    self._abandon_prefill(transfer_id, p, _abandon_reason("decode", exc), prefill_kv)
+                    raise
+                self.metrics.retries.inc()
+                logger.warning("[%s] decode leg failed after the first token (%s); trying %s", req.request_id,
+                               exc.error.message, nxt.inst.base_url)
+                d = nxt
+            except BaseException as exc:
+                self._abandon_prefill(transfer_id, p, _abandon_reason("decode", exc), prefill_kv)
+                d.credit()
+                raise
+        try:
+            result = await self._respond(resp, req, d, prompt_tokens, lambda: self._abandon_prefill(
+                transfer_id, p, "client_stalled", prefill_kv))
+        except BaseException:
+            d.credit()
+            raise
+        if result.stream is None:
+            d.credit()
+            raise ProxyError(502, f"decode instance {d.inst.base_url} answered a streamed request without a stream")
+        return result.stream
 
     async def _open_decode(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
-                           transfer_id: str) -> UpstreamResponse:
-        payload = _json_encoder.encode(decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id,
-                                                            d.inst, d.rank))
+                           transfer_id: str, first_token_sent: bool = False) -> UpstreamResponse:
+        body = decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id, d.inst, d.rank)
+        if first_token_sent:
+            body["kv_transfer_params"]["first_token_sent"] = True
+        elif not self.settings.first_token_forwarding:
+            body["kv_transfer_params"].pop("first_token_ids", None)  # the decode engine computes it again
+        payload = _json_encoder.encode(body)
+        req.spans.decode_sent(after_prefill=True)
         try:
             resp = await self.pool.request(d.inst.host, d.inst.http_port,
                                            self._leg_head(req, d.inst, d.rank, len(payload)), payload,
@@ -406,6 +480,7 @@ class Relay:
                 raise self._transport_error(exc, d, "decode", req) from None
             finally:
                 resp.close()
+        req.spans.decode_answered(resp.header(_SERVER_TIMING))
         return resp
 
     async def _prefill_side_failure(self, resp: UpstreamResponse, p: Pick, d: Pick, req: _Request) -> None:
@@ -435,10 +510,11 @@ class Relay:
             self.health.succeeded(d.inst)
             if prompt_tokens is not None and ctype.startswith("application/json"):
                 data = self._patch_json_usage(data, prompt_tokens)
-            return RelayResult(resp.status, ctype, body=data)
+            return RelayResult(resp.status, ctype, body=data, spans=req.spans)
         framer = EventFramer(prompt_tokens if prompt_tokens is not None and wants_stream_usage(req.body) else None)
         return RelayResult(resp.status, ctype, stream=DecodeStream(resp, req.request_id, d, self.health, framer,
-                                                                   self.settings.sse_split_max, on_release))
+                                                                   self.settings.sse_split_max, on_release),
+                           spans=req.spans)
 
     @staticmethod
     def _patch_json_usage(data: bytes, prompt_tokens: int) -> bytes:

@@ -32,6 +32,9 @@ class ProxySettings:
     # registration
     registration_token: str | None = None  # also signs releases: the engines' auth_token (one cluster secret)
     release_prefills: bool = True  # tell a prefill engine when its KV will not be read (atom-kv engines)
+    # stream the prefill's first token at once where the decode engine continues from it (kv_features);
+    # off: the decode leg gets no first_token_ids (it computes the first token again, as before)
+    first_token_forwarding: bool = True
     registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
     allow_open_registration: bool = False  # unsigned pings on a non-loopback discovery address (operator's choice)
     admin_token: str | None = None  # bearer token for /instances and /metrics (None: open)

@@ -97,6 +97,7 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            vocab_size=args.model_config().vocab_size,
         )
         self._closed = False
 
@@ -259,7 +260,8 @@ class EngineCore:
             if req is None or logits is None:
                 continue
             self.counters["prompt_tokens"] += max(0, min(len(c.token_ids), req.num_prompt - c.start_pos))
-            sampled[c.request_id] = self._sampler.sample(c.request_id, logits[i], req.temperature, req.seed)
+            sampled[c.request_id] = self._sampler.sample(c.request_id, logits[i], req.temperature, req.seed,
+                                                         position=len(req.output_ids))
         outputs = self.scheduler.update_from_output(sampled, now)
         self.counters["generation_tokens"] += len(sampled)
         progressed = False

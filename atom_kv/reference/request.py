@@ -47,6 +47,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_external_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    admitted_time: Optional[float] = None  # blocks allocated
+    kv_ready_time: Optional[float] = None  # consumer: every rank finished reading the remote KV
     first_token_time: Optional[float] = None
     stopper: StopChecker = field(init=False)
 
@@ -60,6 +62,19 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def spans(self) -> dict[str, float]:
+        """Where the time to this request's first token went, in seconds (for ``Server-Timing``):
+        ``queue`` (arrival to blocks) and ``compute`` (to the first token), or for a request
+        that loaded remote KV ``admission``, ``kv_wait`` (handshake, reads, confirmation) and
+        ``first_step``. Empty before the first token."""
+        admitted, first = self.admitted_time, self.first_token_time
+        if admitted is None or first is None:
+            return {}
+        if self.kv_ready_time is not None:
+            return {"admission": admitted - self.arrival_time, "kv_wait": self.kv_ready_time - admitted,
+                    "first_step": first - self.kv_ready_time}
+        return {"queue": admitted - self.arrival_time, "compute": first - admitted}
 
 
 @dataclass

@@ -12,12 +12,14 @@ never fit is rejected up front. Blocks whose KV is lent to a remote reader
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 from atom_kv.engine_hooks import SchedulerEvents, SchedulerHooks
 from atom_kv.reference.block_manager import BlockManager
+from atom_kv.reference.first_token import attach_first_token, prefilled_token
 from atom_kv.reference.request import Request, RequestError, RequestOutput, RequestState
 
 __all__ = ["Scheduler", "ScheduledChunk", "SchedulerOutput"]
@@ -52,12 +54,14 @@ class Scheduler:
         max_model_len: int,
         max_num_batched_tokens: int,
         hooks: Optional[SchedulerHooks] = None,
+        vocab_size: int = 256,
     ) -> None:
         self.blocks = BlockManager(num_blocks, block_size)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.hooks = hooks
+        self.vocab_size = vocab_size
         self.waiting: deque[Request] = deque()
         self.waiting_remote: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
@@ -115,6 +119,7 @@ class Scheduler:
                 break  # this step already carries a prefill; the next one waits a step
             self.waiting.popleft()
             head.block_ids = self.blocks.allocate(self.blocks.blocks_for(head.num_prompt + head.max_tokens))
+            head.admitted_time = time.monotonic()
             if self._start_remote_load(head):
                 continue
             head.state = RequestState.RUNNING
@@ -156,25 +161,30 @@ class Scheduler:
             if req is None:
                 continue  # aborted during the step
             req.num_computed = req.num_prompt + len(req.output_ids)
-            req.output_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            step = req.stopper.push(token)
-            out = RequestOutput(
-                rid,
-                new_token_ids=step.release,
-                num_prompt_tokens=req.num_prompt,
-                num_output_tokens=len(req.output_ids),
-            )
-            if step.stopped:
-                out.finished, out.finish_reason, out.stop_reason = True, "stop", step.stop_reason
-            elif len(req.output_ids) >= req.max_tokens:
-                out.new_token_ids += req.stopper.flush()
-                out.finished, out.finish_reason = True, "length"
-            if out.finished:
-                out.kv_transfer_params = self._finish(req, aborted=False)
-            outputs.append(out)
+            outputs.append(self._append_token(req, token, now))
         return outputs
+
+    def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
+        """Record one new token of a running request; finish it on a stop or at ``max_tokens``."""
+        rid = req.request_id
+        req.output_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        step = req.stopper.push(token)
+        out = RequestOutput(
+            rid,
+            new_token_ids=step.release,
+            num_prompt_tokens=req.num_prompt,
+            num_output_tokens=len(req.output_ids),
+        )
+        if step.stopped:
+            out.finished, out.finish_reason, out.stop_reason = True, "stop", step.stop_reason
+        elif len(req.output_ids) >= req.max_tokens:
+            out.new_token_ids += req.stopper.flush()
+            out.finished, out.finish_reason = True, "length"
+        if out.finished:
+            out.kv_transfer_params = attach_first_token(self._finish(req, aborted=False), req)
+        return out
 
     # ------------------------------------------------------------------ ending
     def _finish(self, req: Request, *, aborted: bool) -> Optional[dict]:
@@ -231,10 +241,17 @@ class Scheduler:
             req = self.waiting_remote.pop(rid, None)
             if req is None:
                 continue
-            # All prompt KV is here; recompute only the last prompt token for the first logits.
-            req.num_computed = min(req.num_external_tokens, req.num_prompt - 1)
+            req.kv_ready_time = time.monotonic()
             req.state = RequestState.RUNNING
             self.running[rid] = req
+            first = prefilled_token(req, self.vocab_size)
+            if first is not None:
+                # continue from the prefill's token: the next step computes its position
+                req.num_computed = req.num_prompt
+                outputs.append(self._append_token(req, first, req.kv_ready_time))
+                continue
+            # All prompt KV is here; recompute only the last prompt token for the first logits.
+            req.num_computed = min(req.num_external_tokens, req.num_prompt - 1)
         for rid in events.recompute:
             req = self.waiting_remote.pop(rid, None)
             if req is None:

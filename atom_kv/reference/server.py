@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from typing import Any, Optional
 
@@ -18,6 +19,8 @@ from aiohttp import web
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER, error_body
 from atom_kv.reference.dp import DataParallelEngine
+from atom_kv.reference.first_token import FEATURE as FIRST_TOKEN
+from atom_kv.reference.first_token import first_token_sent
 from atom_kv.reference.metrics import EngineMetrics
 from atom_kv.reference.openai_protocol import (
     GenerateParams,
@@ -30,6 +33,8 @@ from atom_kv.reference.openai_protocol import (
 )
 from atom_kv.reference.request import Request, RequestError, RequestOutput
 from atom_kv.reference.tokenizer import ByteTokenizer, IncrementalDetokenizer
+from atom_kv.server_timing import HEADER as SERVER_TIMING
+from atom_kv.server_timing import format_server_timing
 
 __all__ = ["OutputRouter", "OpenAIServer"]
 
@@ -83,6 +88,13 @@ def _with_side(headers: dict[str, str], out: RequestOutput) -> dict[str, str]:
     if out.error_side is None:
         return headers
     return {**headers, KV_TRANSFER_FAILURE_HEADER: out.error_side}
+
+
+def _timed(headers: dict[str, str], req: Request) -> dict[str, str]:
+    """``headers`` plus ``Server-Timing`` with the request's spans to its first token (the engine
+    thread set them before it delivered the output that got us here)."""
+    spans = req.spans()
+    return {**headers, SERVER_TIMING: format_server_timing(spans)} if spans else headers
 
 
 class _ClientGone(Exception):
@@ -142,6 +154,7 @@ class OpenAIServer:
             "engine_id": self.engine.engine_id,
             "tp_size": self.engine.args.tp,
             "dp_size": self.engine.dp_size,
+            "kv_features": [FIRST_TOKEN] if self.engine.role != "colocated" else [],
             "kv_blocks": {"total": total("kv_total"), "free": total("kv_free"), "held": total("kv_held")},
             "requests": {"running": total("running"), "waiting": total("waiting"),
                          "waiting_remote_kv": total("waiting_remote")},
@@ -182,6 +195,7 @@ class OpenAIServer:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrival = time.monotonic()
         client_rid = request.headers.get("X-Request-Id")
         suffix = uuid.uuid4().hex[:12]
         rid = f"{client_rid}-{suffix}" if client_rid else f"{'chatcmpl' if chat else 'cmpl'}-{suffix}"
@@ -200,7 +214,7 @@ class OpenAIServer:
         req = Request(request_id=rid, prompt_ids=params.prompt_ids, max_tokens=params.max_tokens,
                       temperature=params.temperature, seed=params.seed,
                       kv_transfer_params=params.kv_transfer_params, stop=params.stop,
-                      stop_token_ids=params.stop_token_ids)
+                      stop_token_ids=params.stop_token_ids, arrival_time=arrival)
         queue = self.router.register(rid)
         finished = False
         try:
@@ -214,9 +228,9 @@ class OpenAIServer:
             log.debug("request %s: %d prompt tokens, max_tokens %d, stream=%s, dp rank %d", rid,
                       len(params.prompt_ids), params.max_tokens, params.stream, rank)
             if params.stream:
-                resp, finished = await self._stream(request, queue, rid, params, chat, headers)
+                resp, finished = await self._stream(request, queue, req, params, chat, headers)
                 return resp
-            resp, finished = await self._collect(request, queue, rid, params, chat, headers)
+            resp, finished = await self._collect(request, queue, req, params, chat, headers)
             return resp
         except _ClientGone:
             log.info("request %s: client disconnected", rid)
@@ -236,8 +250,9 @@ class OpenAIServer:
                 if transport is None or transport.is_closing():
                     raise _ClientGone() from None
 
-    async def _collect(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", rid: str,
+    async def _collect(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", req: Request,
                        params: GenerateParams, chat: bool, headers: dict[str, str]) -> tuple[web.Response, bool]:
+        rid = req.request_id
         token_ids: list[int] = []
         while True:
             out = await self._next(request, queue)
@@ -250,16 +265,17 @@ class OpenAIServer:
                     finish_reason=out.finish_reason, prompt_tokens=len(params.prompt_ids),
                     completion_tokens=out.num_output_tokens, created=now_s(),
                     kv_transfer_params=out.kv_transfer_params, stop_reason=out.stop_reason)
-                return _json(body, headers=headers), True
+                return _json(body, headers=_timed(headers, req)), True
 
-    async def _stream(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", rid: str,
+    async def _stream(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", req: Request,
                       params: GenerateParams, chat: bool,
                       headers: dict[str, str]) -> tuple[web.StreamResponse, bool]:
+        rid = req.request_id
         created = now_s()
         out = await self._next(request, queue)
         if out.error:  # failed before the first token: a plain HTTP error
             return _error(out.error, out.error_status, headers=_with_side(headers, out)), True
-        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+        resp = web.StreamResponse(headers={**_timed(headers, req), "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
@@ -280,14 +296,21 @@ class OpenAIServer:
                            request: web.Request, out: RequestOutput, rid: str, params: GenerateParams,
                            chat: bool, created: int, send: Any) -> None:
         detok = IncrementalDetokenizer()
-        if chat:
+        # the proxy streamed the first token (and the chat role chunk) already: leave them out
+        skip = 1 if first_token_sent(params.kv_transfer_params) else 0
+        if chat and not skip:
             await send(chunk_body(rid=rid, model=self.model_id, chat=True, created=created, text="", finish_reason=None,
                                   role=True))
         while True:
             if out.error:
                 await send(error_body(out.error_status, out.error))
                 break
-            text = "".join(detok.push(t) for t in out.new_token_ids)
+            ids = out.new_token_ids
+            if skip:
+                for t in ids[:skip]:
+                    detok.push(t)  # its text is already out
+                ids, skip = ids[skip:], max(0, skip - len(ids))
+            text = "".join(detok.push(t) for t in ids)
             if out.finished:
                 text += detok.flush()
             if text:

@@ -43,12 +43,15 @@ class Cluster:
 
     def __init__(self, engines: list[EngineSpec], *, with_proxy: bool = True, heartbeat_timeout: float = 3.0,
                  ping_interval_s: float = 0.5, log_dir: Optional[str] = None,
-                 proxy_args: Optional[list[str]] = None) -> None:
+                 proxy_args: Optional[list[str]] = None, extra_proxies: Optional[list[list[str]]] = None) -> None:
         self.specs = engines
         self.with_proxy = with_proxy
         self.heartbeat_timeout = heartbeat_timeout
         self.ping_interval_s = ping_interval_s
         self.proxy_args = proxy_args or []
+        self.extra_proxy_args = extra_proxies or []  # more proxies the engines register with, each with these flags
+        self.extra_proxies: list[ManagedProcess] = []
+        self.extra_ports: list[tuple[int, int]] = []  # (HTTP, discovery) of each extra proxy
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="atom-kv-cluster-")
         self.proxy: Optional[ManagedProcess] = None
         self.proxy_port = 0
@@ -69,7 +72,7 @@ class Cluster:
             "ping_interval_s": self.ping_interval_s,
         }
         if self.with_proxy and spec.register:
-            cfg["proxy_ip"] = "127.0.0.1"
+            cfg["proxy_ip"] = ",".join(f"127.0.0.1:{d}" for d in [self.discovery_port] + [d for _, d in self.extra_ports])
             cfg["proxy_ping_port"] = self.discovery_port
         cfg.update(spec.extra_config)
         return ["--kv-transfer-config", json.dumps(cfg)]
@@ -108,6 +111,14 @@ class Cluster:
                         sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.proxy_port),
                         "--discovery-host", "127.0.0.1", "--discovery-port", str(self.discovery_port),
                         "--heartbeat-timeout", str(self.heartbeat_timeout), *self.proxy_args], self.log_dir)
+                for n, args in enumerate(self.extra_proxy_args):
+                    ports = (free_port(), free_port())
+                    with interrupts_held():
+                        self.extra_proxies.append(ManagedProcess(f"proxy{n + 1}", [
+                            sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(ports[0]),
+                            "--discovery-host", "127.0.0.1", "--discovery-port", str(ports[1]),
+                            "--heartbeat-timeout", str(self.heartbeat_timeout), *args], self.log_dir))
+                        self.extra_ports.append(ports)
             self.ports = [0] * len(self.specs)
             self._configs = [self._engine_config(i) for i in range(len(self.specs))]
             for i, spec in enumerate(self.specs):
@@ -146,16 +157,21 @@ class Cluster:
     def wait_registered(self, timeout: float) -> dict:
         n_p = sum(1 for s in self.specs if s.role == "P" and s.register)
         n_d = sum(1 for s in self.specs if s.role == "D" and s.register)
+        proxies = [(self.proxy, self.proxy_url)] + list(zip(self.extra_proxies, self.extra_proxy_urls))
 
-        def ready() -> Optional[dict]:
-            if self.proxy is not None and not self.proxy.alive():
-                raise RuntimeError(f"proxy exited with {self.proxy.proc.returncode}:\n{self.proxy.tail()}")
-            status, body = http_json("GET", self.proxy_url + "/health", timeout=2.0)
+        def registered(proc: Optional[ManagedProcess], url: str) -> Optional[dict]:
+            if proc is not None and not proc.alive():
+                raise RuntimeError(f"{proc.name} exited with {proc.proc.returncode}:\n{proc.tail()}")
+            status, body = http_json("GET", url + "/health", timeout=2.0)
             if status != 200 or not isinstance(body, dict):
                 return None
             if body.get("prefill", 0) >= n_p and body.get("decode", 0) >= n_d:
                 return body
             return None
+
+        def ready() -> Optional[dict]:
+            bodies = [registered(proc, url) for proc, url in proxies]
+            return bodies[0] if all(b is not None for b in bodies) else None
 
         return wait_until(ready, timeout, what=f"{n_p} prefill and {n_d} decode engines to register with the proxy")
 
@@ -163,6 +179,10 @@ class Cluster:
     @property
     def proxy_url(self) -> str:
         return f"http://127.0.0.1:{self.proxy_port}"
+
+    @property
+    def extra_proxy_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port, _ in self.extra_ports]
 
     def engine_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.ports[i]}"
@@ -182,6 +202,8 @@ class Cluster:
             proc.stop(signalled=proc in signalled)
         if self.proxy is not None:
             self.proxy.stop()
+        for proc in self.extra_proxies:
+            proc.stop()
 
     def __enter__(self) -> "Cluster":
         return self.start()

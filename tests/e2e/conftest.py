@@ -15,6 +15,7 @@ class ColocatedReference:
         self.cluster = cluster
         self.url = cluster.engine_url(0)
         self._memo: dict[tuple, str] = {}
+        self._usage: dict[tuple, dict] = {}
 
     def text(self, prompt: str, *, chat: bool, max_tokens: int = 12) -> str:
         key = (prompt, chat, max_tokens)
@@ -22,7 +23,12 @@ class ColocatedReference:
             res: Result = generate(self.url, prompt, chat=chat, stream=False, max_tokens=max_tokens)
             assert res.status == 200 and res.error is None, res
             self._memo[key] = res.text
+            self._usage[key] = res.usage or {}
         return self._memo[key]
+
+    def usage(self, prompt: str, *, chat: bool, max_tokens: int = 12) -> dict:
+        self.text(prompt, chat=chat, max_tokens=max_tokens)
+        return self._usage[(prompt, chat, max_tokens)]
 
 
 @pytest.fixture(scope="session")

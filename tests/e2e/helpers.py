@@ -21,6 +21,7 @@ class Result:
     text: str = ""
     error: Optional[str] = None
     finish_reason: Optional[str] = None
+    usage: Optional[dict] = None
 
 
 def generate(base_url: str, prompt: str, *, chat: bool, stream: bool, max_tokens: int = 12,
@@ -52,9 +53,10 @@ def generate(base_url: str, prompt: str, *, chat: bool, stream: bool, max_tokens
             data = json.loads(resp.read())
             choice = data["choices"][0]
             text = choice["message"]["content"] if chat else choice["text"]
-            return Result(resp.status, text, finish_reason=choice["finish_reason"])
+            return Result(resp.status, text, finish_reason=choice["finish_reason"], usage=data.get("usage"))
         pieces: list[str] = []
         finish = None
+        usage = None
         done = False
         try:
             for raw_line in resp:
@@ -68,6 +70,7 @@ def generate(base_url: str, prompt: str, *, chat: bool, stream: bool, max_tokens
                 event = json.loads(payload)
                 if "error" in event:
                     return Result(resp.status, "".join(pieces), error=event["error"].get("message"))
+                usage = event.get("usage") or usage
                 for choice in event.get("choices", []):
                     piece = choice.get("delta", {}).get("content") if chat else choice.get("text")
                     pieces.append(piece or "")
@@ -76,7 +79,7 @@ def generate(base_url: str, prompt: str, *, chat: bool, stream: bool, max_tokens
             return Result(resp.status, "".join(pieces), error=f"stream broken: {exc}")
         if not done:
             return Result(resp.status, "".join(pieces), error="stream ended without [DONE]")
-        return Result(resp.status, "".join(pieces), finish_reason=finish)
+        return Result(resp.status, "".join(pieces), finish_reason=finish, usage=usage)
 
 
 def get_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:

@@ -194,6 +194,69 @@ def test_proxy_retries_on_another_pair(cluster):
     assert m.get('atom_kv_proxy_releases_total{outcome="sent"}', 0) >= 1
 
 
+# --- the first token went out from the prefill before the decode leg answered -----
+def test_first_token_streamed_then_decode_unreachable_goes_to_the_other_decode_engine(cluster, colocated):
+    """The client has its first token; the decode engine it was paired with is gone: the proxy
+    sends the decode leg to the other engine, which reads the same (still held) prefill."""
+    dead = cluster.index_of("D", 1)  # killed by the test above; back, then gone again
+    cluster.restart_engine(dead)
+    wait_until(lambda: any(i["address"].endswith(f":{cluster.ports[dead]}") and i["state"] == "up"
+                           for i in get_json(cluster.proxy_url + "/instances")[1]),
+               20, interval=0.1, what="the restarted decode engine to be routable")
+    cluster.engines[dead].kill()
+    before = scrape_metrics(cluster.proxy_url + "/metrics")
+    with ThreadPoolExecutor(2) as pool:  # round robin: one of the two goes to the dead engine first
+        results = list(pool.map(lambda i: generate(cluster.proxy_url, PROMPTS[1] + str(i), chat=False,
+                                                   stream=True, max_tokens=6, timeout=30), range(2)))
+    assert all(r.error is None for r in results), results
+    assert [r.text for r in results] == [colocated.text(PROMPTS[1] + str(i), chat=False, max_tokens=6)
+                                         for i in range(2)]
+    after = scrape_metrics(cluster.proxy_url + "/metrics")
+    forwarded = "atom_kv_proxy_first_tokens_forwarded_total"
+    assert after[forwarded] - before.get(forwarded, 0) == 2
+    assert after["atom_kv_proxy_retries_total"] > before.get("atom_kv_proxy_retries_total", 0)
+    _all_free_within(cluster, _p(cluster))
+
+
+def _stream_request(c: Cluster, prompt: str, max_tokens: int) -> tuple[http.client.HTTPConnection, bytes]:
+    """A streamed completion through the proxy, left open; returns the connection and the first event."""
+    conn = http.client.HTTPConnection("127.0.0.1", c.proxy_port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True}),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    return conn, resp.readline()
+
+
+def test_client_leaves_after_the_first_token_before_the_decode_answered(cluster):
+    """Both engines get their blocks back within 2 s of a client that read its first token (from
+    the prefill) and left while its decode leg waited in the decode engine's queue."""
+    p, d = _p(cluster), cluster.index_of("D", 0)  # one request at a time there
+    cluster.engines[cluster.index_of("D", 1)].kill()  # (dead already after the tests above)
+
+    def requests_at_d() -> dict:
+        return get_json(cluster.engine_url(d) + "/health")[1]["requests"]
+
+    busy, _ = _stream_request(cluster, PROMPTS[0] + "busy", 2000)  # keeps the decode engine's only slot
+    try:
+        wait_until(lambda: requests_at_d()["running"] >= 1, 20, interval=0.02, what="the decode engine to be busy")
+        conn, first = _stream_request(cluster, PROMPTS[2] + "leaves", 8)
+        assert first.startswith(b"data: {") and json.loads(first[6:])["choices"][0]["text"]  # from the prefill
+        wait_until(lambda: requests_at_d()["waiting"] == 1, 10, interval=0.02,
+                   what="the decode leg to wait in the decode engine's queue")
+        conn.close()  # the client leaves
+        left = time.monotonic()
+        wait_until(lambda: requests_at_d()["waiting"] == 0, RELEASE_WITHIN_S, interval=0.05,
+                   what="the decode engine to drop the request")
+        _all_free_within(cluster, p, max(0.1, RELEASE_WITHIN_S - (time.monotonic() - left)))
+    finally:
+        busy.close()
+    _all_free_within(cluster, d)
+    _all_free_within(cluster, p)
+    m = scrape_metrics(cluster.proxy_url + "/metrics")
+    assert m.get('atom_kv_proxy_abandoned_prefills_total{reason="client_gone"}', 0) >= 1
+
+
 def test_decode_engine_killed_with_requests_queued(cluster):
     p, d = _p(cluster), cluster.index_of("D", 0)  # one request at a time there
     with ThreadPoolExecutor(4) as pool:

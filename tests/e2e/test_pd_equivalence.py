@@ -1,7 +1,10 @@
 """Greedy outputs through proxy + prefill + decode equal a colocated engine's, token for token.
 
 One cluster per (prefill TP, decode TP, backend); every cluster serves
-completions and chat, streaming and not.
+completions and chat, streaming and not, in both modes: through a proxy that
+forwards the prefill's first token (the decode engine continues from it) and
+through one started with ``--no-first-token-forwarding`` (sequential legs, the
+decode engine computes the first token again).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ def cluster(request, tmp_path_factory):
                    extra_config={"abort_timeout_s": 10.0}),
         EngineSpec("D", tp=tp_d, backend=backend, num_blocks=128,
                    extra_config={"handshake_timeout_s": 3.0, "transfer_timeout_s": 3.0}),
-    ], log_dir=str(tmp_path_factory.mktemp(f"pd-{tp_p}-{tp_d}-{backend}")))
+    ], extra_proxies=[["--no-first-token-forwarding"]], log_dir=str(tmp_path_factory.mktemp(f"pd-{tp_p}-{tp_d}-{backend}")))
     c.start()
     try:
         yield c
@@ -53,20 +56,35 @@ def _blocks_all_free(c: Cluster) -> bool:
     return True
 
 
+_FORWARDED = "atom_kv_proxy_first_tokens_forwarded_total"
+_GENERATED = "atom_kv_generation_tokens_total"
+
+
+@pytest.mark.parametrize("mode", ["first_token", "sequential"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
-def test_pd_output_equals_colocated(cluster, colocated, chat, stream):
+def test_pd_output_equals_colocated(cluster, colocated, chat, stream, mode):
     d = cluster.index_of("D")
-    before = scrape_metrics(cluster.engine_url(d) + "/metrics").get("atom_kv_transfer_bytes", 0.0)
+    proxy = cluster.proxy_url if mode == "first_token" else cluster.extra_proxy_urls[0]
+    before = scrape_metrics(cluster.engine_url(d) + "/metrics")
+    forwarded = scrape_metrics(proxy + "/metrics").get(_FORWARDED, 0.0)
+    extra = {"stream_options": {"include_usage": True}} if stream else None
     for prompt in PROMPTS:
-        res = generate(cluster.proxy_url, prompt, chat=chat, stream=stream)
+        res = generate(proxy, prompt, chat=chat, stream=stream, extra=extra)
         assert res.status == 200 and res.error is None, res
         assert res.text == colocated.text(prompt, chat=chat)
         assert len(res.text) == 12 and res.finish_reason == "length"
-    after = scrape_metrics(cluster.engine_url(d) + "/metrics").get("atom_kv_transfer_bytes", 0.0)
+        assert res.usage is not None and res.usage["completion_tokens"] == 12, res
+        assert res.usage["prompt_tokens"] == colocated.usage(prompt, chat=chat)["prompt_tokens"], res
+    after = scrape_metrics(cluster.engine_url(d) + "/metrics")
     # the decode engine really read the prompts' KV (4 KiB per token in total)
     n_tokens = sum(len(p) for p in PROMPTS)
-    assert after - before >= n_tokens * 4096
+    assert after.get("atom_kv_transfer_bytes", 0.0) - before.get("atom_kv_transfer_bytes", 0.0) >= n_tokens * 4096
+    # continuing from the prefill's token, the decode engine samples 11 of the 12 tokens; sequential, all 12
+    per_request = 11 if mode == "first_token" else 12
+    assert after[_GENERATED] - before[_GENERATED] == per_request * len(PROMPTS)
+    forwarded = scrape_metrics(proxy + "/metrics").get(_FORWARDED, 0.0) - forwarded
+    assert forwarded == (len(PROMPTS) if stream and mode == "first_token" else 0)
 
 
 def test_every_block_is_free_afterwards(cluster):

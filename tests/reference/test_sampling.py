@@ -7,8 +7,8 @@ from atom_kv.reference.sampling import Sampler
 LOGITS = np.zeros(260, dtype=np.float32)  # a flat distribution over the allowed tokens
 
 
-def _draw(sampler, rid, seed, n=24, temperature=1.0):
-    return [sampler.sample(rid, LOGITS, temperature, seed) for _ in range(n)]
+def _draw(sampler, rid, seed, n=24, temperature=1.0, start=0):
+    return [sampler.sample(rid, LOGITS, temperature, seed, position=i) for i in range(start, start + n)]
 
 
 def test_seeded_sampling_is_reproducible_across_samplers():
@@ -29,3 +29,11 @@ def test_greedy_is_the_argmax_whatever_the_seed():
     logits[ord("k")] = 5.0
     sampler = Sampler()
     assert sampler.sample("r", logits, 0.0, None) == ord("k") == sampler.sample("r", logits, 0.0, 3)
+
+
+def test_seeded_sampling_depends_on_the_position_only():
+    # a decode engine continuing from the prefill's first token samples positions 1.. exactly as a
+    # colocated engine does, without drawing position 0 again
+    colocated = _draw(Sampler(), "a", 11)
+    assert _draw(Sampler(), "b", 11, n=23, start=1) == colocated[1:]
+    assert len(set(colocated)) > 1  # positions differ from one another

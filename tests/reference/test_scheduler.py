@@ -183,3 +183,49 @@ def test_every_request_of_a_failed_engine_is_reported_as_rejected():
     assert [o.error_status for o in outs] == [503, 503]
     assert [c for c in hooks.calls if c[0] == "request_rejected"] == [
         ("request_rejected", ({"x": 1},), {}), ("request_rejected", (None,), {})]
+
+
+def _loaded_consumer(first_token_ids, n_prompt=6, max_tokens=3):
+    hooks = _hooks("kv_consumer")
+    s = _sched(num_blocks=8, block_size=4, hooks=hooks)
+    params = {"do_remote_prefill": True, "remote_block_ids": [3, 4], "remote_engine_id": "p",
+              "remote_host": "127.0.0.1", "remote_port": 7000, "transfer_id": "p-x", "remote_tp_size": 1,
+              "first_token_ids": first_token_ids}
+    s.add(_req("d1", n_prompt=n_prompt, max_tokens=max_tokens, params=params))
+    assert s.schedule().chunks == []
+    hooks.build_connector_meta()
+    return s, s.apply_events(hooks.update_connector_output(KVConnectorOutput(finished_recving=["d1"])))
+
+
+def test_producer_answers_with_its_first_token():
+    s = _sched(num_blocks=8, block_size=4, hooks=_hooks("kv_producer"))
+    s.add(_req("p1", n_prompt=6, max_tokens=1, params={"do_remote_decode": True}))
+    (fin,) = s.update_from_output({c.request_id: 66 for c in s.schedule().chunks}, 0.0)
+    assert fin.kv_transfer_params["first_token_ids"] == [66]
+
+
+def test_consumer_continues_from_the_prefills_first_token():
+    s, outs = _loaded_consumer([70])
+    # the prefill's token is the request's first output, released at once
+    (first,) = outs
+    assert first.new_token_ids == [70] and first.num_output_tokens == 1 and not first.finished
+    # the next step computes the first token's position (nothing of the prompt again) for the second token
+    chunk = s.schedule().chunks[0]
+    assert (chunk.start_pos, chunk.token_ids) == (6, [70])
+    (second,) = s.update_from_output({"d1": 71}, 0.0)
+    assert second.new_token_ids == [71] and second.num_output_tokens == 2
+
+
+def test_consumer_with_max_tokens_one_finishes_on_the_prefills_token():
+    s, outs = _loaded_consumer([70], max_tokens=1)
+    (only,) = outs
+    assert only.finished and only.finish_reason == "length" and only.num_output_tokens == 1
+    assert not s.running and s.blocks.num_free == 8
+
+
+@pytest.mark.parametrize("bad", [[], [70, 71], ["a"], [-1], [100000], True, None])
+def test_consumer_ignores_a_malformed_first_token(bad):
+    s, outs = _loaded_consumer(bad)
+    assert outs == []
+    chunk = s.schedule().chunks[0]
+    assert (chunk.start_pos, chunk.token_ids) == (5, [6])  # recomputes the last prompt token, as before

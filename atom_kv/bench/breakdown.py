@@ -1,0 +1,198 @@
+"""``python -m atom_kv.bench e2e --breakdown``: where the time to first token goes, P/D next to colocated.
+
+For a short (~64 tokens) and a long (~2,000 tokens) prompt, at concurrency 1
+and 16, it sends rounds of streamed greedy requests through the proxy (P/D)
+and straight to the colocated engine, alternating P/D and colocated rounds so
+both see the same load on a busy machine. Per request it takes the client's
+TTFT and time to the second token; the spans come from the proxy's
+``atom_kv_proxy_span_seconds`` histogram (deltas of sum/count over each P/D
+batch), the decode engine's transfer statistics (handshake, KV read) and, for
+colocated, the engine's own ``Server-Timing`` header (queue, compute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from atom_kv.proxy.spans import SPANS
+from atom_kv.server_timing import parse_server_timing
+from atom_kv.testing.web import scrape_metrics
+
+__all__ = ["run_breakdown"]
+
+_WORDS = "prefill computes the prompt once and decode reads it block by block "
+
+
+@dataclass
+class Sample:
+    """One streamed request as the client saw it."""
+
+    ttft: float
+    second: float  # time to the second token (0: the answer had one token)
+    engine_spans: dict[str, float] = field(default_factory=dict)
+
+
+def _prompt(tokens: int, salt: str) -> str:
+    text = f"[{salt}] " + _WORDS * (tokens // len(_WORDS) + 1)
+    return text[:tokens]  # the reference engine's tokenizer is one token per byte
+
+
+def stream_once(base_url: str, prompt: str, max_tokens: int, timeout: float = 300.0) -> Sample:
+    """One streamed greedy completion; TTFT and time to the second token from the client."""
+    url = urlsplit(base_url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    body = json.dumps({"model": "atom-kv-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True})
+    try:
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"{base_url} answered {resp.status}: {resp.read()[:300]!r}")
+        spans = parse_server_timing(resp.getheader("Server-Timing") or "")
+        ttft = second = 0.0
+        n = 0
+        for line in resp:
+            if not line.startswith(b"data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            text = "".join(c.get("text") or "" for c in event.get("choices", []))
+            if not text:
+                continue
+            now = time.perf_counter() - start
+            if n == 0:
+                ttft = now
+            if n < 2 <= n + len(text):
+                second = now
+            n += len(text)
+        if n == 0:
+            raise RuntimeError("no tokens streamed")
+        return Sample(ttft, second, spans)
+    finally:
+        conn.close()
+
+
+def _batch(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> list[Sample]:
+    if concurrency == 1:
+        return [stream_once(url, p, max_tokens) for p in prompts]
+    with ThreadPoolExecutor(concurrency, thread_name_prefix="bench-client") as pool:
+        return list(pool.map(lambda p: stream_once(url, p, max_tokens), prompts))
+
+
+def _span_totals(proxy_url: str) -> dict[str, tuple[float, float]]:
+    m = scrape_metrics(proxy_url + "/metrics")
+    return {s: (m.get(f'atom_kv_proxy_span_seconds_sum{{span="{s}"}}', 0.0),
+                m.get(f'atom_kv_proxy_span_seconds_count{{span="{s}"}}', 0.0)) for s in SPANS}
+
+
+def _transfer_totals(decode_url: str) -> dict[str, float]:
+    m = scrape_metrics(decode_url + "/metrics")
+    keys = ("handshakes", "handshake_seconds", "transfers", "seconds")
+    # per rank: the slowest rank's seconds bound the wait; counts are per rank alike
+    return {k: max([v for name, v in m.items() if name.startswith(f"atom_kv_transfer_{k}{{")] or [0.0])
+            for k in keys}
+
+
+def _p50(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _measure(cluster: Any, tokens: int, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    d_url = cluster.engine_url(cluster.index_of("D"))
+    co_url = cluster.engine_url(cluster.index_of("colocated"))
+    pd: list[Sample] = []
+    co: list[Sample] = []
+    span_sum = dict.fromkeys(SPANS, 0.0)
+    span_n = dict.fromkeys(SPANS, 0.0)
+    xfer = {"handshakes": 0.0, "handshake_seconds": 0.0, "transfers": 0.0, "seconds": 0.0}
+    for rnd in range(args.rounds):
+        prompts = [_prompt(tokens, f"{tokens}-{concurrency}-{rnd}-{i}") for i in range(concurrency)]
+        before, t_before = _span_totals(cluster.proxy_url), _transfer_totals(d_url)
+        pd += _batch(cluster.proxy_url, prompts, args.max_tokens, concurrency)
+        after, t_after = _span_totals(cluster.proxy_url), _transfer_totals(d_url)
+        for s in SPANS:
+            span_sum[s] += after[s][0] - before[s][0]
+            span_n[s] += after[s][1] - before[s][1]
+        for k in xfer:
+            xfer[k] += t_after[k] - t_before[k]
+        co += _batch(co_url, prompts, args.max_tokens, concurrency)
+    spans = {s: span_sum[s] / span_n[s] * 1e3 for s in SPANS if span_n[s]}
+    total = _transfer_totals(d_url)  # handshakes happen on first use only: the run's mean so far
+    if total["handshakes"]:
+        spans["handshake_first_use"] = total["handshake_seconds"] / total["handshakes"] * 1e3
+    if xfer["transfers"]:
+        spans["kv_read"] = xfer["seconds"] / xfer["transfers"] * 1e3
+    co_spans = {k: statistics.mean(s.engine_spans.get(k, 0.0) for s in co) * 1e3 for k in ("queue", "compute")}
+    co_spans["http"] = statistics.mean(s.ttft for s in co) * 1e3 - co_spans["queue"] - co_spans["compute"]
+    return {
+        "prompt_tokens": tokens, "concurrency": concurrency, "requests": len(pd),
+        "pd_ttft_ms": statistics.mean(s.ttft for s in pd) * 1e3,
+        "colocated_ttft_ms": statistics.mean(s.ttft for s in co) * 1e3,
+        "pd_ttft_p50_ms": _p50([s.ttft for s in pd]) * 1e3,
+        "colocated_ttft_p50_ms": _p50([s.ttft for s in co]) * 1e3,
+        "pd_second_token_ms": statistics.mean(s.second for s in pd) * 1e3,
+        "colocated_second_token_ms": statistics.mean(s.second for s in co) * 1e3,
+        "pd_spans_ms": spans, "colocated_spans_ms": co_spans,
+    }
+
+
+def _print(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        ratio = r["pd_ttft_ms"] / r["colocated_ttft_ms"] if r["colocated_ttft_ms"] else 0.0
+        ratio2 = r["pd_second_token_ms"] / r["colocated_second_token_ms"] if r["colocated_second_token_ms"] else 0.0
+        print(f"\n~{r['prompt_tokens']} prompt tokens, concurrency {r['concurrency']} ({r['requests']} requests each)")
+        print(f"  TTFT mean   P/D {r['pd_ttft_ms']:8.1f} ms   colocated {r['colocated_ttft_ms']:8.1f} ms   "
+              f"x{ratio:.2f}")
+        print(f"  TTFT p50    P/D {r['pd_ttft_p50_ms']:8.1f} ms   colocated {r['colocated_ttft_p50_ms']:8.1f} ms")
+        print(f"  2nd token   P/D {r['pd_second_token_ms']:8.1f} ms   colocated {r['colocated_second_token_ms']:8.1f} ms"
+              f"   x{ratio2:.2f}")
+        # the model's compute is the same work on either side and swings with the machine's load:
+        # what disaggregation adds or saves is the rest
+        pd_other = r["pd_ttft_ms"] - r["pd_spans_ms"].get("prefill_compute", 0.0)
+        co_other = r["colocated_ttft_ms"] - r["colocated_spans_ms"]["compute"]
+        print(f"  TTFT - compute  P/D {pd_other:8.1f} ms   colocated {co_other:8.1f} ms   "
+              f"({pd_other - co_other:+.1f} ms)")
+        print("  P/D spans (mean ms): " + ", ".join(f"{k} {v:.1f}" for k, v in r["pd_spans_ms"].items()))
+        print("  colocated spans (mean ms): " + ", ".join(f"{k} {v:.1f}" for k, v in r["colocated_spans_ms"].items()))
+
+
+def run_breakdown(args: argparse.Namespace) -> int:
+    from atom_kv.testing.cluster import Cluster, EngineSpec
+
+    sizes = [int(s) for s in args.breakdown_tokens.split(",") if s.strip()]
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    longest = max(sizes) + args.max_tokens + 64
+    blocks = (longest // 16 + 2) * max(levels) + 64
+    extra = ["--max-model-len", str(longest), "--max-num-batched-tokens", str(max(sizes) + 64)]
+    cluster = Cluster([
+        EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=blocks, extra_args=extra),
+        EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=blocks, extra_args=extra),
+        EngineSpec("colocated", num_blocks=blocks, extra_args=extra),
+    ], heartbeat_timeout=10.0, proxy_args=list(args.proxy_arg or []))
+    try:
+        cluster.start(timeout=120)
+        for url in (cluster.proxy_url, cluster.engine_url(cluster.index_of("colocated"))):
+            stream_once(url, "warm up", 4)
+        results = [_measure(cluster, n, c, args) for n in sizes for c in levels]
+    finally:
+        cluster.close()
+    if args.json:
+        print(json.dumps({"suite": "e2e-breakdown", "max_tokens": args.max_tokens, "rounds": args.rounds,
+                          "results": results}, indent=2))
+        return 0
+    print(f"e2e breakdown: backend={args.backend} P TP={args.tp_prefill} D TP={args.tp_decode}, "
+          f"{args.max_tokens} tokens, {args.rounds} rounds, P/D and colocated rounds alternating")
+    _print(results)
+    print("\nspans: see atom_kv.proxy.spans; handshake and kv_read from the decode engine's transfer stats "
+          "(per read, per rank); colocated http = TTFT - queue - compute")
+    return 0

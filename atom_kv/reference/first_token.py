@@ -1,0 +1,52 @@
+"""The prefill's first token, carried with the KV handoff so the decode engine never recomputes it.
+
+A prefill engine adds the token it sampled to the ``kv_transfer_params`` it
+answers with (``first_token_ids``). A decode engine that gets them with a
+full remote prefill appends that token once the KV is in: it computes nothing
+for the last prompt position again, and its first step produces the second
+token. ``first_token_sent`` (set by the proxy) means the client already has
+the token's text, so a streamed answer leaves it out.
+
+Sampling is per position (see :class:`~atom_kv.reference.sampling.Sampler`),
+so with a seed every position is sampled exactly once, on whichever engine
+computes it, and the stream equals a colocated engine's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from atom_kv.reference.request import Request
+from atom_kv.wire import KV_FEATURE_FIRST_TOKEN
+
+__all__ = ["FEATURE", "attach_first_token", "prefilled_token", "first_token_sent"]
+
+#: what a decode engine announces (``/health`` ``kv_features``) when it continues from the prefill's token
+FEATURE = KV_FEATURE_FIRST_TOKEN
+
+
+def attach_first_token(params: Optional[dict], req: Request) -> Optional[dict]:
+    """The producer's answer params plus the token it sampled (``params`` unchanged if none)."""
+    if params is None or not req.output_ids:
+        return params
+    return {**params, "first_token_ids": [req.output_ids[0]]}
+
+
+def prefilled_token(req: Request, vocab_size: int) -> Optional[int]:
+    """The prefill's first token for a consumer request whose whole prompt was loaded, else None
+    (absent or malformed: the engine then computes the first token itself, as before)."""
+    params = req.kv_transfer_params
+    if not isinstance(params, dict) or req.num_external_tokens < req.num_prompt or req.output_ids:
+        return None
+    ids = params.get("first_token_ids")
+    if not isinstance(ids, list) or len(ids) != 1:
+        return None
+    token = ids[0]
+    if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+        return None
+    return token
+
+
+def first_token_sent(params: object) -> bool:
+    """True when the proxy already streamed the first token's text to the client."""
+    return isinstance(params, dict) and params.get("first_token_sent") is True
