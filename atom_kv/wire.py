@@ -397,6 +397,8 @@ class BlocksAnswer(msgspec.Struct, tag_field="t", tag="blocks_a", kw_only=True):
     tp_rank: Rank
     found: bool
     block_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_WIRE_BLOCKS)] = []
+    #: the producer's pipeline stages: a consumer that did not know them refuses the load
+    pp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     mac: Optional[HandshakeMac] = None
     v: int = HANDSHAKE_PROTOCOL_VERSION

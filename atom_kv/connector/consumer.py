@@ -185,7 +185,7 @@ class ConsumerWorker(ConnectorWorker):
         query = BlocksQuery(transfer_id=spec.transfer_id, engine_id=self.engine_id, tp_rank=self.tp_rank,
                             tp_size=self.tp_size)
         return client.blocks(spec.remote_host, producer_port(spec, overlaps[0].remote_rank), query,
-                             self.config.prefill_wait_timeout_s, self._stop, cancelled)
+                             self.config.prefill_wait_timeout_s, self._stop, cancelled, spec.remote_pp_size)
 
     def _run_read(self, read: RankRead) -> None:
         st, rank = read.load, read.remote_rank

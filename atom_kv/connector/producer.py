@@ -310,7 +310,8 @@ class ProducerWorker(ConnectorWorker):
         blocks = self._issued.get(tid)
         if blocks is None:
             return None
-        return BlocksAnswer(transfer_id=tid, tp_rank=self.tp_rank, found=True, block_ids=list(blocks))
+        return BlocksAnswer(transfer_id=tid, tp_rank=self.tp_rank, found=True, block_ids=list(blocks),
+                            pp_size=self.pp_size)
 
     def _not_found(self, msg: BlocksQuery, reason: str) -> BlocksAnswer:
         return BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, found=False, reason=reason)

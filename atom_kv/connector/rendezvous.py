@@ -47,11 +47,12 @@ class BlocksClient:
         self._socks = DealerCache(ctx, max_sockets, {zmq.MAXMSGSIZE: MAX_ANSWER_BYTES, zmq.SNDHWM: 1024})
 
     def blocks(self, host: str, port: int, msg: BlocksQuery, timeout_s: float, stop: threading.Event,
-               cancelled: threading.Event) -> Union[list[int], str]:
+               cancelled: threading.Event, pp_size: int = 1) -> Union[list[int], str]:
         """Ask the producer rank at ``host:port`` for ``msg.transfer_id``'s block
         ids, waiting up to ``timeout_s`` (the producer holds the question as long,
         capped by its own ``prefill_wait_timeout_s``). Returns the block ids, or
-        the reason there are none."""
+        the reason there are none (also when the producer has other pipeline
+        stages than ``pp_size``: the load would miss layers)."""
         msg = msgspec.structs.replace(msg, wait_ms=max(0, min(wire.MAX_BLOCKS_WAIT_MS, int(timeout_s * 1000))))
         if self._token is not None:
             msg = sign_struct(self._token, PURPOSE_BLOCKS, msg)
@@ -82,12 +83,12 @@ class BlocksClient:
             except zmq.ZMQError as exc:
                 self._socks.drop(host, port)
                 return f"no blocks from the {where}: {exc}"
-            verdict = self._judge(data, msg, where, host, port)
+            verdict = self._judge(data, msg, where, host, port, pp_size)
             if verdict is not None:
                 return verdict
 
-    def _judge(self, data: bytes, msg: BlocksQuery, where: str, host: str,
-               port: int) -> Union[list[int], str, None]:
+    def _judge(self, data: bytes, msg: BlocksQuery, where: str, host: str, port: int,
+               pp_size: int) -> Union[list[int], str, None]:
         """The block ids, the reason there are none, or None for an answer to an older question."""
         try:
             answer = wire.decode(data, BlocksAnswer)
@@ -109,6 +110,9 @@ class BlocksClient:
             return answer.reason or f"the {where} holds no blocks for transfer {msg.transfer_id}"
         if not answer.block_ids:
             return f"the {where} named an empty block list for transfer {msg.transfer_id}"
+        if answer.pp_size != pp_size:
+            return (f"the {where} has {answer.pp_size} pipeline stage(s), the decode leg named {pp_size}: "
+                    "concurrent dispatch needs the stages in the decode leg (remote_pp_size)")
         return list(answer.block_ids)
 
     def close(self) -> None:
