@@ -40,6 +40,9 @@ __all__ = ["ConsumerWorker"]
 
 logger = logging.getLogger(__name__)
 
+#: loads waiting for their prefill at once, per rank (more wait for a thread)
+MAX_RENDEZVOUS_THREADS = 64
+
 
 class ConsumerWorker(ConnectorWorker):
     """Owns a decode rank's in-flight loads, its peers and handshake pool,
@@ -50,6 +53,7 @@ class ConsumerWorker(ConnectorWorker):
     # what close() may find before _start() ran to the end
     _peers: Optional[PeerTable] = None
     _read_pool: Optional[cf.ThreadPoolExecutor] = None
+    _wait_pool: Optional[cf.ThreadPoolExecutor] = None
     _reads: Optional[ReadContext] = None
 
     def _start(self) -> None:
@@ -65,6 +69,9 @@ class ConsumerWorker(ConnectorWorker):
                                 name=self._name, thread_prefix=f"atom-kv-hs-client-tp{rank}")
         self._read_pool = cf.ThreadPoolExecutor(max(4, cfg.num_worker_threads),
                                                 thread_name_prefix=f"atom-kv-read-tp{rank}")
+        # loads waiting for their prefill (the rendezvous) wait here, never on a read thread: a read
+        # whose blocks are known must not queue behind another transfer's prefill
+        self._wait_pool = cf.ThreadPoolExecutor(MAX_RENDEZVOUS_THREADS, thread_name_prefix=f"atom-kv-rendezvous-tp{rank}")
         self._reads = ReadContext(
             config=cfg, compat=self.compat, backend=self.backend, peers=self._peers, stats=self.stats_,
             stop=self._stop, name=self._name, budget_s=load_budget_s(cfg),
@@ -133,7 +140,7 @@ class ConsumerWorker(ConnectorWorker):
                 self._rank_done(st, ov.remote_rank, "the connector is closed")
 
     def _start_rendezvous(self, spec: LoadSpec) -> None:
-        """Learn the load's block ids from the producer (on a read thread), then start it."""
+        """Learn the load's block ids from the producer (on a rendezvous thread), then start it."""
         rid = spec.request_id
         cancelled = threading.Event()
         with self._lock:
@@ -142,7 +149,9 @@ class ConsumerWorker(ConnectorWorker):
                 return
             self._waiting[rid] = cancelled
         try:
-            self._read_pool.submit(self._await_blocks, spec, cancelled)
+            if self._wait_pool is None:
+                raise RuntimeError("no rendezvous pool")
+            self._wait_pool.submit(self._await_blocks, spec, cancelled)
         except RuntimeError:  # closed concurrently
             with self._lock:
                 self._waiting.pop(rid, None)
@@ -262,6 +271,8 @@ class ConsumerWorker(ConnectorWorker):
     def _close_role(self) -> None:
         if self._peers is not None:
             self._peers.close()
+        if self._wait_pool is not None:  # its threads see the stop event within a poll
+            self._wait_pool.shutdown(wait=True, cancel_futures=True)
         self._close_backend()  # settles every read still in flight
         if self._read_pool is not None:
             self._read_pool.shutdown(wait=True, cancel_futures=True)
