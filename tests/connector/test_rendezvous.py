@@ -145,3 +145,26 @@ def test_answer_signed_with_another_token_is_never_taken():
     finally:
         pw.close()
         dw.close()
+
+
+def test_loads_waiting_on_slow_prefills_never_hold_up_a_load_whose_blocks_are_known():
+    """More loads wait on their prefills than the rank has read threads; one whose prefill
+    finished still reads at once."""
+    port = free_port()
+    P, pw, _ = producer_engine(port)
+    D, dw, _ = consumer_engine(port, prefill_wait_timeout_s=20.0)
+    try:
+        waiting = [f"d-wait-{i}" for i in range(8)]
+        for i, rid in enumerate(waiting):
+            D.admit(rid, 16, pending(port, f"t-never-{i}"))
+        start_prefill(P, "p", "t-now", 16)
+        D.admit("d-now", 16, pending(port, "t-now"))
+        finish_prefill(P, "p")
+        run_until([P, D], lambda: "d-now" in D.ready, timeout_s=5)
+        assert not any(rid in D.ready or rid in D.failed for rid in waiting)
+        for rid in waiting:
+            D.finish(rid, aborted=True)
+        run_until([P, D], lambda: all(rid in D.freed for rid in waiting), timeout_s=5)
+    finally:
+        pw.close()
+        dw.close()
