@@ -130,7 +130,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m atom_kv.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", default="auto", choices=["auto", "tcp", "cma", "gpu_ipc"])
+    p.add_argument("--backend", default="auto", choices=["auto", "tcp", "cma", "gpu_ipc", "nixl"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where every engine keeps its model and KV cache (cuda also means ROCm)")
     p.add_argument("--tp-prefill", type=int, default=1, choices=[1, 2])
