@@ -32,6 +32,8 @@ from typing import Any, Mapping, TypeVar
 import msgspec
 
 __all__ = [
+    "PURPOSE_BLOCKS",
+    "PURPOSE_BLOCKS_ANSWER",
     "PURPOSE_DONE",
     "PURPOSE_DONE_ACK",
     "PURPOSE_HANDSHAKE_CLIENT",
@@ -73,6 +75,10 @@ PURPOSE_RELEASE = "atom-kv/release/v1"
 """Releases (decode engine or proxy -> every producer rank of a transfer)."""
 PURPOSE_ISSUED = "atom-kv/issued/v1"
 """A producer scheduler's issued transfers (-> its own ranks)."""
+PURPOSE_BLOCKS = "atom-kv/blocks-query/v1"
+"""A consumer rank asking a producer rank for a transfer's block ids (the rendezvous)."""
+PURPOSE_BLOCKS_ANSWER = "atom-kv/blocks-answer/v1"
+"""The producer rank's answer, bound to the query's nonce."""
 
 NONCE_BYTES = 16
 

@@ -245,6 +245,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     handshake_timeout_s: PositiveSeconds = 10.0
     transfer_timeout_s: PositiveSeconds = 30.0
     abort_timeout_s: PositiveSeconds = 120.0
+    prefill_wait_timeout_s: PositiveSeconds = 30.0
     load_failure_policy: LoadFailurePolicy = "fail"
     transfer_retries: NonNegativeInt = 2
     transfer_retry_backoff_ms: NonNegativeFloat = 50.0

@@ -25,6 +25,9 @@ from atom_kv.config import FieldError, NonEmptyStr, NonNegativeInt, PeerPort, Po
 
 __all__ = [
     "MAX_TRANSFER_ID_CHARS",
+    "KV_FEATURE_RENDEZVOUS",
+    "BlocksAnswer",
+    "BlocksQuery",
     "PROTOCOL_VERSION",
     "AutoDescriptor",
     "BlockIds",
@@ -359,8 +362,51 @@ class Issued(msgspec.Struct, tag_field="t", tag="issued", kw_only=True):
     v: int = HANDSHAKE_PROTOCOL_VERSION
 
 
+#: most blocks one transfer may name on the wire (a 2,048-token block holds a long prompt's KV in a few)
+MAX_WIRE_BLOCKS = 1 << 20
+#: longest a blocks query may ask a producer rank to wait, in milliseconds
+MAX_BLOCKS_WAIT_MS = 600_000
+
+
+class BlocksQuery(msgspec.Struct, tag_field="t", tag="blocks_q", kw_only=True):
+    """Consumer rank ``tp_rank`` asking a producer rank which blocks hold
+    ``transfer_id`` (the rendezvous of a decode leg dispatched before its
+    prefill finished). The producer answers with a :class:`BlocksAnswer` as
+    soon as it knows the transfer, or when ``wait_ms`` (capped by its own
+    ``prefill_wait_timeout_s``) has passed. With a token, signed like
+    :class:`DoneReading` (``ts``, ``nonce``, ``mac``)."""
+
+    transfer_id: WireTransferId
+    engine_id: Name
+    tp_rank: Rank
+    tp_size: Rank
+    wait_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS_WAIT_MS)] = 0
+    ts: Optional[float] = None
+    nonce: Optional[HandshakeNonce] = None
+    mac: Optional[HandshakeMac] = None
+    v: int = HANDSHAKE_PROTOCOL_VERSION
+
+
+class BlocksAnswer(msgspec.Struct, tag_field="t", tag="blocks_a", kw_only=True):
+    """Producer rank ``tp_rank``'s answer to a :class:`BlocksQuery`: the
+    transfer's ``block_ids`` when ``found``, else why not (released, never
+    issued within the wait). With a token, ``mac`` covers the fields and the
+    query's nonce, like :class:`DoneAck`."""
+
+    transfer_id: WireTransferId
+    tp_rank: Rank
+    found: bool
+    block_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_WIRE_BLOCKS)] = []
+    #: the producer's pipeline stages: a consumer that did not know them refuses the load
+    pp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    mac: Optional[HandshakeMac] = None
+    v: int = HANDSHAKE_PROTOCOL_VERSION
+
+
 #: what arrives on a producer rank's handshake port
-HandshakeMessage = Union[HandshakeRequest, HandshakeProof, PeerProofRequest, DoneReading, Release, Issued]
+HandshakeMessage = Union[HandshakeRequest, HandshakeProof, PeerProofRequest, DoneReading, Release, Issued,
+                         BlocksQuery]
 #: what a consumer receives on its handshake connection
 HandshakeReplyMessage = Union[HandshakeReply, HandshakeChallenge, SealedHandshakeReply]
 
@@ -609,6 +655,10 @@ BlockIds = Annotated[list[NonNegativeInt], msgspec.Meta(min_length=1, descriptio
 #: an engine's ``/health`` ``kv_features`` entry: as a decode engine it continues from
 #: ``first_token_ids`` (never recomputes the prefill's token) and honours ``first_token_sent``
 KV_FEATURE_FIRST_TOKEN = "first_token"
+#: an engine (prefill or decode) whose connector takes part in the block-id
+#: rendezvous (:class:`BlocksQuery`): the proxy may send a pair's decode leg
+#: with ``remote_blocks_pending`` while the prefill still computes
+KV_FEATURE_RENDEZVOUS = "rendezvous"
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True):
@@ -639,6 +689,10 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     tp_size: Optional[PositiveInt] = None
     dp_rank: Optional[NonNegativeInt] = None
     transfer_id: Optional[NonEmptyStr] = None
+    #: a decode leg sent while its prefill computes: no ``remote_block_ids``
+    #: yet; the decode's ranks learn them from the producer's handshake port
+    #: (:class:`BlocksQuery`, keyed by ``transfer_id``; see :data:`KV_FEATURE_RENDEZVOUS`)
+    remote_blocks_pending: Optional[bool] = None
 
     @classmethod
     def from_dict(cls, data: Any) -> "KVTransferParams":
@@ -679,7 +733,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     def missing_for_load(self) -> Optional[str]:
         """The first key a decode-side load needs but these params lack, or None."""
         needed = {
-            "remote_block_ids": self.remote_block_ids,
+            "remote_block_ids": [] if self.remote_blocks_pending else self.remote_block_ids,
             "remote_engine_id": self.remote_engine_id,
             "remote_host": self.remote_host,
             "transfer_id": self.transfer_id,

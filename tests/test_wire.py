@@ -216,7 +216,7 @@ def test_done_ack_garbage_raises_only_wire_error(junk):
 def test_decode_error_names_the_type_and_size():
     with pytest.raises(WireError, match=r"^bad DoneAck message \(1 bytes\): "):
         wire.decode(b"\xc1", wire.DoneAck)
-    names = "HandshakeRequest or HandshakeProof or PeerProofRequest or DoneReading or Release or Issued"
+    names = "HandshakeRequest or HandshakeProof or PeerProofRequest or DoneReading or Release or Issued or BlocksQuery"
     with pytest.raises(WireError, match=rf"^bad {names} message \(0 bytes\)"):
         wire.decode(b"", wire.HandshakeMessage)
 
@@ -308,3 +308,26 @@ def test_fields_a_stranger_sends_are_bounded_while_decoding():
             wire.decode(wire.encode(msgspec.structs.replace(req, **change)), wire.HandshakeMessage)
     with pytest.raises(wire.WireError):
         wire.decode(wire.encode(wire.Release(transfer_id="t" * 200)), wire.HandshakeMessage)
+
+
+def test_blocks_query_and_answer_round_trip_and_are_bounded():
+    query = wire.BlocksQuery(transfer_id="t", engine_id="D", tp_rank=1, tp_size=2, wait_ms=500, ts=1.0,
+                             nonce="n" * 32, mac="a" * 64)
+    assert wire.decode(wire.encode(query), wire.HandshakeMessage) == query
+    answer = wire.BlocksAnswer(transfer_id="t", tp_rank=0, found=True, block_ids=[3, 4, 9])
+    assert wire.decode(wire.encode(answer), wire.BlocksAnswer) == answer
+    for change in (dict(transfer_id="t" * 200), dict(wait_ms=wire.MAX_BLOCKS_WAIT_MS + 1), dict(wait_ms=-1),
+                   dict(engine_id="e" * 300), dict(tp_rank=-1)):
+        with pytest.raises(wire.WireError):
+            wire.decode(wire.encode(msgspec.structs.replace(query, **change)), wire.HandshakeMessage)
+    for change in (dict(block_ids=[-1]), dict(reason="r" * 2000)):
+        with pytest.raises(wire.WireError):
+            wire.decode(wire.encode(msgspec.structs.replace(answer, **change)), wire.BlocksAnswer)
+
+
+def test_pending_params_need_no_block_ids():
+    base = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "h", "remote_handshake_port": 1,
+            "transfer_id": "t"}
+    assert wire.KVTransferParams.from_dict(base).missing_for_load() == "remote_block_ids"
+    assert wire.KVTransferParams.from_dict({**base, "remote_blocks_pending": True}).missing_for_load() is None
+    assert "remote_blocks_pending" not in wire.KVTransferParams.from_dict(base).to_dict()

@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown-tokens", default="64,2000", help="--breakdown: prompt sizes in tokens")
     parser.add_argument("--concurrency", default="1,16", help="--breakdown: concurrency levels")
     parser.add_argument("--rounds", type=int, default=3, help="--breakdown: alternating P/D and colocated rounds")
-    parser.add_argument("--proxy-arg", action="append", help="--breakdown: an extra proxy flag (repeatable)")
+    parser.add_argument("--proxy-arg", action="append",
+                        help="--breakdown: an extra proxy flag (repeatable), e.g. --proxy-arg=--concurrent-dispatch "
+                             "(both legs at once) or --proxy-arg=--no-first-token-forwarding")
 
 
 def _prompt(size: int, salt: int) -> str:

@@ -21,21 +21,27 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Optional, Union
+
+import msgspec
 
 from atom_kv.connector.confirm import DoneAckClient
 from atom_kv.connector.layout import HeadOverlap, LayoutError, block_runs, head_overlaps
 from atom_kv.connector.peers import PeerTable, producer_port
 from atom_kv.connector.pipeline import check_stage_cover
 from atom_kv.connector.reads import LoadState, RankRead, ReadContext
+from atom_kv.connector.rendezvous import BlocksClient
 from atom_kv.connector.scheduler import load_budget_s
 from atom_kv.connector.types import ConnectorMetadata, LoadSpec
 from atom_kv.connector.worker import ConnectorWorker
-from atom_kv.wire import DoneReading, HandshakeRequest, blocks_digest
+from atom_kv.wire import BlocksQuery, DoneReading, HandshakeRequest, blocks_digest
 
 __all__ = ["ConsumerWorker"]
 
 logger = logging.getLogger(__name__)
+
+#: loads waiting for their prefill at once, per rank (more wait for a thread)
+MAX_RENDEZVOUS_THREADS = 64
 
 
 class ConsumerWorker(ConnectorWorker):
@@ -47,19 +53,25 @@ class ConsumerWorker(ConnectorWorker):
     # what close() may find before _start() ran to the end
     _peers: Optional[PeerTable] = None
     _read_pool: Optional[cf.ThreadPoolExecutor] = None
+    _wait_pool: Optional[cf.ThreadPoolExecutor] = None
     _reads: Optional[ReadContext] = None
 
     def _start(self) -> None:
         cfg, rank = self.config, self.tp_rank
         self._loads: dict[str, LoadState] = {}
-        self._tls = threading.local()  # each read thread's DoneAckClient
+        self._waiting: dict[str, threading.Event] = {}  # loads waiting for their block ids: rid -> cancelled
+        self._tls = threading.local()  # each read thread's DoneAckClient and BlocksClient
         self._ack_clients: list[DoneAckClient] = []
+        self._blocks_clients: list[BlocksClient] = []
         request = HandshakeRequest(engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size,
                                    compat=self.compat, backend=self.backend.name, host=self.host)
         self._peers = PeerTable(self._ctx, self.backend, cfg, request, stats=self.stats_, stop=self._stop,
                                 name=self._name, thread_prefix=f"atom-kv-hs-client-tp{rank}")
         self._read_pool = cf.ThreadPoolExecutor(max(4, cfg.num_worker_threads),
                                                 thread_name_prefix=f"atom-kv-read-tp{rank}")
+        # loads waiting for their prefill (the rendezvous) wait here, never on a read thread: a read
+        # whose blocks are known must not queue behind another transfer's prefill
+        self._wait_pool = cf.ThreadPoolExecutor(MAX_RENDEZVOUS_THREADS, thread_name_prefix=f"atom-kv-rendezvous-tp{rank}")
         self._reads = ReadContext(
             config=cfg, compat=self.compat, backend=self.backend, peers=self._peers, stats=self.stats_,
             stop=self._stop, name=self._name, budget_s=load_budget_s(cfg),
@@ -84,6 +96,9 @@ class ConsumerWorker(ConnectorWorker):
                 st = self._loads.get(rid)
                 if st is not None:
                     st.cancelled = True
+                waiting = self._waiting.get(rid)
+                if waiting is not None:
+                    waiting.set()
         for spec in metadata.loads:
             self._start_load(spec, now)
 
@@ -93,6 +108,9 @@ class ConsumerWorker(ConnectorWorker):
             why = "the connector is closed"
             logger.warning("%s: request %s: cannot load remote KV: %s", self._name, rid, why)
             self._fail_load(rid, why)
+            return
+        if spec.await_blocks:
+            self._start_rendezvous(spec)
             return
         local = self._kv.layouts
         try:
@@ -120,6 +138,63 @@ class ConsumerWorker(ConnectorWorker):
                 self._read_pool.submit(self._run_read, RankRead(self._reads, st, ov, runs, local))
             except RuntimeError:  # closed concurrently
                 self._rank_done(st, ov.remote_rank, "the connector is closed")
+
+    def _start_rendezvous(self, spec: LoadSpec) -> None:
+        """Learn the load's block ids from the producer (on a rendezvous thread), then start it."""
+        rid = spec.request_id
+        cancelled = threading.Event()
+        with self._lock:
+            if rid in self._loads or rid in self._waiting:
+                logger.warning("%s: request %s is already loading; ignoring the duplicate", self._name, rid)
+                return
+            self._waiting[rid] = cancelled
+        try:
+            if self._wait_pool is None:
+                raise RuntimeError("no rendezvous pool")
+            self._wait_pool.submit(self._await_blocks, spec, cancelled)
+        except RuntimeError:  # closed concurrently
+            with self._lock:
+                self._waiting.pop(rid, None)
+            self._fail_load(rid, "the connector is closed")
+
+    def _await_blocks(self, spec: LoadSpec, cancelled: threading.Event) -> None:
+        rid = spec.request_id
+        try:
+            result = self._ask_blocks(spec, cancelled)
+        except Exception as exc:  # never lose a load to a bug: fail it clearly
+            logger.exception("%s: request %s: asking for the blocks of transfer %s crashed", self._name, rid,
+                             spec.transfer_id)
+            result = f"internal error while asking for the blocks: {exc}"
+        with self._lock:
+            self._waiting.pop(rid, None)
+        if isinstance(result, list):
+            need = spec.remote_block_offset + len(spec.block_ids)
+            if len(result) < need:
+                result = (f"the prefill holds {len(result)} blocks for transfer {spec.transfer_id}; "
+                          f"this engine needs {need}")
+            elif cancelled.is_set():
+                result = "the request ended while waiting for the prefill"
+            else:
+                remote = result[spec.remote_block_offset:need]
+                self._start_load(msgspec.structs.replace(spec, remote_block_ids=remote, await_blocks=False),
+                                 time.monotonic())
+                return
+        logger.warning("%s: request %s: no blocks for transfer %s: %s", self._name, rid, spec.transfer_id, result)
+        self._fail_load(rid, result)
+
+    def _ask_blocks(self, spec: LoadSpec, cancelled: threading.Event) -> Union[list[int], str]:
+        overlaps = head_overlaps(self.compat.num_kv_heads, self.tp_size, self.tp_rank, spec.remote_tp_size,
+                                 is_mla=self.compat.is_mla)
+        client: Optional[BlocksClient] = getattr(self._tls, "blocks_client", None)
+        if client is None:
+            client = self._tls.blocks_client = BlocksClient(self._ctx, stats=self.stats_,
+                                                            auth_token=self.config.auth_token)
+            with self._lock:
+                self._blocks_clients.append(client)
+        query = BlocksQuery(transfer_id=spec.transfer_id, engine_id=self.engine_id, tp_rank=self.tp_rank,
+                            tp_size=self.tp_size)
+        return client.blocks(spec.remote_host, producer_port(spec, overlaps[0].remote_rank), query,
+                             self.config.prefill_wait_timeout_s, self._stop, cancelled, spec.remote_pp_size)
 
     def _run_read(self, read: RankRead) -> None:
         st, rank = read.load, read.remote_rank
@@ -191,15 +266,20 @@ class ConsumerWorker(ConnectorWorker):
     # ------------------------------------------------------------------
     def num_loading(self) -> int:
         with self._lock:
-            return len(self._loads)
+            return len(self._loads) + len(self._waiting)
 
     def _close_role(self) -> None:
         if self._peers is not None:
             self._peers.close()
+        if self._wait_pool is not None:  # its threads see the stop event within a poll
+            self._wait_pool.shutdown(wait=True, cancel_futures=True)
         self._close_backend()  # settles every read still in flight
         if self._read_pool is not None:
             self._read_pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             clients, self._ack_clients = self._ack_clients, []
+            blocks_clients, self._blocks_clients = self._blocks_clients, []
         for client in clients:  # their threads have ended with the read pool
             client.close()
+        for blocks_client in blocks_clients:
+            blocks_client.close()

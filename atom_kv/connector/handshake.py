@@ -28,6 +28,7 @@ import zmq
 from atom_kv import wire
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.auth import (
+    PURPOSE_BLOCKS,
     PURPOSE_DONE,
     PURPOSE_ISSUED,
     PURPOSE_RELEASE,
@@ -43,6 +44,7 @@ from atom_kv.connector.handshake_auth import (
     Challenge,
     ChallengeTable,
     ack_mac,
+    answer_mac,
     client_proof,
     client_proof_of_digest,
     peer_proof,
@@ -53,6 +55,8 @@ from atom_kv.connector.handshake_auth import (
 from atom_kv.connector.stats import TransferStats
 from atom_kv.wire import (
     HANDSHAKE_PROTOCOL_VERSION,
+    BlocksAnswer,
+    BlocksQuery,
     CompatInfo,
     DoneAck,
     DoneReading,
@@ -159,7 +163,9 @@ class HandshakeServer:
     every checked done-reading notice (``respond`` is None unless it asked for
     a confirmation; it may be called later, from any thread); ``on_release``
     every checked release, ``on_issued`` every checked issue notice from the
-    engine's own scheduler; ``on_tick()`` runs on the server thread between
+    engine's own scheduler; ``on_blocks(query, respond)`` every checked
+    blocks query (the rendezvous; ``respond`` may be called later, from any
+    thread); ``on_tick()`` runs on the server thread between
     polls (at least every 0.2 s).
     """
 
@@ -177,6 +183,7 @@ class HandshakeServer:
         stats: TransferStats,
         on_issued: Optional[Callable[[Issued], None]] = None,
         on_tick: Optional[Callable[[], None]] = None,
+        on_blocks: Optional[Callable[[BlocksQuery, Callable[[BlocksAnswer], None]], None]] = None,
         name: str,
         challenge_ttl_s: float = 10.0,
         auth_window_s: float = 30.0,
@@ -190,6 +197,7 @@ class HandshakeServer:
         self._on_release = on_release
         self._on_issued = on_issued
         self._on_tick = on_tick
+        self._on_blocks = on_blocks
         self._stats = stats
         self._stop = threading.Event()
         self._challenges = ChallengeTable(MAX_CHALLENGES, challenge_ttl_s, MAX_CHALLENGES_PER_SOURCE)
@@ -325,6 +333,8 @@ class HandshakeServer:
             self._send(identity, wire.encode(PeerProof(engine_id=engine_id, tp_rank=rank, proof=proof)))
         elif isinstance(msg, DoneReading):
             self._on_done_reading(identity, msg)
+        elif isinstance(msg, BlocksQuery):
+            self._on_blocks_query(identity, msg)
         elif isinstance(msg, Issued):
             what = f"issue of transfer {msg.transfer_id}"
             if self._on_issued is not None and self._checked(PURPOSE_ISSUED, msg, what):
@@ -399,6 +409,26 @@ class HandshakeServer:
                 self.post(identity, wire.encode(ack))
 
         self._on_done(msg, respond)
+
+    def _on_blocks_query(self, identity: bytes, msg: BlocksQuery) -> None:
+        if not 0 <= msg.tp_rank < msg.tp_size <= 4096:
+            self._refuse("rank", f"blocks query for transfer {msg.transfer_id}: rank {msg.tp_rank} of {msg.tp_size}")
+            return
+        if not self._checked(PURPOSE_BLOCKS, msg, f"blocks query for transfer {msg.transfer_id} "
+                                                  f"from engine {msg.engine_id} rank {msg.tp_rank}"):
+            return
+        nonce = msg.nonce or ""
+
+        def respond(answer: BlocksAnswer) -> None:
+            if self._token is not None:
+                answer = msgspec.structs.replace(answer, mac=answer_mac(self._token, answer, nonce))
+            self.post(identity, wire.encode(answer))
+
+        if self._on_blocks is None:
+            respond(BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self._identity()[1], found=False,
+                                 reason="this engine is not a kv_producer"))
+            return
+        self._on_blocks(msg, respond)
 
     def _on_release_msg(self, msg: Release) -> None:
         if not self._checked(PURPOSE_RELEASE, msg, f"release of transfer {msg.transfer_id} "

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from atom_kv.auth import (
+    PURPOSE_BLOCKS_ANSWER,
     PURPOSE_DONE_ACK,
     PURPOSE_HANDSHAKE_CLIENT,
     PURPOSE_HANDSHAKE_REPLY,
@@ -38,12 +39,13 @@ from atom_kv.auth import (
     struct_payload,
     verify_mac,
 )
-from atom_kv.wire import DoneAck, HandshakeRequest, decode
+from atom_kv.wire import BlocksAnswer, DoneAck, HandshakeRequest, decode
 
 __all__ = [
     "Challenge",
     "ChallengeTable",
     "ack_mac",
+    "answer_mac",
     "client_proof",
     "client_proof_of_digest",
     "peer_proof",
@@ -51,6 +53,7 @@ __all__ = [
     "request_digest",
     "server_proof",
     "verify_ack",
+    "verify_answer",
 ]
 
 
@@ -94,6 +97,16 @@ def ack_mac(token: str, ack: DoneAck, request_nonce: str) -> str:
 def verify_ack(token: str, ack: DoneAck, request_nonce: str) -> bool:
     """True when ``ack`` was signed by a token holder in answer to ``request_nonce``."""
     return verify_mac(token, PURPOSE_DONE_ACK, struct_payload(ack, request_nonce=request_nonce), ack.mac)
+
+
+def answer_mac(token: str, answer: BlocksAnswer, query_nonce: str) -> str:
+    """A blocks answer's MAC, bound to the query it answers."""
+    return mac(token, PURPOSE_BLOCKS_ANSWER, struct_payload(answer, request_nonce=query_nonce))
+
+
+def verify_answer(token: str, answer: BlocksAnswer, query_nonce: str) -> bool:
+    """True when ``answer`` was signed by a token holder in answer to ``query_nonce``."""
+    return verify_mac(token, PURPOSE_BLOCKS_ANSWER, struct_payload(answer, request_nonce=query_nonce), answer.mac)
 
 
 @dataclass(slots=True)

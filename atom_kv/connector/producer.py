@@ -33,7 +33,17 @@ from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handsh
 from atom_kv.connector.types import ConnectorMetadata
 from atom_kv.connector.worker import ConnectorWorker
 from atom_kv.transfer.memory import pair_refusal
-from atom_kv.wire import DoneAck, DoneReading, HandshakeReply, HandshakeRequest, Issued, Release, blocks_digest
+from atom_kv.wire import (
+    BlocksAnswer,
+    BlocksQuery,
+    DoneAck,
+    DoneReading,
+    HandshakeReply,
+    HandshakeRequest,
+    Issued,
+    Release,
+    blocks_digest,
+)
 
 __all__ = ["ProducerWorker"]
 
@@ -69,6 +79,15 @@ class _Deferred:
     deadline: float
 
 
+@dataclass
+class _Query:
+    """A blocks query (the rendezvous) asked before the rank learnt the transfer."""
+
+    msg: BlocksQuery
+    respond: Callable[[BlocksAnswer], None]
+    deadline: float
+
+
 class ProducerWorker(ConnectorWorker):
     """Owns a prefill rank's handshake server and the done-reading, release
     and confirmation bookkeeping of its transfers."""
@@ -85,6 +104,9 @@ class ProducerWorker(ConnectorWorker):
         self._deferred: BoundedDict[str, list[_Deferred]] = BoundedDict(
             MAX_DEFERRED_TRANSFERS, on_evict=self._deferred_evicted)
         self._evicted: list[_Deferred] = []
+        self._queries: BoundedDict[str, list[_Query]] = BoundedDict(
+            MAX_DEFERRED_TRANSFERS, on_evict=self._queries_evicted)
+        self._evicted_queries: list[_Query] = []
         self._refusals = RateLimitedLog(logger, "refused confirmations")
         self._defer_s = min(MAX_DEFER_S, self.config.handshake_timeout_s / 2)
         cfg = self.config
@@ -100,6 +122,7 @@ class ProducerWorker(ConnectorWorker):
             on_release=self._on_release,
             on_issued=self._on_issued,
             on_tick=self._expire_deferred,
+            on_blocks=self._on_blocks_query,
             stats=self.stats_,
             name=f"atom-kv-hs-server-tp{self.tp_rank}",
             challenge_ttl_s=cfg.handshake_timeout_s,
@@ -124,7 +147,9 @@ class ProducerWorker(ConnectorWorker):
                 if tid not in self._released:
                     self._released[tid] = why
             answers = self._resolve_deferred_locked()
+            found = self._resolve_queries_locked()
         self._answer(answers)
+        self._answer_queries(found)
         for spec in metadata.loads:  # only a consumer reads; a mis-wired engine hears so at once
             why = "this engine is not a kv_consumer"
             logger.warning("%s: request %s: cannot load remote KV: %s", self._name, spec.request_id, why)
@@ -181,7 +206,9 @@ class ProducerWorker(ConnectorWorker):
                 return
             self._issued[msg.transfer_id] = list(msg.block_ids)
             answers = self._resolve_deferred_locked()
+            found = self._resolve_queries_locked()
         self._answer(answers)
+        self._answer_queries(found)
 
     def _on_release(self, msg: Release) -> None:
         tid = msg.transfer_id
@@ -195,7 +222,9 @@ class ProducerWorker(ConnectorWorker):
             self._released[tid] = why
             self._finished_send.append(tid)
             waiting = self._deferred.pop(tid, None) or []
+            queries = self._queries.pop(tid, None) or []
         logger.info("%s: transfer %s %s; freeing its blocks", self._name, tid, why)
+        self._answer_queries([(q, self._not_found(q.msg, f"producer {why}")) for q in queries])
         self._answer([(d, self._ack(d.msg, False, f"producer {why} before the read was confirmed")) for d in waiting])
 
     # ------------------------------------------------------------------
@@ -231,8 +260,10 @@ class ProducerWorker(ConnectorWorker):
         return answers
 
     def _expire_deferred(self) -> None:
-        """Answer the confirmations that waited too long (the handshake server calls it between polls)."""
+        """Answer the confirmations and blocks queries that waited too long (the handshake server calls
+        it between polls)."""
         now = time.monotonic()
+        self._expire_queries(now)
         with self._lock:
             if not self._deferred:
                 return
@@ -247,6 +278,82 @@ class ProducerWorker(ConnectorWorker):
                     del self._deferred[tid]
                 answers += [(d, self._unissued(d.msg)) for d in late]
         self._answer(answers)
+
+    # ------------------------------------------------------------------
+    # the rendezvous: a decode rank asks which blocks hold a transfer
+    # ------------------------------------------------------------------
+    def _on_blocks_query(self, msg: BlocksQuery, respond: Callable[[BlocksAnswer], None]) -> None:
+        wait_s = min(msg.wait_ms / 1000.0, self.config.prefill_wait_timeout_s)
+        with self._lock:
+            answer = self._blocks_answer_locked(msg)
+            if answer is None and wait_s > 0:
+                waiting = self._queries.get(msg.transfer_id)
+                if waiting is None:
+                    waiting = self._queries[msg.transfer_id] = []  # may evict the oldest transfer's
+                if len(waiting) < MAX_DEFERRED_PER_TRANSFER:
+                    waiting.append(_Query(msg, respond, time.monotonic() + wait_s))
+                else:
+                    answer = self._not_found(msg, f"too many queries wait for transfer {msg.transfer_id}")
+            elif answer is None:
+                answer = self._unknown(msg)
+            evicted, self._evicted_queries = self._evicted_queries, []
+        self._answer_queries([(q, self._unknown(q.msg)) for q in evicted])
+        if answer is not None:
+            self._answer_queries([(_Query(msg, respond, 0.0), answer)])
+
+    def _blocks_answer_locked(self, msg: BlocksQuery) -> Optional[BlocksAnswer]:
+        """The blocks of the queried transfer, why they are gone, or None while the rank has not learnt it."""
+        tid = msg.transfer_id
+        why = self._released.get(tid)
+        if why is not None:
+            return self._not_found(msg, f"producer released transfer {tid} ({why})")
+        blocks = self._issued.get(tid)
+        if blocks is None:
+            return None
+        return BlocksAnswer(transfer_id=tid, tp_rank=self.tp_rank, found=True, block_ids=list(blocks),
+                            pp_size=self.pp_size)
+
+    def _not_found(self, msg: BlocksQuery, reason: str) -> BlocksAnswer:
+        return BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, found=False, reason=reason)
+
+    def _unknown(self, msg: BlocksQuery) -> BlocksAnswer:
+        return self._not_found(msg, f"transfer {msg.transfer_id} was not issued by producer {self.engine_id} rank "
+                                    f"{self.tp_rank} within the wait (the prefill failed, is slow, or is elsewhere)")
+
+    def _resolve_queries_locked(self) -> list[tuple[_Query, BlocksAnswer]]:
+        found = []
+        for tid in [t for t in self._queries if t in self._issued or t in self._released]:
+            for q in self._queries.pop(tid):
+                answer = self._blocks_answer_locked(q.msg)
+                found.append((q, answer if answer is not None else self._unknown(q.msg)))
+        return found
+
+    def _expire_queries(self, now: float) -> None:
+        with self._lock:
+            if not self._queries:
+                return
+            late: list[_Query] = []
+            for tid in list(self._queries):
+                waiting = self._queries[tid]
+                late += [q for q in waiting if q.deadline <= now]
+                waiting[:] = [q for q in waiting if q.deadline > now]
+                if not waiting:
+                    del self._queries[tid]
+        self._answer_queries([(q, self._unknown(q.msg)) for q in late])
+
+    def _queries_evicted(self, _tid: str, waiting: list[_Query]) -> None:
+        self._evicted_queries.extend(waiting)  # answered by the caller, outside the lock
+
+    def _answer_queries(self, answers: list[tuple[_Query, BlocksAnswer]]) -> None:
+        for q, answer in answers:
+            if not answer.found:
+                logger.info("%s: no blocks for transfer %s to engine %s rank %d: %s", self._name,
+                            answer.transfer_id, q.msg.engine_id, q.msg.tp_rank, answer.reason)
+            try:
+                q.respond(answer)
+            except Exception:
+                logger.exception("%s: answering a blocks query for transfer %s failed", self._name,
+                                 answer.transfer_id)
 
     def _deferred_evicted(self, _tid: str, waiting: list[_Deferred]) -> None:
         self._evicted.extend(waiting)  # answered by the caller, outside the lock

@@ -19,7 +19,10 @@ Consumer (``kv_consumer``)::
     update_state_after_alloc -> queued (LoadSpec in the next metadata), or,
         when nothing will be read (the whole prompt was cached, or the engine
         loads none of the remote tokens), released
-    build_connector_meta -> loading (deadline = now + load budget)
+    build_connector_meta -> loading (deadline = now + load budget, plus
+        ``prefill_wait_timeout_s`` for a rendezvous: params with
+        ``remote_blocks_pending`` and no block ids; the workers learn them from
+        the producer, :mod:`atom_kv.connector.rendezvous`)
     finished_recving (reads done and confirmed by every producer rank read
         from) -> ready | failed_recving (incl. the producer's lease expired
         first, or no confirmation) / deadline -> failed or recompute
@@ -273,8 +276,11 @@ class ConnectorScheduler(SchedulerHooks):
             # the engine computes the prompt itself (vLLM does for prompt-logprobs requests)
             self._release(self._release_of(match), "the decode engine loads none of the remote tokens")
             return
-        remote_blocks = match.params.remote_block_ids or []
         cached = match.num_computed_tokens // self.block_size
+        if match.params.remote_blocks_pending and not match.params.remote_block_ids:
+            self._queue_rendezvous(request_id, match, block_ids, cached)
+            return
+        remote_blocks = match.params.remote_block_ids or []
         spec = self._load_spec(request_id, match, [int(b) for b in block_ids[cached: len(remote_blocks)]],
                                remote_blocks[cached:])
         self._loads[request_id] = _Load(request_id, spec, match.remote_tokens)
@@ -288,6 +294,18 @@ class ConnectorScheduler(SchedulerHooks):
                 f"the producer sent {len(remote_blocks)} blocks, all within the "
                 f"{match.num_computed_tokens} tokens cached here, but {match.remote_tokens} tokens are missing"
             )
+            return
+        self._pending_loads[request_id] = spec
+
+    def _queue_rendezvous(self, request_id: str, match: _Match, block_ids: Sequence[int], cached: int) -> None:
+        """A load whose block ids the workers learn from the producer (the decode leg came before the
+        prefill finished): the prompt's blocks past the cached ones are read."""
+        needed = -(-match.num_prompt_tokens // self.block_size)
+        spec = self._load_spec(request_id, match, [int(b) for b in block_ids[cached:needed]], [])
+        spec.await_blocks = True
+        self._loads[request_id] = _Load(request_id, spec, match.remote_tokens)
+        if len(block_ids) < needed:
+            self._failed_now[request_id] = f"allocated {len(block_ids)} blocks for a prompt of {needed}"
             return
         self._pending_loads[request_id] = spec
 
@@ -361,7 +379,7 @@ class ConnectorScheduler(SchedulerHooks):
             load = self._loads[spec.request_id]
             load.state = _LOADING
             load.started = now
-            load.deadline = now + self._budget
+            load.deadline = now + self._budget + (self.config.prefill_wait_timeout_s if spec.await_blocks else 0.0)
             self._add_timer(load.deadline, "load", spec.request_id)
             logger.debug("request %s: loading %d blocks of %s", spec.request_id, len(spec.block_ids), spec.transfer_id)
         meta = ConnectorMetadata(

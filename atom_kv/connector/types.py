@@ -32,6 +32,9 @@ class LoadSpec(msgspec.Struct, kw_only=True, array_like=True):
     #: the producer's pipeline stages (each holds some layers) and DP size (places later stages' ports)
     remote_pp_size: int = 1
     remote_dp_size: int = 1
+    #: the rendezvous: ``remote_block_ids`` are not known yet (the decode leg
+    #: was sent while the prefill computed); each rank asks the producer for them
+    await_blocks: bool = False
 
 
 class SendSpec(msgspec.Struct, kw_only=True, array_like=True):

@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never stream the prefill's first token before the decode leg answers, and do not pass it "
                         "to the decode engine (which then computes it again); by default it is streamed at once "
                         "to clients of decode engines announcing the first_token feature")
+    g.add_argument("--concurrent-dispatch", dest="concurrent_dispatch", action="store_true", default=False,
+                   help="send the decode leg at the same moment as the prefill leg for pairs whose engines both "
+                        "announce the rendezvous feature (/health kv_features): the decode engine admits the "
+                        "request while the prefill computes and learns the KV blocks from the prefill engine; "
+                        "other pairs keep the legs in turn (off by default)")
+    g.add_argument("--no-concurrent-dispatch", dest="concurrent_dispatch", action="store_false", default=False,
+                   help="the legs in turn for every pair (the default)")
     g.add_argument("--registration-window", type=_positive, default=d.registration_window_s,
                    help="seconds a signed ping's timestamp may differ from now; nonces are remembered this long "
                         "(default %(default)s)")
@@ -216,6 +223,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         registration_token=args.registration_token, registration_window_s=args.registration_window,
         allow_open_registration=args.allow_open_registration,
         release_prefills=args.release_prefills, first_token_forwarding=args.first_token_forwarding,
+        concurrent_dispatch=args.concurrent_dispatch,
         max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
         static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
         probe_interval_s=args.probe_interval, probe_timeout=args.probe_timeout,

@@ -56,6 +56,10 @@ class ProxyMetrics:
             "atom_kv_proxy_first_tokens_forwarded", "Streamed requests whose first token went to the client "
             "from the prefill's answer, before the decode leg answered", registry=r,
         )
+        self.concurrent_dispatches = Counter(
+            "atom_kv_proxy_concurrent_dispatches", "Requests whose decode leg went out with the prefill leg "
+            "(the decode engine learnt the KV blocks from the prefill engine)", registry=r,
+        )
         self.retries = Counter("atom_kv_proxy_retries", "Re-planned P/D pairs after an upstream failure", registry=r)
         self.abandoned_prefills = Counter(
             "atom_kv_proxy_abandoned_prefills", "Prefills whose KV no decode leg will read, by reason",

@@ -48,6 +48,7 @@ from atom_kv.proxy.upstream import (
 )
 from atom_kv.proxy.validation import context_length_error, could_overflow, requested_max_tokens
 from atom_kv.server_timing import HEADER as SERVER_TIMING
+from atom_kv.wire import KV_FEATURE_RENDEZVOUS
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,19 @@ def _abandon_reason(stage: str, exc: BaseException) -> str:
     if isinstance(exc, UpstreamResponseError) or (isinstance(exc, _Retryable) and exc.kind == "rejected"):
         return "decode_rejected"
     return "decode_unreachable"
+
+
+async def _close_legs(legs: list["asyncio.Future[Any]"]) -> None:
+    """End the legs of an attempt that failed: cancel those still running (their connections
+    close), close an answer already in hand, and collect every outcome (none is left unretrieved)."""
+    for leg in legs:
+        if not leg.done():
+            leg.cancel()
+    if legs:
+        await asyncio.gather(*legs, return_exceptions=True)
+    for leg in legs:
+        if not leg.cancelled() and leg.exception() is None and isinstance(leg.result(), UpstreamResponse):
+            leg.result().close()
 
 
 class Relay:
@@ -217,8 +231,17 @@ class Relay:
             e.inst.breaker.forgive(req.key)
         return True
 
+    def _concurrent(self, p: Pick, d: Pick) -> bool:
+        """Whether this pair's legs go out together: both engines take part in the rendezvous, and
+        the proxy knows where the prefill's ranks listen (the decode leg names them)."""
+        return (self.settings.concurrent_dispatch and KV_FEATURE_RENDEZVOUS in p.inst.features
+                and KV_FEATURE_RENDEZVOUS in d.inst.features and bool(p.inst.engine_id)
+                and p.inst.handshake_port is not None and p.inst.source != "moriio")
+
     async def _run_pair(self, req: _Request, p: Pick, d: Pick) -> RelayResult:
         """One attempt on one pair. Owns both picks' credits and the abandon hook."""
+        if self._concurrent(p, d):
+            return await self._run_pair_concurrent(req, p, d)
         transfer_id = os.urandom(16).hex()  # one id for both legs, known before the prefill answers
         stage = "check"
         result: RelayResult | None = None
@@ -249,6 +272,54 @@ class Relay:
                 transfer_id, p, "client_stalled", prefill_kv))
             return result
         except BaseException as exc:
+            if stage in ("prefill", "decode"):
+                self._abandon_prefill(transfer_id, p, _abandon_reason(stage, exc), prefill_kv)
+            raise
+        finally:
+            p.credit()
+            if result is None or result.stream is None:
+                d.credit()
+
+    async def _run_pair_concurrent(self, req: _Request, p: Pick, d: Pick) -> RelayResult:
+        """One attempt on one pair with both legs sent at once: the decode leg names the prefill's
+        ranks and the transfer, not its blocks (``remote_blocks_pending``); the decode engine admits
+        and allocates while the prefill computes, then learns the blocks from the prefill's ranks.
+        The decode computes the first token itself. Owns both picks' credits, both legs until one
+        fails (the other is then closed) and the abandon hook: any end before the decode engine
+        owns the KV releases the prefill's blocks, which also ends the decode's wait at once."""
+        transfer_id = os.urandom(16).hex()
+        stage = "check"
+        result: RelayResult | None = None
+        prefill_kv: dict[str, Any] | None = None
+        legs: list[asyncio.Future[Any]] = []
+        try:
+            await self._check_context(req, p, d)
+            stage = "prefill"
+            prefill_leg = asyncio.ensure_future(self._prefill(req, p, d, transfer_id))
+            decode_leg = asyncio.ensure_future(self._open_decode(req, p, d, {}, transfer_id, pending=True))
+            legs = [prefill_leg, decode_leg]
+            try:
+                await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
+                if decode_leg.done() and decode_leg.exception() is not None:
+                    stage = "decode"
+                    decode_leg.result()  # raises: the decode engine refused the request
+                prefill_kv, prompt_tokens, _ = await prefill_leg
+            finally:
+                p.credit()
+            used = prefill_kv.get("transfer_id")
+            if used != transfer_id:  # the decode waits on ours: it would never learn the blocks
+                raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} did not adopt transfer id "
+                                                 f"{transfer_id} (answered {str(used)[:160]!r})"),
+                                 p.inst, "bad_response")
+            stage = "decode"
+            resp = await decode_leg
+            stage = "handed_off"  # the decode engine owns the prefill's KV from here on
+            result = await self._respond(resp, req, d, prompt_tokens, lambda: self._abandon_prefill(
+                transfer_id, p, "client_stalled", prefill_kv))
+            self.metrics.concurrent_dispatches.inc()
+            return result
+        except BaseException as exc:
+            await _close_legs(legs)
             if stage in ("prefill", "decode"):
                 self._abandon_prefill(transfer_id, p, _abandon_reason(stage, exc), prefill_kv)
             raise
@@ -457,14 +528,17 @@ class Relay:
         return result.stream
 
     async def _open_decode(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
-                           transfer_id: str, first_token_sent: bool = False) -> UpstreamResponse:
+                           transfer_id: str, first_token_sent: bool = False, pending: bool = False) -> UpstreamResponse:
+        """The decode leg up to its answer's head; ``pending``: sent with the prefill leg, without the blocks."""
+        if pending:
+            prefill_kv = {"remote_blocks_pending": True}
         body = decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id, d.inst, d.rank)
         if first_token_sent:
             body["kv_transfer_params"]["first_token_sent"] = True
         elif not self.settings.first_token_forwarding:
             body["kv_transfer_params"].pop("first_token_ids", None)  # the decode engine computes it again
         payload = _json_encoder.encode(body)
-        req.spans.decode_sent(after_prefill=True)
+        req.spans.decode_sent(after_prefill=not pending)
         try:
             resp = await self.pool.request(d.inst.host, d.inst.http_port,
                                            self._leg_head(req, d.inst, d.rank, len(payload)), payload,

@@ -35,6 +35,9 @@ class ProxySettings:
     # stream the prefill's first token at once where the decode engine continues from it (kv_features);
     # off: the decode leg gets no first_token_ids (it computes the first token again, as before)
     first_token_forwarding: bool = True
+    # send the decode leg together with the prefill leg where both engines announce the rendezvous
+    # (kv_features); the decode learns the block ids from the prefill's handshake port. Off: the legs in turn
+    concurrent_dispatch: bool = False
     registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
     allow_open_registration: bool = False  # unsigned pings on a non-loopback discovery address (operator's choice)
     admin_token: str | None = None  # bearer token for /instances and /metrics (None: open)

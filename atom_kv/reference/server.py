@@ -35,6 +35,7 @@ from atom_kv.reference.request import Request, RequestError, RequestOutput
 from atom_kv.reference.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from atom_kv.server_timing import HEADER as SERVER_TIMING
 from atom_kv.server_timing import format_server_timing
+from atom_kv.wire import KV_FEATURE_RENDEZVOUS
 
 __all__ = ["OutputRouter", "OpenAIServer"]
 
@@ -154,7 +155,7 @@ class OpenAIServer:
             "engine_id": self.engine.engine_id,
             "tp_size": self.engine.args.tp,
             "dp_size": self.engine.dp_size,
-            "kv_features": [FIRST_TOKEN] if self.engine.role != "colocated" else [],
+            "kv_features": [FIRST_TOKEN, KV_FEATURE_RENDEZVOUS] if self.engine.role != "colocated" else [],
             "kv_blocks": {"total": total("kv_total"), "free": total("kv_free"), "held": total("kv_held")},
             "requests": {"running": total("running"), "waiting": total("waiting"),
                          "waiting_remote_kv": total("waiting_remote")},

@@ -2,9 +2,11 @@
 
 One cluster per (prefill TP, decode TP, backend); every cluster serves
 completions and chat, streaming and not, in both modes: through a proxy that
-forwards the prefill's first token (the decode engine continues from it) and
+forwards the prefill's first token (the decode engine continues from it),
 through one started with ``--no-first-token-forwarding`` (sequential legs, the
-decode engine computes the first token again).
+decode engine computes the first token again) and through one started with
+``--concurrent-dispatch`` (both legs at once; the decode engine learns the
+blocks from the prefill engine and computes the first token itself).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def cluster(request, tmp_path_factory):
                    extra_config={"abort_timeout_s": 10.0}),
         EngineSpec("D", tp=tp_d, backend=backend, num_blocks=128,
                    extra_config={"handshake_timeout_s": 3.0, "transfer_timeout_s": 3.0}),
-    ], extra_proxies=[["--no-first-token-forwarding"]], log_dir=str(tmp_path_factory.mktemp(f"pd-{tp_p}-{tp_d}-{backend}")))
+    ], extra_proxies=[["--no-first-token-forwarding"], ["--concurrent-dispatch"]], log_dir=str(tmp_path_factory.mktemp(f"pd-{tp_p}-{tp_d}-{backend}")))
     c.start()
     try:
         yield c
@@ -58,16 +60,19 @@ def _blocks_all_free(c: Cluster) -> bool:
 
 _FORWARDED = "atom_kv_proxy_first_tokens_forwarded_total"
 _GENERATED = "atom_kv_generation_tokens_total"
+_CONCURRENT = "atom_kv_proxy_concurrent_dispatches_total"
+_PROXIES = {"first_token": None, "sequential": 0, "concurrent": 1}  # None: the cluster's own proxy
 
 
-@pytest.mark.parametrize("mode", ["first_token", "sequential"])
+@pytest.mark.parametrize("mode", ["first_token", "sequential", "concurrent"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_pd_output_equals_colocated(cluster, colocated, chat, stream, mode):
     d = cluster.index_of("D")
-    proxy = cluster.proxy_url if mode == "first_token" else cluster.extra_proxy_urls[0]
+    n = _PROXIES[mode]
+    proxy = cluster.proxy_url if n is None else cluster.extra_proxy_urls[n]
     before = scrape_metrics(cluster.engine_url(d) + "/metrics")
-    forwarded = scrape_metrics(proxy + "/metrics").get(_FORWARDED, 0.0)
+    proxy_before = scrape_metrics(proxy + "/metrics")
     extra = {"stream_options": {"include_usage": True}} if stream else None
     for prompt in PROMPTS:
         res = generate(proxy, prompt, chat=chat, stream=stream, extra=extra)
@@ -83,8 +88,11 @@ def test_pd_output_equals_colocated(cluster, colocated, chat, stream, mode):
     # continuing from the prefill's token, the decode engine samples 11 of the 12 tokens; sequential, all 12
     per_request = 11 if mode == "first_token" else 12
     assert after[_GENERATED] - before[_GENERATED] == per_request * len(PROMPTS)
-    forwarded = scrape_metrics(proxy + "/metrics").get(_FORWARDED, 0.0) - forwarded
+    proxy_after = scrape_metrics(proxy + "/metrics")
+    forwarded = proxy_after.get(_FORWARDED, 0.0) - proxy_before.get(_FORWARDED, 0.0)
     assert forwarded == (len(PROMPTS) if stream and mode == "first_token" else 0)
+    concurrent = proxy_after.get(_CONCURRENT, 0.0) - proxy_before.get(_CONCURRENT, 0.0)
+    assert concurrent == (len(PROMPTS) if mode == "concurrent" else 0)
 
 
 def test_every_block_is_free_afterwards(cluster):
