@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from typing import Any
 
 from atom_kv.transfer._trust import RateLimitedLog
 
-__all__ = ["EndpointEvents"]
+__all__ = ["EndpointEvents", "endpoint_stats"]
 
 
 class EndpointEvents:
@@ -42,3 +43,11 @@ class EndpointEvents:
     def flush(self) -> None:
         """Log the pending summaries (at close)."""
         self._log.flush()
+
+
+def endpoint_stats(serving: Any, reader: "EndpointEvents") -> dict[str, int]:
+    """A backend's ``stats()``: its serving endpoint's counts (``serving`` may be
+    None before anything registered) and, prefixed "reader_", its reading side's."""
+    out = dict(serving.stats()) if serving is not None else {}
+    out.update({f"reader_{k}": v for k, v in reader.snapshot().items()})
+    return out

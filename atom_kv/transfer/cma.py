@@ -24,7 +24,7 @@ from atom_kv import wire
 from atom_kv.transfer._cma_control import CmaControlServer, request_grant
 from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
 from atom_kv.wire import decode
-from atom_kv.transfer._events import EndpointEvents
+from atom_kv.transfer._events import EndpointEvents, endpoint_stats
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._jobs import JobWorkers, ReadState
 from atom_kv.transfer._lifecycle import Lifecycle
@@ -235,9 +235,7 @@ class CmaBackend(TransferBackend):
         "busy", "timeout", ...) and, prefixed "reader_", this side's."""
         with self._lock:
             ctl = self._ctl
-        out = dict(ctl.stats()) if ctl is not None else {}
-        out.update({f"reader_{k}": v for k, v in self.reader_events.snapshot().items()})
-        return out
+        return endpoint_stats(ctl, self.reader_events)
 
     # -- lifecycle ------------------------------------------------------
     def close(self) -> None:

@@ -37,7 +37,7 @@ import numpy as np
 
 from atom_kv import wire
 from atom_kv.transfer._cma_control import CmaControlServer, request_grant
-from atom_kv.transfer._events import EndpointEvents
+from atom_kv.transfer._events import EndpointEvents, endpoint_stats
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer._regions import begin_read, out_of_bounds, resolve_config
@@ -291,9 +291,7 @@ class GpuIpcBackend(TransferBackend):
     def stats(self) -> dict[str, int]:
         with self._lock:
             ctl = self._ctl
-        out = dict(ctl.stats()) if ctl is not None else {}
-        out.update({f"reader_{k}": v for k, v in self.reader_events.snapshot().items()})
-        return out
+        return endpoint_stats(ctl, self.reader_events)
 
     # -- lifecycle ------------------------------------------------------
     def close(self) -> None:

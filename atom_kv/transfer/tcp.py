@@ -24,7 +24,7 @@ import numpy as np
 
 from atom_kv import wire
 from atom_kv.wire import decode
-from atom_kv.transfer._events import EndpointEvents
+from atom_kv.transfer._events import EndpointEvents, endpoint_stats
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._jobs import ReadState
 from atom_kv.transfer._lifecycle import Lifecycle
@@ -186,9 +186,7 @@ class TcpBackend(TransferBackend):
         side's ("reader_bad_reply", "reader_stale")."""
         with self._lock:
             server = self._server
-        out = dict(server.stats()) if server is not None else {}
-        out.update({f"reader_{k}": v for k, v in self.reader_events.snapshot().items()})
-        return out
+        return endpoint_stats(server, self.reader_events)
 
     # -- lifecycle ------------------------------------------------------
     def close(self) -> None:
