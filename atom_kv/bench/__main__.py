@@ -21,6 +21,7 @@ SUITES = {
     "connector": "connector transfer GB/s, handshake latency and per-request CPU overhead",
     "proxy": "proxy-added latency and throughput in front of fake engines",
     "e2e": "TTFT and tokens/s, P/D versus colocated, with the reference engine",
+    "vllm": "TTFT through the proxy and two real vLLM servers (P/D) versus one plain vLLM server",
 }
 
 

@@ -26,7 +26,7 @@ from atom_kv.proxy.spans import SPANS
 from atom_kv.server_timing import parse_server_timing
 from atom_kv.testing.web import scrape_metrics
 
-__all__ = ["run_breakdown"]
+__all__ = ["p50", "run_breakdown", "span_totals"]
 
 _WORDS = "prefill computes the prompt once and decode reads it block by block "
 
@@ -89,7 +89,8 @@ def _batch(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> l
         return list(pool.map(lambda p: stream_once(url, p, max_tokens), prompts))
 
 
-def _span_totals(proxy_url: str) -> dict[str, tuple[float, float]]:
+def span_totals(proxy_url: str) -> dict[str, tuple[float, float]]:
+    """Each span's (sum of seconds, count) in the proxy's ``atom_kv_proxy_span_seconds`` histogram now."""
     m = scrape_metrics(proxy_url + "/metrics")
     return {s: (m.get(f'atom_kv_proxy_span_seconds_sum{{span="{s}"}}', 0.0),
                 m.get(f'atom_kv_proxy_span_seconds_count{{span="{s}"}}', 0.0)) for s in SPANS}
@@ -103,7 +104,7 @@ def _transfer_totals(decode_url: str) -> dict[str, float]:
             for k in keys}
 
 
-def _p50(values: list[float]) -> float:
+def p50(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
@@ -117,9 +118,9 @@ def _measure(cluster: Any, tokens: int, concurrency: int, args: argparse.Namespa
     xfer = {"handshakes": 0.0, "handshake_seconds": 0.0, "transfers": 0.0, "seconds": 0.0}
     for rnd in range(args.rounds):
         prompts = [_prompt(tokens, f"{tokens}-{concurrency}-{rnd}-{i}") for i in range(concurrency)]
-        before, t_before = _span_totals(cluster.proxy_url), _transfer_totals(d_url)
+        before, t_before = span_totals(cluster.proxy_url), _transfer_totals(d_url)
         pd += _batch(cluster.proxy_url, prompts, args.max_tokens, concurrency)
-        after, t_after = _span_totals(cluster.proxy_url), _transfer_totals(d_url)
+        after, t_after = span_totals(cluster.proxy_url), _transfer_totals(d_url)
         for s in SPANS:
             span_sum[s] += after[s][0] - before[s][0]
             span_n[s] += after[s][1] - before[s][1]
@@ -138,8 +139,8 @@ def _measure(cluster: Any, tokens: int, concurrency: int, args: argparse.Namespa
         "prompt_tokens": tokens, "concurrency": concurrency, "requests": len(pd),
         "pd_ttft_ms": statistics.mean(s.ttft for s in pd) * 1e3,
         "colocated_ttft_ms": statistics.mean(s.ttft for s in co) * 1e3,
-        "pd_ttft_p50_ms": _p50([s.ttft for s in pd]) * 1e3,
-        "colocated_ttft_p50_ms": _p50([s.ttft for s in co]) * 1e3,
+        "pd_ttft_p50_ms": p50([s.ttft for s in pd]) * 1e3,
+        "colocated_ttft_p50_ms": p50([s.ttft for s in co]) * 1e3,
         "pd_second_token_ms": statistics.mean(s.second for s in pd) * 1e3,
         "colocated_second_token_ms": statistics.mean(s.second for s in co) * 1e3,
         "pd_spans_ms": spans, "colocated_spans_ms": co_spans,

@@ -17,12 +17,9 @@ runs in ``make test-engines`` only (``make test`` has no vLLM).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -30,12 +27,9 @@ pytest.importorskip("vllm", reason="vLLM is not importable here; `make test-engi
                                    "in their own environment (see docs/vllm.md)")
 
 from atom_kv.testing.polling import wait_until  # noqa: E402
-from atom_kv.testing.ports import free_port, free_port_range  # noqa: E402
-from atom_kv.testing.processes import ManagedProcess  # noqa: E402
-from atom_kv.testing.web import http_json, scrape_metrics  # noqa: E402
+from atom_kv.testing.vllm_servers import VllmServers, write_tiny_model  # noqa: E402
 from tests.e2e.helpers import generate  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-engines-cluster-secret"
 START_TIMEOUT_S = 900.0  # three vLLM servers starting at once on two busy cores
 MAX_TOKENS = 12
@@ -68,78 +62,14 @@ if _REASON:
 pytestmark = pytest.mark.timeout(START_TIMEOUT_S + 300)
 
 
-class Servers:
-    """The proxy, the P/D pair and the plain engine, as processes, with their addresses."""
-
-    def __init__(self, log_dir: str, model: str) -> None:
-        self.log_dir = log_dir
-        self.model = model
-        self.procs: dict[str, ManagedProcess] = {}
-        self.ports = {name: free_port() for name in ("proxy", "discovery", "prefill", "decode", "plain")}
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.ports[name]}"
-
-    def _vllm(self, name: str, kv: dict | None) -> None:
-        # one OpenMP thread each, bound nowhere: by default every engine binds a spinning thread to every core,
-        # and three engines on a small shared machine then starve each other (and atom-kv's threads)
-        argv = ["env", "VLLM_CPU_OMP_THREADS_BIND=nobind", "OMP_NUM_THREADS=1",
-                sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--host", "127.0.0.1", "--port", str(self.ports[name]), "--max-model-len", "512",
-                # on CPU this is the share of host memory vLLM reserves; the tiny model needs little
-                "--gpu-memory-utilization", "0.05"]
-        if kv is not None:
-            argv += ["--kv-transfer-config", json.dumps(kv)]
-        self.procs[name] = ManagedProcess(name, argv, self.log_dir)
-
-    def start(self) -> None:
-        self.procs["proxy"] = ManagedProcess("proxy", [
-            sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports["proxy"]),
-            "--discovery-host", "127.0.0.1", "--discovery-port", str(self.ports["discovery"]),
-            "--registration-token", TOKEN, "--heartbeat-timeout", "10"], self.log_dir)
-        for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-            self._vllm(name, {
-                "kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm",
-                "kv_role": role, "kv_connector_extra_config": {
-                    "handshake_port": free_port_range(1), "host_ip": "127.0.0.1", "proxy_ip": "127.0.0.1",
-                    "proxy_ping_port": self.ports["discovery"], "http_port": self.ports[name],
-                    "ping_interval_s": 1.0, "auth_token": TOKEN}})
-        self._vllm("plain", None)
-        for name in ("prefill", "decode", "plain"):
-            wait_until(lambda n=name: self._serving(n), START_TIMEOUT_S, interval=2.0, what=f"vLLM {name} /health")
-        wait_until(lambda: http_json("GET", self.url("proxy") + "/health", timeout=5)[0] == 200, 60,
-                   what="both engines registered with the proxy")
-
-    def _serving(self, name: str) -> bool:
-        proc = self.procs[name]
-        if not proc.alive():
-            raise RuntimeError(f"vLLM {name} exited with {proc.proc.returncode}:\n{proc.tail(30)}")
-        status, _ = http_json("GET", self.url(name) + "/health", timeout=5)
-        return status == 200
-
-    def metrics(self, name: str) -> dict[str, float]:
-        return scrape_metrics(self.url(name) + "/metrics")
-
-    def log(self, name: str) -> str:
-        with open(self.procs[name].log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-
-    def stop(self) -> None:
-        for name in ("prefill", "decode", "plain", "proxy"):
-            proc = self.procs.get(name)
-            if proc is not None:
-                proc.stop(timeout=20)
-
-
 @pytest.fixture(scope="module")
 def servers():
     log_dir = tempfile.mkdtemp(prefix="atom-kv-vllm-servers-")
     model = os.path.join(log_dir, "tiny-llama")
-    subprocess.run([sys.executable, str(ROOT / "examples" / "vllm_tiny_model.py"), model], check=True,
-                   capture_output=True, timeout=300)
-    s = Servers(log_dir, model)
+    write_tiny_model(sys.executable, model)
+    s = VllmServers(log_dir, model, TOKEN)
     try:
-        s.start()
+        s.start(START_TIMEOUT_S)
         yield s
     finally:
         s.stop()

