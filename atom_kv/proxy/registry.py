@@ -131,7 +131,7 @@ class Instance:
     last_seen: float = 0.0
     last_seen_wall: float = 0.0
     max_model_len: int | None = None  # from the engine's /v1/models
-    features: frozenset[str] = frozenset()  # the engine's /health ``kv_features`` (e.g. "first_token")
+    features: frozenset[str] = frozenset()  # ``kv_features`` from its /health or its ping (e.g. "first_token")
     tokenize: bool | None = None  # None: not asked yet; False: the engine has no /tokenize
     inflight: int = 0
     outstanding_tokens: list[int] = field(default_factory=list)
@@ -229,6 +229,7 @@ class Registration:
     model: str | None = None
     notify_port: int | None = None
     source: str = "atom"
+    features: frozenset[str] | None = None  # the ping's ``kv_features``; None: the ping said nothing
 
 
 class Registry:
@@ -324,6 +325,8 @@ class Registry:
             inst.model = reg.model
             inst.notify_port = reg.notify_port
             inst.source = reg.source
+            if reg.features is not None:  # else what the engine's /health says, if anything
+                inst.features = reg.features
         inst.last_seen = now
         inst.last_seen_wall = time.time()
         if not new:

@@ -34,8 +34,11 @@ def write_tiny_model(python: str, folder: str, timeout: float = 300.0) -> None:
 
 
 class VllmServers:
-    """Owns the proxy, the P/D pair (prefill + decode with ``AtomKVConnector``, registered with the proxy
+    """Owns the proxies, the P/D pair (prefill + decode with ``AtomKVConnector``, registered with every proxy
     by signed pings) and the plain vLLM server, as processes, with their addresses.
+
+    ``proxies``: each proxy's name and extra flags (default one, ``proxy``, with none), e.g.
+    ``{"proxy": [], "concurrent": ["--concurrent-dispatch"]}`` for both dispatch modes over one pair.
 
     ``omp_bind``: ``VLLM_CPU_OMP_THREADS_BIND`` per engine (``prefill``, ``decode``, ``plain``); by default
     one OpenMP thread each, bound nowhere (every engine otherwise binds a spinning thread to every core, and
@@ -44,7 +47,7 @@ class VllmServers:
 
     def __init__(self, log_dir: str, model: str, token: str, *, vllm_python: str = sys.executable,
                  proxy_python: str = sys.executable, omp_bind: Optional[dict[str, str]] = None,
-                 proxy_args: Sequence[str] = (), vllm_args: Sequence[str] = (),
+                 proxies: Optional[dict[str, Sequence[str]]] = None, vllm_args: Sequence[str] = (),
                  extra_config: Optional[dict] = None) -> None:
         self.log_dir = log_dir
         self.model = model
@@ -53,11 +56,14 @@ class VllmServers:
         self.proxy_python = proxy_python
         self.omp_bind = {name: "nobind" for name in ENGINES}
         self.omp_bind.update(omp_bind or {})
-        self.proxy_args = list(proxy_args)
+        self.proxies = {name: list(args) for name, args in (proxies or {"proxy": ()}).items()}
+        if set(self.proxies) & set(ENGINES):
+            raise ValueError(f"proxy names must differ from the engines' {ENGINES}")
         self.vllm_args = list(vllm_args)
         self.extra_config = dict(extra_config or {})
         self.procs: dict[str, ManagedProcess] = {}
-        self.ports = {name: free_port() for name in ("proxy", "discovery", *ENGINES)}
+        self.ports = {name: free_port() for name in (*self.proxies, *ENGINES)}
+        self.discovery_ports = {name: free_port() for name in self.proxies}
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
@@ -76,22 +82,25 @@ class VllmServers:
         self.procs[name] = ManagedProcess(name, argv, self.log_dir)
 
     def start(self, timeout: float) -> None:
-        """Start everything and wait until each engine serves and both are registered with the proxy."""
-        self.procs["proxy"] = ManagedProcess("proxy", [
-            self.proxy_python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports["proxy"]),
-            "--discovery-host", "127.0.0.1", "--discovery-port", str(self.ports["discovery"]),
-            "--registration-token", self.token, "--heartbeat-timeout", "10", *self.proxy_args], self.log_dir)
+        """Start everything and wait until each engine serves and both are registered with every proxy."""
+        for name, args in self.proxies.items():
+            self.procs[name] = ManagedProcess(name, [
+                self.proxy_python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports[name]),
+                "--discovery-host", "127.0.0.1", "--discovery-port", str(self.discovery_ports[name]),
+                "--registration-token", self.token, "--heartbeat-timeout", "10", *args], self.log_dir)
+        proxy_ip = ",".join(f"127.0.0.1:{port}" for port in self.discovery_ports.values())
         for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
             self._vllm(name, {
                 "kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm",
                 "kv_role": role, "kv_connector_extra_config": {
-                    "handshake_port": free_port_range(1), "host_ip": "127.0.0.1", "proxy_ip": "127.0.0.1",
-                    "proxy_ping_port": self.ports["discovery"], "http_port": self.ports[name],
-                    "ping_interval_s": 1.0, "auth_token": self.token, **self.extra_config}})
+                    "handshake_port": free_port_range(1), "host_ip": "127.0.0.1", "proxy_ip": proxy_ip,
+                    "http_port": self.ports[name], "ping_interval_s": 1.0, "auth_token": self.token,
+                    **self.extra_config}})
         self._vllm("plain", None)
         for name in ENGINES:
             wait_until(lambda n=name: self._serving(n), timeout, interval=2.0, what=f"vLLM {name} /health")
-        wait_until(lambda: self._proxy_ready(), 60, what="both engines registered with the proxy")
+        for name in self.proxies:
+            wait_until(lambda n=name: self._proxy_ready(n), 60, what=f"both engines registered with {name}")
 
     def _serving(self, name: str) -> bool:
         proc = self.procs[name]
@@ -100,11 +109,11 @@ class VllmServers:
         status, _ = http_json("GET", self.url(name) + "/health", timeout=5)
         return status == 200
 
-    def _proxy_ready(self) -> bool:
-        proc = self.procs["proxy"]
+    def _proxy_ready(self, name: str) -> bool:
+        proc = self.procs[name]
         if not proc.alive():
-            raise RuntimeError(f"the proxy exited with {proc.proc.returncode}:\n{proc.tail(30)}")
-        return http_json("GET", self.url("proxy") + "/health", timeout=5)[0] == 200
+            raise RuntimeError(f"proxy {name} exited with {proc.proc.returncode}:\n{proc.tail(30)}")
+        return http_json("GET", self.url(name) + "/health", timeout=5)[0] == 200
 
     def metrics(self, name: str) -> dict[str, float]:
         return scrape_metrics(self.url(name) + "/metrics")
@@ -114,7 +123,7 @@ class VllmServers:
             return f.read()
 
     def stop(self) -> None:
-        for name in (*ENGINES, "proxy"):
+        for name in (*ENGINES, *self.proxies):
             proc = self.procs.get(name)
             if proc is not None:
                 proc.stop(timeout=20)

