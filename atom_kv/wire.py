@@ -370,6 +370,8 @@ class Issued(msgspec.Struct, tag_field="t", tag="issued", kw_only=True):
 
 #: most blocks one transfer may name on the wire (a 2,048-token block holds a long prompt's KV in a few)
 MAX_WIRE_BLOCKS = 1 << 20
+#: most tokens a rendezvous answer names as the prefill's sampled ones
+MAX_FIRST_TOKENS = 16
 #: longest a blocks query may ask a producer rank to wait, in milliseconds
 MAX_BLOCKS_WAIT_MS = 600_000
 
@@ -405,6 +407,8 @@ class BlocksAnswer(msgspec.Struct, tag_field="t", tag="blocks_a", kw_only=True):
     block_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_WIRE_BLOCKS)] = []
     #: the producer's pipeline stages: a consumer that did not know them refuses the load
     pp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    #: the token the prefill sampled, when its engine passed it (the decode may continue from it)
+    first_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_FIRST_TOKENS)] = []
     reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     mac: Optional[HandshakeMac] = None
     v: int = HANDSHAKE_PROTOCOL_VERSION
@@ -699,6 +703,10 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     #: yet; the decode's ranks learn them from the producer's handshake port
     #: (:class:`BlocksQuery`, keyed by ``transfer_id``; see :data:`KV_FEATURE_RENDEZVOUS`)
     remote_blocks_pending: Optional[bool] = None
+    #: with ``remote_blocks_pending``: the decode engine continues from the
+    #: prefill's sampled token, which the rendezvous answer carries
+    #: (:class:`BlocksAnswer` ``first_token_ids``), instead of computing it again
+    first_token_pending: Optional[bool] = None
 
     @classmethod
     def from_dict(cls, data: Any) -> "KVTransferParams":

@@ -13,6 +13,9 @@ Rules (one :class:`KVOutputAggregator` per engine, fed once per step):
   bounded (the oldest are forgotten past ``max_remembered``), and so is the
   set of partially reported ids (the oldest partial entries are dropped with a
   warning past ``max_pending``).
+- ``first_tokens`` (the prefill's token a rank learned with the blocks) pass
+  on as soon as any rank reports them (every rank learns the same token);
+  the scheduler side takes each request's once.
 """
 
 from __future__ import annotations
@@ -79,9 +82,12 @@ class KVOutputAggregator:
         sending: list[str] = []
         recving: list[str] = []
         failed: dict[str, str] = {}
+        first: dict[str, list[int]] = {}
         for rank, out in enumerate(outputs):
             if out is None:
                 continue
+            for rid, tokens in out.first_tokens.items():
+                first.setdefault(rid, tokens)
             for tid in out.finished_sending:
                 done = self._send.report(rank, tid, None)
                 if done is not None:
@@ -90,7 +96,8 @@ class KVOutputAggregator:
                 self._collect(self._recv.report(rank, rid, None), recving, failed)
             for rid, reason in out.failed_recving.items():
                 self._collect(self._recv.report(rank, rid, reason or "load failed"), recving, failed)
-        return KVConnectorOutput(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+        return KVConnectorOutput(finished_sending=sending, finished_recving=recving, failed_recving=failed,
+                                 first_tokens=first)
 
     @staticmethod
     def _collect(done: Optional[tuple[str, Optional[str]]], recving: list[str], failed: dict[str, str]) -> None:

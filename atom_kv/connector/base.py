@@ -14,7 +14,7 @@ an aggregator -> scheduler, once per step).
 from __future__ import annotations
 
 import abc
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput, SchedulerEvents
 
@@ -80,12 +80,17 @@ class SchedulerHooks(abc.ABC):
 
     @abc.abstractmethod
     def request_finished(
-        self, request_id: str, block_ids: Sequence[int], *, aborted: bool = False
+        self, request_id: str, block_ids: Sequence[int], *, aborted: bool = False,
+        first_token_ids: Sequence[int] = (),
     ) -> tuple[bool, Optional[dict]]:
         """The request finished (or was aborted). Returns ``(delay_free, kv_transfer_params)``:
         when ``delay_free`` the engine keeps the blocks until a later
         ``SchedulerEvents.free`` names the request; the params go in the
         response (a producer's carry the ``transfer_id`` it used).
+
+        A producer may pass the token it sampled (``first_token_ids``): the
+        params then carry it, and so does the rendezvous answer to a decode
+        engine that asks for the blocks while its leg is already waiting.
 
         Call it for every request the scheduler saw, whatever its state (waiting
         for blocks, waiting for remote KV, running): on a consumer, a request
@@ -106,6 +111,12 @@ class SchedulerHooks(abc.ABC):
 
     def has_pending(self) -> bool:
         """True while any transfer or lease is outstanding (the engine keeps ticking)."""
+        return False
+
+    def has_metadata(self) -> bool:
+        """True when the next ``build_connector_meta`` carries news for the workers (a lent
+        transfer, a freed one, a load to start or cancel). An idle engine that steps at
+        once instead of on its next tick lets its ranks answer the decode engines sooner."""
         return False
 
     def close(self) -> None:
@@ -143,6 +154,11 @@ class WorkerHooks(abc.ABC):
     def stats(self) -> dict[str, float]:
         """Cumulative transfer statistics for metrics (bytes, seconds, ranges, retries, failures)."""
         return {}
+
+    def set_waker(self, wake: Optional[Callable[[], None]]) -> None:
+        """Call ``wake()`` (from a connector thread; it must not block) whenever
+        :meth:`get_finished` has news, so an idle engine can step at once
+        instead of polling. Optional: engines that step anyway need not set it."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -34,7 +34,7 @@ from atom_kv.connector.rendezvous import BlocksClient
 from atom_kv.connector.scheduler import load_budget_s
 from atom_kv.connector.types import ConnectorMetadata, LoadSpec
 from atom_kv.connector.worker import ConnectorWorker
-from atom_kv.wire import BlocksQuery, DoneReading, HandshakeRequest, blocks_digest
+from atom_kv.wire import BlocksAnswer, BlocksQuery, DoneReading, HandshakeRequest, blocks_digest
 
 __all__ = ["ConsumerWorker"]
 
@@ -167,22 +167,27 @@ class ConsumerWorker(ConnectorWorker):
             result = f"internal error while asking for the blocks: {exc}"
         with self._lock:
             self._waiting.pop(rid, None)
-        if isinstance(result, list):
+        if isinstance(result, BlocksAnswer):
+            blocks = result.block_ids
             need = spec.remote_block_offset + len(spec.block_ids)
-            if len(result) < need:
-                result = (f"the prefill holds {len(result)} blocks for transfer {spec.transfer_id}; "
+            if len(blocks) < need:
+                result = (f"the prefill holds {len(blocks)} blocks for transfer {spec.transfer_id}; "
                           f"this engine needs {need}")
             elif cancelled.is_set():
                 result = "the request ended while waiting for the prefill"
             else:
-                remote = result[spec.remote_block_offset:need]
+                if result.first_token_ids:  # the engine may go on from it while the blocks load
+                    with self._lock:
+                        self._first_tokens[rid] = list(result.first_token_ids)
+                    self._wake()
+                remote = blocks[spec.remote_block_offset:need]
                 self._start_load(msgspec.structs.replace(spec, remote_block_ids=remote, await_blocks=False),
                                  time.monotonic())
                 return
         logger.warning("%s: request %s: no blocks for transfer %s: %s", self._name, rid, spec.transfer_id, result)
         self._fail_load(rid, result)
 
-    def _ask_blocks(self, spec: LoadSpec, cancelled: threading.Event) -> Union[list[int], str]:
+    def _ask_blocks(self, spec: LoadSpec, cancelled: threading.Event) -> Union[BlocksAnswer, str]:
         overlaps = head_overlaps(self.compat.num_kv_heads, self.tp_size, self.tp_rank, spec.remote_tp_size,
                                  is_mla=self.compat.is_mla)
         client: Optional[BlocksClient] = getattr(self._tls, "blocks_client", None)
@@ -226,6 +231,7 @@ class ConsumerWorker(ConnectorWorker):
                 self._finished_recv.append(rid)
             else:
                 self._failed_recv[rid] = error
+        self._wake()
         if error is not None:
             logger.warning("%s: request %s: load of transfer %s failed: %s",
                            self._name, rid, st.spec.transfer_id, error)

@@ -40,6 +40,7 @@ from atom_kv.wire import (
     DoneReading,
     HandshakeReply,
     HandshakeRequest,
+    MAX_FIRST_TOKENS,
     Issued,
     Release,
     blocks_digest,
@@ -101,6 +102,7 @@ class ProducerWorker(ConnectorWorker):
         self._ended: BoundedDict[str, str] = BoundedDict(MAX_REMEMBERED)     # counted or released: tid -> how
         self._released: BoundedDict[str, str] = BoundedDict(MAX_REMEMBERED)  # reads no longer confirmed: tid -> why
         self._issued: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # live transfers' blocks
+        self._first: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # their prefills' sampled tokens
         self._deferred: BoundedDict[str, list[_Deferred]] = BoundedDict(
             MAX_DEFERRED_TRANSFERS, on_evict=self._deferred_evicted)
         self._evicted: list[_Deferred] = []
@@ -139,9 +141,12 @@ class ProducerWorker(ConnectorWorker):
             for send in metadata.sends:
                 if send.transfer_id not in self._released:
                     self._issued[send.transfer_id] = list(send.block_ids)
+                    if send.first_token_ids:
+                        self._first[send.transfer_id] = list(send.first_token_ids[:MAX_FIRST_TOKENS])
             for tid in metadata.released:
                 self._done.pop(tid, None)
                 self._issued.pop(tid, None)
+                self._first.pop(tid, None)
                 why = self._ended.get(tid) or _LEASE_EXPIRED
                 self._ended[tid] = why
                 if tid not in self._released:
@@ -218,11 +223,13 @@ class ProducerWorker(ConnectorWorker):
                 return  # idempotent: already counted or released
             self._done.pop(tid, None)
             self._issued.pop(tid, None)
+            self._first.pop(tid, None)
             self._ended[tid] = why
             self._released[tid] = why
             self._finished_send.append(tid)
             waiting = self._deferred.pop(tid, None) or []
             queries = self._queries.pop(tid, None) or []
+        self._wake()
         logger.info("%s: transfer %s %s; freeing its blocks", self._name, tid, why)
         self._answer_queries([(q, self._not_found(q.msg, f"producer {why}")) for q in queries])
         self._answer([(d, self._ack(d.msg, False, f"producer {why} before the read was confirmed")) for d in waiting])
@@ -311,7 +318,7 @@ class ProducerWorker(ConnectorWorker):
         if blocks is None:
             return None
         return BlocksAnswer(transfer_id=tid, tp_rank=self.tp_rank, found=True, block_ids=list(blocks),
-                            pp_size=self.pp_size)
+                            pp_size=self.pp_size, first_token_ids=self._first.get(tid, []))
 
     def _not_found(self, msg: BlocksQuery, reason: str) -> BlocksAnswer:
         return BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, found=False, reason=reason)
@@ -385,6 +392,8 @@ class ProducerWorker(ConnectorWorker):
             del self._done[msg.transfer_id]
             self._ended[msg.transfer_id] = "every consumer rank had finished reading"
             self._finished_send.append(msg.transfer_id)
+            self._first.pop(msg.transfer_id, None)
+        self._wake()
         logger.debug("%s: transfer %s read by all %d consumer ranks (last %s)", self._name, msg.transfer_id,
                      msg.tp_size, "ok" if msg.ok else "gave up")
 

@@ -47,10 +47,11 @@ class BlocksClient:
         self._socks = DealerCache(ctx, max_sockets, {zmq.MAXMSGSIZE: MAX_ANSWER_BYTES, zmq.SNDHWM: 1024})
 
     def blocks(self, host: str, port: int, msg: BlocksQuery, timeout_s: float, stop: threading.Event,
-               cancelled: threading.Event, pp_size: int = 1) -> Union[list[int], str]:
+               cancelled: threading.Event, pp_size: int = 1) -> Union[BlocksAnswer, str]:
         """Ask the producer rank at ``host:port`` for ``msg.transfer_id``'s block
         ids, waiting up to ``timeout_s`` (the producer holds the question as long,
-        capped by its own ``prefill_wait_timeout_s``). Returns the block ids, or
+        capped by its own ``prefill_wait_timeout_s``). Returns the answer (found,
+        with block ids, and the prefill's first token when its engine gave it), or
         the reason there are none (also when the producer has other pipeline
         stages than ``pp_size``: the load would miss layers)."""
         msg = msgspec.structs.replace(msg, wait_ms=max(0, min(wire.MAX_BLOCKS_WAIT_MS, int(timeout_s * 1000))))
@@ -88,8 +89,8 @@ class BlocksClient:
                 return verdict
 
     def _judge(self, data: bytes, msg: BlocksQuery, where: str, host: str, port: int,
-               pp_size: int) -> Union[list[int], str, None]:
-        """The block ids, the reason there are none, or None for an answer to an older question."""
+               pp_size: int) -> Union[BlocksAnswer, str, None]:
+        """The answer with block ids, the reason there are none, or None for an answer to an older question."""
         try:
             answer = wire.decode(data, BlocksAnswer)
         except (WireError, RecursionError) as exc:
@@ -113,7 +114,7 @@ class BlocksClient:
         if answer.pp_size != pp_size:
             return (f"the {where} has {answer.pp_size} pipeline stage(s), the decode leg named {pp_size}: "
                     "concurrent dispatch needs the stages in the decode leg (remote_pp_size)")
-        return list(answer.block_ids)
+        return answer
 
     def close(self) -> None:
         self._socks.close()

@@ -23,6 +23,9 @@ Consumer (``kv_consumer``)::
         ``prefill_wait_timeout_s`` for a rendezvous: params with
         ``remote_blocks_pending`` and no block ids; the workers learn them from
         the producer, :mod:`atom_kv.connector.rendezvous`)
+    first_tokens (the rendezvous brought the prefill's sampled token, and the
+        decode leg asked to continue from it: ``first_token_pending``) ->
+        SchedulerEvents.first_tokens, while still loading
     finished_recving (reads done and confirmed by every producer rank read
         from) -> ready | failed_recving (incl. the producer's lease expired
         first, or no confirmation) / deadline -> failed or recompute
@@ -121,6 +124,8 @@ class _Load:
     state: str = _QUEUED
     deadline: float = 0.0
     started: float = 0.0
+    #: the decode leg continues from the prefill's first token, which the rendezvous brings
+    wants_first_token: bool = False
 
 
 @dataclass(order=True)
@@ -303,7 +308,8 @@ class ConnectorScheduler(SchedulerHooks):
         needed = -(-match.num_prompt_tokens // self.block_size)
         spec = self._load_spec(request_id, match, [int(b) for b in block_ids[cached:needed]], [])
         spec.await_blocks = True
-        self._loads[request_id] = _Load(request_id, spec, match.remote_tokens)
+        self._loads[request_id] = _Load(request_id, spec, match.remote_tokens,
+                                        wants_first_token=bool(match.params.first_token_pending))
         if len(block_ids) < needed:
             self._failed_now[request_id] = f"allocated {len(block_ids)} blocks for a prompt of {needed}"
             return
@@ -394,6 +400,9 @@ class ConnectorScheduler(SchedulerHooks):
         self._cancelled_out = []
         return meta
 
+    def has_metadata(self) -> bool:
+        return bool(self._pending_loads or self._pending_sends or self._released or self._cancelled_out)
+
     def update_connector_output(self, output: KVConnectorOutput, now: Optional[float] = None) -> SchedulerEvents:
         now = time.monotonic() if now is None else now
         events = SchedulerEvents()
@@ -403,6 +412,11 @@ class ConnectorScheduler(SchedulerHooks):
             else:
                 # reported before request_finished created the lease (or late): remember a bounded few
                 self._early_done[tid] = now
+        for rid, tokens in output.first_tokens.items():
+            load = self._loads.get(rid)
+            if load is not None and load.state == _LOADING and load.wants_first_token:
+                load.wants_first_token = False  # once
+                events.first_tokens[rid] = list(tokens)
         for rid in output.finished_recving:
             load = self._loads.get(rid)
             if load is None or load.state == _QUEUED:
@@ -495,13 +509,15 @@ class ConnectorScheduler(SchedulerHooks):
     # end of a request
     # ------------------------------------------------------------------
     def request_finished(
-        self, request_id: str, block_ids: Sequence[int], *, aborted: bool = False
+        self, request_id: str, block_ids: Sequence[int], *, aborted: bool = False,
+        first_token_ids: Sequence[int] = (),
     ) -> tuple[bool, Optional[dict]]:
         if self.config.is_producer:
-            return self._producer_finished(request_id, block_ids, aborted)
+            return self._producer_finished(request_id, block_ids, aborted, first_token_ids)
         return self._consumer_finished(request_id, aborted)
 
-    def _producer_finished(self, rid: str, block_ids: Sequence[int], aborted: bool) -> tuple[bool, Optional[dict]]:
+    def _producer_finished(self, rid: str, block_ids: Sequence[int], aborted: bool,
+                           first_token_ids: Sequence[int]) -> tuple[bool, Optional[dict]]:
         if rid in self._lease_by_req:
             return True, None  # already leased; the consumer may be reading
         tid = self._decode_tids.pop(rid, None)
@@ -526,12 +542,15 @@ class ConnectorScheduler(SchedulerHooks):
             remote_pp_size=self.pp_size if self.pp_size > 1 else None,
             transfer_id=tid,
         ).to_dict()
+        first = [int(t) for t in first_token_ids]
+        if first:
+            params["first_token_ids"] = first
         if not blocks:
             return False, params
         deadline = time.monotonic() + self.config.abort_timeout_s
         self._leases[tid] = _Lease(rid, tid, blocks, deadline)
         self._lease_by_req[rid] = tid
-        self._pending_sends.append(SendSpec(transfer_id=tid, block_ids=blocks))
+        self._pending_sends.append(SendSpec(transfer_id=tid, block_ids=blocks, first_token_ids=first))
         if self._announce_sends:  # the ranks may see this step's metadata only with the next batch
             self._notices().issue(ReleaseSpec(tid, self.host, self.config.handshake_port, self.tp_size, self.dp_rank,
                                               self.pp_size, max(self.dp_size, self.dp_rank + 1)), blocks)

@@ -42,6 +42,8 @@ class SendSpec(msgspec.Struct, kw_only=True, array_like=True):
 
     transfer_id: str
     block_ids: list[int]
+    #: the token the prefill sampled for the request (its rank answers it with the blocks)
+    first_token_ids: list[int] = []
 
 
 class ConnectorMetadata(msgspec.Struct, kw_only=True):
@@ -59,9 +61,11 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
     finished_sending: list[str] = []       # producer transfer ids
     finished_recving: list[str] = []       # consumer request ids
     failed_recving: dict[str, str] = {}    # consumer request id -> reason
+    #: consumer request id -> the prefill's first token, learned with the blocks (the rendezvous)
+    first_tokens: dict[str, list[int]] = {}
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.failed_recving)
+        return not (self.finished_sending or self.finished_recving or self.failed_recving or self.first_tokens)
 
 
 @dataclass
@@ -74,12 +78,18 @@ class SchedulerEvents:
     - ``recompute``: the load failed and policy is ``recompute``; keep the
       blocks and run the prefill locally.
     - ``free``: delayed frees now due; free these requests' blocks now.
+    - ``first_tokens``: request id -> the prefill's first token, for a load
+      whose decode leg asked to continue from it (``first_token_pending``)
+      and that is still loading: the engine may append (and stream) it now;
+      the request's first step then computes the next token. Comes before
+      (or with) the request's ``ready``/``failed``/``recompute``.
     """
 
     ready: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     recompute: list[str] = field(default_factory=list)
     free: list[str] = field(default_factory=list)
+    first_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not (self.ready or self.failed or self.recompute or self.free)
+        return not (self.ready or self.failed or self.recompute or self.free or self.first_tokens)

@@ -13,7 +13,7 @@ import abc
 import logging
 import threading
 import time
-from typing import ClassVar, Optional, Sequence
+from typing import Callable, ClassVar, Optional, Sequence
 
 import zmq
 
@@ -96,6 +96,8 @@ class ConnectorWorker(WorkerHooks):
         self._finished_send: list[str] = []
         self._finished_recv: list[str] = []
         self._failed_recv: dict[str, str] = {}
+        self._first_tokens: dict[str, list[int]] = {}
+        self._waker: Optional[Callable[[], None]] = None
         self.backend = backend or create_backend(
             config.backend, config, host=host, bind_host=self.bind_host, key=f"{engine_id}-dp{dp_rank}-tp{tp_rank}"
         )
@@ -150,11 +152,25 @@ class ConnectorWorker(WorkerHooks):
     def _renamed(self) -> None:
         """Pass a new :attr:`engine_id` on to what the role built with the old one."""
 
+    def set_waker(self, wake: Optional[Callable[[], None]]) -> None:
+        self._waker = wake
+
+    def _wake(self) -> None:
+        """Tell the engine that :meth:`get_finished` has news (any thread, after the lock is released)."""
+        wake = self._waker
+        if wake is None:
+            return
+        try:
+            wake()
+        except Exception:  # the engine's waker must never cost a transfer
+            logger.exception("%s: waking the engine failed", self._name)
+
     def get_finished(self) -> KVConnectorOutput:
         with self._lock:
             out = KVConnectorOutput(finished_sending=self._finished_send, finished_recving=self._finished_recv,
-                                    failed_recving=self._failed_recv)
+                                    failed_recving=self._failed_recv, first_tokens=self._first_tokens)
             self._finished_send, self._finished_recv, self._failed_recv = [], [], {}
+            self._first_tokens = {}
             self._expire_locked(time.monotonic())
         self.stats_.maybe_log()
         return out
@@ -166,6 +182,7 @@ class ConnectorWorker(WorkerHooks):
         """Report a load of ``request_id`` as failed in the next :meth:`get_finished`."""
         with self._lock:
             self._failed_recv[request_id] = why
+        self._wake()
 
     def stats(self) -> dict[str, float]:
         return self.stats_.snapshot()

@@ -53,7 +53,8 @@ def _event(obj: dict[str, Any]) -> bytes:
 def first_token_events(answer: Any, chat: bool) -> bytes | None:
     """The client's first SSE event(s) from the prefill's (non-streamed) answer: the role chunk and
     the first content chunk for chat, the first text chunk for completions. None when the answer
-    does not hold exactly one unfinished-by-stop choice with text."""
+    does not hold exactly one unfinished-by-stop choice with text that stands on its own (a
+    U+FFFD says the token is a piece of a longer UTF-8 character, which a stream holds back)."""
     if not isinstance(answer, dict):
         return None
     choices = answer.get("choices")
@@ -66,7 +67,7 @@ def first_token_events(answer: Any, chat: bool) -> bytes | None:
     if chat:
         message = choice.get("message")
         text = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(text, str) or not text:
+        if not isinstance(text, str) or not text or "\ufffd" in text:
             return None
         obj = {**base, "object": "chat.completion.chunk"}
         return (_event({**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -74,7 +75,7 @@ def first_token_events(answer: Any, chat: bool) -> bytes | None:
                 + _event({**obj, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
                                               "finish_reason": None}]}))
     text = choice.get("text")
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str) or not text or "\ufffd" in text:
         return None
     return _event({**base, "object": "text_completion",
                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]})

@@ -48,7 +48,7 @@ from atom_kv.proxy.upstream import (
 )
 from atom_kv.proxy.validation import context_length_error, could_overflow, requested_max_tokens
 from atom_kv.server_timing import HEADER as SERVER_TIMING
-from atom_kv.wire import KV_FEATURE_RENDEZVOUS
+from atom_kv.wire import KV_FEATURE_FIRST_TOKEN, KV_FEATURE_RENDEZVOUS
 
 logger = logging.getLogger(__name__)
 
@@ -283,8 +283,9 @@ class Relay:
     async def _run_pair_concurrent(self, req: _Request, p: Pick, d: Pick) -> RelayResult:
         """One attempt on one pair with both legs sent at once: the decode leg names the prefill's
         ranks and the transfer, not its blocks (``remote_blocks_pending``); the decode engine admits
-        and allocates while the prefill computes, then learns the blocks from the prefill's ranks.
-        The decode computes the first token itself. Owns both picks' credits, both legs until one
+        and allocates while the prefill computes, then learns the blocks from the prefill's ranks,
+        with the prefill's first token, which a decode engine announcing ``first_token`` streams
+        at once and continues from (else it computes the first token itself). Owns both picks' credits, both legs until one
         fails (the other is then closed) and the abandon hook: any end before the decode engine
         owns the KV releases the prefill's blocks, which also ends the decode's wait at once."""
         transfer_id = os.urandom(16).hex()
@@ -532,6 +533,8 @@ class Relay:
         """The decode leg up to its answer's head; ``pending``: sent with the prefill leg, without the blocks."""
         if pending:
             prefill_kv = {"remote_blocks_pending": True}
+            if self.settings.first_token_forwarding and KV_FEATURE_FIRST_TOKEN in d.inst.features:
+                prefill_kv["first_token_pending"] = True  # the rendezvous brings it; the decode streams it
         body = decode_request(req.body, prefill_kv, p.inst, p.rank, transfer_id, d.inst, d.rank)
         if first_token_sent:
             body["kv_transfer_params"]["first_token_sent"] = True

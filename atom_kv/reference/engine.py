@@ -87,6 +87,7 @@ class EngineCore:
         self._aggregator: Any = None
         self._sampler = Sampler()
         self._requests: dict[str, Request] = {}
+        self._woken = False  # a rank's connector has news: step now (the loop thread's flag)
         self.fatal: Optional[str] = None
         self.worker_stats: list[dict[str, float]] = []
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_ok": 0,
@@ -130,6 +131,7 @@ class EngineCore:
             )
             self._aggregator = engine_hooks.KVOutputAggregator(a.tp)
             self.scheduler.hooks = self._hooks
+            self._executor.set_waker(self._wake)
         self._thread = threading.Thread(target=self._loop, name=f"atom-kv-engine-core-dp{self.dp_rank}", daemon=True)
         self._thread.start()
         log.info("engine %s (%s, dp rank %d/%d, tp=%d, device %s) started", self.engine_id, self.role, self.dp_rank,
@@ -180,21 +182,31 @@ class EngineCore:
             "waiting_remote": len(s.waiting_remote),
         }
 
+    def _wake(self) -> None:
+        """A rank's connector has news (any thread): the loop steps at once instead of on its tick."""
+        self._commands.put(("wake", None))
+
     # ------------------------------------------------------------------ loop thread
     def _connector_pending(self) -> bool:
         return self._hooks is not None and (self._hooks.has_pending() or bool(self.scheduler.waiting_remote))
 
+    def _urgent(self) -> bool:
+        """The connector has news for the ranks (a lent transfer their peers ask about) or from them."""
+        return self._woken or (self._hooks is not None and self._hooks.has_metadata())
+
     def _loop(self) -> None:
-        # While transfers are outstanding and nothing else runs, poll the
-        # connector on a backoff: fast right after a load starts or an event
-        # arrives (loads usually finish in milliseconds), then doubling up to
-        # idle_tick_s. The waits block on the command queue, so new requests
-        # still wake the loop at once.
+        # The ranks' connectors wake the loop when a transfer event arrives,
+        # and the loop steps at once when the scheduler side has news for the
+        # ranks. While transfers are outstanding and nothing else runs, it
+        # still polls the connector on a backoff (lease expiries, and engines
+        # whose connector does not wake it): fast right after a load starts or
+        # an event arrives, then doubling up to idle_tick_s. The waits block
+        # on the command queue, so new requests and wake-ups end them at once.
         last_tick = time.monotonic()
         tick = self.args.fast_tick_s
         try:
             while not self._stop.is_set():
-                if self.scheduler.has_work():
+                if self.scheduler.has_work() or self._urgent():
                     timeout = 0.0
                 elif self._connector_pending():
                     timeout = max(0.0, tick - (time.monotonic() - last_tick))
@@ -205,7 +217,8 @@ class EngineCore:
                     break
                 busy = self.scheduler.has_work()
                 due = time.monotonic() - last_tick >= tick
-                if busy or (due and self._connector_pending()):
+                if busy or self._urgent() or (due and self._connector_pending()):
+                    self._woken = False
                     progressed = self._step()
                     last_tick = time.monotonic()
                     if busy or progressed:
@@ -239,6 +252,8 @@ class EngineCore:
             log.debug("request %s queued (%d prompt tokens)", req.request_id, req.num_prompt)
         elif kind == "reject":
             self._hooks.request_rejected(payload)
+        elif kind == "wake":
+            self._woken = True
         elif kind == "abort":
             if self._requests.pop(payload, None) is not None and self.scheduler.abort(payload):
                 self.counters["requests_aborted"] += 1

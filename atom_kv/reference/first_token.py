@@ -1,10 +1,14 @@
 """The prefill's first token, carried with the KV handoff so the decode engine never recomputes it.
 
-A prefill engine adds the token it sampled to the ``kv_transfer_params`` it
-answers with (``first_token_ids``). A decode engine that gets them with a
-full remote prefill appends that token once the KV is in: it computes nothing
-for the last prompt position again, and its first step produces the second
-token. ``first_token_sent`` (set by the proxy) means the client already has
+A prefill engine passes the token it sampled to its connector
+(``request_finished(first_token_ids=...)``), which adds it to the
+``kv_transfer_params`` it answers with (``first_token_ids``) and to the
+rendezvous answer. A decode engine that gets them with a full remote prefill
+appends that token once the KV is in: it computes nothing for the last prompt
+position again, and its first step produces the second token. A decode leg
+sent before its prefill finished (``first_token_pending``) gets the token
+with the blocks, and appends and streams it at once, while the KV still
+loads. ``first_token_sent`` (set by the proxy) means the client already has
 the token's text, so a streamed answer leaves it out.
 
 Sampling is per position (see :class:`~atom_kv.reference.sampling.Sampler`),
@@ -19,17 +23,10 @@ from typing import Optional
 from atom_kv.reference.request import Request
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN
 
-__all__ = ["FEATURE", "attach_first_token", "prefilled_token", "first_token_sent"]
+__all__ = ["FEATURE", "prefilled_token", "first_token_sent"]
 
 #: what a decode engine announces (``/health`` ``kv_features``) when it continues from the prefill's token
 FEATURE = KV_FEATURE_FIRST_TOKEN
-
-
-def attach_first_token(params: Optional[dict], req: Request) -> Optional[dict]:
-    """The producer's answer params plus the token it sampled (``params`` unchanged if none)."""
-    if params is None or not req.output_ids:
-        return params
-    return {**params, "first_token_ids": [req.output_ids[0]]}
 
 
 def prefilled_token(req: Request, vocab_size: int) -> Optional[int]:

@@ -67,13 +67,15 @@ class Request:
         """Where the time to this request's first token went, in seconds (for ``Server-Timing``):
         ``queue`` (arrival to blocks) and ``compute`` (to the first token), or for a request
         that loaded remote KV ``admission``, ``kv_wait`` (handshake, reads, confirmation) and
-        ``first_step``. Empty before the first token."""
+        ``first_step`` (none when the prefill's token came with the blocks, before the KV was in:
+        ``kv_wait`` then ends at that token). Empty before the first token."""
         admitted, first = self.admitted_time, self.first_token_time
         if admitted is None or first is None:
             return {}
-        if self.kv_ready_time is not None:
-            return {"admission": admitted - self.arrival_time, "kv_wait": self.kv_ready_time - admitted,
-                    "first_step": first - self.kv_ready_time}
+        if self.kv_ready_time is not None or self.num_external_tokens > 0:
+            ready = first if self.kv_ready_time is None else min(self.kv_ready_time, first)
+            return {"admission": admitted - self.arrival_time, "kv_wait": ready - admitted,
+                    "first_step": first - ready}
         return {"queue": admitted - self.arrival_time, "compute": first - admitted}
 
 

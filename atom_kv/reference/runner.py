@@ -107,6 +107,11 @@ class ModelRunner:
             return StepResult(logits, self.hooks.get_finished(), dict(self.hooks.stats()))
         return StepResult(logits, KVConnectorOutput(), {})
 
+    def set_waker(self, wake: Optional[Callable[[], None]]) -> None:
+        """``wake()`` runs (on a connector thread) whenever this rank's connector has news for the engine."""
+        if self.hooks is not None:
+            self.hooks.set_waker(wake)
+
     def close(self) -> None:
         if self.hooks is not None:
             self.hooks.close()

@@ -19,7 +19,7 @@ from typing import Optional
 
 from atom_kv.engine_hooks import SchedulerEvents, SchedulerHooks
 from atom_kv.reference.block_manager import BlockManager
-from atom_kv.reference.first_token import attach_first_token, prefilled_token
+from atom_kv.reference.first_token import prefilled_token
 from atom_kv.reference.request import Request, RequestError, RequestOutput, RequestState
 
 __all__ = ["Scheduler", "ScheduledChunk", "SchedulerOutput"]
@@ -183,7 +183,7 @@ class Scheduler:
             out.new_token_ids += req.stopper.flush()
             out.finished, out.finish_reason = True, "length"
         if out.finished:
-            out.kv_transfer_params = attach_first_token(self._finish(req, aborted=False), req)
+            out.kv_transfer_params = self._finish(req, aborted=False)
         return out
 
     # ------------------------------------------------------------------ ending
@@ -194,8 +194,10 @@ class Scheduler:
         req.state = RequestState.FINISHED
         delay, params = False, None
         if self.hooks is not None:
+            # a producer's params (and the rendezvous) carry the token it sampled
+            first = req.output_ids[:1] if not aborted else []
             delay, params = self.hooks.request_finished(
-                req.request_id, self._prompt_blocks(req), aborted=aborted
+                req.request_id, self._prompt_blocks(req), aborted=aborted, first_token_ids=first
             )
         if delay:
             keep = self._prompt_blocks(req)
@@ -237,6 +239,13 @@ class Scheduler:
     # ------------------------------------------------------------------ connector
     def apply_events(self, events: SchedulerEvents) -> list[RequestOutput]:
         outputs = []
+        for rid, tokens in events.first_tokens.items():
+            # the rendezvous brought the prefill's token while the KV still loads: out it goes now
+            req = self.waiting_remote.get(rid)
+            token = tokens[0] if len(tokens) == 1 else None
+            if req is None or req.output_ids or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                continue
+            outputs.append(self._append_token(req, token, time.monotonic()))
         for rid in events.ready:
             req = self.waiting_remote.pop(rid, None)
             if req is None:
@@ -244,6 +253,9 @@ class Scheduler:
             req.kv_ready_time = time.monotonic()
             req.state = RequestState.RUNNING
             self.running[rid] = req
+            if req.output_ids:  # the prefill's token came with the blocks: its position is next
+                req.num_computed = req.num_prompt
+                continue
             first = prefilled_token(req, self.vocab_size)
             if first is not None:
                 # continue from the prefill's token: the next step computes its position

@@ -2,7 +2,9 @@
 
 - :class:`LocalExecutor`: TP=1, rank 0 in the engine process.
 - :class:`ProcessExecutor`: TP>1, every rank in its own worker process
-  (``torch.distributed`` with gloo on 127.0.0.1), driven over pipes. Rank 0
+  (``torch.distributed`` with gloo on 127.0.0.1), driven over pipes; each
+  rank also has a wake pipe, on which its connector says it has news
+  (:class:`WakePipes` turns that into the engine's wake-up). Rank 0
   hosts the rendezvous store on a port the OS picks and reports it up its
   pipe; the engine hands it to the other ranks (no port is guessed). The
   engine process never joins a collective, so a dead or stuck worker shows up
@@ -18,16 +20,18 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import select
 import signal
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from atom_kv.engine_hooks import ConnectorMetadata
 from atom_kv.reference.rank_io import ChunkTuple, RankSpec, StepResult
 
-__all__ = ["WorkerFailure", "LocalExecutor", "ProcessExecutor", "create_executor"]
+__all__ = ["WorkerFailure", "LocalExecutor", "ProcessExecutor", "WakePipes", "create_executor"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,11 @@ class LocalExecutor:
         if self._runner is None:
             raise WorkerFailure("executor is closed")
         return [self._runner.step(chunks, meta)]
+
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """``wake()`` runs on a connector thread whenever the rank's connector has news."""
+        if self._runner is not None:
+            self._runner.set_waker(wake)
 
     def close(self) -> None:
         if self._runner is not None:
@@ -76,6 +85,66 @@ def _engine_alive(pid: int) -> bool:
     return True
 
 
+def _pipe_waker(fd: int) -> Callable[[], None]:
+    """A rank's waker: one byte down its wake pipe (never blocks: a full pipe already wakes the engine)."""
+    os.set_blocking(fd, False)
+
+    def wake() -> None:
+        try:
+            os.write(fd, b"w")
+        except (BlockingIOError, BrokenPipeError):
+            pass
+
+    return wake
+
+
+class WakePipes:
+    """Owns the engine side of the ranks' wake pipes and the named thread that waits on them:
+    any byte on any of them calls ``wake()``. Stops on :meth:`close`."""
+
+    def __init__(self, conns: list[Connection], name: str) -> None:
+        self._conns = conns
+        self._fds = [c.fileno() for c in conns]
+        self._stop_r, self._stop_w = os.pipe()
+        self._wake: Optional[Callable[[], None]] = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = False
+
+    def start(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+        if not self._started:
+            self._started = True
+            self._thread.start()
+
+    def _run(self) -> None:
+        fds = list(self._fds)
+        while True:
+            try:
+                ready, _, _ = select.select([*fds, self._stop_r], [], [], 1.0)
+            except (OSError, ValueError):
+                return
+            if self._stop_r in ready:
+                return
+            for fd in ready:
+                try:
+                    data = os.read(fd, 4096)
+                except OSError:
+                    data = b""
+                if not data:  # the rank is gone; the step that notices says so
+                    fds.remove(fd)
+            if ready and self._wake is not None:
+                self._wake()
+
+    def close(self) -> None:
+        os.write(self._stop_w, b"x")
+        if self._started:
+            self._thread.join(5.0)
+        for fd in (self._stop_r, self._stop_w):
+            os.close(fd)
+        for conn in self._conns:
+            conn.close()
+
+
 def _rendezvous_store(spec: RankSpec, conn: Connection, timeout_s: float) -> Any:
     """Rank 0 serves the gloo rendezvous store on an OS-assigned port and reports it to the
     engine; every other rank waits (bounded) for that port from the engine and connects."""
@@ -97,7 +166,7 @@ def _rendezvous_store(spec: RankSpec, conn: Connection, timeout_s: float) -> Any
     return dist.TCPStore("127.0.0.1", port, spec.tp_size, is_master=False, timeout=timeout)
 
 
-def _worker_main(spec: RankSpec, conn: Connection, threads: int, parent_pid: int,
+def _worker_main(spec: RankSpec, conn: Connection, wake_conn: Connection, threads: int, parent_pid: int,
                  log_level: int, collective_timeout_s: float, startup_timeout_s: float) -> None:
     """Entry point of a TP worker process."""
     _die_with_parent()
@@ -124,6 +193,7 @@ def _worker_main(spec: RankSpec, conn: Connection, threads: int, parent_pid: int
             timeout=timedelta(seconds=collective_timeout_s),
         )
         runner = ModelRunner(spec, all_reduce=host_all_reduce(dist.all_reduce))
+        runner.set_waker(_pipe_waker(wake_conn.fileno()))
         conn.send(("ready", None))
         while True:
             if not conn.poll(1.0):
@@ -162,18 +232,23 @@ class ProcessExecutor:
         self._closed = False
         self._broken: Optional[str] = None
         level = logging.getLogger().getEffectiveLevel()
+        wake_readers: list[Connection] = []
         for spec in specs:
             parent_conn, child_conn = ctx.Pipe()
+            wake_r, wake_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(spec, child_conn, threads, os.getpid(), level, step_timeout_s, startup_timeout_s),
+                args=(spec, child_conn, wake_w, threads, os.getpid(), level, step_timeout_s, startup_timeout_s),
                 name=f"atom-kv-dp{spec.dp_rank}-tp{spec.tp_rank}",
                 daemon=True,
             )
             proc.start()
             child_conn.close()
+            wake_w.close()
             self._procs.append(proc)
             self._conns.append(parent_conn)
+            wake_readers.append(wake_r)
+        self._wakes = WakePipes(wake_readers, name=f"atom-kv-engine-waker-dp{specs[0].dp_rank}")
         try:
             deadline = time.monotonic() + startup_timeout_s
             (port,) = self._gather(startup_timeout_s, "report the rendezvous port", ranks=[0])
@@ -233,6 +308,10 @@ class ProcessExecutor:
                 raise self._fail(f"TP worker {i} is gone (exit code {self._procs[i].exitcode})")
         return self._gather(self._step_timeout_s, "answer a step")
 
+    def set_waker(self, wake: Callable[[], None]) -> None:
+        """``wake()`` runs on the waker thread whenever any rank's connector has news."""
+        self._wakes.start(wake)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -251,6 +330,7 @@ class ProcessExecutor:
                 proc.join(2.0)
         for conn in self._conns:
             conn.close()
+        self._wakes.close()
 
 
 def create_executor(specs: list[RankSpec], *, threads: int, startup_timeout_s: float = 120.0,

@@ -48,12 +48,16 @@ class Engine:
         self.failed: dict[str, str] = {}
         self.recompute: list[str] = []
         self.freed: list[str] = []
+        self.first_tokens: dict[str, list[int]] = {}  # the prefill's token, learned before the request was ready
         self.keepalive: list = []  # buffers registered outside the KV caches
 
     def step(self, now: Optional[float] = None) -> SchedulerEvents:
         meta = self.sched.build_connector_meta()
         out = self.agg.aggregate([r.step(meta) for r in self.ranks])
         ev = self.sched.update_connector_output(out, now)
+        for rid, tokens in ev.first_tokens.items():
+            assert rid not in self.ready and rid not in self.first_tokens, (rid, "a late or repeated first token")
+            self.first_tokens[rid] = tokens
         self.ready += ev.ready
         self.recompute += ev.recompute
         self.failed.update(ev.failed)

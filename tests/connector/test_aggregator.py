@@ -67,3 +67,12 @@ def test_too_many_outputs_is_an_error():
 
     with pytest.raises(ValueError):
         KVOutputAggregator(1).aggregate([Out(), Out()])
+
+
+def test_the_prefills_first_token_passes_on_from_the_first_rank_that_learned_it():
+    agg = KVOutputAggregator(2)
+    out = agg.aggregate([Out(first_tokens={"d": [65]}), None])
+    assert out.first_tokens == {"d": [65]} and not out.finished_recving  # not held for the other rank
+    out = agg.aggregate([Out(finished_recving=["d"]),
+                         Out(finished_recving=["d"], first_tokens={"d": [65]})])
+    assert out.finished_recving == ["d"] and out.first_tokens == {"d": [65]}  # the scheduler side takes it once

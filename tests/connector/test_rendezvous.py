@@ -57,6 +57,25 @@ def test_decode_admitted_first_reads_the_blocks_once_the_prefill_finishes(token)
         dw.close()
 
 
+def test_the_prefills_first_token_comes_with_the_blocks_to_a_decode_that_asked_for_it():
+    port = free_port()
+    P, pw, _ = producer_engine(port, auth_token=TOKEN)
+    D, dw, _ = consumer_engine(port, auth_token=TOKEN)
+    try:
+        start_prefill(P, "p1", "t-asks", 40)
+        start_prefill(P, "p2", "t-quiet", 40)
+        D.admit("d1", 40, {**pending(port, "t-asks"), "first_token_pending": True})
+        D.admit("d2", 40, pending(port, "t-quiet"))  # computes its first token itself
+        for rid, token in (("p1", 65), ("p2", 66)):
+            delay, params = P.sched.request_finished(rid, P.pool.held[rid], first_token_ids=[token])
+            assert delay and params is not None and params["first_token_ids"] == [token]
+        run_until([P, D], lambda: {"d1", "d2"} <= set(D.ready), timeout_s=10)
+        assert D.first_tokens == {"d1": [65]} and D.failed == {}
+    finally:
+        pw.close()
+        dw.close()
+
+
 def test_prefill_slower_than_the_wait_fails_the_load_and_frees_both_sides():
     port = free_port()
     P, pw, _ = producer_engine(port, prefill_wait_timeout_s=0.5)

@@ -6,7 +6,8 @@ forwards the prefill's first token (the decode engine continues from it),
 through one started with ``--no-first-token-forwarding`` (sequential legs, the
 decode engine computes the first token again) and through one started with
 ``--concurrent-dispatch`` (both legs at once; the decode engine learns the
-blocks from the prefill engine and computes the first token itself).
+blocks and the prefill's first token from the prefill engine, streams that
+token and continues from it).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def test_pd_output_equals_colocated(cluster, colocated, chat, stream, mode):
     # the decode engine really read the prompts' KV (4 KiB per token in total)
     n_tokens = sum(len(p) for p in PROMPTS)
     assert after.get("atom_kv_transfer_bytes", 0.0) - before.get("atom_kv_transfer_bytes", 0.0) >= n_tokens * 4096
-    # continuing from the prefill's token, the decode engine samples 11 of the 12 tokens; sequential, all 12
-    per_request = 11 if mode == "first_token" else 12
+    # continuing from the prefill's token (first-token forwarding, or the rendezvous), the decode engine samples
+    # 11 of the 12 tokens; sequential, all 12
+    per_request = 11 if mode in ("first_token", "concurrent") else 12
     assert after[_GENERATED] - before[_GENERATED] == per_request * len(PROMPTS)
     proxy_after = scrape_metrics(proxy + "/metrics")
     forwarded = proxy_after.get(_FORWARDED, 0.0) - proxy_before.get(_FORWARDED, 0.0)

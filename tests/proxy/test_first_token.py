@@ -46,6 +46,8 @@ def test_first_events_for_completions_and_chat():
     None, {}, {"choices": []},
     {**ANSWER, "choices": [{"index": 0, "text": "H", "finish_reason": "stop"}]},  # the token ended it
     {**ANSWER, "choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+    # a byte of a longer UTF-8 character: a stream would show nothing yet, not U+FFFD
+    {**ANSWER, "choices": [{"index": 0, "text": "\ufffd", "finish_reason": "length"}]},
 ])
 def test_no_first_event_from_an_unusable_answer(answer):
     assert first_token_events(answer, chat=False) is None
