@@ -84,7 +84,7 @@ class AtomKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         """This step's loads, releases, cancellations and frees for every rank."""
         assert self.scheduler_side is not None
-        return self.scheduler_side.build_connector_meta()
+        return self.scheduler_side.build_connector_meta(scheduler_output.total_num_scheduled_tokens)
 
     def update_connector_output(self, connector_output: "VllmKVConnectorOutput") -> None:
         """Every rank's own atom-kv output for this step, aggregated, into the hooks."""

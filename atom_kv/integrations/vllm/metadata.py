@@ -20,12 +20,15 @@ class AtomKVConnectorMetadata(KVConnectorMetadata):
     ``hooks`` is atom-kv's own per-step metadata; ``free_sending`` names the
     producer requests every rank reports in ``finished_sending`` this step
     (vLLM then frees their blocks); ``abandon`` names consumer loads atom-kv
-    ended without any rank reporting them, with their local blocks.
+    ended without any rank reporting them, with their local blocks; ``idle``:
+    the step computes nothing while transfers are outstanding, so a rank may
+    wait (bounded) for their news before it reports.
     """
 
     hooks: ConnectorMetadata = field(default_factory=ConnectorMetadata)
     free_sending: list[str] = field(default_factory=list)
     abandon: dict[str, list[int]] = field(default_factory=dict)
+    idle: bool = False
 
 
 @dataclass

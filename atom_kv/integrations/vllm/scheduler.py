@@ -81,11 +81,15 @@ class _SchedulerSide:
         if num_external_tokens > 0:
             self.ledger.wait_for(rid, block_ids[local_hit // self.block_size:])
 
-    def build_connector_meta(self) -> AtomKVConnectorMetadata:
+    def build_connector_meta(self, scheduled_tokens: int) -> AtomKVConnectorMetadata:
         self._apply(self.hooks.update_connector_output(KVConnectorOutput()))  # leases and load deadlines
         hooks_meta = self.hooks.build_connector_meta()
         free, abandon = self.ledger.take_step()
-        return AtomKVConnectorMetadata(hooks=hooks_meta, free_sending=free, abandon=abandon)
+        # a step that computes nothing while transfers are out: vLLM steps again at once (its engine loop
+        # spins while a request waits for remote KV or a producer holds blocks), so the ranks may instead
+        # wait, bounded, for the transfers' news
+        idle = scheduled_tokens == 0 and not free and not abandon and self.hooks.has_pending()
+        return AtomKVConnectorMetadata(hooks=hooks_meta, free_sending=free, abandon=abandon, idle=idle)
 
     def update_connector_output(self, output: "VllmKVConnectorOutput") -> None:
         per_rank: list[Optional[KVConnectorOutput]] = [None] * self.place.tp_size
