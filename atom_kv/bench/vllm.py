@@ -45,8 +45,8 @@ from atom_kv.proxy.spans import SPANS
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json
 
-__all__ = ["add_arguments", "engine_totals", "format_result", "parse_binds", "parse_levels", "parse_modes", "run",
-           "vllm_python_problem"]
+__all__ = ["add_arguments", "engine_totals", "format_result", "parse_binds", "parse_extra_config", "parse_levels",
+           "parse_modes", "run", "vllm_python_problem"]
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 
@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="VLLM_CPU_OMP_THREADS_BIND of the prefill, decode and plain engines (nobind: one "
                              "OpenMP thread, bound nowhere), e.g. 0,1,0")
     parser.add_argument("--proxy-arg", action="append", help="an extra proxy flag (repeatable)")
+    parser.add_argument("--extra-config", default="{}",
+                        help="more kv_connector_extra_config keys for both connector engines, as JSON, "
+                             "e.g. '{\"idle_wait_ms\": 0}'")
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds for the servers to start")
     parser.add_argument("--keep-logs", action="store_true", help="keep the servers' logs (the folder is printed)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -107,6 +110,17 @@ def parse_binds(text: str) -> dict[str, str]:
         raise ValueError(f"--omp-bind: want three values (prefill,decode,plain), e.g. 0,1,0 or "
                          f"nobind,nobind,nobind; got {text!r}")
     return dict(zip(("prefill", "decode", "plain"), parts))
+
+
+def parse_extra_config(text: str) -> dict[str, Any]:
+    """``--extra-config``: a JSON object (ValueError naming the flag)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--extra-config: not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--extra-config: want a JSON object, got {text!r}")
+    return value
 
 
 def parse_levels(text: str) -> list[int]:
@@ -253,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
         binds = parse_binds(args.omp_bind)
         levels = parse_levels(args.concurrency)
         modes = parse_modes(args.modes)
+        extra_config = parse_extra_config(args.extra_config)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -270,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
             model = os.path.join(log_dir, "tiny-llama")
             write_tiny_model(args.vllm_python, model)
         servers = VllmServers(log_dir, model, secrets.token_hex(16), vllm_python=args.vllm_python,
-                              omp_bind=binds, proxies={m: [*MODES[m], *(args.proxy_arg or ())] for m in modes})
+                              omp_bind=binds, proxies={m: [*MODES[m], *(args.proxy_arg or ())] for m in modes},
+                              extra_config=extra_config)
         servers.start(args.start_timeout)
         base = _base_prompt(servers, model, args.prompt_tokens)
         for url in [servers.url(m) for m in modes] + [servers.url("plain")]:  # first use: handshake, warm paths
@@ -286,11 +302,13 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
     if args.json:
         print(json.dumps({"suite": "vllm", "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                          "rounds": args.rounds, "omp_bind": binds, "results": results}, indent=2))
+                          "rounds": args.rounds, "omp_bind": binds, "extra_config": extra_config,
+                          "results": results}, indent=2))
         return 0
     print(f"vLLM P/D through atom-kv's proxy vs one plain vLLM server: ~{args.prompt_tokens}-token prompts, "
           f"{args.max_tokens} tokens, streamed, greedy; {args.rounds} rounds alternating; OpenMP bind "
-          f"prefill={binds['prefill']} decode={binds['decode']} plain={binds['plain']}")
+          f"prefill={binds['prefill']} decode={binds['decode']} plain={binds['plain']}"
+          + (f"; extra config {json.dumps(extra_config)}" if extra_config else ""))
     for r in results:
         print()
         print("\n".join(format_result(r)))

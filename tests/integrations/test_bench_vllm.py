@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from atom_kv.bench.vllm import (
-    engine_totals, format_result, mean_ms, parse_binds, parse_levels, parse_modes, vllm_python_problem,
+    engine_totals, format_result, mean_ms, parse_binds, parse_extra_config, parse_levels, parse_modes,
+    vllm_python_problem,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,6 +63,13 @@ def test_modes_are_sequential_and_concurrent_in_the_order_given():
     for bad in ("", "both", "sequential,parallel"):
         with pytest.raises(ValueError, match="--modes"):
             parse_modes(bad)
+
+
+def test_extra_config_is_a_json_object():
+    assert parse_extra_config('{"idle_wait_ms": 0}') == {"idle_wait_ms": 0}
+    for bad in ("", "[1]", "{idle_wait_ms: 0}"):
+        with pytest.raises(ValueError, match="--extra-config"):
+            parse_extra_config(bad)
 
 
 def test_engine_means_come_from_the_histograms_deltas():

@@ -72,6 +72,10 @@ def base(**more) -> dict:
      "set it once, as vLLM's kv_role"),
     ({"host_ip": ""},
      "kv_connector_extra_config: `host_ip` must be a host name or IP address, got ''"),
+    ({"idle_wait_ms": 1001},
+     "kv_connector_extra_config: `idle_wait_ms` must be a number of milliseconds from 0 to 1000, got 1001"),
+    ({"idle_wait_ms": "5"},
+     "kv_connector_extra_config: `idle_wait_ms` must be a number of milliseconds from 0 to 1000, got '5'"),
     ({"proxy_ip": "127.0.0.1"},
      "kv_connector_extra_config: `http_port` is required with `proxy_ip` (set it to vLLM's --port, "
      "where the proxy sends requests)"),

@@ -87,7 +87,7 @@ class _SchedulerSide:
         free, abandon = self.ledger.take_step()
         # a step that computes nothing while transfers are out: vLLM steps again at once (its engine loop
         # spins while a request waits for remote KV or a producer holds blocks), so the ranks may instead
-        # wait, bounded, for the transfers' news
+        # wait, bounded, for the transfers' news (settings.DEFAULT_IDLE_WAIT_MS)
         idle = scheduled_tokens == 0 and not free and not abandon and self.hooks.has_pending()
         return AtomKVConnectorMetadata(hooks=hooks_meta, free_sending=free, abandon=abandon, idle=idle)
 

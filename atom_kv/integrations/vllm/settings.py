@@ -14,6 +14,20 @@ from atom_kv.integrations.vllm.layout import UnsupportedKVCache
 
 logger = logging.getLogger(__name__)
 
+#: ``idle_wait_ms`` (vLLM only): the longest a step that computes nothing while transfers are out waits for
+#: their news. vLLM's engine loop steps again about 1 ms after such a step, each step a round trip to every
+#: worker; waiting instead wakes at once when a load or a send finishes and leaves the CPU to the engines
+#: doing work. A request arriving meanwhile waits at most this long to be scheduled. 0: never wait.
+DEFAULT_IDLE_WAIT_MS = 5.0
+MAX_IDLE_WAIT_MS = 1000.0
+
+
+def idle_wait_s(vllm_config: VllmConfig) -> float:
+    """``kv_connector_extra_config.idle_wait_ms`` in seconds (checked by :func:`parse_settings`)."""
+    vkv = vllm_config.kv_transfer_config
+    extra = (vkv.kv_connector_extra_config or {}) if vkv is not None else {}
+    return float(extra.get("idle_wait_ms", DEFAULT_IDLE_WAIT_MS)) / 1e3
+
 
 def parse_settings(vllm_config: VllmConfig) -> tuple[KVTransferConfig, Optional[str]]:
     """atom-kv's config from vLLM's ``kv_role`` and ``kv_connector_extra_config``, and ``host_ip``."""
@@ -31,6 +45,10 @@ def parse_settings(vllm_config: VllmConfig) -> tuple[KVTransferConfig, Optional[
     host = extra.pop("host_ip", None)
     if host is not None and (not isinstance(host, str) or not host.strip()):
         raise ConfigError(f"kv_connector_extra_config: `host_ip` must be a host name or IP address, got {host!r}")
+    wait = extra.pop("idle_wait_ms", DEFAULT_IDLE_WAIT_MS)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= MAX_IDLE_WAIT_MS:
+        raise ConfigError(f"kv_connector_extra_config: `idle_wait_ms` must be a number of milliseconds from 0 "
+                          f"to {MAX_IDLE_WAIT_MS:g}, got {wait!r}")
     if "kv_role" in extra and extra["kv_role"] != role:
         raise ConfigError(
             f"kv_connector_extra_config: `kv_role` {extra['kv_role']!r} contradicts vLLM's kv_role {role!r}; "

@@ -16,15 +16,9 @@ from atom_kv.config import KVTransferConfig
 from atom_kv.integrations.vllm.layout import hooks_layers, kv_layout, kv_shape
 from atom_kv.integrations.vllm.ledger import RankLedger
 from atom_kv.integrations.vllm.metadata import AtomKVConnectorMetadata, AtomKVConnectorStats, AtomKVWorkerMetadata
-from atom_kv.integrations.vllm.settings import _Place, _tp_rank
+from atom_kv.integrations.vllm.settings import _Place, _tp_rank, idle_wait_s
 
 logger = logging.getLogger(__name__)
-
-#: The longest an idle step (nothing to compute, transfers outstanding) waits for their news. vLLM's engine
-#: loop steps again about 1 ms after an idle step, each step a round trip to every worker: waiting here
-#: instead wakes at once when a load or a send finishes and leaves the CPU to the engines doing work. A
-#: request arriving meanwhile waits at most this long to be scheduled.
-IDLE_WAIT_S = 0.005
 
 
 class _WorkerSide:
@@ -44,6 +38,7 @@ class _WorkerSide:
         self._last_stats: dict[str, float] = {}
         self._news = threading.Event()  # set by the hooks' threads when get_finished has news
         self._idle = False
+        self._idle_wait_s = idle_wait_s(vllm_config)  # settings.DEFAULT_IDLE_WAIT_MS says why
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         shape = kv_shape(self.vllm_config, self.kv_cache_config, self.place.tp_size)
@@ -75,7 +70,7 @@ class _WorkerSide:
         if self.hooks is not None:
             if self._idle:
                 self._idle = False
-                self._news.wait(IDLE_WAIT_S)  # returns at once when news came since the last report
+                self._news.wait(self._idle_wait_s)  # returns at once when news came since the last report
             self._news.clear()  # news from here on is in this get_finished, or sets it for the next step
             out = self.hooks.get_finished()
             self.ledger.finished(out)
