@@ -167,6 +167,8 @@ def format_result(r: dict[str, Any]) -> list[str]:
              f"x{_ratio(pd['mean'], plain['mean']):.2f}",
              f"  TTFT p50    P/D {pd['p50']:8.1f} ms   plain {plain['p50']:8.1f} ms   "
              f"x{_ratio(pd['p50'], plain['p50']):.2f}",
+             f"  TTFT min    P/D {pd['min']:8.1f} ms   plain {plain['min']:8.1f} ms   "
+             f"x{_ratio(pd['min'], plain['min']):.2f}",
              "  proxy spans (mean ms): " + (", ".join(f"{k} {v:.1f}" for k, v in r["spans_ms"].items()) or "none")]
     lines.append("  vLLM engines (mean ms)  " + "".join(f"{k:>11}" for k in ENGINE_HISTOGRAMS))
     for name, values in r["engines_ms"].items():

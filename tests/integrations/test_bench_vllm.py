@@ -93,6 +93,7 @@ def test_the_table_shows_both_ttfts_their_ratio_the_spans_and_each_engine():
     assert lines[0] == "concurrent dispatch, concurrency 1 (20 requests each side)"
     assert "TTFT mean   P/D     40.0 ms   plain     16.0 ms   x2.50" in text
     assert "TTFT p50    P/D     36.0 ms   plain     18.0 ms   x2.00" in text
+    assert "TTFT min    P/D     30.0 ms   plain     12.0 ms   x2.50" in text
     assert "proxy_admission 0.3, prefill_response 19.0" in text
     decode = next(line for line in lines if line.strip().startswith("decode"))
     assert decode.split() == ["decode", "12.0", "-", "-"]
