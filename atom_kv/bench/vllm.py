@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="VLLM_CPU_OMP_THREADS_BIND of the prefill, decode and plain engines (nobind: one "
                              "OpenMP thread, bound nowhere), e.g. 0,1,0")
     parser.add_argument("--proxy-arg", action="append", help="an extra proxy flag (repeatable)")
+    parser.add_argument("--vllm-arg", action="append",
+                        help="an extra flag for every vLLM server (repeatable), e.g. "
+                             "--vllm-arg=--distributed-executor-backend=uni")
     parser.add_argument("--extra-config", default="{}",
                         help="more kv_connector_extra_config keys for both connector engines, as JSON, "
                              "e.g. '{\"idle_wait_ms\": 0}'")
@@ -288,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
             write_tiny_model(args.vllm_python, model)
         servers = VllmServers(log_dir, model, secrets.token_hex(16), vllm_python=args.vllm_python,
                               omp_bind=binds, proxies={m: [*MODES[m], *(args.proxy_arg or ())] for m in modes},
-                              extra_config=extra_config)
+                              vllm_args=args.vllm_arg or (), extra_config=extra_config)
         servers.start(args.start_timeout)
         base = _base_prompt(servers, model, args.prompt_tokens)
         for url in [servers.url(m) for m in modes] + [servers.url("plain")]:  # first use: handshake, warm paths
@@ -305,12 +308,14 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"suite": "vllm", "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                           "rounds": args.rounds, "omp_bind": binds, "extra_config": extra_config,
+                          "vllm_args": args.vllm_arg or [],
                           "results": results}, indent=2))
         return 0
     print(f"vLLM P/D through atom-kv's proxy vs one plain vLLM server: ~{args.prompt_tokens}-token prompts, "
           f"{args.max_tokens} tokens, streamed, greedy; {args.rounds} rounds alternating; OpenMP bind "
           f"prefill={binds['prefill']} decode={binds['decode']} plain={binds['plain']}"
-          + (f"; extra config {json.dumps(extra_config)}" if extra_config else ""))
+          + (f"; extra config {json.dumps(extra_config)}" if extra_config else "")
+          + (f"; vLLM flags {' '.join(args.vllm_arg)}" if args.vllm_arg else ""))
     for r in results:
         print()
         print("\n".join(format_result(r)))
