@@ -138,6 +138,7 @@ class Relay:
         self._models_rr = 0
         self._request_keys = itertools.count(1)
         self._uses_text = any(p.uses_text for p in policies.values())
+        self._background: set[asyncio.Task[None]] = set()  # prefill legs whose decode stream is out
 
     async def start(self) -> None:
         if self._pool is None:
@@ -147,6 +148,11 @@ class Relay:
                                       limit=self.settings.max_upstream_connections)
 
     async def close(self) -> None:
+        background, self._background = self._background, set()
+        for task in background:
+            task.cancel()
+        if background:
+            await asyncio.gather(*background, return_exceptions=True)
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
@@ -284,10 +290,15 @@ class Relay:
         """One attempt on one pair with both legs sent at once: the decode leg names the prefill's
         ranks and the transfer, not its blocks (``remote_blocks_pending``); the decode engine admits
         and allocates while the prefill computes, then learns the blocks from the prefill's ranks,
-        with the prefill's first token, which a decode engine announcing ``first_token`` streams
-        at once and continues from (else it computes the first token itself). Owns both picks' credits, both legs until one
-        fails (the other is then closed) and the abandon hook: any end before the decode engine
-        owns the KV releases the prefill's blocks, which also ends the decode's wait at once."""
+        with the prefill's first token, which a decode engine announcing ``first_token`` streams at
+        once and continues from (else it computes the first token itself).
+
+        Owns both picks' credits, both legs until one fails (the other is then closed) and the
+        abandon hook: any end before the decode engine owns the KV releases the prefill's blocks,
+        which also ends the decode's wait at once. A decode stream whose head comes first goes to
+        the client at once: the decode engine only answers once it learned the blocks, so the
+        prefill has lent them and its own answer is a formality, collected in the background
+        (:meth:`_collect_prefill`) and never a reason to release a transfer that is being read."""
         transfer_id = os.urandom(16).hex()
         stage = "check"
         result: RelayResult | None = None
@@ -299,11 +310,19 @@ class Relay:
             prefill_leg = asyncio.ensure_future(self._prefill(req, p, d, transfer_id))
             decode_leg = asyncio.ensure_future(self._open_decode(req, p, d, {}, transfer_id, pending=True))
             legs = [prefill_leg, decode_leg]
+            await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
+            if decode_leg.done():
+                stage = "decode"
+                resp = decode_leg.result()  # raises: the decode engine refused the request
+                if not prefill_leg.done() and resp.header("content-type").startswith("text/event-stream"):
+                    stage = "handed_off"  # the decode engine owns the KV; the prefill leg ends on its own
+                    self._collect_prefill(prefill_leg, p, req, transfer_id)
+                    result = await self._respond(resp, req, d, None, lambda: self._abandon_prefill(
+                        transfer_id, p, "client_stalled", None))
+                    self.metrics.concurrent_dispatches.inc()
+                    return result
+                stage = "prefill"
             try:
-                await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
-                if decode_leg.done() and decode_leg.exception() is not None:
-                    stage = "decode"
-                    decode_leg.result()  # raises: the decode engine refused the request
                 prefill_kv, prompt_tokens, _ = await prefill_leg
             finally:
                 p.credit()
@@ -320,14 +339,37 @@ class Relay:
             self.metrics.concurrent_dispatches.inc()
             return result
         except BaseException as exc:
-            await _close_legs(legs)
+            if stage != "handed_off":
+                await _close_legs(legs)
             if stage in ("prefill", "decode"):
                 self._abandon_prefill(transfer_id, p, _abandon_reason(stage, exc), prefill_kv)
             raise
         finally:
-            p.credit()
+            if stage != "handed_off" or prefill_kv is not None:
+                p.credit()
             if result is None or result.stream is None:
                 d.credit()
+
+    def _collect_prefill(self, leg: "asyncio.Future[Any]", p: Pick, req: _Request, transfer_id: str) -> None:
+        """The prefill leg of a pair whose decode stream already went to the client: its answer is
+        awaited in the background (a task the relay owns, cancelled on close) for the pick's
+        credit, the instance's health and the log; it releases nothing (the decode reads the KV)."""
+        async def collect() -> None:
+            try:
+                await leg
+            except asyncio.CancelledError:
+                leg.cancel()
+                raise
+            except Exception as exc:
+                err = exc.error.message if isinstance(exc, _Retryable) else str(exc) or type(exc).__name__
+                logger.warning("[%s] prefill leg of transfer %s failed after its decode stream began: %s",
+                               req.request_id, transfer_id, err)
+            finally:
+                p.credit()
+
+        task = asyncio.ensure_future(collect())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _abandon_prefill(self, transfer_id: str, prefill: Pick, reason: str,
                          prefill_kv: dict[str, Any] | None) -> None:
