@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "other pairs keep the legs in turn (off by default)")
     g.add_argument("--no-concurrent-dispatch", dest="concurrent_dispatch", action="store_false", default=False,
                    help="the legs in turn for every pair (the default)")
+    g.add_argument("--concurrent-max-queued-tokens", type=_nonneg_int, default=d.concurrent_max_queued_tokens,
+                   help="concurrent dispatch: send the legs at once only while the chosen prefill rank has at most "
+                        "this many prompt tokens of this proxy's requests ahead of the new one; past it the legs "
+                        "go in turn, so decode blocks are not held while the prefill queues (default %(default)s)")
     g.add_argument("--registration-window", type=_positive, default=d.registration_window_s,
                    help="seconds a signed ping's timestamp may differ from now; nonces are remembered this long "
                         "(default %(default)s)")
@@ -223,7 +227,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         registration_token=args.registration_token, registration_window_s=args.registration_window,
         allow_open_registration=args.allow_open_registration,
         release_prefills=args.release_prefills, first_token_forwarding=args.first_token_forwarding,
-        concurrent_dispatch=args.concurrent_dispatch,
+        concurrent_dispatch=args.concurrent_dispatch, concurrent_max_queued_tokens=args.concurrent_max_queued_tokens,
         max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
         static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
         probe_interval_s=args.probe_interval, probe_timeout=args.probe_timeout,

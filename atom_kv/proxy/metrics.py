@@ -60,6 +60,10 @@ class ProxyMetrics:
             "atom_kv_proxy_concurrent_dispatches", "Requests whose decode leg went out with the prefill leg "
             "(the decode engine learnt the KV blocks from the prefill engine)", registry=r,
         )
+        self.concurrent_skipped = Counter(
+            "atom_kv_proxy_concurrent_skipped", "Requests of pairs that take concurrent dispatch whose legs went "
+            "in turn because the prefill rank had more than --concurrent-max-queued-tokens queued", registry=r,
+        )
         self.retries = Counter("atom_kv_proxy_retries", "Re-planned P/D pairs after an upstream failure", registry=r)
         self.abandoned_prefills = Counter(
             "atom_kv_proxy_abandoned_prefills", "Prefills whose KV no decode leg will read, by reason",

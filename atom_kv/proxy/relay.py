@@ -238,11 +238,19 @@ class Relay:
         return True
 
     def _concurrent(self, p: Pick, d: Pick) -> bool:
-        """Whether this pair's legs go out together: both engines take part in the rendezvous, and
-        the proxy knows where the prefill's ranks listen (the decode leg names them)."""
-        return (self.settings.concurrent_dispatch and KV_FEATURE_RENDEZVOUS in p.inst.features
+        """Whether this pair's legs go out together: both engines take part in the rendezvous, the
+        proxy knows where the prefill's ranks listen (the decode leg names them), and the prefill
+        rank has little queued ahead of this request (else the decode would hold its blocks while
+        the prefill waits, to save a few milliseconds on a long wait)."""
+        if not (self.settings.concurrent_dispatch and KV_FEATURE_RENDEZVOUS in p.inst.features
                 and KV_FEATURE_RENDEZVOUS in d.inst.features and bool(p.inst.engine_id)
-                and p.inst.handshake_port is not None and p.inst.source != "moriio")
+                and p.inst.handshake_port is not None and p.inst.source != "moriio"):
+            return False
+        queued = p.inst.outstanding_tokens[p.rank] if p.rank < len(p.inst.outstanding_tokens) else 0
+        if queued - p.tokens > self.settings.concurrent_max_queued_tokens:
+            self.metrics.concurrent_skipped.inc()
+            return False
+        return True
 
     async def _run_pair(self, req: _Request, p: Pick, d: Pick) -> RelayResult:
         """One attempt on one pair. Owns both picks' credits and the abandon hook."""

@@ -38,6 +38,9 @@ class ProxySettings:
     # send the decode leg together with the prefill leg where both engines announce the rendezvous
     # (kv_features); the decode learns the block ids from the prefill's handshake port. Off: the legs in turn
     concurrent_dispatch: bool = False
+    # ... only while the chosen prefill rank has at most this many prompt tokens of this proxy's requests
+    # ahead of the new one: past it the prefill queues, overlapping saves nothing worth holding decode blocks for
+    concurrent_max_queued_tokens: int = 8192
     registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
     allow_open_registration: bool = False  # unsigned pings on a non-loopback discovery address (operator's choice)
     admin_token: str | None = None  # bearer token for /instances and /metrics (None: open)
@@ -85,7 +88,8 @@ class ProxySettings:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
-        for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max"):
+        for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max",
+                     "concurrent_max_queued_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
