@@ -50,7 +50,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from atom_kv._ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
+    from opentelemetry.trace import Span, Tracer
 
 __all__ = ["INSTALL", "ProxyTracer", "RequestTrace"]
 
@@ -85,7 +85,7 @@ class _GuardedExporter(SpanExporter):
     """Wraps the OTLP exporter: a failed or raising export is counted and logged (rate-limited), never raised."""
 
     def __init__(self, inner: SpanExporter, endpoint: str, limited: RateLimitedLog) -> None:
-        self._inner = inner
+        self.inner = inner
         self._endpoint = endpoint
         self._limited = limited
         self.failures = 0
@@ -93,7 +93,7 @@ class _GuardedExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         reason = ""
         try:
-            result = self._inner.export(spans)
+            result = self.inner.export(spans)
         except Exception as exc:
             result = SpanExportResult.FAILURE
             reason = f": {type(exc).__name__}: {exc}"
@@ -103,10 +103,10 @@ class _GuardedExporter(SpanExporter):
         return result
 
     def shutdown(self) -> None:
-        self._inner.shutdown()
+        self.inner.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self._inner.force_flush(timeout_millis)
+        return self.inner.force_flush(timeout_millis)
 
 
 class ProxyTracer:
@@ -146,7 +146,7 @@ class ProxyTracer:
         root = self._tracer.start_span(
             f"POST {path}", context=parent, kind=SpanKind.SERVER, start_time=int(received * 1e9) + offset_ns,
             attributes={"http.request.method": "POST", "url.path": path, "gen_ai.request.id": request_id})
-        return RequestTrace(self, root, offset_ns)
+        return RequestTrace(self._tracer, root, offset_ns)
 
     def flush(self) -> bool:
         """Export every finished span now (blocks: for tests and :meth:`close`)."""
@@ -201,11 +201,11 @@ class RequestTrace:
     ``traceparent`` header its legs carry, the pair that served it, and the breakdown spans so far
     (``perf_counter`` pairs, turned into child spans by :meth:`finish`)."""
 
-    __slots__ = ("_owner", "root", "_offset_ns", "_spans", "leg_header", "prefill", "decode",
+    __slots__ = ("_tracer", "root", "_offset_ns", "_spans", "leg_header", "prefill", "decode",
                  "first_token_forwarded", "concurrent_dispatch", "_finished")
 
-    def __init__(self, owner: ProxyTracer, root: "Span", offset_ns: int) -> None:
-        self._owner = owner
+    def __init__(self, tracer: "Tracer", root: "Span", offset_ns: int) -> None:
+        self._tracer = tracer
         self.root = root
         self._offset_ns = offset_ns
         self._spans: list[tuple[str, float, float]] = []
@@ -272,7 +272,7 @@ class RequestTrace:
             if status >= 500:
                 root.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
             ctx = set_span_in_context(root)
-            tracer = self._owner._tracer
+            tracer = self._tracer
             for name, start, end in sorted(self._spans, key=lambda s: s[1]):
                 child = tracer.start_span(name, context=ctx, start_time=self._ns(start))
                 child.end(end_time=self._ns(max(start, end)))

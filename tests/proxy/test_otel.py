@@ -59,7 +59,7 @@ def tracer():
 
 def _exported(tracer: ProxyTracer):
     tracer.flush()
-    spans = list(tracer.exporter._inner.get_finished_spans())
+    spans = list(tracer.exporter.inner.get_finished_spans())
     roots = [s for s in spans if s.kind.name == "SERVER"]
     assert len(roots) == 1, [s.name for s in spans]
     children = sorted((s for s in spans if s is not roots[0]), key=lambda s: (s.start_time, s.end_time))
@@ -144,7 +144,7 @@ def test_an_unsampled_caller_gets_no_spans_but_its_flags_travel_on(clock, tracer
     spans.first_write()
     trace.finish(200)
     tracer.flush()
-    assert tracer.exporter._inner.get_finished_spans() == ()
+    assert tracer.exporter.inner.get_finished_spans() == ()
     header = trace.leg("P", "http://p:1", 0)
     assert header.startswith(b"traceparent: 00-%032x-" % TRACE_ID) and header.endswith(b"-00\r\n")
     assert b"%016x" % PARENT_ID not in header  # the proxy's own span id, not the caller's
@@ -187,7 +187,7 @@ async def test_both_legs_carry_the_proxys_traceparent_and_the_trace_is_exported(
         assert status == 200
     finally:
         await proxy.stop()  # flushes and closes the tracer
-    spans = tracer.exporter._inner.get_finished_spans()
+    spans = tracer.exporter.inner.get_finished_spans()
     (root,) = [s for s in spans if s.kind.name == "SERVER"]
     assert root.parent.span_id == PARENT_ID and root.attributes["gen_ai.request.id"] == "otel-1"
     assert root.attributes["atom_kv.prefill.url"] == prefill.base_url
