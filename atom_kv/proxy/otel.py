@@ -194,18 +194,17 @@ class ProxyTracer:
             logger.warning("OpenTelemetry: closing the exporter failed: %s: %s", type(error).__name__, error)
 
 
+# an engine's spans (Server-Timing) in the order they happen within its leg
 _PREFILL_ORDER = ("prefill_queue", "prefill_compute")
-_SPAN_ID_BITS = 64
+_DECODE_ORDER = ("decode_admission", "kv_wait", "decode_first_step")
 
 
 def _span_id() -> int:
     """A random non-zero span id (the SDK's own generator draws them the same way)."""
     while True:
-        span_id = random.getrandbits(_SPAN_ID_BITS)
+        span_id = random.getrandbits(64)
         if span_id:
             return span_id
-
-_DECODE_ORDER = ("decode_admission", "kv_wait", "decode_first_step")
 
 
 class RequestTrace:
