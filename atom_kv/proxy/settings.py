@@ -143,7 +143,8 @@ def endpoint_problem(url: str) -> str | None:
     except ValueError as exc:
         return f"not a URL ({exc})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        return "must be an http:// or https:// URL of an OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces"
+        return ("must be an http:// or https:// URL of an OTLP/HTTP traces endpoint, "
+                "e.g. http://collector:4318/v1/traces")
     return None
 
 

@@ -229,3 +229,12 @@ def test_without_the_packages_one_line_and_exit_2(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("\n") == 1 and "pip install 'atom-kv[otel]'" in err and "Traceback" not in err
+
+
+def test_only_http_protobuf_is_spoken(monkeypatch):
+    settings = replace(FAST, otlp_traces_endpoint="http://127.0.0.1:4318/v1/traces")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")  # vLLM's default protocol
+    assert "OTLP over HTTP only" in cli.tracing_problem(settings)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    assert cli.tracing_problem(settings) is None
+    assert cli.tracing_problem(FAST) is None
