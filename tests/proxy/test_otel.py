@@ -4,8 +4,10 @@ on both legs, failures that stay out of requests, and the one-line error without
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -238,3 +240,17 @@ def test_only_http_protobuf_is_spoken(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     assert cli.tracing_problem(settings) is None
     assert cli.tracing_problem(FAST) is None
+
+
+async def test_closing_waits_for_a_silent_collector_no_longer_than_its_bound(caplog):
+    with socket.socket() as silent:  # accepts connections (the backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        tracer = ProxyTracer(f"http://127.0.0.1:{silent.getsockname()[1]}/v1/traces", timeout_s=30)
+        trace = tracer.begin("/v1/completions", "r", time.perf_counter())
+        trace.finish(200)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            await tracer.aclose(0.5)
+        assert time.monotonic() - t0 < 2.0
+    assert any("not exported" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
