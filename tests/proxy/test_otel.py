@@ -28,8 +28,6 @@ from tests.proxy.fake_engine import post, register  # noqa: E402
 TRACE_ID = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 PARENT_ID = 0x00F067AA0BA902B7
 TRACEPARENT = f"00-{TRACE_ID:032x}-{PARENT_ID:016x}-01"
-SEQUENTIAL = ("proxy_admission", "prefill_queue", "prefill_compute", "prefill_response", "proxy_between",
-              "decode_admission", "kv_wait", "decode_first_step", "decode_response", "proxy_write")
 
 
 class _Clock:
