@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import errno
 import logging
+import os
 import sys
 from dataclasses import replace
 from typing import Any, Callable, Coroutine
@@ -213,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "backlog goes out in one write (default %(default)s)")
     g.add_argument("--max-upstream-connections", type=_nonneg_int, default=d.max_upstream_connections,
                    help="pooled upstream connections, 0 = unlimited (default %(default)s)")
+    g = p.add_argument_group("tracing (OpenTelemetry; needs pip install 'atom-kv[otel]')")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export one trace per relayed request (a root span and the time-to-first-token spans of "
+                        "/metrics, with real start and end times) over OTLP/HTTP (protobuf) to this URL, e.g. "
+                        "http://collector:4318/v1/traces; a client's traceparent is honoured and both legs carry "
+                        "one to the engines (default: off, nothing imported)")
+    g.add_argument("--otlp-timeout", type=_positive, default=d.otlp_timeout_s,
+                   help="seconds one export to --otlp-traces-endpoint may take, retries included "
+                        "(default %(default)s)")
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                    help="event loop: uvloop when installed (auto), or asyncio's own (default %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -241,7 +251,27 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         sse_split_max=args.sse_split_max, max_inflight_body_bytes=args.max_inflight_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
         shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, admin_token=args.admin_token,
+        otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_timeout_s=args.otlp_timeout,
     )
+
+
+def tracing_problem(settings: ProxySettings) -> str | None:
+    """Why ``--otlp-traces-endpoint`` cannot work here (None: it can, or it is not set). Imports the
+    OpenTelemetry SDK only when the flag is set."""
+    if settings.otlp_traces_endpoint is None:
+        return None
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf").strip()
+    if protocol != "http/protobuf":
+        return (f"--otlp-traces-endpoint: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is {protocol!r}; the proxy exports "
+                "OTLP over HTTP only (http/protobuf)")
+    try:
+        import atom_kv.proxy.otel  # noqa: F401
+    except ImportError as exc:
+        if not (exc.name or "").startswith("opentelemetry"):
+            raise
+        return (f"--otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP/HTTP exporter ({exc.name} is "
+                "not installed): pip install 'atom-kv[otel]'")
+    return None
 
 
 def _loop_runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
@@ -266,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if not settings.discovery and not (settings.static_prefill and settings.static_decode):
         parser.error("--no-discovery needs at least one --prefill and one --decode")
+    problem = tracing_problem(settings)
+    if problem is not None:
+        print(f"atom-kv-proxy: {problem}", file=sys.stderr)
+        return 2
     try:
         run = _loop_runner(args.loop)
     except ValueError as exc:

@@ -145,7 +145,7 @@ class RequestRecord:
     time to first byte, and whether the client went away. Each method is
     idempotent: the first outcome wins."""
 
-    __slots__ = ("_metrics", "endpoint", "t0", "_first_byte", "_done")
+    __slots__ = ("_metrics", "endpoint", "t0", "_first_byte", "_done", "status")
 
     def __init__(self, metrics: ProxyMetrics, endpoint: str) -> None:
         self._metrics = metrics
@@ -153,6 +153,7 @@ class RequestRecord:
         self.t0 = time.perf_counter()
         self._first_byte = False
         self._done = False
+        self.status = 0  # the outcome once known: the status, or CLIENT_CLOSED
 
     def first_byte(self) -> None:
         if not self._first_byte:
@@ -164,6 +165,7 @@ class RequestRecord:
         if self._done:
             return
         self._done = True
+        self.status = status
         self.first_byte()
         m = self._metrics
         m.child(m.requests, self.endpoint, str(status)).inc()
@@ -174,5 +176,6 @@ class RequestRecord:
         if self._done:
             return
         self._done = True
+        self.status = CLIENT_CLOSED
         self._metrics.client_disconnects.inc()
         self._metrics.child(self._metrics.requests, self.endpoint, str(CLIENT_CLOSED)).inc()

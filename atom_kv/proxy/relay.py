@@ -23,7 +23,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
@@ -49,6 +49,9 @@ from atom_kv.proxy.upstream import (
 from atom_kv.proxy.validation import context_length_error, could_overflow, requested_max_tokens
 from atom_kv.server_timing import HEADER as SERVER_TIMING
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN, KV_FEATURE_RENDEZVOUS
+
+if TYPE_CHECKING:
+    from atom_kv.proxy.otel import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -191,14 +194,15 @@ class Relay:
 
     # ------------------------------------------------------------------ relay
     async def relay(self, path: str, body: dict[str, Any], request_id: str, auth: str | None,
-                    received: float | None = None) -> RelayResult:
+                    received: float | None = None, trace: RequestTrace | None = None) -> RelayResult:
         """Run one completion request; raises ProxyError / UpstreamResponseError for error replies.
-        ``received``: when the request arrived (``time.perf_counter()``), where its spans start."""
+        ``received``: when the request arrived (``time.perf_counter()``), where its spans start;
+        ``trace``: its OpenTelemetry trace (``--otlp-traces-endpoint``), which the caller finishes."""
         max_tokens = requested_max_tokens(body)  # before anything is spent
         text = prompt_text(body)
         tokens = estimate_prompt_tokens(body, text)
         req = _Request(path, body, request_id, auth, RouteContext(text, tokens), max_tokens,
-                       RequestSpans(self.metrics, received), next(self._request_keys))
+                       RequestSpans(self.metrics, received, trace), next(self._request_keys))
         exclude: dict[str, set[tuple[str, str]]] = {"P": set(), "D": set()}
         last_error: ProxyError | None = None
         rejected: list[_Retryable] = []
@@ -411,6 +415,8 @@ class Relay:
                    req.request_id.encode("latin-1"), rank))
         if req.auth:
             head += b"authorization: " + req.auth.encode("latin-1") + b"\r\n"
+        if req.spans.trace is not None:  # traceparent (and tracestate) for the engine's own tracing
+            head += req.spans.trace.leg(inst.role, inst.base_url, rank)
         return head + b"\r\n"
 
     # ------------------------------------------------------------------ checks before the prefill
