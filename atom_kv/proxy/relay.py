@@ -29,7 +29,9 @@ import msgspec
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
-from atom_kv.proxy.first_token import FirstTokenStream, first_token_events, forwardable
+from atom_kv.proxy.first_token import (
+    FirstTokenStream, first_token_events, forwardable, forwardable_request, promised_first_events,
+)
 from atom_kv.proxy.health import UpstreamHealth
 from atom_kv.proxy.legs import decode_request, prefill_request, wants_stream_usage
 from atom_kv.proxy.metrics import ProxyMetrics
@@ -316,13 +318,37 @@ class Relay:
         result: RelayResult | None = None
         prefill_kv: dict[str, Any] | None = None
         legs: list[asyncio.Future[Any]] = []
+        forward = self._forwards_concurrently(req, p, d)
         try:
             await self._check_context(req, p, d)
             stage = "prefill"
             prefill_leg = asyncio.ensure_future(self._prefill(req, p, d, transfer_id))
-            decode_leg = asyncio.ensure_future(self._open_decode(req, p, d, {}, transfer_id, pending=True))
+            decode_leg = asyncio.ensure_future(self._open_decode(req, p, d, {}, transfer_id, pending=True,
+                                                                 first_token_sent=forward))
             legs = [prefill_leg, decode_leg]
             await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
+            if forward:
+                if decode_leg.done() and decode_leg.exception() is not None:
+                    stage = "decode"
+                    decode_leg.result()  # raises: the decode engine refused the request
+                try:
+                    prefill_kv, prompt_tokens, answer = await prefill_leg
+                finally:
+                    p.credit()
+                self._check_adopted(prefill_kv, p, transfer_id)
+                early = promised_first_events(answer, req.path.endswith("/chat/completions"), prefill_kv)
+                if early is None:
+                    self.health.failed(p.inst, "bad_response", request=req.key)
+                    raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} answered without a "
+                                                     "usable choice"), p.inst, "bad_response")
+                stage = "handed_off"  # the decode leg's own task abandons the prefill if it fails
+                result = RelayResult(200, "text/event-stream", spans=req.spans, stream=FirstTokenStream(
+                    early, self._decode_after_concurrent_prefill(req, p, d, decode_leg, prefill_kv, transfer_id,
+                                                                  prompt_tokens), req.request_id))
+                req.spans.ready()
+                self.metrics.first_tokens_forwarded.inc()
+                self.metrics.concurrent_dispatches.inc()
+                return result
             if decode_leg.done():
                 stage = "decode"
                 resp = decode_leg.result()  # raises: the decode engine refused the request
@@ -338,11 +364,7 @@ class Relay:
                 prefill_kv, prompt_tokens, _ = await prefill_leg
             finally:
                 p.credit()
-            used = prefill_kv.get("transfer_id")
-            if used != transfer_id:  # the decode waits on ours: it would never learn the blocks
-                raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} did not adopt transfer id "
-                                                 f"{transfer_id} (answered {str(used)[:160]!r})"),
-                                 p.inst, "bad_response")
+            self._check_adopted(prefill_kv, p, transfer_id)
             stage = "decode"
             resp = await decode_leg
             stage = "handed_off"  # the decode engine owns the prefill's KV from here on
@@ -361,6 +383,46 @@ class Relay:
                 p.credit()
             if result is None or result.stream is None:
                 d.credit()
+
+    def _forwards_concurrently(self, req: _Request, p: Pick, d: Pick) -> bool:
+        """Whether a concurrent pair's client gets the first token from the prefill's answer: the
+        request allows it, the decode engine continues from the prefill's token and the prefill
+        engine gives it (both announce ``first_token``). The decode leg is then told up front to
+        leave that token out of its stream."""
+        return (self.settings.first_token_forwarding and KV_FEATURE_FIRST_TOKEN in p.inst.features
+                and forwardable_request(req.body, d.inst.features))
+
+    @staticmethod
+    def _check_adopted(prefill_kv: dict[str, Any], p: Pick, transfer_id: str) -> None:
+        used = prefill_kv.get("transfer_id")
+        if used != transfer_id:  # the decode waits on ours: it would never learn the blocks
+            raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} did not adopt transfer id "
+                                             f"{transfer_id} (answered {str(used)[:160]!r})"),
+                             p.inst, "bad_response")
+
+    async def _decode_after_concurrent_prefill(
+        self, req: _Request, p: Pick, d: Pick, decode_leg: "asyncio.Future[UpstreamResponse]",
+        prefill_kv: dict[str, Any], transfer_id: str, prompt_tokens: int | None,
+    ) -> ResponseStream:
+        """The decode leg (sent with the prefill leg) of a request whose first token is out: owns the
+        abandon and the decode pick's credit until its stream takes them over. Any failure abandons
+        the prefill and ends the client's stream with an error event."""
+        try:
+            resp = await decode_leg
+        except BaseException as exc:
+            self._abandon_prefill(transfer_id, p, _abandon_reason("decode", exc), prefill_kv)
+            d.credit()
+            raise
+        try:
+            result = await self._respond(resp, req, d, prompt_tokens, lambda: self._abandon_prefill(
+                transfer_id, p, "client_stalled", prefill_kv))
+        except BaseException:
+            d.credit()
+            raise
+        if result.stream is None:
+            d.credit()
+            raise ProxyError(502, f"decode instance {d.inst.base_url} answered a streamed request without a stream")
+        return result.stream
 
     def _collect_prefill(self, leg: "asyncio.Future[Any]", p: Pick, req: _Request, transfer_id: str) -> None:
         """The prefill leg of a pair whose decode stream already went to the client: its answer is
@@ -541,7 +603,7 @@ class Relay:
         """The client's first event(s) when this pair and request forward the prefill's token, else None."""
         if not self.settings.first_token_forwarding or not forwardable(req.body, d.inst.features, prefill_kv):
             return None
-        return first_token_events(answer, chat=req.path.endswith("/chat/completions"))
+        return first_token_events(answer, chat=req.path.endswith("/chat/completions"), prefill_kv=prefill_kv)
 
     async def _decode_after_first_token(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
                                         transfer_id: str, prompt_tokens: int | None) -> ResponseStream:
