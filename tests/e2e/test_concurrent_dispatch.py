@@ -140,7 +140,9 @@ def test_prefill_slower_than_the_wait(cluster):
 def test_client_leaves_while_the_prefill_computes(cluster):
     p, d = cluster.index_of("P"), cluster.index_of("D")
     conn = http.client.HTTPConnection("127.0.0.1", cluster.proxy_port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "c" * 2000, "max_tokens": 4, "stream": True}),
+    # long enough to see both engines busy, short enough that the prefill's one step (which a release
+    # cannot cut short) ends well within the bound on a loaded machine
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "c" * 1000, "max_tokens": 4, "stream": True}),
                  {"Content-Type": "application/json"})
     wait_until(lambda: _health(cluster, d)["requests"]["waiting_remote_kv"] >= 1
                and sum(_health(cluster, p)["requests"].values()) >= 1, 20, interval=0.01,
