@@ -41,7 +41,7 @@ class ProxySettings:
     concurrent_dispatch: bool = False
     # ... only while the chosen prefill rank has at most this many prompt tokens of this proxy's requests
     # ahead of the new one: past it the prefill queues, overlapping saves nothing worth holding decode blocks for
-    concurrent_max_queued_tokens: int = 8192
+    concurrent_max_queued_tokens: int = 2048
     registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
     allow_open_registration: bool = False  # unsigned pings on a non-loopback discovery address (operator's choice)
     admin_token: str | None = None  # bearer token for /instances and /metrics (None: open)
