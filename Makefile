@@ -2,7 +2,9 @@
 # Both build .venv from scratch if needed, installing the CPU torch pin first
 # so the `reference` extra's torch range (and NIXL's bare torch requirement) is
 # already satisfied (a bare torch requirement would pull the CUDA build). The
-# `nixl` extra (about 70 MB, a few seconds) makes CI run the nixl backend for real.
+# `nixl` extra (about 70 MB, a few seconds) makes CI run the nixl backend for real,
+# and the `otel` extra (OpenTelemetry SDK and OTLP/HTTP exporter, a few MB) the
+# proxy's trace export.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +15,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[reference,test,nixl]'
+	$(BIN)/pip install --quiet -e '.[reference,test,nixl,otel]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -2,7 +2,8 @@
 
 ``pip install atom-kv`` gives the proxy, the connector and its backends;
 ``atom-kv[reference]`` adds torch for the reference engine, the demo and the
-connector and e2e benches; ``atom-kv[mori]`` adds MORI-IO.
+connector and e2e benches; ``atom-kv[mori]`` adds MORI-IO; ``atom-kv[otel]``
+the proxy's OpenTelemetry export (``--otlp-traces-endpoint``).
 """
 
 from __future__ import annotations

@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown-tokens", default="64,2000", help="--breakdown: prompt sizes in tokens")
     parser.add_argument("--concurrency", default="1,16", help="--breakdown: concurrency levels")
     parser.add_argument("--rounds", type=int, default=3, help="--breakdown: alternating P/D and colocated rounds")
+    parser.add_argument("--modes", default="",
+                        help="--breakdown: P/D modes to compare side by side, comma separated, each through its own "
+                             "proxy on the same engines, rounds interleaved: sequential (legs in turn, the decode "
+                             "computes the first token), first_token (legs in turn, the prefill's token streamed at "
+                             "once), concurrent (both legs at once); default: one proxy with its default flags")
     parser.add_argument("--proxy-arg", action="append",
                         help="--breakdown: an extra proxy flag (repeatable), e.g. --proxy-arg=--concurrent-dispatch "
                              "(both legs at once) or --proxy-arg=--no-first-token-forwarding")

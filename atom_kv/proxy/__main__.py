@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import errno
 import logging
+import os
 import sys
 from dataclasses import replace
 from typing import Any, Callable, Coroutine
@@ -162,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "other pairs keep the legs in turn (off by default)")
     g.add_argument("--no-concurrent-dispatch", dest="concurrent_dispatch", action="store_false", default=False,
                    help="the legs in turn for every pair (the default)")
+    g.add_argument("--concurrent-max-queued-tokens", type=_nonneg_int, default=d.concurrent_max_queued_tokens,
+                   help="concurrent dispatch: send the legs at once only while the chosen prefill rank has at most "
+                        "this many prompt tokens of this proxy's requests ahead of the new one; past it the legs "
+                        "go in turn, so decode blocks are not held while the prefill queues (default %(default)s)")
     g.add_argument("--registration-window", type=_positive, default=d.registration_window_s,
                    help="seconds a signed ping's timestamp may differ from now; nonces are remembered this long "
                         "(default %(default)s)")
@@ -209,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "backlog goes out in one write (default %(default)s)")
     g.add_argument("--max-upstream-connections", type=_nonneg_int, default=d.max_upstream_connections,
                    help="pooled upstream connections, 0 = unlimited (default %(default)s)")
+    g = p.add_argument_group("tracing (OpenTelemetry; needs pip install 'atom-kv[otel]')")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export one trace per relayed request (a root span and the time-to-first-token spans of "
+                        "/metrics, with real start and end times) over OTLP/HTTP (protobuf) to this URL, e.g. "
+                        "http://collector:4318/v1/traces; a client's traceparent is honoured and both legs carry "
+                        "one to the engines (default: off, nothing imported)")
+    g.add_argument("--otlp-timeout", type=_positive, default=d.otlp_timeout_s,
+                   help="seconds one export to --otlp-traces-endpoint may take, retries included "
+                        "(default %(default)s)")
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                    help="event loop: uvloop when installed (auto), or asyncio's own (default %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -223,7 +237,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         registration_token=args.registration_token, registration_window_s=args.registration_window,
         allow_open_registration=args.allow_open_registration,
         release_prefills=args.release_prefills, first_token_forwarding=args.first_token_forwarding,
-        concurrent_dispatch=args.concurrent_dispatch,
+        concurrent_dispatch=args.concurrent_dispatch, concurrent_max_queued_tokens=args.concurrent_max_queued_tokens,
         max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
         static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
         probe_interval_s=args.probe_interval, probe_timeout=args.probe_timeout,
@@ -237,7 +251,27 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         sse_split_max=args.sse_split_max, max_inflight_body_bytes=args.max_inflight_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
         shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, admin_token=args.admin_token,
+        otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_timeout_s=args.otlp_timeout,
     )
+
+
+def tracing_problem(settings: ProxySettings) -> str | None:
+    """Why ``--otlp-traces-endpoint`` cannot work here (None: it can, or it is not set). Imports the
+    OpenTelemetry SDK only when the flag is set."""
+    if settings.otlp_traces_endpoint is None:
+        return None
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf").strip()
+    if protocol != "http/protobuf":
+        return (f"--otlp-traces-endpoint: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is {protocol!r}; the proxy exports "
+                "OTLP over HTTP only (http/protobuf)")
+    try:
+        import atom_kv.proxy.otel  # noqa: F401
+    except ImportError as exc:
+        if not (exc.name or "").startswith("opentelemetry"):
+            raise
+        return (f"--otlp-traces-endpoint needs the OpenTelemetry SDK and its OTLP/HTTP exporter ({exc.name} is "
+                "not installed): pip install 'atom-kv[otel]'")
+    return None
 
 
 def _loop_runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
@@ -262,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if not settings.discovery and not (settings.static_prefill and settings.static_decode):
         parser.error("--no-discovery needs at least one --prefill and one --decode")
+    problem = tracing_problem(settings)
+    if problem is not None:
+        print(f"atom-kv-proxy: {problem}", file=sys.stderr)
+        return 2
     try:
         run = _loop_runner(args.loop)
     except ValueError as exc:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from quart import Quart, Response, request
@@ -23,6 +23,9 @@ from atom_kv.proxy.policies import Policy, make_policy
 from atom_kv.proxy.registry import Instance, Registry
 from atom_kv.proxy.relay import Relay
 from atom_kv.proxy.settings import ProxySettings
+
+if TYPE_CHECKING:
+    from atom_kv.proxy.otel import ProxyTracer
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,8 @@ class ProxyState:
             )
         self.relay = Relay(settings, self.registry, self.policies, self.health, self.metrics)
         self.completions = CompletionsHandler(self.relay, self.metrics)
+        # --otlp-traces-endpoint: made at start (a test may set its own before); None: tracing is off
+        self.tracer: ProxyTracer | None = None
         self.started = asyncio.Event()
 
     def _forget(self, inst: Instance) -> None:
@@ -80,6 +85,11 @@ class ProxyState:
 
     async def start(self) -> None:
         try:
+            if self.tracer is None and self.settings.otlp_traces_endpoint is not None:
+                from atom_kv.proxy.otel import ProxyTracer  # only with the flag: the OpenTelemetry SDK is optional
+                self.tracer = ProxyTracer(self.settings.otlp_traces_endpoint, timeout_s=self.settings.otlp_timeout_s,
+                                          log_interval_s=self.settings.log_summary_interval_s)
+            self.completions.tracer = self.tracer
             await self.relay.start()
             await self.monitor.start()
             if self.discovery is not None:
@@ -101,6 +111,10 @@ class ProxyState:
             await self.discovery.close()
         await self.monitor.close()
         await self.relay.close()
+        tracer, self.tracer = self.tracer, None
+        self.completions.tracer = None
+        if tracer is not None:  # every request is over: its spans are queued; flush them, bounded
+            await tracer.aclose(self.settings.shutdown_timeout)
 
 
 def _json_response(status: int, payload: Any, request_id: str | None = None) -> Response:

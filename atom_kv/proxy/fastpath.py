@@ -18,15 +18,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.httpserver import Exchange
-from atom_kv.proxy.metrics import ProxyMetrics, RequestRecord
+from atom_kv.proxy.metrics import CLIENT_CLOSED, ProxyMetrics, RequestRecord
 from atom_kv.proxy.relay import Relay, RelayResult
 from atom_kv.proxy.spans import RequestSpans
+
+if TYPE_CHECKING:
+    from atom_kv.proxy.otel import ProxyTracer
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,7 @@ class CompletionsHandler:
     def __init__(self, relay: Relay, metrics: ProxyMetrics) -> None:
         self.relay = relay
         self.metrics = metrics
+        self.tracer: ProxyTracer | None = None  # set while the proxy exports traces (--otlp-traces-endpoint)
 
     def routes(self) -> dict[str, Any]:
         return {path: self for path in ROUTES}
@@ -111,35 +115,42 @@ class CompletionsHandler:
             self._send_error(exchange, ProxyError(405, f"method {exchange.method} not allowed on {path}"),
                              request_id, record)
             return
+        tracer = self.tracer  # None unless --otlp-traces-endpoint: then one trace per request
+        trace = None if tracer is None else tracer.begin(path, request_id, record.t0, exchange.header(b"traceparent"),
+                                                         exchange.header(b"tracestate"))
         try:
-            body = parse_body(exchange.body_view())  # in place, then the raw bytes go
-            exchange.drop_body()
-            result = await self.relay.relay(path, body, request_id, exchange.header(b"authorization"),
-                                            received=record.t0)
-        except ProxyError as err:
-            self._send_error(exchange, err, request_id, record)
-            return
-        except UpstreamResponseError as up:
-            record.finish(up.status)
-            logger.info("[%s] %s -> upstream %d passed through", request_id, path, up.status)
-            exchange.respond(up.status, _headers(up.content_type, request_id), up.body)
-            return
-        except asyncio.CancelledError:
-            record.client_gone()
-            logger.info("[%s] client disconnected; upstream legs cancelled", request_id)
-            raise
-        except Exception as exc:
-            logger.exception("[%s] internal error relaying %s", request_id, path)
-            self._send_error(exchange, ProxyError(500, f"internal proxy error: {type(exc).__name__}"),
-                             request_id, record)
-            return
-        if result.stream is None:
-            record.finish(result.status)
-            exchange.respond(result.status, _headers(result.content_type, request_id), result.body or b"")
-            if result.spans is not None:
-                result.spans.first_write()
-            return
-        await self._send_stream(exchange, result, request_id, record)
+            try:
+                body = parse_body(exchange.body_view())  # in place, then the raw bytes go
+                exchange.drop_body()
+                result = await self.relay.relay(path, body, request_id, exchange.header(b"authorization"),
+                                                received=record.t0, trace=trace)
+            except ProxyError as err:
+                self._send_error(exchange, err, request_id, record)
+                return
+            except UpstreamResponseError as up:
+                record.finish(up.status)
+                logger.info("[%s] %s -> upstream %d passed through", request_id, path, up.status)
+                exchange.respond(up.status, _headers(up.content_type, request_id), up.body)
+                return
+            except asyncio.CancelledError:
+                record.client_gone()
+                logger.info("[%s] client disconnected; upstream legs cancelled", request_id)
+                raise
+            except Exception as exc:
+                logger.exception("[%s] internal error relaying %s", request_id, path)
+                self._send_error(exchange, ProxyError(500, f"internal proxy error: {type(exc).__name__}"),
+                                 request_id, record)
+                return
+            if result.stream is None:
+                record.finish(result.status)
+                exchange.respond(result.status, _headers(result.content_type, request_id), result.body or b"")
+                if result.spans is not None:
+                    result.spans.first_write()
+                return
+            await self._send_stream(exchange, result, request_id, record)
+        finally:
+            if trace is not None:
+                trace.finish(record.status or CLIENT_CLOSED)  # no outcome yet: the task was cancelled
 
     @staticmethod
     def _send_error(exchange: Exchange, err: ProxyError, request_id: str, record: RequestRecord,

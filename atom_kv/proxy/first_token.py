@@ -13,6 +13,13 @@ run another connector.
 Once the first event is out the answer's status is 200: a decode leg that
 fails afterwards ends the stream with an error event (the pair is not
 re-planned), and the prefill is abandoned as usual.
+
+With concurrent dispatch the decode leg leaves before the prefill answers, so
+the choice is made on the request alone (:func:`forwardable_request`) and the
+decode leg is told up front; the prefill's answer then always yields the
+first events (:func:`promised_first_events`), from ``first_token_text``: what
+a stream shows for that token alone, which is exactly what the decode engine
+leaves out (a prefill whose token ended the answer yields just the chat role).
 """
 
 from __future__ import annotations
@@ -28,57 +35,98 @@ from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.stream import ResponseStream, StreamSink
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN
 
-__all__ = ["first_token_events", "forwardable", "FirstTokenStream"]
+__all__ = ["first_token_events", "forwardable", "forwardable_request", "promised_first_events", "FirstTokenStream"]
 
 logger = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
 
 
-def forwardable(body: dict[str, Any], decode_features: frozenset[str], prefill_kv: dict[str, Any]) -> bool:
-    """True when the prefill's first token may go to the client before the decode leg answers."""
+def forwardable_request(body: dict[str, Any], decode_features: frozenset[str]) -> bool:
+    """True when this request's first token may go to the client from the prefill's answer, for a
+    decode engine with these features: a stream whose first text is final on its own."""
     if KV_FEATURE_FIRST_TOKEN not in decode_features or body.get("stream") is not True:
-        return False
-    ids = prefill_kv.get("first_token_ids")
-    if not isinstance(ids, list) or len(ids) != 1:
         return False
     if body.get("stop") or body.get("echo") or body.get("logprobs") or body.get("top_logprobs"):
         return False
     return body.get("n") in (None, 1)
 
 
+def forwardable(body: dict[str, Any], decode_features: frozenset[str], prefill_kv: dict[str, Any]) -> bool:
+    """True when the prefill's first token may go to the client before the decode leg answers."""
+    ids = prefill_kv.get("first_token_ids")
+    return isinstance(ids, list) and len(ids) == 1 and forwardable_request(body, decode_features)
+
+
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + _encoder.encode(obj) + b"\n\n"
 
 
-def first_token_events(answer: Any, chat: bool) -> bytes | None:
-    """The client's first SSE event(s) from the prefill's (non-streamed) answer: the role chunk and
-    the first content chunk for chat, the first text chunk for completions. None when the answer
-    does not hold exactly one unfinished-by-stop choice with text that stands on its own (a
-    U+FFFD says the token is a piece of a longer UTF-8 character, which a stream holds back)."""
+def _choice(answer: Any) -> dict[str, Any] | None:
     if not isinstance(answer, dict):
         return None
     choices = answer.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         return None
-    choice = choices[0]
-    if choice.get("finish_reason") not in (None, "length"):
-        return None  # the prefill's token ended the answer (a stop token): the decode engine says so
-    base = {"id": answer.get("id"), "created": answer.get("created"), "model": answer.get("model")}
+    return choices[0]
+
+
+def _answer_text(choice: dict[str, Any], chat: bool) -> Any:
     if chat:
         message = choice.get("message")
-        text = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(text, str) or not text or "\ufffd" in text:
-            return None
+        return message.get("content") if isinstance(message, dict) else None
+    return choice.get("text")
+
+
+def _events(answer: dict[str, Any], text: str, chat: bool) -> bytes:
+    """The role chunk (chat) and, when ``text`` is not empty, one chunk with it."""
+    base = {"id": answer.get("id"), "created": answer.get("created"), "model": answer.get("model")}
+    if chat:
         obj = {**base, "object": "chat.completion.chunk"}
-        return (_event({**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
-                + _event({**obj, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
-                                              "finish_reason": None}]}))
-    text = choice.get("text")
-    if not isinstance(text, str) or not text or "\ufffd" in text:
-        return None
+        out = _event({**obj, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]})
+        if text:
+            out += _event({**obj, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
+                                               "finish_reason": None}]})
+        return out
+    if not text:
+        return b""
     return _event({**base, "object": "text_completion",
                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]})
+
+
+def first_token_events(answer: Any, chat: bool, prefill_kv: dict[str, Any] | None = None) -> bytes | None:
+    """The client's first SSE event(s) from the prefill's (non-streamed) answer: the role chunk and
+    the first content chunk for chat, the first text chunk for completions. None when the answer
+    does not hold exactly one unfinished-by-stop choice with text that stands on its own (the
+    prefill's ``first_token_text`` when it gives one; else the answer's, where a U+FFFD says the
+    token is a piece of a longer UTF-8 character, which a stream holds back)."""
+    choice = _choice(answer)
+    if choice is None or choice.get("finish_reason") not in (None, "length"):
+        return None  # the prefill's token ended the answer (a stop token): the decode engine says so
+    text = (prefill_kv or {}).get("first_token_text")
+    if not isinstance(text, str):
+        text = _answer_text(choice, chat)
+        if isinstance(text, str) and "\ufffd" in text:
+            return None
+    if not isinstance(text, str) or not text:
+        return None
+    return _events(answer, text, chat)
+
+
+def promised_first_events(answer: Any, chat: bool, prefill_kv: dict[str, Any]) -> bytes | None:
+    """The first events of a stream whose decode leg was told up front to leave the first token
+    out: the role chunk (chat) and the token's text as a stream shows it alone (possibly nothing:
+    a byte of a longer character, or a stop token, whose end the decode engine reports). None
+    when the answer does not hold one choice."""
+    choice = _choice(answer)
+    if choice is None:
+        return None
+    text = prefill_kv.get("first_token_text")
+    if not isinstance(text, str):
+        text = _answer_text(choice, chat) if choice.get("finish_reason") in (None, "length") else ""
+    if not isinstance(text, str):
+        return None
+    return _events(answer, text, chat)
 
 
 def _error_event(exc: BaseException) -> bytes:

@@ -60,6 +60,10 @@ class ProxyMetrics:
             "atom_kv_proxy_concurrent_dispatches", "Requests whose decode leg went out with the prefill leg "
             "(the decode engine learnt the KV blocks from the prefill engine)", registry=r,
         )
+        self.concurrent_skipped = Counter(
+            "atom_kv_proxy_concurrent_skipped", "Requests of pairs that take concurrent dispatch whose legs went "
+            "in turn because the prefill rank had more than --concurrent-max-queued-tokens queued", registry=r,
+        )
         self.retries = Counter("atom_kv_proxy_retries", "Re-planned P/D pairs after an upstream failure", registry=r)
         self.abandoned_prefills = Counter(
             "atom_kv_proxy_abandoned_prefills", "Prefills whose KV no decode leg will read, by reason",
@@ -141,7 +145,7 @@ class RequestRecord:
     time to first byte, and whether the client went away. Each method is
     idempotent: the first outcome wins."""
 
-    __slots__ = ("_metrics", "endpoint", "t0", "_first_byte", "_done")
+    __slots__ = ("_metrics", "endpoint", "t0", "_first_byte", "_done", "status")
 
     def __init__(self, metrics: ProxyMetrics, endpoint: str) -> None:
         self._metrics = metrics
@@ -149,6 +153,7 @@ class RequestRecord:
         self.t0 = time.perf_counter()
         self._first_byte = False
         self._done = False
+        self.status = 0  # the outcome once known: the status, or CLIENT_CLOSED
 
     def first_byte(self) -> None:
         if not self._first_byte:
@@ -160,6 +165,7 @@ class RequestRecord:
         if self._done:
             return
         self._done = True
+        self.status = status
         self.first_byte()
         m = self._metrics
         m.child(m.requests, self.endpoint, str(status)).inc()
@@ -170,5 +176,6 @@ class RequestRecord:
         if self._done:
             return
         self._done = True
+        self.status = CLIENT_CLOSED
         self._metrics.client_disconnects.inc()
         self._metrics.child(self._metrics.requests, self.endpoint, str(CLIENT_CLOSED)).inc()

@@ -23,13 +23,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
-from atom_kv.proxy.first_token import FirstTokenStream, first_token_events, forwardable
+from atom_kv.proxy.first_token import (
+    FirstTokenStream, first_token_events, forwardable, forwardable_request, promised_first_events,
+)
 from atom_kv.proxy.health import UpstreamHealth
 from atom_kv.proxy.legs import decode_request, prefill_request, wants_stream_usage
 from atom_kv.proxy.metrics import ProxyMetrics
@@ -49,6 +51,9 @@ from atom_kv.proxy.upstream import (
 from atom_kv.proxy.validation import context_length_error, could_overflow, requested_max_tokens
 from atom_kv.server_timing import HEADER as SERVER_TIMING
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN, KV_FEATURE_RENDEZVOUS
+
+if TYPE_CHECKING:
+    from atom_kv.proxy.otel import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +143,7 @@ class Relay:
         self._models_rr = 0
         self._request_keys = itertools.count(1)
         self._uses_text = any(p.uses_text for p in policies.values())
+        self._background: set[asyncio.Task[None]] = set()  # prefill legs whose decode stream is out
 
     async def start(self) -> None:
         if self._pool is None:
@@ -147,6 +153,11 @@ class Relay:
                                       limit=self.settings.max_upstream_connections)
 
     async def close(self) -> None:
+        background, self._background = self._background, set()
+        for task in background:
+            task.cancel()
+        if background:
+            await asyncio.gather(*background, return_exceptions=True)
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
@@ -185,14 +196,15 @@ class Relay:
 
     # ------------------------------------------------------------------ relay
     async def relay(self, path: str, body: dict[str, Any], request_id: str, auth: str | None,
-                    received: float | None = None) -> RelayResult:
+                    received: float | None = None, trace: RequestTrace | None = None) -> RelayResult:
         """Run one completion request; raises ProxyError / UpstreamResponseError for error replies.
-        ``received``: when the request arrived (``time.perf_counter()``), where its spans start."""
+        ``received``: when the request arrived (``time.perf_counter()``), where its spans start;
+        ``trace``: its OpenTelemetry trace (``--otlp-traces-endpoint``), which the caller finishes."""
         max_tokens = requested_max_tokens(body)  # before anything is spent
         text = prompt_text(body)
         tokens = estimate_prompt_tokens(body, text)
         req = _Request(path, body, request_id, auth, RouteContext(text, tokens), max_tokens,
-                       RequestSpans(self.metrics, received), next(self._request_keys))
+                       RequestSpans(self.metrics, received, trace), next(self._request_keys))
         exclude: dict[str, set[tuple[str, str]]] = {"P": set(), "D": set()}
         last_error: ProxyError | None = None
         rejected: list[_Retryable] = []
@@ -232,11 +244,19 @@ class Relay:
         return True
 
     def _concurrent(self, p: Pick, d: Pick) -> bool:
-        """Whether this pair's legs go out together: both engines take part in the rendezvous, and
-        the proxy knows where the prefill's ranks listen (the decode leg names them)."""
-        return (self.settings.concurrent_dispatch and KV_FEATURE_RENDEZVOUS in p.inst.features
+        """Whether this pair's legs go out together: both engines take part in the rendezvous, the
+        proxy knows where the prefill's ranks listen (the decode leg names them), and the prefill
+        rank has little queued ahead of this request (else the decode would hold its blocks while
+        the prefill waits, to save a few milliseconds on a long wait)."""
+        if not (self.settings.concurrent_dispatch and KV_FEATURE_RENDEZVOUS in p.inst.features
                 and KV_FEATURE_RENDEZVOUS in d.inst.features and bool(p.inst.engine_id)
-                and p.inst.handshake_port is not None and p.inst.source != "moriio")
+                and p.inst.handshake_port is not None and p.inst.source != "moriio"):
+            return False
+        queued = p.inst.outstanding_tokens[p.rank] if p.rank < len(p.inst.outstanding_tokens) else 0
+        if queued - p.tokens > self.settings.concurrent_max_queued_tokens:
+            self.metrics.concurrent_skipped.inc()
+            return False
+        return True
 
     async def _run_pair(self, req: _Request, p: Pick, d: Pick) -> RelayResult:
         """One attempt on one pair. Owns both picks' credits and the abandon hook."""
@@ -284,34 +304,67 @@ class Relay:
         """One attempt on one pair with both legs sent at once: the decode leg names the prefill's
         ranks and the transfer, not its blocks (``remote_blocks_pending``); the decode engine admits
         and allocates while the prefill computes, then learns the blocks from the prefill's ranks,
-        with the prefill's first token, which a decode engine announcing ``first_token`` streams
-        at once and continues from (else it computes the first token itself). Owns both picks' credits, both legs until one
-        fails (the other is then closed) and the abandon hook: any end before the decode engine
-        owns the KV releases the prefill's blocks, which also ends the decode's wait at once."""
+        with the prefill's first token, which a decode engine announcing ``first_token`` streams at
+        once and continues from (else it computes the first token itself).
+
+        Owns both picks' credits, both legs until one fails (the other is then closed) and the
+        abandon hook: any end before the decode engine owns the KV releases the prefill's blocks,
+        which also ends the decode's wait at once. A decode stream whose head comes first goes to
+        the client at once: the decode engine only answers once it learned the blocks, so the
+        prefill has lent them and its own answer is a formality, collected in the background
+        (:meth:`_collect_prefill`) and never a reason to release a transfer that is being read."""
         transfer_id = os.urandom(16).hex()
         stage = "check"
         result: RelayResult | None = None
         prefill_kv: dict[str, Any] | None = None
         legs: list[asyncio.Future[Any]] = []
+        forward = self._forwards_concurrently(req, p, d)
         try:
             await self._check_context(req, p, d)
             stage = "prefill"
             prefill_leg = asyncio.ensure_future(self._prefill(req, p, d, transfer_id))
-            decode_leg = asyncio.ensure_future(self._open_decode(req, p, d, {}, transfer_id, pending=True))
+            decode_leg = asyncio.ensure_future(self._open_decode(req, p, d, {}, transfer_id, pending=True,
+                                                                 first_token_sent=forward))
             legs = [prefill_leg, decode_leg]
-            try:
-                await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(legs, return_when=asyncio.FIRST_COMPLETED)
+            if forward:
                 if decode_leg.done() and decode_leg.exception() is not None:
                     stage = "decode"
                     decode_leg.result()  # raises: the decode engine refused the request
+                try:
+                    prefill_kv, prompt_tokens, answer = await prefill_leg
+                finally:
+                    p.credit()
+                self._check_adopted(prefill_kv, p, transfer_id)
+                early = promised_first_events(answer, req.path.endswith("/chat/completions"), prefill_kv)
+                if early is None:
+                    self.health.failed(p.inst, "bad_response", request=req.key)
+                    raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} answered without a "
+                                                     "usable choice"), p.inst, "bad_response")
+                stage = "handed_off"  # the decode leg's own task abandons the prefill if it fails
+                result = RelayResult(200, "text/event-stream", spans=req.spans, stream=FirstTokenStream(
+                    early, self._decode_after_concurrent_prefill(req, p, d, decode_leg, prefill_kv, transfer_id,
+                                                                  prompt_tokens), req.request_id))
+                req.spans.ready()
+                self.metrics.first_tokens_forwarded.inc()
+                self.metrics.concurrent_dispatches.inc()
+                return result
+            if decode_leg.done():
+                stage = "decode"
+                resp = decode_leg.result()  # raises: the decode engine refused the request
+                if not prefill_leg.done() and resp.header("content-type").startswith("text/event-stream"):
+                    stage = "handed_off"  # the decode engine owns the KV; the prefill leg ends on its own
+                    self._collect_prefill(prefill_leg, p, req, transfer_id)
+                    result = await self._respond(resp, req, d, None, lambda: self._abandon_prefill(
+                        transfer_id, p, "client_stalled", None))
+                    self.metrics.concurrent_dispatches.inc()
+                    return result
+                stage = "prefill"
+            try:
                 prefill_kv, prompt_tokens, _ = await prefill_leg
             finally:
                 p.credit()
-            used = prefill_kv.get("transfer_id")
-            if used != transfer_id:  # the decode waits on ours: it would never learn the blocks
-                raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} did not adopt transfer id "
-                                                 f"{transfer_id} (answered {str(used)[:160]!r})"),
-                                 p.inst, "bad_response")
+            self._check_adopted(prefill_kv, p, transfer_id)
             stage = "decode"
             resp = await decode_leg
             stage = "handed_off"  # the decode engine owns the prefill's KV from here on
@@ -320,14 +373,77 @@ class Relay:
             self.metrics.concurrent_dispatches.inc()
             return result
         except BaseException as exc:
-            await _close_legs(legs)
+            if stage != "handed_off":
+                await _close_legs(legs)
             if stage in ("prefill", "decode"):
                 self._abandon_prefill(transfer_id, p, _abandon_reason(stage, exc), prefill_kv)
             raise
         finally:
-            p.credit()
+            if stage != "handed_off" or prefill_kv is not None:
+                p.credit()
             if result is None or result.stream is None:
                 d.credit()
+
+    def _forwards_concurrently(self, req: _Request, p: Pick, d: Pick) -> bool:
+        """Whether a concurrent pair's client gets the first token from the prefill's answer: the
+        request allows it, the decode engine continues from the prefill's token and the prefill
+        engine gives it (both announce ``first_token``). The decode leg is then told up front to
+        leave that token out of its stream."""
+        return (self.settings.first_token_forwarding and KV_FEATURE_FIRST_TOKEN in p.inst.features
+                and forwardable_request(req.body, d.inst.features))
+
+    @staticmethod
+    def _check_adopted(prefill_kv: dict[str, Any], p: Pick, transfer_id: str) -> None:
+        used = prefill_kv.get("transfer_id")
+        if used != transfer_id:  # the decode waits on ours: it would never learn the blocks
+            raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} did not adopt transfer id "
+                                             f"{transfer_id} (answered {str(used)[:160]!r})"),
+                             p.inst, "bad_response")
+
+    async def _decode_after_concurrent_prefill(
+        self, req: _Request, p: Pick, d: Pick, decode_leg: "asyncio.Future[UpstreamResponse]",
+        prefill_kv: dict[str, Any], transfer_id: str, prompt_tokens: int | None,
+    ) -> ResponseStream:
+        """The decode leg (sent with the prefill leg) of a request whose first token is out: owns the
+        abandon and the decode pick's credit until its stream takes them over. Any failure abandons
+        the prefill and ends the client's stream with an error event."""
+        try:
+            resp = await decode_leg
+        except BaseException as exc:
+            self._abandon_prefill(transfer_id, p, _abandon_reason("decode", exc), prefill_kv)
+            d.credit()
+            raise
+        try:
+            result = await self._respond(resp, req, d, prompt_tokens, lambda: self._abandon_prefill(
+                transfer_id, p, "client_stalled", prefill_kv))
+        except BaseException:
+            d.credit()
+            raise
+        if result.stream is None:
+            d.credit()
+            raise ProxyError(502, f"decode instance {d.inst.base_url} answered a streamed request without a stream")
+        return result.stream
+
+    def _collect_prefill(self, leg: "asyncio.Future[Any]", p: Pick, req: _Request, transfer_id: str) -> None:
+        """The prefill leg of a pair whose decode stream already went to the client: its answer is
+        awaited in the background (a task the relay owns, cancelled on close) for the pick's
+        credit, the instance's health and the log; it releases nothing (the decode reads the KV)."""
+        async def collect() -> None:
+            try:
+                await leg
+            except asyncio.CancelledError:
+                leg.cancel()
+                raise
+            except Exception as exc:
+                err = exc.error.message if isinstance(exc, _Retryable) else str(exc) or type(exc).__name__
+                logger.warning("[%s] prefill leg of transfer %s failed after its decode stream began: %s",
+                               req.request_id, transfer_id, err)
+            finally:
+                p.credit()
+
+        task = asyncio.ensure_future(collect())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _abandon_prefill(self, transfer_id: str, prefill: Pick, reason: str,
                          prefill_kv: dict[str, Any] | None) -> None:
@@ -361,6 +477,8 @@ class Relay:
                    req.request_id.encode("latin-1"), rank))
         if req.auth:
             head += b"authorization: " + req.auth.encode("latin-1") + b"\r\n"
+        if req.spans.trace is not None:  # traceparent (and tracestate) for the engine's own tracing
+            head += req.spans.trace.leg(inst.role, inst.base_url, rank)
         return head + b"\r\n"
 
     # ------------------------------------------------------------------ checks before the prefill
@@ -485,7 +603,7 @@ class Relay:
         """The client's first event(s) when this pair and request forward the prefill's token, else None."""
         if not self.settings.first_token_forwarding or not forwardable(req.body, d.inst.features, prefill_kv):
             return None
-        return first_token_events(answer, chat=req.path.endswith("/chat/completions"))
+        return first_token_events(answer, chat=req.path.endswith("/chat/completions"), prefill_kv=prefill_kv)
 
     async def _decode_after_first_token(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
                                         transfer_id: str, prompt_tokens: int | None) -> ResponseStream:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from atom_kv.proxy.static import StaticEngine
 
@@ -38,6 +39,9 @@ class ProxySettings:
     # send the decode leg together with the prefill leg where both engines announce the rendezvous
     # (kv_features); the decode learns the block ids from the prefill's handshake port. Off: the legs in turn
     concurrent_dispatch: bool = False
+    # ... only while the chosen prefill rank has at most this many prompt tokens of this proxy's requests
+    # ahead of the new one: past it the prefill queues, overlapping saves nothing worth holding decode blocks for
+    concurrent_max_queued_tokens: int = 2048
     registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
     allow_open_registration: bool = False  # unsigned pings on a non-loopback discovery address (operator's choice)
     admin_token: str | None = None  # bearer token for /instances and /metrics (None: open)
@@ -70,6 +74,10 @@ class ProxySettings:
     shutdown_timeout: float = 5.0
     backlog: int = 4096
     log_summary_interval_s: float = 10.0  # rate-limited warnings: one summary per interval
+    # OpenTelemetry: each relayed request becomes one trace, exported over OTLP/HTTP (protobuf) to this
+    # URL (vLLM's --otlp-traces-endpoint; e.g. http://collector:4318/v1/traces). None: off, nothing imported
+    otlp_traces_endpoint: str | None = None
+    otlp_timeout_s: float = 10.0  # one export request (the exporter's own retries included)
 
     def __post_init__(self) -> None:
         for name in ("policy", "prefill_policy", "decode_policy"):
@@ -80,12 +88,13 @@ class ProxySettings:
             "heartbeat_timeout", "connect_timeout", "prefill_timeout", "decode_timeout", "models_timeout",
             "tokenize_timeout", "circuit_cooldown_s", "discovery_poll_s", "shutdown_timeout", "probe_interval_s",
             "probe_timeout", "header_timeout", "body_timeout", "stall_timeout", "registration_window_s",
-            "log_summary_interval_s", "balance_rel_threshold",
+            "log_summary_interval_s", "balance_rel_threshold", "otlp_timeout_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
-        for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max"):
+        for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max",
+                     "concurrent_max_queued_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
@@ -96,6 +105,10 @@ class ProxySettings:
             raise ValueError(f"cache_threshold: must be between 0 and 1, got {self.cache_threshold!r}")
         if self.retry_backoff_s < 0:
             raise ValueError(f"retry_backoff_s: must be >= 0, got {self.retry_backoff_s!r}")
+        if self.otlp_traces_endpoint is not None:
+            problem = endpoint_problem(self.otlp_traces_endpoint)
+            if problem:
+                raise ValueError(f"otlp_traces_endpoint: {problem}, got {self.otlp_traces_endpoint!r}")
         for engine in (*self.static_prefill, *self.static_decode):
             if engine.tp_size is not None and engine.tp_size > self.max_tp_size:
                 raise ValueError(f"{engine.url}: tp={engine.tp_size} exceeds max_tp_size {self.max_tp_size}")
@@ -124,6 +137,19 @@ class ProxySettings:
         """The policy name of the prefill ("P") or decode ("D") pool."""
         chosen = self.prefill_policy if role == "P" else self.decode_policy
         return chosen if chosen is not None else self.policy
+
+
+def endpoint_problem(url: str) -> str | None:
+    """What is wrong with an OTLP/HTTP endpoint URL (None: nothing)."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        return f"not a URL ({exc})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return ("must be an http:// or https:// URL of an OTLP/HTTP traces endpoint, "
+                "e.g. http://collector:4318/v1/traces")
+    return None
 
 
 def is_loopback(host: str) -> bool:

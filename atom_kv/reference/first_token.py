@@ -21,9 +21,10 @@ from __future__ import annotations
 from typing import Optional
 
 from atom_kv.reference.request import Request
+from atom_kv.reference.tokenizer import IncrementalDetokenizer
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN
 
-__all__ = ["FEATURE", "prefilled_token", "first_token_sent"]
+__all__ = ["FEATURE", "prefilled_token", "first_token_sent", "with_first_token_text"]
 
 #: what a decode engine announces (``/health`` ``kv_features``) when it continues from the prefill's token
 FEATURE = KV_FEATURE_FIRST_TOKEN
@@ -42,6 +43,16 @@ def prefilled_token(req: Request, vocab_size: int) -> Optional[int]:
     if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
         return None
     return token
+
+
+def with_first_token_text(params: Optional[dict]) -> Optional[dict]:
+    """A prefill's answer params plus ``first_token_text``: what a stream shows for its first token
+    alone (a byte of a longer UTF-8 character shows nothing yet), which is exactly the text a
+    decode engine told ``first_token_sent`` leaves out, so a proxy may forward it as it is."""
+    ids = params.get("first_token_ids") if isinstance(params, dict) else None
+    if not isinstance(ids, list) or len(ids) != 1 or not isinstance(ids[0], int):
+        return params
+    return {**params, "first_token_text": IncrementalDetokenizer().push(ids[0])}
 
 
 def first_token_sent(params: object) -> bool:

@@ -20,7 +20,7 @@ from aiohttp import web
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER, error_body
 from atom_kv.reference.dp import DataParallelEngine
 from atom_kv.reference.first_token import FEATURE as FIRST_TOKEN
-from atom_kv.reference.first_token import first_token_sent
+from atom_kv.reference.first_token import first_token_sent, with_first_token_text
 from atom_kv.reference.metrics import EngineMetrics
 from atom_kv.reference.openai_protocol import (
     GenerateParams,
@@ -265,7 +265,7 @@ class OpenAIServer:
                     rid=rid, model=self.model_id, chat=chat, text=self.tokenizer.decode(token_ids),
                     finish_reason=out.finish_reason, prompt_tokens=len(params.prompt_ids),
                     completion_tokens=out.num_output_tokens, created=now_s(),
-                    kv_transfer_params=out.kv_transfer_params, stop_reason=out.stop_reason)
+                    kv_transfer_params=with_first_token_text(out.kv_transfer_params), stop_reason=out.stop_reason)
                 return _json(body, headers=_timed(headers, req)), True
 
     async def _stream(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", req: Request,

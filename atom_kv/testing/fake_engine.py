@@ -132,6 +132,7 @@ class FakeEngine:
         prompt_tokens_override: int | None = None,
         max_model_len: int = 32768,
         prefix_cache_blocks: int = 0,
+        kv_features: tuple[str, ...] = (),
     ) -> None:
         if role not in ("P", "D"):
             raise ValueError(f"role: must be 'P' or 'D', got {role!r}")
@@ -147,6 +148,7 @@ class FakeEngine:
         self.prompt_tokens_override = prompt_tokens_override
         self.max_model_len = max_model_len
         self.prefix_cache = PrefixCacheModel(prefix_cache_blocks) if prefix_cache_blocks else None
+        self.kv_features = list(kv_features)  # what its /health announces (the proxy picks a mode per pair)
         # failure and behaviour knobs
         self.fail_status: int | None = None
         self.fail_count: int | None = None  # None: every request fails while fail_status is set
@@ -241,6 +243,8 @@ class FakeEngine:
         body = {"status": "ok" if self.health_status == 200 else "error",
                 "role": "prefill" if self.role == "P" else "decode", "engine_id": self.engine_id,
                 "tp_size": self.tp_size}
+        if self.kv_features:
+            body["kv_features"] = self.kv_features
         return web.Response(body=_enc.encode(body), status=self.health_status, content_type="application/json")
 
     async def _models(self, request: web.Request) -> web.Response:

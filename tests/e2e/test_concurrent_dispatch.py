@@ -74,6 +74,25 @@ def test_both_engines_announce_the_rendezvous_and_the_legs_go_out_together(clust
     _both_free_within(cluster, time.monotonic())
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_seeded_sampling_samples_every_position_once_and_equals_colocated(cluster, colocated, stream):
+    """The decode engine continues from the prefill's token (brought by the rendezvous): it samples
+    max_tokens - 1 positions, and the answer equals a colocated engine's."""
+    extra = {"temperature": 2.0, "seed": 77}
+    d = cluster.index_of("D")
+    before = scrape_metrics(cluster.engine_url(d) + "/metrics")["atom_kv_generation_tokens_total"]
+    forwarded = _metric(cluster, "atom_kv_proxy_first_tokens_forwarded_total")
+    res = generate(cluster.proxy_url, PROMPTS[1], chat=True, stream=stream, max_tokens=10, extra=extra)
+    direct = generate(colocated.url, PROMPTS[1], chat=True, stream=stream, max_tokens=10, extra=extra)
+    assert res.error is None and direct.error is None, (res, direct)
+    assert res.text == direct.text and len(res.text) == 10
+    after = scrape_metrics(cluster.engine_url(d) + "/metrics")["atom_kv_generation_tokens_total"]
+    assert after - before == 9
+    # streamed: the first token went out from the prefill's answer, the decode engine left it out
+    assert _metric(cluster, "atom_kv_proxy_first_tokens_forwarded_total") - forwarded == (1 if stream else 0)
+    _both_free_within(cluster, time.monotonic())
+
+
 def test_prefill_fails(cluster):
     """The prefill engine refuses the prompt (too long for it) while the decode engine waits on it."""
     t0 = time.monotonic()
@@ -121,7 +140,9 @@ def test_prefill_slower_than_the_wait(cluster):
 def test_client_leaves_while_the_prefill_computes(cluster):
     p, d = cluster.index_of("P"), cluster.index_of("D")
     conn = http.client.HTTPConnection("127.0.0.1", cluster.proxy_port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "c" * 2000, "max_tokens": 4, "stream": True}),
+    # long enough to see both engines busy, short enough that the prefill's one step (which a release
+    # cannot cut short) ends well within the bound on a loaded machine
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "c" * 1000, "max_tokens": 4, "stream": True}),
                  {"Content-Type": "application/json"})
     wait_until(lambda: _health(cluster, d)["requests"]["waiting_remote_kv"] >= 1
                and sum(_health(cluster, p)["requests"].values()) >= 1, 20, interval=0.01,

@@ -140,6 +140,15 @@ def test_what_needs_torch_says_which_extra_in_one_line(plain_install, args):
     assert len(lines) == 1 and lines[0].startswith("error: ") and EXTRA_HINT in lines[0], proc.stderr
 
 
+def test_proxy_tracing_without_the_otel_extra_says_which_extra_in_one_line(plain_install):
+    proc = _run(plain_install, "-m", "atom_kv.proxy", "--port", "0", "--no-discovery", "--prefill",
+                "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                "--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'atom-kv[otel]'" in lines[0], proc.stderr
+
+
 def test_importing_the_reference_engine_without_torch_names_the_extra(plain_install):
     proc = _run(plain_install, "-c", "import atom_kv.reference")
     assert proc.returncode == 1

@@ -6,7 +6,9 @@ import json
 import pytest
 
 from atom_kv.proxy.errors import ProxyError
-from atom_kv.proxy.first_token import FirstTokenStream, first_token_events, forwardable
+from atom_kv.proxy.first_token import (
+    FirstTokenStream, first_token_events, forwardable, forwardable_request, promised_first_events,
+)
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN
 
 FEATURES = frozenset({KV_FEATURE_FIRST_TOKEN})
@@ -51,6 +53,30 @@ def test_first_events_for_completions_and_chat():
 ])
 def test_no_first_event_from_an_unusable_answer(answer):
     assert first_token_events(answer, chat=False) is None
+
+
+def test_the_prefills_own_first_token_text_wins_over_its_answer():
+    kv = {**KV, "first_token_text": "H"}
+    broken = {**ANSWER, "choices": [{"index": 0, "text": "\ufffd", "finish_reason": "length"}]}
+    (event,) = _events(first_token_events(broken, chat=False, prefill_kv=kv))
+    assert event["choices"][0]["text"] == "H"
+    assert first_token_events(ANSWER, chat=False, prefill_kv={**KV, "first_token_text": ""}) is None
+
+
+def test_a_promised_first_token_always_yields_what_the_decode_leaves_out():
+    """Concurrent dispatch told the decode engine up front to leave the first token out."""
+    assert forwardable_request({"stream": True}, FEATURES) and not forwardable_request({"stream": True}, frozenset())
+    (event,) = _events(promised_first_events(ANSWER, False, {**KV, "first_token_text": "H"}))
+    assert event["choices"][0]["text"] == "H"
+    # a byte of a longer character shows nothing yet: nothing for completions, the role for chat
+    assert promised_first_events(ANSWER, False, {**KV, "first_token_text": ""}) == b""
+    chat = {**ANSWER, "choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
+                                   "finish_reason": "stop"}]}
+    (role,) = _events(promised_first_events(chat, True, {**KV, "first_token_text": ""}))
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    stopped = {**ANSWER, "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}
+    assert promised_first_events(stopped, False, KV) == b""  # the decode engine ends the stream
+    assert promised_first_events({"choices": []}, False, KV) is None
 
 
 class _Sink:

@@ -159,3 +159,12 @@ def test_tokenize_gives_the_tokens_generation_would_run():
         with pytest.raises(RequestError) as info:
             parse_tokenize(body, TOK, served_model="atom-kv-tiny")
         assert (info.value.status, info.value.param) == (status, param)
+
+
+def test_a_prefills_first_token_text_is_what_a_stream_shows_for_it_alone():
+    from atom_kv.reference.first_token import with_first_token_text
+
+    assert with_first_token_text({"first_token_ids": [72], "transfer_id": "t"})["first_token_text"] == "H"
+    assert with_first_token_text({"first_token_ids": [0xE2]})["first_token_text"] == ""  # a 3-byte character's first
+    assert with_first_token_text({"transfer_id": "t"}) == {"transfer_id": "t"}
+    assert with_first_token_text(None) is None
