@@ -53,6 +53,9 @@ DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 #: dispatch mode -> the flags of the proxy that runs it
 MODES = {"sequential": ["--no-concurrent-dispatch"], "concurrent": ["--concurrent-dispatch"]}
 
+#: issue target: at concurrency 1, P/D TTFT (p50) at most this many times the plain server's
+TARGET_RATIO = 2.0
+
 #: vLLM's per-request histograms: what the bench calls them
 ENGINE_HISTOGRAMS = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
                      "first_step": "vllm:request_prefill_time_seconds"}
@@ -172,6 +175,9 @@ def format_result(r: dict[str, Any]) -> list[str]:
              f"x{_ratio(pd['p50'], plain['p50']):.2f}",
              f"  TTFT min    P/D {pd['min']:8.1f} ms   plain {plain['min']:8.1f} ms   "
              f"x{_ratio(pd['min'], plain['min']):.2f}",
+             *([f"  target: P/D TTFT p50 <= {TARGET_RATIO:g}x plain at concurrency 1: "
+                f"{'met' if _ratio(pd['p50'], plain['p50']) <= TARGET_RATIO else 'missed'}"]
+               if r["concurrency"] == 1 else []),
              "  proxy spans (mean ms): " + (", ".join(f"{k} {v:.1f}" for k, v in r["spans_ms"].items()) or "none")]
     lines.append("  vLLM engines (mean ms)  " + "".join(f"{k:>11}" for k in ENGINE_HISTOGRAMS))
     for name, values in r["engines_ms"].items():

@@ -94,6 +94,19 @@ def test_the_table_shows_both_ttfts_their_ratio_the_spans_and_each_engine():
     assert "TTFT mean   P/D     40.0 ms   plain     16.0 ms   x2.50" in text
     assert "TTFT p50    P/D     36.0 ms   plain     18.0 ms   x2.00" in text
     assert "TTFT min    P/D     30.0 ms   plain     12.0 ms   x2.50" in text
+    assert "target: P/D TTFT p50 <= 2x plain at concurrency 1: met" in text  # p50 x2.00
     assert "proxy_admission 0.3, prefill_response 19.0" in text
     decode = next(line for line in lines if line.strip().startswith("decode"))
     assert decode.split() == ["decode", "12.0", "-", "-"]
+
+
+def test_the_target_line_is_for_concurrency_1_only_and_says_when_it_is_missed():
+    def table(concurrency: int, pd_p50: float) -> str:
+        stats = {"mean": pd_p50, "p50": pd_p50, "min": pd_p50, "max": pd_p50}
+        plain = {"mean": 10.0, "p50": 10.0, "min": 10.0, "max": 10.0}
+        return "\n".join(format_result({"mode": "sequential", "concurrency": concurrency, "requests": 4,
+                                        "pd_ttft_ms": stats, "plain_ttft_ms": plain, "spans_ms": {},
+                                        "engines_ms": {}}))
+
+    assert "target: P/D TTFT p50 <= 2x plain at concurrency 1: missed" in table(1, 25.0)
+    assert "target" not in table(4, 25.0)
