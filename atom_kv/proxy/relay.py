@@ -413,6 +413,13 @@ class Relay:
             self._abandon_prefill(transfer_id, p, _abandon_reason("decode", exc), prefill_kv)
             d.credit()
             raise
+        return await self._forwarded_decode_stream(resp, req, p, d, prefill_kv, transfer_id, prompt_tokens)
+
+    async def _forwarded_decode_stream(self, resp: UpstreamResponse, req: _Request, p: Pick, d: Pick,
+                                       prefill_kv: dict[str, Any], transfer_id: str,
+                                       prompt_tokens: int | None) -> ResponseStream:
+        """The decode answer of a request whose first token is out, as the stream that follows it
+        (the decode pick's credit goes with the stream, or back here if there is none)."""
         try:
             result = await self._respond(resp, req, d, prompt_tokens, lambda: self._abandon_prefill(
                 transfer_id, p, "client_stalled", prefill_kv))
@@ -635,16 +642,7 @@ class Relay:
                 self._abandon_prefill(transfer_id, p, _abandon_reason("decode", exc), prefill_kv)
                 d.credit()
                 raise
-        try:
-            result = await self._respond(resp, req, d, prompt_tokens, lambda: self._abandon_prefill(
-                transfer_id, p, "client_stalled", prefill_kv))
-        except BaseException:
-            d.credit()
-            raise
-        if result.stream is None:
-            d.credit()
-            raise ProxyError(502, f"decode instance {d.inst.base_url} answered a streamed request without a stream")
-        return result.stream
+        return await self._forwarded_decode_stream(resp, req, p, d, prefill_kv, transfer_id, prompt_tokens)
 
     async def _open_decode(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
                            transfer_id: str, first_token_sent: bool = False, pending: bool = False) -> UpstreamResponse:
