@@ -45,6 +45,7 @@ from atom_kv.connector.handshake_auth import (
     ChallengeTable,
     ack_mac,
     answer_mac,
+    challenge_binding,
     client_proof,
     client_proof_of_digest,
     peer_proof,
@@ -52,6 +53,7 @@ from atom_kv.connector.handshake_auth import (
     request_digest,
     server_proof,
 )
+from atom_kv.connector.handshake_limits import RECEIVE_HWM, ConnectionGuard, PortLimits, largest_message_bytes
 from atom_kv.connector.stats import TransferStats
 from atom_kv.wire import (
     HANDSHAKE_PROTOCOL_VERSION,
@@ -88,9 +90,9 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Largest frame the handshake port accepts; bigger ones drop the connection.
+#: Largest frame a consumer accepts from a handshake port (a handshake reply names every region).
 MAX_MESSAGE_BYTES = 1 << 20
-#: Challenges a producer rank remembers at once (a new one is refused past it; none is dropped early).
+#: Challenges a producer rank remembers at once (see :class:`~atom_kv._fairshare.FairShares`).
 MAX_CHALLENGES = 4096
 #: Challenges pending at once for one peer address (a decode engine has one per rank and handshake in flight).
 MAX_CHALLENGES_PER_SOURCE = 64
@@ -133,6 +135,14 @@ def _peer_address(frame: zmq.Frame) -> str:
         return frame.get("Peer-Address") or ""
     except (zmq.ZMQError, AttributeError, TypeError, UnicodeDecodeError):
         return ""
+
+
+def _source_fd(frame: zmq.Frame) -> Optional[int]:
+    """The descriptor of the connection a message came on (ZeroMQ's ``ZMQ_SRCFD``), or None."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
 
 
 def _decode(data: bytes, type_: Any) -> Any:
@@ -183,12 +193,13 @@ class HandshakeServer:
         stats: TransferStats,
         on_issued: Optional[Callable[[Issued], None]] = None,
         on_tick: Optional[Callable[[], None]] = None,
-        on_blocks: Optional[Callable[[BlocksQuery, Callable[[BlocksAnswer], None]], None]] = None,
+        on_blocks: Optional[Callable[[BlocksQuery, Callable[[BlocksAnswer], None], str], None]] = None,
         name: str,
         challenge_ttl_s: float = 10.0,
         auth_window_s: float = 30.0,
         replay_entries: int = 65536,
         log_interval_s: float = 10.0,
+        limits: Optional[PortLimits] = None,
     ) -> None:
         self._token = auth_token
         self._identity = identity
@@ -200,7 +211,9 @@ class HandshakeServer:
         self._on_blocks = on_blocks
         self._stats = stats
         self._stop = threading.Event()
-        self._challenges = ChallengeTable(MAX_CHALLENGES, challenge_ttl_s, MAX_CHALLENGES_PER_SOURCE)
+        limits = limits if limits is not None else PortLimits()
+        self._challenges = ChallengeTable(MAX_CHALLENGES, challenge_ttl_s, limits.challenges_per_source,
+                                          reserved=limits.challenges_reserved, on_evict=self._evicted)
         self._replay = ReplayWindow(auth_window_s, replay_entries)
         self.port = port
         self.warnings = RateLimitedLog(logger, f"refused messages on handshake port {port}",
@@ -211,8 +224,12 @@ class HandshakeServer:
         os.set_blocking(self._wake_w, False)
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, largest_message_bytes())
+        self._sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, int(limits.zmq_handshake_s * 1000))
         self._sock.setsockopt(zmq.SNDHWM, 1024)
+        self.guard = ConnectionGuard(self._sock, max_connections=limits.max_connections,
+                                     per_source=limits.connections_per_source, on_refuse=self._refuse_quietly)
         try:
             endpoint, ipv6 = tcp_endpoint(bind_host, port)
             if ipv6:
@@ -224,6 +241,8 @@ class HandshakeServer:
                 f"cannot listen for handshakes on {bind_host}:{port} "
                 f"(handshake_port + pp_rank*dp_size*tp_size + dp_rank*tp_size + tp_rank): {exc}"
             ) from None
+        self._fd: Optional[int] = None  # the connection and address of the message being handled
+        self._source = ""
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -232,9 +251,12 @@ class HandshakeServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.guard.monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(_POLL_MS))
+                if self.guard.monitor in events:
+                    self.guard.poll_events()
                 if self._wake_r in events:
                     self._drain_wake()
                 self._send_outbox()
@@ -242,6 +264,7 @@ class HandshakeServer:
                     self._receive_batch()
                 self._housekeeping()
         finally:
+            self.guard.close()
             self._sock.close(0)
 
     def _receive_batch(self) -> None:
@@ -255,17 +278,16 @@ class HandshakeServer:
                     logger.warning("handshake server: receive failed: %s", exc)
                 return
             try:
-                self._handle([part.bytes for part in parts], _peer_address(parts[-1]))
+                self._handle([part.bytes for part in parts], _peer_address(parts[-1]), _source_fd(parts[-1]))
             except Exception as exc:  # a bug in a handler must not kill the server, nor let a peer flood the log
                 self._refuse("internal", f"failed to handle a message: {type(exc).__name__}: {exc}")
                 logger.debug("handshake server: failed to handle a message", exc_info=True)
 
     def _housekeeping(self) -> None:
         for ch in self._challenges.expire():
-            req = ch.request
-            self._refuse("unanswered", f"handshake from engine {req.engine_id} rank {req.tp_rank} "
-                                       f"({req.host or 'unknown host'}) never answered the challenge: the "
-                                       "decode engine could not verify this engine's proof (different auth_token?)")
+            self._refuse("unanswered", f"a handshake from {ch.source or 'an unknown address'} never answered the "
+                                       "challenge: the decode engine could not verify this engine's proof "
+                                       "(different auth_token?), or it was not a decode engine")
         self.warnings.flush()
         if self._on_tick is not None:
             try:
@@ -306,7 +328,7 @@ class HandshakeServer:
             pass  # the pipe is full (a wake-up is pending anyway) or closed
 
     # -- messages ------------------------------------------------------------
-    def _handle(self, frames: list[bytes], source: str = "") -> None:
+    def _handle(self, frames: list[bytes], source: str = "", fd: Optional[int] = None) -> None:
         identity, payloads = frames[0], frames[1:]
         if len(payloads) == 2 and payloads[0] == b"":
             payloads = payloads[1:]  # REQ-style envelope
@@ -323,6 +345,7 @@ class HandshakeServer:
         except WireError as exc:
             self._refuse("decode", str(exc))
             return
+        self._fd, self._source = fd, source
         if isinstance(msg, HandshakeRequest):
             self._on_request(identity, data, msg, source)
         elif isinstance(msg, HandshakeProof):
@@ -334,7 +357,7 @@ class HandshakeServer:
         elif isinstance(msg, DoneReading):
             self._on_done_reading(identity, msg)
         elif isinstance(msg, BlocksQuery):
-            self._on_blocks_query(identity, msg)
+            self._on_blocks_query(identity, msg, source)
         elif isinstance(msg, Issued):
             what = f"issue of transfer {msg.transfer_id}"
             if self._on_issued is not None and self._checked(PURPOSE_ISSUED, msg, what):
@@ -355,14 +378,14 @@ class HandshakeServer:
             return
         p_nonce = new_nonce()
         engine_id, rank = self._identity()
-        full = self._challenges.add(p_nonce, Challenge(identity, req.nonce, request_digest(data), wire.encode(req),
+        full = self._challenges.add(p_nonce, Challenge(challenge_binding(identity, data), hash(identity),
                                                        self._challenges.new_deadline(), source))
         if full is not None:
-            limit = (f"{MAX_CHALLENGES} handshakes in flight" if full == "full" else
-                     f"{MAX_CHALLENGES_PER_SOURCE} handshakes in flight from {source or 'one address'}")
-            self._refuse("challenges_" + full, f"handshake from {who} refused: more than {limit}")
+            self._refuse("challenges_full", f"handshake from {who} refused: {MAX_CHALLENGES} handshakes in flight, "
+                                            f"none from an address holding more than {source or 'this one'}")
             self._send(identity, wire.encode(HandshakeReply(
-                ok=False, error="handshake rejected: too many handshakes in flight; retry the handshake")))
+                ok=False, error=f"handshake rejected: {MAX_CHALLENGES} handshakes in flight from addresses that have "
+                                "not proven the auth_token; retry the handshake")))
             return
         challenge = HandshakeChallenge(engine_id=engine_id, tp_rank=rank, nonce=p_nonce,
                                        proof=server_proof(self._token, req.nonce, p_nonce, engine_id, rank))
@@ -375,20 +398,23 @@ class HandshakeServer:
                 ok=False, error="handshake rejected: this prefill engine has no auth_token")))
             return
         ch = self._challenges.take(msg.nonce)
-        if ch is None or ch.identity != identity:
-            self._refuse("challenge", "handshake proof for an unknown or expired challenge")
+        if ch is None or ch.binding != challenge_binding(identity, msg.request):
+            why = ("it carries no request (the decode engine runs an older atom-kv: run the same release on both)"
+                   if ch is not None and not msg.request else "an unknown or expired challenge")
+            self._refuse("challenge", f"handshake proof from {self._source or 'an unknown address'}: {why}")
             self._send(identity, wire.encode(HandshakeReply(
-                ok=False, error="handshake rejected: unknown or expired challenge; retry the handshake")))
+                ok=False, error=f"handshake rejected: {why}; retry the handshake")))
             return
-        expected = client_proof_of_digest(self._token, ch.c_nonce, msg.nonce, ch.request_digest)
-        request = ch.request
+        request = _decode(msg.request, HandshakeRequest)  # decoded when it was received: it still decodes
+        expected = client_proof_of_digest(self._token, request.nonce, msg.nonce, request_digest(msg.request))
         if not same_mac(expected, msg.proof):
             self._refuse("auth", f"handshake from engine {request.engine_id} rank {request.tp_rank} "
                                  f"({request.host or 'unknown host'}): wrong auth_token")
             self._send(identity, wire.encode(HandshakeReply(ok=False, error="handshake rejected: wrong auth_token")))
             return
+        self._proved()
         reply = wire.encode(self._responder(request))
-        sealed = SealedHandshakeReply(reply=reply, mac=reply_mac(self._token, ch.c_nonce, msg.nonce, reply))
+        sealed = SealedHandshakeReply(reply=reply, mac=reply_mac(self._token, request.nonce, msg.nonce, reply))
         self._send(identity, wire.encode(sealed))
 
     def _on_done_reading(self, identity: bytes, msg: DoneReading) -> None:
@@ -410,7 +436,7 @@ class HandshakeServer:
 
         self._on_done(msg, respond)
 
-    def _on_blocks_query(self, identity: bytes, msg: BlocksQuery) -> None:
+    def _on_blocks_query(self, identity: bytes, msg: BlocksQuery, source: str = "") -> None:
         if not 0 <= msg.tp_rank < msg.tp_size <= 4096:
             self._refuse("rank", f"blocks query for transfer {msg.transfer_id}: rank {msg.tp_rank} of {msg.tp_size}")
             return
@@ -428,7 +454,7 @@ class HandshakeServer:
             respond(BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self._identity()[1], found=False,
                                  reason="this engine is not a kv_producer"))
             return
-        self._on_blocks(msg, respond)
+        self._on_blocks(msg, respond, source)
 
     def _on_release_msg(self, msg: Release) -> None:
         if not self._checked(PURPOSE_RELEASE, msg, f"release of transfer {msg.transfer_id} "
@@ -445,7 +471,22 @@ class HandshakeServer:
         except AuthError as exc:
             self._refuse(exc.reason, f"{what}: {exc}")
             return False
+        self._proved()
         return True
+
+    def _proved(self) -> None:
+        """The message being handled proved the token: its connection and its address are a peer's."""
+        self.guard.proven(self._fd)
+        self._challenges.proven.proved(self._source)
+
+    def _evicted(self, challenge: Challenge, why: str) -> None:
+        where = challenge.source or "an unknown address"
+        self._refuse("challenges_" + why, f"forgot the oldest pending challenge of {where}: " + (
+            f"it holds {self._challenges.per_source} (handshakes_max_challenges_per_source), a newer one came"
+            if why == "source" else f"{MAX_CHALLENGES} are pending and {where} holds the most"))
+
+    def _refuse_quietly(self, reason: str, why: str) -> None:
+        self.warnings.event(reason, f"handshake port {self.port}: {why}")
 
     def _refuse(self, reason: str, why: str) -> None:
         self._stats.add(bad_messages=1)
@@ -462,6 +503,7 @@ class HandshakeServer:
                 os.close(fd)
             except OSError:
                 pass
+        self.guard.close()
         self._sock.close(0)
 
     def close(self) -> None:
@@ -558,7 +600,8 @@ def _proven_handshake(ex: _Exchange, token: str, request: HandshakeRequest, sent
     if not same_mac(expected, first.proof):
         raise HandshakeRejected(f"{ex.where} did not prove it knows the auth token (a different auth_token, or "
                                 "not a prefill engine of this cluster); nothing was sent to it")
-    ex.send(HandshakeProof(nonce=first.nonce, proof=client_proof(token, request.nonce, first.nonce, sent)))
+    ex.send(HandshakeProof(nonce=first.nonce, proof=client_proof(token, request.nonce, first.nonce, sent),
+                           request=sent))
     second = ex.receive()
     if isinstance(second, HandshakeReply):
         if not second.ok:
