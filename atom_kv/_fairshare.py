@@ -154,7 +154,7 @@ class FairShares:
 
     def _displace(self, source: str, pool: _Pool, reserved: bool) -> Optional[Admission]:
         victim, n = pool.largest()
-        if victim and n >= self.held(source) + 2:
+        if victim and n > self.held(source):
             return Admission(True, evict=victim, reserved=reserved)
         return None
 

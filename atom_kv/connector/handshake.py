@@ -378,8 +378,7 @@ class HandshakeServer:
             return
         p_nonce = new_nonce()
         engine_id, rank = self._identity()
-        full = self._challenges.add(p_nonce, Challenge(challenge_binding(identity, data), hash(identity),
-                                                       self._challenges.new_deadline(), source))
+        full = self._challenges.add(p_nonce, Challenge.of(identity, data, source, self._challenges.new_deadline()))
         if full is not None:
             self._refuse("challenges_full", f"handshake from {who} refused: {MAX_CHALLENGES} handshakes in flight, "
                                             f"none from an address holding more than {source or 'this one'}")

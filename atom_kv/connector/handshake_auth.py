@@ -132,6 +132,11 @@ class Challenge:
     older: Optional["Challenge"] = None  # the same source's next older pending challenge
     nonce: str = ""         # the producer's nonce naming it (the table's key)
 
+    @classmethod
+    def of(cls, identity: bytes, request: bytes, source: str, deadline: float) -> "Challenge":
+        """The challenge for ``request`` (as received) on connection ``identity`` from ``source``."""
+        return cls(challenge_binding(identity, request), hash(identity), deadline, source)
+
 
 class ChallengeTable:
     """Owns a producer rank's outstanding challenges: bounded by

@@ -163,7 +163,7 @@ class ConnectionGuard:
                                                      "that have not proven the token (a newer one came)")
         if len(self._conns) >= self.max_connections:
             largest = max(self._unproven.items(), key=lambda kv: len(kv[1]), default=("", {}))
-            if largest[1] and len(largest[1]) >= len(mine) + 2:
+            if largest[1] and len(largest[1]) > len(mine):
                 self._shut(next(iter(largest[1])), "connections_full",
                            f"closed the oldest unproven connection from {largest[0]} (it holds the most of "
                            f"{self.max_connections} connections)")

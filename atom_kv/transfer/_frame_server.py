@@ -288,7 +288,7 @@ class FrameServer:
         with self._lock:
             held = len(self._waiting.get(source, {}))
             largest = max(self._waiting, key=lambda s: len(self._waiting[s]), default=None)
-            if largest is None or len(self._waiting[largest]) < held + 2:
+            if largest is None or len(self._waiting[largest]) <= held:
                 return False
         return self._evict(largest, "busy", f"every connection is taken and {largest} holds the most "
                                             "waiting for their hello")

@@ -425,9 +425,9 @@ def test_outstanding_challenges_are_bounded_and_expire():
     added = [table.add(f"n{i}", challenge(i, "10.0.0.1" if i < 3 else "10.0.0.2")) for i in range(3)]
     assert added == [None, None, None] and sorted(table._items) == ["n1", "n2"]
     assert table.add("n3", challenge(3, "10.0.0.2")) is None
-    # full: a newcomer takes the oldest of the address holding the most (10.0.0.1: 2, 2 more than it holds)
+    # full: a newcomer takes the oldest of the address holding the most (10.0.0.1: 2, more than it holds)
     assert table.add("n4", challenge(4, "10.0.0.3")) is None and sorted(table._items) == ["n2", "n3", "n4"]
-    assert table.add("n5", challenge(5, "10.0.0.4")) == "full"  # everyone holds one: refused, nothing evicted
+    assert table.add("n5", challenge(5, "10.0.0.3")) == "full"  # it holds as many as anyone: refused
     assert len(table) == 3
     assert table.take("n2", now=100.5) is not None and table.take("n2", now=100.5) is None  # answered once
     assert table.add("n6", challenge(6, "10.0.0.1")) is None  # room again
