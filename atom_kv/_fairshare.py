@@ -147,16 +147,23 @@ class FairShares:
             if len(self) < self.capacity:
                 return Admission(True, reserved=True)
             return self._displace(source, self._open, True) or self._displace(source, self._kept, True) or \
-                Admission(False, reason="full")
+                self._own(source, True)
         if self._open.total < self.capacity - self.reserved and len(self) < self.capacity:
             return Admission(True)
-        return self._displace(source, self._open, False) or Admission(False, reason="full")
+        return self._displace(source, self._open, False) or self._own(source, False)
 
     def _displace(self, source: str, pool: _Pool, reserved: bool) -> Optional[Admission]:
+        """Room from the source holding the most in ``pool``, when it holds more than ``source``."""
         victim, n = pool.largest()
         if victim and n > self.held(source):
             return Admission(True, evict=victim, reserved=reserved)
         return None
+
+    def _own(self, source: str, reserved: bool) -> Admission:
+        """Room from ``source``'s own oldest entry (it holds as many as anyone), or a refusal when it holds none."""
+        if self.held(source):
+            return Admission(True, evict=source, reserved=reserved)
+        return Admission(False, reason="full")
 
     def add(self, source: str, reserved: bool) -> None:
         (self._kept if reserved else self._open).add(source)

@@ -272,7 +272,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     handshake_max_unproven_connections_per_source: PositiveInt = 64
     handshake_max_challenges_per_source: PositiveInt = 64
     handshake_reserved_challenges: NonNegativeInt = 1024
-    tcp_reserved_connections: NonNegativeInt = 64
+    tcp_reserved_connections: Optional[NonNegativeInt] = None  # None: tcp_max_connections // 8
     rendezvous_max_waiting_per_source: PositiveInt = 256
     moriio_backend: MoriIOTransport = "rdma"
     poll_cq_mode: PollCqMode = "polling"
@@ -304,7 +304,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         if self.handshake_reserved_challenges >= _MAX_CHALLENGES:
             raise ConfigError(f"`handshake_reserved_challenges` must be below {_MAX_CHALLENGES} (the challenges a "
                               f"producer rank keeps in all), got {self.handshake_reserved_challenges}")
-        if self.tcp_reserved_connections >= self.tcp_max_connections:
+        if self.tcp_reserved_connections is not None and self.tcp_reserved_connections >= self.tcp_max_connections:
             raise ConfigError(f"`tcp_reserved_connections` must be below `tcp_max_connections` "
                               f"({self.tcp_max_connections}), got {self.tcp_reserved_connections}")
 

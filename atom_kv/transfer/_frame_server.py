@@ -88,7 +88,7 @@ class Conn:
     and ``nonce`` belong to the protocol."""
 
     __slots__ = ("cid", "sock", "peer", "authenticated", "nonce", "data", "_header", "_hgot", "_buf", "_bgot",
-                 "deadline", "_busy", "source", "_unproven", "_reserved")
+                 "deadline", "_busy", "source", "_unproven", "_reserved", "_hello")
 
     def __init__(self, cid: int, sock: socket.socket, peer: str, source: str = "") -> None:
         self.cid = cid
@@ -97,6 +97,7 @@ class Conn:
         self.source = source  # the peer's address
         self._unproven = False  # counted among its source's connections waiting for their hello
         self._reserved = False  # ... in the reserve of addresses that authenticated before
+        self._hello = False  # a handler judges its hello
         self.authenticated = False
         self.nonce = ""
         #: protocol-specific per-connection state
@@ -251,7 +252,7 @@ class FrameServer:
         if verdict.ok and verdict.evict is not None:
             same = verdict.evict == source
             if not self._evict(verdict.evict, "busy_source" if same else "busy",
-                               f"a newer connection came from {source} ({source_key})" if same else
+                               f"a newer connection came from {source}, which holds the most or {source_key}" if same else
                                f"{source} needs a share and {verdict.evict} holds the most"):
                 verdict.ok = False
         if not verdict.ok:
@@ -343,6 +344,10 @@ class FrameServer:
         self._sel.unregister(conn.sock)
         conn._busy = True
         conn.deadline = float("inf")
+        if conn._unproven:  # its hello came: a handler judges it now, it no longer holds a share
+            conn._hello = True
+            with self._lock:
+                self._proven(conn)
         self._work.put((conn, payload))
 
     def _drain_wake(self) -> None:
@@ -358,9 +363,13 @@ class FrameServer:
         now = time.monotonic()
         for conn, keep in returned:
             conn._busy = False
-            if conn.authenticated and conn._unproven:
-                with self._lock:
-                    self._proven(conn)
+            if conn._hello:
+                conn._hello = False
+                if conn.authenticated:
+                    self._shares.proven.proved(conn.source)  # its address is a reader's: the reserve is open to it
+                elif keep:
+                    with self._lock:
+                        self._wait(conn, False)  # the protocol waits for another hello frame
             if not keep or self._stop.is_set():
                 self._close(conn)
                 continue
@@ -413,7 +422,8 @@ class FrameServer:
         self._close(conn)
 
     def _proven(self, conn: Conn) -> None:
-        """``conn`` no longer counts toward its source's connections waiting for a hello (lock held)."""
+        """``conn`` no longer counts toward its source's connections waiting for a hello (lock held): its
+        hello came, or it closed."""
         if conn._unproven:
             conn._unproven = False
             mine = self._waiting.get(conn.source)
@@ -422,8 +432,6 @@ class FrameServer:
                 if not mine:
                     del self._waiting[conn.source]
             self._shares.remove(conn.source, conn._reserved)
-            if conn.authenticated:
-                self._shares.proven.proved(conn.source)
 
     def _close(self, conn: Conn) -> None:
         with self._lock:

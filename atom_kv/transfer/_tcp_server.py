@@ -72,7 +72,8 @@ class TcpServerSettings:
             send_timeout_s=cfg.transfer_timeout_s,
             hello_timeout_s=cfg.tcp_hello_timeout_s,
             max_unauthenticated_per_source=cfg.tcp_max_unauthenticated_per_source,
-            reserved_connections=cfg.tcp_reserved_connections,
+            reserved_connections=(cfg.tcp_max_connections // 8 if cfg.tcp_reserved_connections is None
+                                  else cfg.tcp_reserved_connections),
         )
 
 

@@ -427,10 +427,11 @@ def test_outstanding_challenges_are_bounded_and_expire():
     assert table.add("n3", challenge(3, "10.0.0.2")) is None
     # full: a newcomer takes the oldest of the address holding the most (10.0.0.1: 2, more than it holds)
     assert table.add("n4", challenge(4, "10.0.0.3")) is None and sorted(table._items) == ["n2", "n3", "n4"]
-    assert table.add("n5", challenge(5, "10.0.0.3")) == "full"  # it holds as many as anyone: refused
+    # it holds as many as anyone: its own oldest goes
+    assert table.add("n5", challenge(5, "10.0.0.3")) is None and sorted(table._items) == ["n2", "n3", "n5"]
     assert len(table) == 3
     assert table.take("n2", now=100.5) is not None and table.take("n2", now=100.5) is None  # answered once
     assert table.add("n6", challenge(6, "10.0.0.1")) is None  # room again
     assert table.take("n3", now=105.0) is None  # answered too late
-    assert [c.deadline for c in table.expire(now=105.0)] == [pytest.approx(101.4), pytest.approx(101.6)]
+    assert [c.deadline for c in table.expire(now=105.0)] == [pytest.approx(101.5), pytest.approx(101.6)]
     assert len(table) == 0 and not table._newest and len(table.shares) == 0
