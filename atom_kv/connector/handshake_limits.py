@@ -111,16 +111,18 @@ class ConnectionGuard:
         self._on_refuse = on_refuse
         self._conns: dict[int, _Conn] = {}  # fd -> connection
         self._unproven: dict[str, dict[int, None]] = {}  # source -> its unproven connections' fds, oldest first
+        self._closing: set[int] = set()  # shut down, until ZeroMQ reports them disconnected
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
 
     def __len__(self) -> int:
-        return len(self._conns)
+        return len(self._conns) - len(self._closing)
 
     def sources(self) -> dict[str, int]:
         """Open connections by peer address (tests, metrics)."""
         out: dict[str, int] = {}
-        for conn in self._conns.values():
-            out[conn.source] = out.get(conn.source, 0) + 1
+        for fd, conn in self._conns.items():
+            if fd not in self._closing:
+                out[conn.source] = out.get(conn.source, 0) + 1
         return out
 
     def poll_events(self) -> None:
@@ -152,6 +154,7 @@ class ConnectionGuard:
 
     def _accepted(self, fd: int) -> None:
         source = _peer_of(fd)
+        self._closing.discard(fd)
         old = self._conns.pop(fd, None)  # a reused descriptor whose disconnect we missed
         if old is not None and not old.proven:
             self._forget_unproven(old.source, fd)
@@ -161,7 +164,7 @@ class ConnectionGuard:
             victim = next(iter(mine))
             self._shut(victim, "connections_source", f"closed the oldest of {len(mine)} connections from {source} "
                                                      "that have not proven the token (a newer one came)")
-        if len(self._conns) >= self.max_connections:
+        if len(self) > self.max_connections:
             largest = max(self._unproven.items(), key=lambda kv: len(kv[1]), default=("", {}))
             if largest[1] and len(largest[1]) > len(mine):
                 self._shut(next(iter(largest[1])), "connections_full",
@@ -175,6 +178,7 @@ class ConnectionGuard:
         del conn
 
     def _gone(self, fd: int) -> None:
+        self._closing.discard(fd)
         conn = self._conns.pop(fd, None)
         if conn is not None and not conn.proven:
             self._forget_unproven(conn.source, fd)
@@ -191,6 +195,8 @@ class ConnectionGuard:
         conn = self._conns.get(fd)
         if conn is not None and not conn.proven:
             self._forget_unproven(conn.source, fd)
+        if conn is not None:
+            self._closing.add(fd)
         s = _socket_of(fd)
         if s is not None:
             with s:

@@ -163,6 +163,11 @@ class NoticeSender:
 
     def issue(self, spec: ReleaseSpec, block_ids: list[int]) -> None:
         """Queue an :class:`~atom_kv.wire.Issued` notice to every rank of ``spec`` (a producer's own)."""
+        if len(block_ids) > wire.MAX_ISSUED_BLOCKS:  # over the handshake port's message bound: never sent
+            self.warnings.event("issued_blocks", f"transfer {spec.transfer_id}: {len(block_ids)} blocks are more "
+                                f"than an issue notice names ({wire.MAX_ISSUED_BLOCKS}); its ranks learn it from the "
+                                "engine's metadata only")
+            return
         msg = Issued(transfer_id=spec.transfer_id, block_ids=list(block_ids))
         self._put(spec.targets(), (msg, PURPOSE_ISSUED))
 

@@ -192,3 +192,42 @@ def test_invalid_utf8_in_a_string_field_is_counted_as_decode_not_internal():
     finally:
         peer.close()
         pw.close()
+
+
+def test_connections_that_never_prove_the_token_are_capped_per_address():
+    """Raw TCP connections that never speak ZeroMQ, 100 from one address: the port keeps that address's
+    newest 64 (handshake_max_unproven_connections_per_source), and a peer on that address still gets in."""
+    import socket
+
+    import zmq
+
+    port = free_port()
+    P, pw, _ = producer_engine(port, auth_token=TOKEN)
+    guard = pw.handshake_server.guard
+    socks = [socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.9", 0)) for _ in range(100)]
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    try:
+        run_until([P], lambda: pw.handshake_server.refusals().get("connections_source", 0) == 36, timeout_s=10)
+        assert guard.sources() == {"127.0.0.9": 64}
+        peer.connect(f"tcp://127.0.0.9:0;127.0.0.1:{port}")
+        req = _stranger_request(engine_id="D")
+        peer.send(wire.encode(req))
+        assert peer.poll(5000)
+        challenge = wire.decode(peer.recv_multipart()[-1], wire.HandshakeChallenge)
+        peer.send(wire.encode(wire.HandshakeProof(nonce=challenge.nonce, request=wire.encode(req),
+                                                  proof=client_proof(TOKEN, req.nonce, challenge.nonce,
+                                                                     wire.encode(req)))))
+        assert peer.poll(5000)
+        assert isinstance(wire.decode(peer.recv_multipart()[-1], wire.HandshakeReplyMessage),
+                          wire.SealedHandshakeReply)
+    finally:
+        for s in socks:
+            s.close()
+        peer.close(0)
+        ctx.term()
+    try:
+        run_until([P], lambda: len(guard) == 0, timeout_s=10)  # every disconnect was counted
+    finally:
+        pw.close()
