@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from atom_kv._fairshare import FairShares
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handshake_port
+from atom_kv.connector.blocks_waits import Query, WaitingQueries
 from atom_kv.connector.handshake_limits import PortLimits
 from atom_kv.connector.types import ConnectorMetadata
 from atom_kv.connector.worker import ConnectorWorker
@@ -82,16 +82,6 @@ class _Deferred:
     deadline: float
 
 
-@dataclass
-class _Query:
-    """A blocks query (the rendezvous) asked before the rank learnt the transfer."""
-
-    msg: BlocksQuery
-    respond: Callable[[BlocksAnswer], None]
-    deadline: float
-    source: str = ""
-
-
 class ProducerWorker(ConnectorWorker):
     """Owns a prefill rank's handshake server and the done-reading, release
     and confirmation bookkeeping of its transfers."""
@@ -109,13 +99,9 @@ class ProducerWorker(ConnectorWorker):
         self._deferred: BoundedDict[str, list[_Deferred]] = BoundedDict(
             MAX_DEFERRED_TRANSFERS, on_evict=self._deferred_evicted)
         self._evicted: list[_Deferred] = []
-        self._queries: BoundedDict[str, list[_Query]] = BoundedDict(
-            MAX_DEFERRED_TRANSFERS, on_evict=self._queries_evicted)
-        self._evicted_queries: list[_Query] = []
-        # queries waiting in _queries, by peer address (fair shares: strangers cannot push a peer's out)
-        self._waiting = FairShares(MAX_DEFERRED_TRANSFERS, self.config.rendezvous_max_waiting_per_source)
-        self._by_source: dict[str, dict[int, _Query]] = {}
-        self._rendezvous_log = RateLimitedLog(logger, "rendezvous answers without blocks", level=logging.INFO)
+        self._queries = WaitingQueries(self._name, capacity=MAX_DEFERRED_TRANSFERS,
+                                       per_source=self.config.rendezvous_max_waiting_per_source,
+                                       per_transfer=MAX_DEFERRED_PER_TRANSFER)
         self._refusals = RateLimitedLog(logger, "refused confirmations")
         self._defer_s = min(MAX_DEFER_S, self.config.handshake_timeout_s / 2)
         cfg = self.config
@@ -162,7 +148,7 @@ class ProducerWorker(ConnectorWorker):
             answers = self._resolve_deferred_locked()
             found = self._resolve_queries_locked()
         self._answer(answers)
-        self._answer_queries(found)
+        self._queries.answer(found)
         for spec in metadata.loads:  # only a consumer reads; a mis-wired engine hears so at once
             why = "this engine is not a kv_consumer"
             logger.warning("%s: request %s: cannot load remote KV: %s", self._name, spec.request_id, why)
@@ -221,7 +207,7 @@ class ProducerWorker(ConnectorWorker):
             answers = self._resolve_deferred_locked()
             found = self._resolve_queries_locked()
         self._answer(answers)
-        self._answer_queries(found)
+        self._queries.answer(found)
 
     def _on_release(self, msg: Release) -> None:
         tid = msg.transfer_id
@@ -236,11 +222,10 @@ class ProducerWorker(ConnectorWorker):
             self._released[tid] = why
             self._finished_send.append(tid)
             waiting = self._deferred.pop(tid, None) or []
-            queries = self._queries.pop(tid, None) or []
-            self._unwait_locked(queries)
+            queries = self._queries.pop_locked(tid)
         self._wake()
         logger.info("%s: transfer %s %s; freeing its blocks", self._name, tid, why)
-        self._answer_queries([(q, self._not_found(q.msg, f"producer {why}")) for q in queries])
+        self._queries.answer([(q, self._not_found(q.msg, f"producer {why}")) for q in queries])
         self._answer([(d, self._ack(d.msg, False, f"producer {why} before the read was confirmed")) for d in waiting])
 
     # ------------------------------------------------------------------
@@ -300,35 +285,18 @@ class ProducerWorker(ConnectorWorker):
     # ------------------------------------------------------------------
     def _on_blocks_query(self, msg: BlocksQuery, respond: Callable[[BlocksAnswer], None], source: str = "") -> None:
         wait_s = min(msg.wait_ms / 1000.0, self.config.prefill_wait_timeout_s)
-        cap = self.config.rendezvous_max_waiting_per_source
         with self._lock:
             answer = self._blocks_answer_locked(msg)
             if answer is None and wait_s > 0:
-                waiting = self._queries.get(msg.transfer_id)
-                verdict = self._waiting.admit(source)
-                if verdict.evict == source:
-                    answer = self._not_found(msg, f"{cap} queries from {source or 'this address'} already wait "
-                                                  "(rendezvous_max_waiting_per_source)")
-                elif not verdict.ok:
-                    answer = self._not_found(msg, f"{MAX_DEFERRED_TRANSFERS} queries wait, none from an address "
-                                                  f"holding more than {source or 'this one'}")
-                elif waiting is not None and len(waiting) >= MAX_DEFERRED_PER_TRANSFER:
-                    answer = self._not_found(msg, f"too many queries wait for transfer {msg.transfer_id}")
-                else:
-                    if verdict.evict is not None:
-                        self._push_out_locked(verdict.evict)
-                    if waiting is None:
-                        waiting = self._queries[msg.transfer_id] = []  # may evict the oldest transfer's
-                    q = _Query(msg, respond, time.monotonic() + wait_s, source)
-                    waiting.append(q)
-                    self._waiting.add(source, False)
-                    self._by_source.setdefault(source, {})[id(q)] = q
+                why = self._queries.add_locked(msg, respond, source, wait_s)
+                if why is not None:
+                    answer = self._not_found(msg, why)
             elif answer is None:
                 answer = self._unknown(msg)
-            evicted, self._evicted_queries = self._evicted_queries, []
-        self._answer_queries([(q, self._unknown(q.msg)) for q in evicted])
+            pushed_out = self._queries.pushed_out_locked()
+        self._queries.answer([(q, self._unknown(q.msg)) for q in pushed_out])
         if answer is not None:
-            self._answer_queries([(_Query(msg, respond, 0.0), answer)])
+            self._queries.answer([(Query(msg, respond, 0.0, source), answer)])
 
     def _blocks_answer_locked(self, msg: BlocksQuery) -> Optional[BlocksAnswer]:
         """The blocks of the queried transfer, why they are gone, or None while the rank has not learnt it."""
@@ -349,68 +317,17 @@ class ProducerWorker(ConnectorWorker):
         return self._not_found(msg, f"transfer {msg.transfer_id} was not issued by producer {self.engine_id} rank "
                                     f"{self.tp_rank} within the wait (the prefill failed, is slow, or is elsewhere)")
 
-    def _unwait_locked(self, queries: list[_Query]) -> None:
-        """``queries`` no longer wait: their sources may queue more."""
-        for q in queries:
-            mine = self._by_source.get(q.source)
-            if mine is not None and mine.pop(id(q), None) is not None:
-                self._waiting.remove(q.source, False)
-                if not mine:
-                    del self._by_source[q.source]
-
-    def _push_out_locked(self, source: str) -> None:
-        """Answer ``source``'s oldest waiting query now (the address holding the most, when all wait)."""
-        q = next(iter(self._by_source.get(source, {}).values()), None)
-        if q is None:
-            return
-        self._unwait_locked([q])
-        waiting = self._queries.get(q.msg.transfer_id)
-        if waiting is not None:
-            waiting[:] = [w for w in waiting if w is not q]
-            if not waiting:
-                del self._queries[q.msg.transfer_id]
-        self._evicted_queries.append(q)  # answered by the caller, outside the lock
-
-    def _resolve_queries_locked(self) -> list[tuple[_Query, BlocksAnswer]]:
+    def _resolve_queries_locked(self) -> list[tuple[Query, BlocksAnswer]]:
         found = []
-        for tid in [t for t in self._queries if t in self._issued or t in self._released]:
-            queries = self._queries.pop(tid)
-            self._unwait_locked(queries)
-            for q in queries:
-                answer = self._blocks_answer_locked(q.msg)
-                found.append((q, answer if answer is not None else self._unknown(q.msg)))
+        for q in self._queries.known_locked(self._issued, self._released):
+            answer = self._blocks_answer_locked(q.msg)
+            found.append((q, answer if answer is not None else self._unknown(q.msg)))
         return found
 
     def _expire_queries(self, now: float) -> None:
         with self._lock:
-            if not self._queries:
-                return
-            late: list[_Query] = []
-            for tid in list(self._queries):
-                waiting = self._queries[tid]
-                gone = [q for q in waiting if q.deadline <= now]
-                self._unwait_locked(gone)
-                late += gone
-                waiting[:] = [q for q in waiting if q.deadline > now]
-                if not waiting:
-                    del self._queries[tid]
-        self._answer_queries([(q, self._unknown(q.msg)) for q in late])
-
-    def _queries_evicted(self, _tid: str, waiting: list[_Query]) -> None:
-        self._unwait_locked(waiting)
-        self._evicted_queries.extend(waiting)  # answered by the caller, outside the lock
-
-    def _answer_queries(self, answers: list[tuple[_Query, BlocksAnswer]]) -> None:
-        for q, answer in answers:
-            if not answer.found:  # strangers can ask (without a token): at most one line per reason a while
-                self._rendezvous_log.event(_rendezvous_key(answer.reason), f"{self._name}: no blocks for transfer "
-                                           f"{answer.transfer_id} to engine {q.msg.engine_id} rank {q.msg.tp_rank} "
-                                           f"({q.source or 'unknown address'}): {answer.reason}")
-            try:
-                q.respond(answer)
-            except Exception:
-                logger.exception("%s: answering a blocks query for transfer %s failed", self._name,
-                                 answer.transfer_id)
+            late = self._queries.late_locked(now)
+        self._queries.answer([(q, self._unknown(q.msg)) for q in late])
 
     def _deferred_evicted(self, _tid: str, waiting: list[_Deferred]) -> None:
         self._evicted.extend(waiting)  # answered by the caller, outside the lock
@@ -457,13 +374,6 @@ class ProducerWorker(ConnectorWorker):
         if self._server is not None:
             self._server.close()
         self._close_backend()
-
-
-def _rendezvous_key(reason: str) -> str:
-    for key in ("released", "already wait", "too many", "not issued"):
-        if key in reason:
-            return key.replace(" ", "_")
-    return "other"
 
 
 def _refusal_key(reason: str) -> str:
