@@ -10,7 +10,11 @@ compat info); with an ``auth_token`` it first runs the challenge-response of
 signed, fresh, never replayed) to callbacks; a confirmation
 (:class:`~atom_kv.wire.DoneAck`) goes back to the sender, signed, whenever the
 callback answers (at once, or later from another thread). Anything else on
-the port, and every refusal, is counted and logged at a bounded rate.
+the port, and every refusal, is counted and logged at a bounded rate. What a
+stranger can make the port hold before proving the token is bounded by
+:mod:`atom_kv.connector.handshake_limits` (frame size, queued frames,
+connections per address) and the fair shares of its
+:class:`~atom_kv.connector.handshake_auth.ChallengeTable`.
 """
 
 from __future__ import annotations
@@ -175,8 +179,9 @@ class HandshakeServer:
     every checked release, ``on_issued`` every checked issue notice from the
     engine's own scheduler; ``on_blocks(query, respond)`` every checked
     blocks query (the rendezvous; ``respond`` may be called later, from any
-    thread); ``on_tick()`` runs on the server thread between
-    polls (at least every 0.2 s).
+    thread; ``source`` is the asker's address); ``on_tick()`` runs on the server
+    thread between polls (at least every 0.2 s). ``limits``: the
+    pre-authentication bounds (:class:`~atom_kv.connector.handshake_limits.PortLimits`).
     """
 
     def __init__(
@@ -346,6 +351,8 @@ class HandshakeServer:
             self._refuse("decode", str(exc))
             return
         self._fd, self._source = fd, source
+        if self._token is None:  # nothing to prove: a connection that speaks the protocol is a peer's
+            self.guard.proven(fd)
         if isinstance(msg, HandshakeRequest):
             self._on_request(identity, data, msg, source)
         elif isinstance(msg, HandshakeProof):

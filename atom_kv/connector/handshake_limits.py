@@ -12,7 +12,9 @@
   source holds at most ``per_source`` connections that have not proven the
   token (sent a valid proof or signed notice); one more shuts that source's
   oldest unproven connection down, so a stranger sharing a legitimate peer's
-  address evicts its own idle connections first. At most ``max_connections``
+  address evicts its own idle connections first. (Without a token, any
+  well-formed message counts as the proof: a decode host's cached connections
+  are never cut, and the cap still bounds connections that say nothing.) At most ``max_connections``
   in all: past it, the oldest unproven connection of the source holding the
   most goes (when it holds at least two more than the newcomer's source),
   otherwise the newcomer. So pre-authentication memory is at most
