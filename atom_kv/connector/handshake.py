@@ -177,7 +177,7 @@ class HandshakeServer:
     every checked done-reading notice (``respond`` is None unless it asked for
     a confirmation; it may be called later, from any thread); ``on_release``
     every checked release, ``on_issued`` every checked issue notice from the
-    engine's own scheduler; ``on_blocks(query, respond)`` every checked
+    engine's own scheduler; ``on_blocks(query, respond, source)`` every checked
     blocks query (the rendezvous; ``respond`` may be called later, from any
     thread; ``source`` is the asker's address); ``on_tick()`` runs on the server
     thread between polls (at least every 0.2 s). ``limits``: the
