@@ -84,7 +84,7 @@ def test_a_full_challenge_table_keeps_under_600_bytes_per_challenge_with_every_f
     try:
         before = tracemalloc.get_traced_memory()[0]
         for i in range(MAX_CHALLENGES):
-            source = addresses[i % sources][:]  # a new string each time, as each message's Peer-Address is
+            source = (addresses[i % sources] + "!")[:-1]  # a new string each time, as each message's Peer-Address is
             assert table.add(new_nonce(), Challenge.of(identity + b"", request, source, table.new_deadline())) is None
         per_challenge = (tracemalloc.get_traced_memory()[0] - before) / MAX_CHALLENGES
     finally:
