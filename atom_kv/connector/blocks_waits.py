@@ -65,7 +65,8 @@ class WaitingQueries:
             return (f"{self._shares.held(source)} queries from {source or 'this address'} already wait "
                     f"(rendezvous_max_waiting_per_source is {self.per_source})")
         if not verdict.ok:
-            return f"{self._shares.capacity} queries wait, none from an address holding more than {source or 'this one'}"
+            return (f"{self._shares.capacity} queries wait, none from an address holding more than "
+                    f"{source or 'this one'}")
         if waiting is not None and len(waiting) >= self.per_transfer:
             return f"too many queries wait for transfer {msg.transfer_id}"
         if verdict.evict is not None:

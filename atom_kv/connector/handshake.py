@@ -535,7 +535,8 @@ class _Exchange:
         self._timeout_s = timeout_s
         self._deadline = time.monotonic() + timeout_s
         self._stop = stop
-        self.sock = connect_socket(ctx, zmq.DEALER, host, port, {zmq.MAXMSGSIZE: 64 * MAX_MESSAGE_BYTES})
+        # a handshake has two answers: a peer (any host a client named) can make it queue no more than 4
+        self.sock = connect_socket(ctx, zmq.DEALER, host, port, {zmq.MAXMSGSIZE: 64 * MAX_MESSAGE_BYTES, zmq.RCVHWM: 4})
 
     def send(self, msg: msgspec.Struct) -> bytes:
         data = wire.encode(msg)

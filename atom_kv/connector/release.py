@@ -214,7 +214,7 @@ class NoticeSender:
     # -- the sender thread ---------------------------------------------------
     def _run(self) -> None:
         ctx = zmq.Context()
-        socks = DealerCache(ctx, self._max_sockets, {zmq.SNDHWM: 1024, zmq.MAXMSGSIZE: 1 << 16})
+        socks = DealerCache(ctx, self._max_sockets, {zmq.SNDHWM: 1024, zmq.MAXMSGSIZE: 1 << 16, zmq.RCVHWM: 64})
         proven: BoundedDict[tuple[str, int], float] = BoundedDict(_MAX_PROVEN)
         waiting: BoundedDict[tuple[str, int], _Waiting] = BoundedDict(_MAX_TARGETS, on_evict=self._evicted)
         try:

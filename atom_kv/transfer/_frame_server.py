@@ -251,9 +251,9 @@ class FrameServer:
         verdict = self._shares.admit(source)
         if verdict.ok and verdict.evict is not None:
             same = verdict.evict == source
-            if not self._evict(verdict.evict, "busy_source" if same else "busy",
-                               f"a newer connection came from {source}, which holds the most or {source_key}" if same else
-                               f"{source} needs a share and {verdict.evict} holds the most"):
+            why = (f"a newer connection came from {source}, which holds the most or {source_key}" if same else
+                   f"{source} needs a share and {verdict.evict} holds the most")
+            if not self._evict(verdict.evict, "busy_source" if same else "busy", why):
                 verdict.ok = False
         if not verdict.ok:
             why = (f"{len(self._shares)} connections from addresses that have not authenticated already wait for "
