@@ -120,10 +120,11 @@ class ConnectionGuard:
         return len(self._conns) - len(self._closing)
 
     def sources(self) -> dict[str, int]:
-        """Open connections by peer address (tests, metrics)."""
+        """Open connections by peer address (tests, metrics; from any thread)."""
         out: dict[str, int] = {}
-        for fd, conn in self._conns.items():
-            if fd not in self._closing:
+        closing = set(self._closing)
+        for fd, conn in list(self._conns.items()):  # one copy, atomic for a dict
+            if fd not in closing:
                 out[conn.source] = out.get(conn.source, 0) + 1
         return out
 
