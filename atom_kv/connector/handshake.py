@@ -1,5 +1,6 @@
-"""The handshake side channel: a producer rank's ROUTER server and the
-consumer's handshake request.
+"""The handshake side channel: a producer rank's ROUTER server (the
+consumer's handshake request is :mod:`atom_kv.connector.handshake_client`,
+re-exported here).
 
 The server answers :class:`~atom_kv.wire.HandshakeRequest` with a
 :class:`~atom_kv.wire.HandshakeReply` (backend descriptor, region list,
@@ -23,7 +24,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from typing import Any, Callable, Optional
 
 import msgspec
@@ -43,24 +43,30 @@ from atom_kv.auth import (
     verify_struct,
 )
 from atom_kv.connector.confirm import DealerCache, DoneAckClient
-from atom_kv.connector.endpoints import connect_socket, tcp_endpoint
+from atom_kv.connector.endpoints import tcp_endpoint
 from atom_kv.connector.handshake_auth import (
     Challenge,
     ChallengeTable,
     ack_mac,
     answer_mac,
     challenge_binding,
-    client_proof,
     client_proof_of_digest,
     peer_proof,
     reply_mac,
     request_digest,
     server_proof,
 )
+from atom_kv.connector.handshake_client import (
+    MAX_MESSAGE_BYTES,
+    HandshakeError,
+    HandshakeRejected,
+    decode_checked,
+    request_handshake,
+    version_refusal,
+)
 from atom_kv.connector.handshake_limits import RECEIVE_HWM, ConnectionGuard, PortLimits, largest_message_bytes
 from atom_kv.connector.stats import TransferStats
 from atom_kv.wire import (
-    HANDSHAKE_PROTOCOL_VERSION,
     BlocksAnswer,
     BlocksQuery,
     CompatInfo,
@@ -94,23 +100,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Largest frame a consumer accepts from a handshake port (a handshake reply names every region).
-MAX_MESSAGE_BYTES = 1 << 20
 #: Challenges a producer rank remembers at once (see :class:`~atom_kv._fairshare.FairShares`).
 MAX_CHALLENGES = 4096
 #: Challenges pending at once for one peer address (a decode engine has one per rank and handshake in flight).
 MAX_CHALLENGES_PER_SOURCE = 64
 _POLL_MS = 200
 _BATCH = 64  # messages handled between two housekeeping passes
-
-
-class HandshakeError(RuntimeError):
-    """A handshake did not complete (timeout, bad reply); worth retrying."""
-
-
-class HandshakeRejected(HandshakeError):
-    """The peer answered and refused (auth, compat, version), or did not prove
-    the auth token; retrying won't help."""
 
 
 def compat_mismatch(here: CompatInfo, peer: CompatInfo, here_is: str = "here", peer_is: str = "peer") -> Optional[str]:
@@ -127,12 +122,6 @@ def compat_mismatch(here: CompatInfo, peer: CompatInfo, here_is: str = "here", p
     return "KV layout mismatch: " + "; ".join(diffs) if diffs else None
 
 
-def version_refusal(peer_version: Any) -> str:
-    """The one line that refuses a peer speaking another handshake protocol version."""
-    return (f"handshake protocol version {peer_version} (peer) is not version {HANDSHAKE_PROTOCOL_VERSION} "
-            "(here): run the same atom-kv release on the prefill and decode engines")
-
-
 def _peer_address(frame: zmq.Frame) -> str:
     """The sending peer's IP address (ZeroMQ's ``Peer-Address`` property), or "" where unknown."""
     try:
@@ -147,21 +136,6 @@ def _source_fd(frame: zmq.Frame) -> Optional[int]:
         return int(frame.get(zmq.SRCFD))
     except (zmq.ZMQError, AttributeError, TypeError, ValueError):
         return None
-
-
-def _decode(data: bytes, type_: Any) -> Any:
-    """``wire.decode`` that also names a version mismatch (``HandshakeRejected``)
-    and survives msgpack nested too deeply (``WireError``)."""
-    try:
-        msg = wire.decode(data, type_)
-    except (WireError, RecursionError) as exc:
-        v = wire.peek_version(data)
-        if v is not None and v != HANDSHAKE_PROTOCOL_VERSION:
-            raise HandshakeRejected(version_refusal(v)) from None
-        raise WireError(str(exc) if isinstance(exc, WireError) else "message nested too deeply") from None
-    if msg.v != HANDSHAKE_PROTOCOL_VERSION:
-        raise HandshakeRejected(version_refusal(msg.v))
-    return msg
 
 
 # ---------------------------------------------------------------------------
@@ -342,7 +316,7 @@ class HandshakeServer:
             return
         data = payloads[0]
         try:
-            msg = _decode(data, wire.HandshakeMessage)
+            msg = decode_checked(data, wire.HandshakeMessage)
         except HandshakeRejected as exc:  # another protocol version: say so to a handshake
             self._refuse("version", str(exc))
             self._send(identity, wire.encode(HandshakeReply(ok=False, error=str(exc))))
@@ -411,7 +385,7 @@ class HandshakeServer:
             self._send(identity, wire.encode(HandshakeReply(
                 ok=False, error=f"handshake rejected: {why}; retry the handshake")))
             return
-        request = _decode(msg.request, HandshakeRequest)  # decoded when it was received: it still decodes
+        request = decode_checked(msg.request, HandshakeRequest)  # decoded when it was received: it still decodes
         expected = client_proof_of_digest(self._token, request.nonce, msg.nonce, request_digest(msg.request))
         if not same_mac(expected, msg.proof):
             self._refuse("auth", f"handshake from engine {request.engine_id} rank {request.tp_rank} "
@@ -521,104 +495,3 @@ class HandshakeServer:
                 os.close(fd)
             except OSError:
                 pass
-
-
-# ---------------------------------------------------------------------------
-# consumer side
-# ---------------------------------------------------------------------------
-class _Exchange:
-    """One handshake connection: a DEALER socket and bounded receives."""
-
-    def __init__(self, ctx: zmq.Context, host: str, port: int, timeout_s: float,
-                 stop: Optional[threading.Event]) -> None:
-        self.where = f"{host}:{port}"
-        self._timeout_s = timeout_s
-        self._deadline = time.monotonic() + timeout_s
-        self._stop = stop
-        # a handshake has two answers: a peer (any host a client named) can make it queue no more than 4
-        self.sock = connect_socket(ctx, zmq.DEALER, host, port, {zmq.MAXMSGSIZE: 64 * MAX_MESSAGE_BYTES, zmq.RCVHWM: 4})
-
-    def send(self, msg: msgspec.Struct) -> bytes:
-        data = wire.encode(msg)
-        self.sock.send(data, zmq.NOBLOCK)
-        return data
-
-    def receive(self) -> Any:
-        while True:
-            left = self._deadline - time.monotonic()
-            if left <= 0 or (self._stop is not None and self._stop.is_set()):
-                raise HandshakeError(f"no handshake reply from {self.where} within {self._timeout_s:g} s")
-            if self.sock.poll(min(left, 0.25) * 1000, zmq.POLLIN):
-                frames = self.sock.recv_multipart()
-                try:
-                    return _decode(frames[-1], wire.HandshakeReplyMessage)
-                except WireError as exc:
-                    raise HandshakeError(f"bad handshake reply from {self.where}: {exc}") from None
-
-
-def request_handshake(
-    ctx: zmq.Context,
-    host: str,
-    port: int,
-    request: HandshakeRequest,
-    timeout_s: float,
-    stop: Optional[threading.Event] = None,
-    auth_token: Optional[str] = None,
-) -> HandshakeReply:
-    """Handshake with the producer rank at ``host:port`` (at most ``timeout_s``).
-
-    With ``auth_token``: the request carries a fresh nonce, and nothing derived
-    from the token is sent unless the peer first proves it knows the token
-    (:mod:`atom_kv.connector.handshake_auth`). Raises :class:`HandshakeRejected`
-    for refusals and peers that cannot prove the token, :class:`HandshakeError`
-    for timeouts and garbage."""
-    if auth_token is not None:
-        request = msgspec.structs.replace(request, nonce=new_nonce())
-    try:
-        ex = _Exchange(ctx, host, port, timeout_s, stop)
-    except (zmq.ZMQError, ValueError) as exc:
-        raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
-    try:
-        sent = ex.send(request)
-        first = ex.receive()
-        if auth_token is None:
-            if isinstance(first, HandshakeReply):
-                return first
-            if isinstance(first, HandshakeChallenge):
-                raise HandshakeRejected(f"{ex.where} requires an auth_token and none is configured here; set the "
-                                        "prefill engine's auth_token on this engine too")
-            raise HandshakeError(f"unexpected {type(first).__name__} from {ex.where}")
-        return _proven_handshake(ex, auth_token, request, sent, first)
-    except zmq.ZMQError as exc:
-        raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
-    finally:
-        ex.sock.close(0)
-
-
-def _proven_handshake(ex: _Exchange, token: str, request: HandshakeRequest, sent: bytes, first: Any) -> HandshakeReply:
-    if isinstance(first, HandshakeReply):
-        if not first.ok:
-            raise HandshakeRejected(f"handshake with {ex.where} refused: {first.error}")
-        raise HandshakeRejected(f"{ex.where} answered without proving the auth token (is auth_token configured "
-                                "on the prefill engine?); its reply is not trusted")
-    if not isinstance(first, HandshakeChallenge):
-        raise HandshakeError(f"unexpected {type(first).__name__} from {ex.where}")
-    expected = server_proof(token, request.nonce, first.nonce, first.engine_id, first.tp_rank)
-    if not same_mac(expected, first.proof):
-        raise HandshakeRejected(f"{ex.where} did not prove it knows the auth token (a different auth_token, or "
-                                "not a prefill engine of this cluster); nothing was sent to it")
-    ex.send(HandshakeProof(nonce=first.nonce, proof=client_proof(token, request.nonce, first.nonce, sent),
-                           request=sent))
-    second = ex.receive()
-    if isinstance(second, HandshakeReply):
-        if not second.ok:
-            raise HandshakeRejected(f"handshake with {ex.where} refused: {second.error}")
-        raise HandshakeRejected(f"{ex.where} sent an unsealed reply after the challenge; not trusted")
-    if not isinstance(second, SealedHandshakeReply):
-        raise HandshakeError(f"unexpected {type(second).__name__} from {ex.where}")
-    if not same_mac(reply_mac(token, request.nonce, first.nonce, second.reply), second.mac):
-        raise HandshakeRejected(f"the handshake reply from {ex.where} was altered (wrong MAC); not trusted")
-    try:
-        return _decode(second.reply, HandshakeReply)
-    except WireError as exc:
-        raise HandshakeError(f"bad handshake reply from {ex.where}: {exc}") from None
