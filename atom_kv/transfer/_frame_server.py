@@ -347,7 +347,7 @@ class FrameServer:
         if conn._unproven:  # its hello came: a handler judges it now, it no longer holds a share
             conn._hello = True
             with self._lock:
-                self._proven(conn)
+                self._stop_waiting(conn)
         self._work.put((conn, payload))
 
     def _drain_wake(self) -> None:
@@ -421,7 +421,7 @@ class FrameServer:
             pass
         self._close(conn)
 
-    def _proven(self, conn: Conn) -> None:
+    def _stop_waiting(self, conn: Conn) -> None:
         """``conn`` no longer counts toward its source's connections waiting for a hello (lock held): its
         hello came, or it closed."""
         if conn._unproven:
@@ -436,7 +436,7 @@ class FrameServer:
     def _close(self, conn: Conn) -> None:
         with self._lock:
             self._conns.pop(conn.cid, None)
-            self._proven(conn)
+            self._stop_waiting(conn)
         try:
             conn.sock.close()
         except OSError:
