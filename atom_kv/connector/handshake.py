@@ -361,11 +361,11 @@ class HandshakeServer:
         engine_id, rank = self._identity()
         full = self._challenges.add(p_nonce, Challenge.of(identity, data, source, self._challenges.new_deadline()))
         if full is not None:
-            self._refuse("challenges_full", f"handshake from {who} refused: {MAX_CHALLENGES} handshakes in flight, "
-                                            f"none from an address holding more than {source or 'this one'}")
+            why = (f"{len(self._challenges)} handshakes in flight, all from addresses that proved the auth_token "
+                   "before (strangers' share is empty)")
+            self._refuse("challenges_full", f"handshake from {who} refused: {why}")
             self._send(identity, wire.encode(HandshakeReply(
-                ok=False, error=f"handshake rejected: {MAX_CHALLENGES} handshakes in flight from addresses that have "
-                                "not proven the auth_token; retry the handshake")))
+                ok=False, error=f"handshake rejected: {why}; retry the handshake")))
             return
         challenge = HandshakeChallenge(engine_id=engine_id, tp_rank=rank, nonce=p_nonce,
                                        proof=server_proof(self._token, req.nonce, p_nonce, engine_id, rank))
