@@ -108,8 +108,8 @@ def copy_ranges(src: Any, src_offsets: np.ndarray, dst: Any, dst_offsets: np.nda
         rows = s2[int(srows[0]) : int(srows[0]) + len(srows)]
     else:
         rows = s2.index_select(0, _index(torch, srows, s2.device))
-    if rows.device != d2.device:
-        rows = rows.to(d2.device, non_blocking=non_blocking)
+    if rows.device != d2.device:  # into host memory: a finished copy (index_copy_ reads it at once)
+        rows = rows.to(d2.device, non_blocking=d2.device.type != "cpu")
     if d_run:
         d2[int(drows[0]) : int(drows[0]) + len(drows)].copy_(rows, non_blocking=non_blocking)
     else:
