@@ -103,12 +103,36 @@ def _fd_of_inode(inode: int) -> int:
     raise TransferError(f"gpu_ipc (host stand-in): no fd of this process holds memfd inode {inode}")
 
 
-class _HostExport:
-    """Owns a duplicate of the memfd behind one region (closed by :meth:`close`)."""
+class _MemfdShares:
+    """Owns this seam's duplicates of the memfds behind exported regions: one
+    per memfd however many regions live in it (an IPC handle names the
+    allocation, not the region), closed when its last region lets go."""
 
-    def __init__(self, ptr: int, size: int) -> None:
+    def __init__(self) -> None:
+        self._fds: dict[int, list[int]] = {}  # inode -> [fd, regions using it]
+
+    def take(self, inode: int) -> int:
+        entry = self._fds.get(inode)
+        if entry is None:
+            entry = self._fds[inode] = [os.dup(_fd_of_inode(inode)), 0]
+        entry[1] += 1
+        return entry[0]
+
+    def give_back(self, inode: int) -> None:
+        entry = self._fds[inode]
+        entry[1] -= 1
+        if entry[1] == 0:
+            os.close(entry[0])
+            del self._fds[inode]
+
+
+class _HostExport:
+    """One registered region in a memfd: its share of the memfd's duplicate."""
+
+    def __init__(self, ptr: int, size: int, shares: _MemfdShares) -> None:
         start, file_offset, inode = _mapping_of(ptr, size)
-        self._fd: Optional[int] = os.dup(_fd_of_inode(inode))
+        self._shares = shares
+        self._fd: Optional[int] = shares.take(inode)
         self._inode, self._offset, self._ptr, self._size = inode, file_offset + ptr - start, ptr, size
 
     def share(self, region: int, written: Optional[bytes]) -> wire.GpuIpcRegion:
@@ -120,8 +144,8 @@ class _HostExport:
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
             self._fd = None
+            self._shares.give_back(self._inode)
 
 
 class _HostWritten:
@@ -192,6 +216,9 @@ class HostSeam:
     name = "host stand-in"
     memory_kinds = frozenset({"host"})
 
+    def __init__(self) -> None:
+        self._shares = _MemfdShares()
+
     @staticmethod
     def unavailable_reason() -> Optional[str]:
         """None when memfds can be passed with pidfd_getfd here, else why not."""
@@ -214,7 +241,7 @@ class HostSeam:
         return torch.frombuffer((ctypes.c_char * size).from_address(ptr), dtype=torch.uint8)
 
     def export(self, ptr: int, size: int, device: int) -> _HostExport:
-        return _HostExport(ptr, size)
+        return _HostExport(ptr, size, self._shares)
 
     def written(self, device: int) -> _HostWritten:
         return _HostWritten()

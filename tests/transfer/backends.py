@@ -160,8 +160,17 @@ SPECS: list[BackendSpec] = [
 ]
 
 
+#: specs other tests serve through ``tests.transfer._serve`` (not part of the contract suite)
+EXTRA_SPECS: list[BackendSpec] = [
+    # gpu_ipc on the host stand-in, logging the seam calls (tests/transfer/test_gpu_ipc_host.py)
+    BackendSpec(name="gpu_ipc-hostseam-recording", backend="gpu_ipc", device="memfd",
+                factory="tests.transfer.test_gpu_ipc_host:recording_backend",
+                skip_reason="tests.transfer.backends:host_seam_skip_reason"),
+]
+
+
 def by_name(name: str) -> BackendSpec:
-    for spec in SPECS:
+    for spec in SPECS + EXTRA_SPECS:
         if spec.name == name:
             return spec
     raise KeyError(f"no backend spec named {name!r}")
