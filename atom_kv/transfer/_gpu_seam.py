@@ -81,7 +81,8 @@ class CudaSeam:
     def order(self, stream: Any, device: int, events: list[Any]) -> None:
         """Work queued next on ``stream`` starts only after the producer's
         written ``events`` and whatever the consumer queued on ``device``'s
-        current stream so far (a kernel still reading the blocks we overwrite)."""
+        current stream so far (a kernel still reading the blocks we overwrite).
+        Called before :meth:`using` makes ``stream`` current on this thread."""
         for event in events:
             stream.wait_event(event)
         current = self._torch.cuda.current_stream(device)

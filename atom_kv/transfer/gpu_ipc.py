@@ -344,9 +344,9 @@ class GpuIpcBackend(TransferBackend):
                 devices = dict.fromkeys((seam.device_of(dst), seam.device_of(src)))
                 streams = {d: self._stream(d) for d in devices}
                 used.update(streams)
+                for d, stream in streams.items():  # here the current streams are still the consumer's
+                    seam.order(stream, d, [] if written is None else [written])
                 with seam.using(next(iter(devices)), list(streams.values())):
-                    for d, stream in streams.items():
-                        seam.order(stream, d, [] if written is None else [written])
                     copy_ranges(src, table[m, 3], dst, table[m, 1], table[m, 4], mode=self.copy_mode)
         finally:
             for stream in used.values():

@@ -122,7 +122,8 @@ def _in_own_process(spec: BackendSpec, request: pytest.FixtureRequest) -> bool:
         return False
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", request.node.nodeid],
-        env={**os.environ, _ISOLATED: "1"}, capture_output=True, text=True, timeout=300,
+        env={**os.environ, _ISOLATED: "1"}, cwd=str(request.config.rootpath), capture_output=True, text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"{request.node.nodeid} in its own process:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
     return True
