@@ -74,8 +74,10 @@ def copy_ranges(src: Any, src_offsets: np.ndarray, dst: Any, dst_offsets: np.nda
     are one slice copy; consecutive destination rows are one
     ``index_select`` written straight into them; consecutive source rows one
     ``index_copy_`` read straight from them; scattered on both sides, one
-    ``torch._foreach_copy_`` over the ranges' views. ``mode="gather"``: one
-    ``index_select`` into a temporary and one ``index_copy_`` from it.
+    ``torch._foreach_copy_`` over the ranges' views. ``mode="gather"``, and
+    any copy between two devices with scattered rows: one ``index_select``
+    into a temporary on the source's device, one transfer, one
+    ``index_copy_`` from it (three launches instead of one copy per range).
 
     A copy into host memory from a device is never left in flight unless the
     destination is pinned (the caller then fences before reading it): a
@@ -100,7 +102,7 @@ def copy_ranges(src: Any, src_offsets: np.ndarray, dst: Any, dst_offsets: np.nda
         d2[int(drows[0]) : int(drows[0]) + len(drows)].copy_(s2[int(srows[0]) : int(srows[0]) + len(srows)],
                                                             non_blocking=non_blocking)
         return
-    if mode == "direct":
+    if mode == "direct" and s2.device == d2.device:  # across devices, one transfer of the gathered rows wins
         _copy_direct(torch, s2, srows, s_run, d2, drows, d_run, np.asarray(src_offsets) // unit,
                      np.asarray(dst_offsets) // unit, counts, non_blocking)
         return
@@ -124,14 +126,13 @@ def _index(torch: Any, rows: np.ndarray, device: Any) -> Any:
 
 def _copy_direct(torch: Any, s2: Any, srows: np.ndarray, s_run: bool, d2: Any, drows: np.ndarray, d_run: bool,
                  s_starts: np.ndarray, d_starts: np.ndarray, counts: np.ndarray, non_blocking: bool) -> None:
-    """Every byte read once and written once: no temporary of the ranges' size."""
-    same = s2.device == d2.device
-    if same and d_run:
+    """Every byte read once and written once, on one device: no temporary of the ranges' size."""
+    if d_run:
         out = d2[int(drows[0]) : int(drows[0]) + len(drows)]
         torch.index_select(s2, 0, _index(torch, srows, s2.device), out=out)
-    elif same and s_run:
+    elif s_run:
         d2.index_copy_(0, _index(torch, drows, d2.device), s2[int(srows[0]) : int(srows[0]) + len(srows)])
-    else:  # scattered on both sides, or across devices: one batched copy over the ranges' views
+    else:  # scattered on both sides: one batched copy over the ranges' views
         s_list = [s2[a : a + n] for a, n in zip(s_starts.tolist(), counts.tolist())]
         d_list = [d2[a : a + n] for a, n in zip(d_starts.tolist(), counts.tolist())]
         torch._foreach_copy_(d_list, s_list, non_blocking=non_blocking)

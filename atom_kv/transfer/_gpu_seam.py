@@ -21,7 +21,8 @@ What a seam does (both implementations have exactly these methods):
 :class:`CudaSeam` is the real one (CUDA, and HIP through ROCm builds of
 torch). :mod:`atom_kv.transfer._host_seam` holds a stand-in over host
 shared memory that only tests use, so the whole backend runs in the CPU
-suite between real processes; only this module is left for the GPU.
+suite between real processes; only this module and the torch calls in
+:mod:`atom_kv.transfer._ipc_handles` are left for the GPU.
 """
 
 from __future__ import annotations
