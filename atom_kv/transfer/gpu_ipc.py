@@ -144,6 +144,7 @@ class GpuIpcBackend(TransferBackend):
         self._grant_max_connections = cfg.cma_grant_max_connections
         self.reader_events = EndpointEvents(log, f"gpu_ipc {self._key} reader events")
         self._lock = threading.Lock()
+        self._share_lock = threading.Lock()
         self._life = Lifecycle("gpu_ipc", self._lock, key=self._key)
         self._exports: list[tuple[Any, int]] = []  # (exporter, device) per region
         self._export_error: Optional[str] = None  # why this memory cannot be shared: grants are refused
@@ -186,7 +187,8 @@ class GpuIpcBackend(TransferBackend):
             exports, written, error = list(self._exports), dict(self._written), self._export_error
         if error is not None:
             raise TransferError(error)
-        return [exp.share(region, written[device].handle) for region, (exp, device) in enumerate(exports)]
+        with self._share_lock:  # grants are answered by two threads; a send rewraps the storage it shares
+            return [exp.share(region, written[device].handle) for region, (exp, device) in enumerate(exports)]
 
     def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
         self._life.check_open()
