@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'{\"qp_per_transfer\": 4, \"moriio_backend\": \"xgmi\"}' (kv_role is set by the bench, "
         "--backend picks the backend, --streams and --timeout-s override their keys)",
     )
+    parser.add_argument("--ipc-copy", choices=("direct", "gather"), default="direct",
+                        help="gpu_ipc's copy of scattered blocks: straight from the remote ranges into the local "
+                        "ones (direct), or the older gather into a temporary and scatter (gather), to compare")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
@@ -245,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         backend = create_backend(args.backend, cfg, host="127.0.0.1", key=f"bench-read-{os.getpid()}")
+        if args.backend == "gpu_ipc":
+            backend.copy_mode = args.ipc_copy
         if args.backend == "cma":
             from atom_kv.transfer.cma import cma_unavailable_reason
 

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handshake_port
-from atom_kv.connector.types import ConnectorMetadata
+from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput
 from atom_kv.connector.worker import ConnectorWorker
 from atom_kv.transfer.memory import pair_refusal
 from atom_kv.wire import (
@@ -135,6 +135,14 @@ class ProducerWorker(ConnectorWorker):
     @property
     def handshake_server(self) -> Optional[HandshakeServer]:
         return self._server
+
+    def get_finished(self) -> KVConnectorOutput:
+        """Also where this rank's KV counts as written: every engine calls it
+        after each step's forward, from the thread (and current stream) that
+        queued it, so the backend records its written event here and reads
+        of these blocks wait for those writes on the device."""
+        self.backend.kv_written()
+        return super().get_finished()
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         with self._lock:

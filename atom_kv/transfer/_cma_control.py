@@ -104,7 +104,7 @@ class CmaControlServer:
         return self.events["granted"]
 
     def stats(self) -> dict[str, int]:
-        """Event counts by key: granted, auth, version, decode, busy, oversized, timeout."""
+        """Event counts by key: granted, auth, version, decode, export, busy, oversized, timeout."""
         return self.events.snapshot()
 
     def _greet(self, conn: Conn) -> bytes:
@@ -140,7 +140,10 @@ class CmaControlServer:
                                                        f"wrong or missing auth_token proof; {AUTH_HINT}")
             proof = server_proof(self._token, self._purpose, conn.nonce, req.nonce)
         spans = [wire.RegionSpan(region=r, addr=a, size=s) for r, a, s in self._spans()]
-        ipc = self._handles() if self._handles is not None else []
+        try:  # gpu_ipc: one send of every region per grant; memory it cannot share refuses the grant
+            ipc = self._handles() if self._handles is not None else []
+        except TransferError as exc:
+            return self._refuse(conn, "export", who, str(exc))
         self._send(conn, wire.CmaGrantReply(ok=True, pid=os.getpid(), regions=spans, proof=proof, ipc=ipc))
         self.events.count("granted")
         log.info("%s: granted %d regions", who, len(spans))

@@ -189,6 +189,9 @@ class TcpBackend(TransferBackend):
         return endpoint_stats(server, self.reader_events)
 
     # -- lifecycle ------------------------------------------------------
+    def kv_written(self) -> None:
+        self._regions.kv_written()
+
     def close(self) -> None:
         with self._lock:
             if not self._life.mark_closed():
