@@ -18,6 +18,16 @@ A read is confirmed (``DoneAck(valid=True)``) only when all of these hold:
 - the blocks were not released before the notice arrived: by a release
   message, or by the scheduler (``ConnectorMetadata.released``, learnt in
   ``start_load_kv`` before the step's forward can overwrite them).
+
+The rendezvous answer is also a short lease (:class:`_Pin`): a rank that names
+a transfer's blocks to a consumer promises to hold them for ``lease_ms``, and
+a release from anyone but that consumer's engine (the proxy abandoning the
+pair) waits until the promise ends. A consumer whose read ended well inside
+the promise skips the confirmation's round trip; why that is safe is spelt
+out at :meth:`ProducerWorker._pin_locked`. A question on a transfer the
+scheduler admitted but has not finished (``ConnectorMetadata.coming``) is
+answered "still coming" when its wait ends, so a queued prefill does not fail
+the decode's load.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from typing import Callable, Optional
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handshake_port
+from atom_kv.connector.release import engine_sender
 from atom_kv.connector.types import ConnectorMetadata
 from atom_kv.connector.worker import ConnectorWorker
 from atom_kv.transfer.memory import pair_refusal
@@ -62,6 +73,19 @@ MAX_DEFERRED_PER_TRANSFER = 64
 MAX_DEFER_S = 5.0
 
 _LEASE_EXPIRED = "its lease expired after abort_timeout_s"
+_DROPPED = "the prefill request ended without lending blocks for the decode"
+#: the part of the scheduler's lease a rendezvous promise never uses: the scheduler started the lease
+#: up to a step before this rank learnt it, and frees on its own clock
+PIN_MARGIN_S = 1.0
+
+
+@dataclass
+class _Pin:
+    """A rendezvous promise: the blocks stay until ``until`` whatever a third party's release says."""
+
+    until: float
+    consumer: str                       # the asking engine's id: its own notices end the promise early
+    held: Optional[Release] = None      # a third party's release that waits for the promise to end
 
 
 @dataclass
@@ -103,6 +127,10 @@ class ProducerWorker(ConnectorWorker):
         self._released: BoundedDict[str, str] = BoundedDict(MAX_REMEMBERED)  # reads no longer confirmed: tid -> why
         self._issued: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # live transfers' blocks
         self._first: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # their prefills' sampled tokens
+        self._learnt: BoundedDict[str, float] = BoundedDict(MAX_REMEMBERED)  # when the rank learnt each send
+        self._coming: BoundedDict[str, float] = BoundedDict(MAX_REMEMBERED)  # admitted, not yet sent
+        self._pins: BoundedDict[str, _Pin] = BoundedDict(MAX_DEFERRED_TRANSFERS, on_evict=self._pin_evicted)
+        self._unpinned: list[Release] = []
         self._deferred: BoundedDict[str, list[_Deferred]] = BoundedDict(
             MAX_DEFERRED_TRANSFERS, on_evict=self._deferred_evicted)
         self._evicted: list[_Deferred] = []
@@ -137,16 +165,24 @@ class ProducerWorker(ConnectorWorker):
         return self._server
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        now = time.monotonic()
         with self._lock:
+            for tid in metadata.coming:
+                if tid not in self._issued and tid not in self._released:
+                    self._coming[tid] = now
             for send in metadata.sends:
+                self._coming.pop(send.transfer_id, None)
                 if send.transfer_id not in self._released:
                     self._issued[send.transfer_id] = list(send.block_ids)
+                    if send.transfer_id not in self._learnt:
+                        self._learnt[send.transfer_id] = now
                     if send.first_token_ids:
                         self._first[send.transfer_id] = list(send.first_token_ids[:MAX_FIRST_TOKENS])
+            for tid in metadata.dropped:
+                if self._coming.pop(tid, None) is not None and tid not in self._issued and tid not in self._released:
+                    self._released[tid] = _DROPPED
             for tid in metadata.released:
-                self._done.pop(tid, None)
-                self._issued.pop(tid, None)
-                self._first.pop(tid, None)
+                self._forget_locked(tid)
                 why = self._ended.get(tid) or _LEASE_EXPIRED
                 self._ended[tid] = why
                 if tid not in self._released:
@@ -210,6 +246,9 @@ class ProducerWorker(ConnectorWorker):
             if msg.transfer_id in self._released or msg.transfer_id in self._ended:
                 return
             self._issued[msg.transfer_id] = list(msg.block_ids)
+            if msg.transfer_id not in self._learnt:
+                self._learnt[msg.transfer_id] = time.monotonic()
+            self._coming.pop(msg.transfer_id, None)
             answers = self._resolve_deferred_locked()
             found = self._resolve_queries_locked()
         self._answer(answers)
@@ -221,9 +260,14 @@ class ProducerWorker(ConnectorWorker):
         with self._lock:
             if tid in self._released or tid in self._ended:
                 return  # idempotent: already counted or released
-            self._done.pop(tid, None)
-            self._issued.pop(tid, None)
-            self._first.pop(tid, None)
+            pin = self._pins.get(tid)
+            if pin is not None and msg.sender != engine_sender("decode", pin.consumer):
+                if time.monotonic() < pin.until:
+                    pin.held = pin.held or msg  # applied when the promise ends, unless the reads end first
+                    logger.info("%s: transfer %s %s; holding its blocks until the rendezvous lease given to "
+                                "engine %s ends", self._name, tid, why, pin.consumer)
+                    return
+            self._forget_locked(tid)
             self._ended[tid] = why
             self._released[tid] = why
             self._finished_send.append(tid)
@@ -235,6 +279,15 @@ class ProducerWorker(ConnectorWorker):
         self._answer([(d, self._ack(d.msg, False, f"producer {why} before the read was confirmed")) for d in waiting])
 
     # ------------------------------------------------------------------
+    def _forget_locked(self, tid: str) -> None:
+        """Drop what the rank keeps for a live transfer (it was counted, released or freed)."""
+        self._done.pop(tid, None)
+        self._issued.pop(tid, None)
+        self._first.pop(tid, None)
+        self._learnt.pop(tid, None)
+        self._coming.pop(tid, None)
+        self._pins.pop(tid, None)
+
     def _ack(self, msg: DoneReading, valid: bool, reason: str = "") -> DoneAck:
         return DoneAck(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, valid=valid, reason=reason)
 
@@ -271,6 +324,7 @@ class ProducerWorker(ConnectorWorker):
         it between polls)."""
         now = time.monotonic()
         self._expire_queries(now)
+        self._end_pins(now)
         with self._lock:
             if not self._deferred:
                 return
@@ -293,6 +347,8 @@ class ProducerWorker(ConnectorWorker):
         wait_s = min(msg.wait_ms / 1000.0, self.config.prefill_wait_timeout_s)
         with self._lock:
             answer = self._blocks_answer_locked(msg)
+            if answer is None and wait_s <= 0 and msg.transfer_id in self._coming:
+                answer = self._still_coming(msg)
             if answer is None and wait_s > 0:
                 waiting = self._queries.get(msg.transfer_id)
                 if waiting is None:
@@ -318,7 +374,62 @@ class ProducerWorker(ConnectorWorker):
         if blocks is None:
             return None
         return BlocksAnswer(transfer_id=tid, tp_rank=self.tp_rank, found=True, block_ids=list(blocks),
-                            pp_size=self.pp_size, first_token_ids=self._first.get(tid, []))
+                            pp_size=self.pp_size, first_token_ids=self._first.get(tid, []),
+                            lease_ms=self._pin_locked(tid, msg.engine_id))
+
+    def _pin_locked(self, tid: str, consumer: str) -> int:
+        """Promise ``consumer`` the blocks of ``tid`` for a while; the promise's length in ms (0: none).
+
+        Why a consumer may trust a read that ended inside the promise without asking for a
+        confirmation: the rank's blocks are freed only when (a) the scheduler's lease expires,
+        (b) every consumer rank counted done, or (c) a release is taken. (a) cannot happen inside
+        the promise: it ends :data:`PIN_MARGIN_S` before the lease as this rank reckons it, and the
+        rank learnt the send no earlier than the scheduler started the lease. (b) needs this
+        consumer's own done-reading notices, sent after its reads ended. (c): a release from this
+        consumer's engine is taken at once (it comes only when that engine has ended or given up the
+        load, and it discards what it read); any other (the proxy abandoning the pair) waits until
+        the promise ends (:meth:`_on_release`). Since every rank of an engine must report a
+        transfer finished before its scheduler frees the blocks, the promise of the one rank asked
+        covers the whole engine's copy. The consumer counts the promise from before it sent its
+        question, so clock rates aside (a margin covers them) its window ends no later than ours.
+        """
+        learnt = self._learnt.get(tid)
+        if learnt is None:
+            return 0
+        now = time.monotonic()
+        left = self.config.abort_timeout_s - (now - learnt) - PIN_MARGIN_S
+        hold = min(left, self.config.transfer_timeout_s)
+        if hold < 0.1:
+            return 0
+        pin = self._pins.get(tid)
+        if pin is None:
+            self._pins[tid] = _Pin(now + hold, consumer)  # may evict the oldest promise: its release goes on
+        else:
+            pin.until = max(pin.until, now + hold)
+        return int(hold * 1000)
+
+    def _end_pins(self, now: float) -> None:
+        """Take the releases that waited for a promise that has ended."""
+        with self._lock:
+            due = [tid for tid, pin in self._pins.items() if pin.until <= now]
+            held = []
+            for tid in due:
+                pin = self._pins.pop(tid)
+                if pin.held is not None:
+                    held.append(pin.held)
+            held += self._unpinned
+            self._unpinned = []
+        for msg in held:
+            self._on_release(msg)
+
+    def _pin_evicted(self, _tid: str, pin: _Pin) -> None:
+        if pin.held is not None:
+            self._unpinned.append(pin.held)  # taken on the next tick
+
+    def _still_coming(self, msg: BlocksQuery) -> BlocksAnswer:
+        return BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, found=False, coming=True,
+                            reason=f"transfer {msg.transfer_id} is still queued or computing on producer "
+                                   f"{self.engine_id} rank {self.tp_rank}")
 
     def _not_found(self, msg: BlocksQuery, reason: str) -> BlocksAnswer:
         return BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, found=False, reason=reason)
@@ -339,21 +450,22 @@ class ProducerWorker(ConnectorWorker):
         with self._lock:
             if not self._queries:
                 return
-            late: list[_Query] = []
+            late: list[tuple[_Query, BlocksAnswer]] = []
             for tid in list(self._queries):
                 waiting = self._queries[tid]
-                late += [q for q in waiting if q.deadline <= now]
+                answer = self._still_coming if tid in self._coming else self._unknown
+                late += [(q, answer(q.msg)) for q in waiting if q.deadline <= now]
                 waiting[:] = [q for q in waiting if q.deadline > now]
                 if not waiting:
                     del self._queries[tid]
-        self._answer_queries([(q, self._unknown(q.msg)) for q in late])
+        self._answer_queries(late)
 
     def _queries_evicted(self, _tid: str, waiting: list[_Query]) -> None:
         self._evicted_queries.extend(waiting)  # answered by the caller, outside the lock
 
     def _answer_queries(self, answers: list[tuple[_Query, BlocksAnswer]]) -> None:
         for q, answer in answers:
-            if not answer.found:
+            if not answer.found and not answer.coming:
                 logger.info("%s: no blocks for transfer %s to engine %s rank %d: %s", self._name,
                             answer.transfer_id, q.msg.engine_id, q.msg.tp_rank, answer.reason)
             try:
@@ -389,10 +501,12 @@ class ProducerWorker(ConnectorWorker):
             st.ranks.add(msg.tp_rank)
             if len(st.ranks) < st.tp_size:
                 return
-            del self._done[msg.transfer_id]
+            del self._done[msg.transfer_id]  # its blocks stay known: a late confirmation still finds them
+            self._first.pop(msg.transfer_id, None)
+            self._learnt.pop(msg.transfer_id, None)
+            self._pins.pop(msg.transfer_id, None)  # a release held for the promise is moot now
             self._ended[msg.transfer_id] = "every consumer rank had finished reading"
             self._finished_send.append(msg.transfer_id)
-            self._first.pop(msg.transfer_id, None)
         self._wake()
         logger.debug("%s: transfer %s read by all %d consumer ranks (last %s)", self._name, msg.transfer_id,
                      msg.tp_size, "ok" if msg.ok else "gave up")
