@@ -19,15 +19,10 @@ A read is confirmed (``DoneAck(valid=True)``) only when all of these hold:
   message, or by the scheduler (``ConnectorMetadata.released``, learnt in
   ``start_load_kv`` before the step's forward can overwrite them).
 
-The rendezvous answer is also a short lease (:class:`_Pin`): a rank that names
-a transfer's blocks to a consumer promises to hold them for ``lease_ms``, and
-a release from anyone but that consumer's engine (the proxy abandoning the
-pair) waits until the promise ends. A consumer whose read ended well inside
-the promise skips the confirmation's round trip; why that is safe is spelt
-out at :meth:`ProducerWorker._pin_locked`. A question on a transfer the
-scheduler admitted but has not finished (``ConnectorMetadata.coming``) is
-answered "still coming" when its wait ends, so a queued prefill does not fail
-the decode's load.
+The rendezvous (blocks queries, "still coming", and the promise a found answer
+carries) is answered by :mod:`atom_kv.connector.producer_rendezvous`; this
+module takes its releases: one from anyone but the promised consumer's engine
+waits until the promise ends.
 """
 
 from __future__ import annotations
@@ -40,13 +35,12 @@ from typing import Callable, Optional
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handshake_port
+from atom_kv.connector.producer_rendezvous import RendezvousAnswers, Promise, WaitingQuery
 from atom_kv.connector.release import engine_sender
 from atom_kv.connector.types import ConnectorMetadata
 from atom_kv.connector.worker import ConnectorWorker
 from atom_kv.transfer.memory import pair_refusal
 from atom_kv.wire import (
-    BlocksAnswer,
-    BlocksQuery,
     DoneAck,
     DoneReading,
     HandshakeReply,
@@ -74,20 +68,6 @@ MAX_DEFER_S = 5.0
 
 _LEASE_EXPIRED = "its lease expired after abort_timeout_s"
 _DROPPED = "the prefill request ended without lending blocks for the decode"
-#: the part of the scheduler's lease a rendezvous promise never uses: the scheduler started the lease
-#: up to a step before this rank learnt it, and frees on its own clock
-PIN_MARGIN_S = 1.0
-
-
-@dataclass
-class _Pin:
-    """A rendezvous promise: the blocks stay until ``until`` whatever a third party's release says."""
-
-    until: float
-    consumer: str                       # the asking engine's id: its own notices end the promise early
-    held: Optional[Release] = None      # a third party's release that waits for the promise to end
-
-
 @dataclass
 class _DoneState:
     ranks: set[int] = field(default_factory=set)
@@ -104,16 +84,7 @@ class _Deferred:
     deadline: float
 
 
-@dataclass
-class _Query:
-    """A blocks query (the rendezvous) asked before the rank learnt the transfer."""
-
-    msg: BlocksQuery
-    respond: Callable[[BlocksAnswer], None]
-    deadline: float
-
-
-class ProducerWorker(ConnectorWorker):
+class ProducerWorker(RendezvousAnswers, ConnectorWorker):
     """Owns a prefill rank's handshake server and the done-reading, release
     and confirmation bookkeeping of its transfers."""
 
@@ -129,14 +100,14 @@ class ProducerWorker(ConnectorWorker):
         self._first: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # their prefills' sampled tokens
         self._learnt: BoundedDict[str, float] = BoundedDict(MAX_REMEMBERED)  # when the rank learnt each send
         self._coming: BoundedDict[str, float] = BoundedDict(MAX_REMEMBERED)  # admitted, not yet sent
-        self._pins: BoundedDict[str, _Pin] = BoundedDict(MAX_DEFERRED_TRANSFERS, on_evict=self._pin_evicted)
+        self._pins: BoundedDict[str, Promise] = BoundedDict(MAX_DEFERRED_TRANSFERS, on_evict=self._pin_evicted)
         self._unpinned: list[Release] = []
         self._deferred: BoundedDict[str, list[_Deferred]] = BoundedDict(
             MAX_DEFERRED_TRANSFERS, on_evict=self._deferred_evicted)
         self._evicted: list[_Deferred] = []
-        self._queries: BoundedDict[str, list[_Query]] = BoundedDict(
+        self._queries: BoundedDict[str, list[WaitingQuery]] = BoundedDict(
             MAX_DEFERRED_TRANSFERS, on_evict=self._queries_evicted)
-        self._evicted_queries: list[_Query] = []
+        self._evicted_queries: list[WaitingQuery] = []
         self._refusals = RateLimitedLog(logger, "refused confirmations")
         self._defer_s = min(MAX_DEFER_S, self.config.handshake_timeout_s / 2)
         cfg = self.config
@@ -339,140 +310,6 @@ class ProducerWorker(ConnectorWorker):
                     del self._deferred[tid]
                 answers += [(d, self._unissued(d.msg)) for d in late]
         self._answer(answers)
-
-    # ------------------------------------------------------------------
-    # the rendezvous: a decode rank asks which blocks hold a transfer
-    # ------------------------------------------------------------------
-    def _on_blocks_query(self, msg: BlocksQuery, respond: Callable[[BlocksAnswer], None]) -> None:
-        wait_s = min(msg.wait_ms / 1000.0, self.config.prefill_wait_timeout_s)
-        with self._lock:
-            answer = self._blocks_answer_locked(msg)
-            if answer is None and wait_s <= 0 and msg.transfer_id in self._coming:
-                answer = self._still_coming(msg)
-            if answer is None and wait_s > 0:
-                waiting = self._queries.get(msg.transfer_id)
-                if waiting is None:
-                    waiting = self._queries[msg.transfer_id] = []  # may evict the oldest transfer's
-                if len(waiting) < MAX_DEFERRED_PER_TRANSFER:
-                    waiting.append(_Query(msg, respond, time.monotonic() + wait_s))
-                else:
-                    answer = self._not_found(msg, f"too many queries wait for transfer {msg.transfer_id}")
-            elif answer is None:
-                answer = self._unknown(msg)
-            evicted, self._evicted_queries = self._evicted_queries, []
-        self._answer_queries([(q, self._unknown(q.msg)) for q in evicted])
-        if answer is not None:
-            self._answer_queries([(_Query(msg, respond, 0.0), answer)])
-
-    def _blocks_answer_locked(self, msg: BlocksQuery) -> Optional[BlocksAnswer]:
-        """The blocks of the queried transfer, why they are gone, or None while the rank has not learnt it."""
-        tid = msg.transfer_id
-        why = self._released.get(tid)
-        if why is not None:
-            return self._not_found(msg, f"producer released transfer {tid} ({why})")
-        blocks = self._issued.get(tid)
-        if blocks is None:
-            return None
-        return BlocksAnswer(transfer_id=tid, tp_rank=self.tp_rank, found=True, block_ids=list(blocks),
-                            pp_size=self.pp_size, first_token_ids=self._first.get(tid, []),
-                            lease_ms=self._pin_locked(tid, msg.engine_id))
-
-    def _pin_locked(self, tid: str, consumer: str) -> int:
-        """Promise ``consumer`` the blocks of ``tid`` for a while; the promise's length in ms (0: none).
-
-        Why a consumer may trust a read that ended inside the promise without asking for a
-        confirmation: the rank's blocks are freed only when (a) the scheduler's lease expires,
-        (b) every consumer rank counted done, or (c) a release is taken. (a) cannot happen inside
-        the promise: it ends :data:`PIN_MARGIN_S` before the lease as this rank reckons it, and the
-        rank learnt the send no earlier than the scheduler started the lease. (b) needs this
-        consumer's own done-reading notices, sent after its reads ended. (c): a release from this
-        consumer's engine is taken at once (it comes only when that engine has ended or given up the
-        load, and it discards what it read); any other (the proxy abandoning the pair) waits until
-        the promise ends (:meth:`_on_release`). Since every rank of an engine must report a
-        transfer finished before its scheduler frees the blocks, the promise of the one rank asked
-        covers the whole engine's copy. The consumer counts the promise from before it sent its
-        question, so clock rates aside (a margin covers them) its window ends no later than ours.
-        """
-        learnt = self._learnt.get(tid)
-        if learnt is None:
-            return 0
-        now = time.monotonic()
-        left = self.config.abort_timeout_s - (now - learnt) - PIN_MARGIN_S
-        hold = min(left, self.config.transfer_timeout_s)
-        if hold < 0.1:
-            return 0
-        pin = self._pins.get(tid)
-        if pin is None:
-            self._pins[tid] = _Pin(now + hold, consumer)  # may evict the oldest promise: its release goes on
-        else:
-            pin.until = max(pin.until, now + hold)
-        return int(hold * 1000)
-
-    def _end_pins(self, now: float) -> None:
-        """Take the releases that waited for a promise that has ended."""
-        with self._lock:
-            due = [tid for tid, pin in self._pins.items() if pin.until <= now]
-            held = []
-            for tid in due:
-                pin = self._pins.pop(tid)
-                if pin.held is not None:
-                    held.append(pin.held)
-            held += self._unpinned
-            self._unpinned = []
-        for msg in held:
-            self._on_release(msg)
-
-    def _pin_evicted(self, _tid: str, pin: _Pin) -> None:
-        if pin.held is not None:
-            self._unpinned.append(pin.held)  # taken on the next tick
-
-    def _still_coming(self, msg: BlocksQuery) -> BlocksAnswer:
-        return BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, found=False, coming=True,
-                            reason=f"transfer {msg.transfer_id} is still queued or computing on producer "
-                                   f"{self.engine_id} rank {self.tp_rank}")
-
-    def _not_found(self, msg: BlocksQuery, reason: str) -> BlocksAnswer:
-        return BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, found=False, reason=reason)
-
-    def _unknown(self, msg: BlocksQuery) -> BlocksAnswer:
-        return self._not_found(msg, f"transfer {msg.transfer_id} was not issued by producer {self.engine_id} rank "
-                                    f"{self.tp_rank} within the wait (the prefill failed, is slow, or is elsewhere)")
-
-    def _resolve_queries_locked(self) -> list[tuple[_Query, BlocksAnswer]]:
-        found = []
-        for tid in [t for t in self._queries if t in self._issued or t in self._released]:
-            for q in self._queries.pop(tid):
-                answer = self._blocks_answer_locked(q.msg)
-                found.append((q, answer if answer is not None else self._unknown(q.msg)))
-        return found
-
-    def _expire_queries(self, now: float) -> None:
-        with self._lock:
-            if not self._queries:
-                return
-            late: list[tuple[_Query, BlocksAnswer]] = []
-            for tid in list(self._queries):
-                waiting = self._queries[tid]
-                answer = self._still_coming if tid in self._coming else self._unknown
-                late += [(q, answer(q.msg)) for q in waiting if q.deadline <= now]
-                waiting[:] = [q for q in waiting if q.deadline > now]
-                if not waiting:
-                    del self._queries[tid]
-        self._answer_queries(late)
-
-    def _queries_evicted(self, _tid: str, waiting: list[_Query]) -> None:
-        self._evicted_queries.extend(waiting)  # answered by the caller, outside the lock
-
-    def _answer_queries(self, answers: list[tuple[_Query, BlocksAnswer]]) -> None:
-        for q, answer in answers:
-            if not answer.found and not answer.coming:
-                logger.info("%s: no blocks for transfer %s to engine %s rank %d: %s", self._name,
-                            answer.transfer_id, q.msg.engine_id, q.msg.tp_rank, answer.reason)
-            try:
-                q.respond(answer)
-            except Exception:
-                logger.exception("%s: answering a blocks query for transfer %s failed", self._name,
-                                 answer.transfer_id)
 
     def _deferred_evicted(self, _tid: str, waiting: list[_Deferred]) -> None:
         self._evicted.extend(waiting)  # answered by the caller, outside the lock
