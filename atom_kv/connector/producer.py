@@ -18,6 +18,11 @@ A read is confirmed (``DoneAck(valid=True)``) only when all of these hold:
 - the blocks were not released before the notice arrived: by a release
   message, or by the scheduler (``ConnectorMetadata.released``, learnt in
   ``start_load_kv`` before the step's forward can overwrite them).
+
+The rendezvous (blocks queries, "still coming", and the promise a found answer
+carries) is answered by :mod:`atom_kv.connector.producer_rendezvous`; this
+module takes its releases: one from anyone but the promised consumer's engine
+waits until the promise ends.
 """
 
 from __future__ import annotations
@@ -30,12 +35,12 @@ from typing import Callable, Optional
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handshake_port
+from atom_kv.connector.producer_rendezvous import Promise, RendezvousAnswers, WaitingQuery
+from atom_kv.connector.release import engine_sender
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput
 from atom_kv.connector.worker import ConnectorWorker
 from atom_kv.transfer.memory import pair_refusal
 from atom_kv.wire import (
-    BlocksAnswer,
-    BlocksQuery,
     DoneAck,
     DoneReading,
     HandshakeReply,
@@ -62,8 +67,7 @@ MAX_DEFERRED_PER_TRANSFER = 64
 MAX_DEFER_S = 5.0
 
 _LEASE_EXPIRED = "its lease expired after abort_timeout_s"
-
-
+_DROPPED = "the prefill request ended without lending blocks for the decode"
 @dataclass
 class _DoneState:
     ranks: set[int] = field(default_factory=set)
@@ -80,16 +84,7 @@ class _Deferred:
     deadline: float
 
 
-@dataclass
-class _Query:
-    """A blocks query (the rendezvous) asked before the rank learnt the transfer."""
-
-    msg: BlocksQuery
-    respond: Callable[[BlocksAnswer], None]
-    deadline: float
-
-
-class ProducerWorker(ConnectorWorker):
+class ProducerWorker(RendezvousAnswers, ConnectorWorker):
     """Owns a prefill rank's handshake server and the done-reading, release
     and confirmation bookkeeping of its transfers."""
 
@@ -103,12 +98,16 @@ class ProducerWorker(ConnectorWorker):
         self._released: BoundedDict[str, str] = BoundedDict(MAX_REMEMBERED)  # reads no longer confirmed: tid -> why
         self._issued: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # live transfers' blocks
         self._first: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # their prefills' sampled tokens
+        self._learnt: BoundedDict[str, float] = BoundedDict(MAX_REMEMBERED)  # when the rank learnt each send
+        self._coming: BoundedDict[str, float] = BoundedDict(MAX_REMEMBERED)  # admitted, not yet sent
+        self._pins: BoundedDict[str, Promise] = BoundedDict(MAX_DEFERRED_TRANSFERS, on_evict=self._pin_evicted)
+        self._unpinned: list[Release] = []
         self._deferred: BoundedDict[str, list[_Deferred]] = BoundedDict(
             MAX_DEFERRED_TRANSFERS, on_evict=self._deferred_evicted)
         self._evicted: list[_Deferred] = []
-        self._queries: BoundedDict[str, list[_Query]] = BoundedDict(
+        self._queries: BoundedDict[str, list[WaitingQuery]] = BoundedDict(
             MAX_DEFERRED_TRANSFERS, on_evict=self._queries_evicted)
-        self._evicted_queries: list[_Query] = []
+        self._evicted_queries: list[WaitingQuery] = []
         self._refusals = RateLimitedLog(logger, "refused confirmations")
         self._defer_s = min(MAX_DEFER_S, self.config.handshake_timeout_s / 2)
         cfg = self.config
@@ -145,16 +144,24 @@ class ProducerWorker(ConnectorWorker):
         return super().get_finished()
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        now = time.monotonic()
         with self._lock:
+            for tid in metadata.coming:
+                if tid not in self._issued and tid not in self._released:
+                    self._coming[tid] = now
             for send in metadata.sends:
+                self._coming.pop(send.transfer_id, None)
                 if send.transfer_id not in self._released:
                     self._issued[send.transfer_id] = list(send.block_ids)
+                    if send.transfer_id not in self._learnt:
+                        self._learnt[send.transfer_id] = now
                     if send.first_token_ids:
                         self._first[send.transfer_id] = list(send.first_token_ids[:MAX_FIRST_TOKENS])
+            for tid in metadata.dropped:
+                if self._coming.pop(tid, None) is not None and tid not in self._issued and tid not in self._released:
+                    self._released[tid] = _DROPPED
             for tid in metadata.released:
-                self._done.pop(tid, None)
-                self._issued.pop(tid, None)
-                self._first.pop(tid, None)
+                self._forget_locked(tid)
                 why = self._ended.get(tid) or _LEASE_EXPIRED
                 self._ended[tid] = why
                 if tid not in self._released:
@@ -218,6 +225,9 @@ class ProducerWorker(ConnectorWorker):
             if msg.transfer_id in self._released or msg.transfer_id in self._ended:
                 return
             self._issued[msg.transfer_id] = list(msg.block_ids)
+            if msg.transfer_id not in self._learnt:
+                self._learnt[msg.transfer_id] = time.monotonic()
+            self._coming.pop(msg.transfer_id, None)
             answers = self._resolve_deferred_locked()
             found = self._resolve_queries_locked()
         self._answer(answers)
@@ -229,9 +239,14 @@ class ProducerWorker(ConnectorWorker):
         with self._lock:
             if tid in self._released or tid in self._ended:
                 return  # idempotent: already counted or released
-            self._done.pop(tid, None)
-            self._issued.pop(tid, None)
-            self._first.pop(tid, None)
+            pin = self._pins.get(tid)
+            if pin is not None and msg.sender != engine_sender("decode", pin.consumer):
+                if time.monotonic() < pin.until:
+                    pin.held = pin.held or msg  # applied when the promise ends, unless the reads end first
+                    logger.info("%s: transfer %s %s; holding its blocks until the rendezvous lease given to "
+                                "engine %s ends", self._name, tid, why, pin.consumer)
+                    return
+            self._forget_locked(tid)
             self._ended[tid] = why
             self._released[tid] = why
             self._finished_send.append(tid)
@@ -243,6 +258,15 @@ class ProducerWorker(ConnectorWorker):
         self._answer([(d, self._ack(d.msg, False, f"producer {why} before the read was confirmed")) for d in waiting])
 
     # ------------------------------------------------------------------
+    def _forget_locked(self, tid: str) -> None:
+        """Drop what the rank keeps for a live transfer (it was counted, released or freed)."""
+        self._done.pop(tid, None)
+        self._issued.pop(tid, None)
+        self._first.pop(tid, None)
+        self._learnt.pop(tid, None)
+        self._coming.pop(tid, None)
+        self._pins.pop(tid, None)
+
     def _ack(self, msg: DoneReading, valid: bool, reason: str = "") -> DoneAck:
         return DoneAck(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, valid=valid, reason=reason)
 
@@ -279,6 +303,7 @@ class ProducerWorker(ConnectorWorker):
         it between polls)."""
         now = time.monotonic()
         self._expire_queries(now)
+        self._end_pins(now)
         with self._lock:
             if not self._deferred:
                 return
@@ -293,82 +318,6 @@ class ProducerWorker(ConnectorWorker):
                     del self._deferred[tid]
                 answers += [(d, self._unissued(d.msg)) for d in late]
         self._answer(answers)
-
-    # ------------------------------------------------------------------
-    # the rendezvous: a decode rank asks which blocks hold a transfer
-    # ------------------------------------------------------------------
-    def _on_blocks_query(self, msg: BlocksQuery, respond: Callable[[BlocksAnswer], None]) -> None:
-        wait_s = min(msg.wait_ms / 1000.0, self.config.prefill_wait_timeout_s)
-        with self._lock:
-            answer = self._blocks_answer_locked(msg)
-            if answer is None and wait_s > 0:
-                waiting = self._queries.get(msg.transfer_id)
-                if waiting is None:
-                    waiting = self._queries[msg.transfer_id] = []  # may evict the oldest transfer's
-                if len(waiting) < MAX_DEFERRED_PER_TRANSFER:
-                    waiting.append(_Query(msg, respond, time.monotonic() + wait_s))
-                else:
-                    answer = self._not_found(msg, f"too many queries wait for transfer {msg.transfer_id}")
-            elif answer is None:
-                answer = self._unknown(msg)
-            evicted, self._evicted_queries = self._evicted_queries, []
-        self._answer_queries([(q, self._unknown(q.msg)) for q in evicted])
-        if answer is not None:
-            self._answer_queries([(_Query(msg, respond, 0.0), answer)])
-
-    def _blocks_answer_locked(self, msg: BlocksQuery) -> Optional[BlocksAnswer]:
-        """The blocks of the queried transfer, why they are gone, or None while the rank has not learnt it."""
-        tid = msg.transfer_id
-        why = self._released.get(tid)
-        if why is not None:
-            return self._not_found(msg, f"producer released transfer {tid} ({why})")
-        blocks = self._issued.get(tid)
-        if blocks is None:
-            return None
-        return BlocksAnswer(transfer_id=tid, tp_rank=self.tp_rank, found=True, block_ids=list(blocks),
-                            pp_size=self.pp_size, first_token_ids=self._first.get(tid, []))
-
-    def _not_found(self, msg: BlocksQuery, reason: str) -> BlocksAnswer:
-        return BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, found=False, reason=reason)
-
-    def _unknown(self, msg: BlocksQuery) -> BlocksAnswer:
-        return self._not_found(msg, f"transfer {msg.transfer_id} was not issued by producer {self.engine_id} rank "
-                                    f"{self.tp_rank} within the wait (the prefill failed, is slow, or is elsewhere)")
-
-    def _resolve_queries_locked(self) -> list[tuple[_Query, BlocksAnswer]]:
-        found = []
-        for tid in [t for t in self._queries if t in self._issued or t in self._released]:
-            for q in self._queries.pop(tid):
-                answer = self._blocks_answer_locked(q.msg)
-                found.append((q, answer if answer is not None else self._unknown(q.msg)))
-        return found
-
-    def _expire_queries(self, now: float) -> None:
-        with self._lock:
-            if not self._queries:
-                return
-            late: list[_Query] = []
-            for tid in list(self._queries):
-                waiting = self._queries[tid]
-                late += [q for q in waiting if q.deadline <= now]
-                waiting[:] = [q for q in waiting if q.deadline > now]
-                if not waiting:
-                    del self._queries[tid]
-        self._answer_queries([(q, self._unknown(q.msg)) for q in late])
-
-    def _queries_evicted(self, _tid: str, waiting: list[_Query]) -> None:
-        self._evicted_queries.extend(waiting)  # answered by the caller, outside the lock
-
-    def _answer_queries(self, answers: list[tuple[_Query, BlocksAnswer]]) -> None:
-        for q, answer in answers:
-            if not answer.found:
-                logger.info("%s: no blocks for transfer %s to engine %s rank %d: %s", self._name,
-                            answer.transfer_id, q.msg.engine_id, q.msg.tp_rank, answer.reason)
-            try:
-                q.respond(answer)
-            except Exception:
-                logger.exception("%s: answering a blocks query for transfer %s failed", self._name,
-                                 answer.transfer_id)
 
     def _deferred_evicted(self, _tid: str, waiting: list[_Deferred]) -> None:
         self._evicted.extend(waiting)  # answered by the caller, outside the lock
@@ -397,10 +346,12 @@ class ProducerWorker(ConnectorWorker):
             st.ranks.add(msg.tp_rank)
             if len(st.ranks) < st.tp_size:
                 return
-            del self._done[msg.transfer_id]
+            del self._done[msg.transfer_id]  # its blocks stay known: a late confirmation still finds them
+            self._first.pop(msg.transfer_id, None)
+            self._learnt.pop(msg.transfer_id, None)
+            self._pins.pop(msg.transfer_id, None)  # a release held for the promise is moot now
             self._ended[msg.transfer_id] = "every consumer rank had finished reading"
             self._finished_send.append(msg.transfer_id)
-            self._first.pop(msg.transfer_id, None)
         self._wake()
         logger.debug("%s: transfer %s read by all %d consumer ranks (last %s)", self._name, msg.transfer_id,
                      msg.tp_size, "ok" if msg.ok else "gave up")
