@@ -195,3 +195,34 @@ def test_sigterm_mid_step_names_the_step_in_the_summary(tmp_path):
     assert "cut off by SIGTERM during step install-kit" in (out / "summary.txt").read_text()
     with pytest.raises(ProcessLookupError):  # the step's processes were ended with it
         os.kill(status["install-kit"]["pid"], 0)
+
+
+def test_summary_reads_the_targets_and_bases_the_bench_prints():
+    from gpu_check import _figure_lines
+    from gpu_check_steps import transfer_figures
+
+    from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+
+    if nixl_unavailable_reason():  # `make test` installs NIXL: its host-memory rows carry a target
+        pytest.skip(nixl_unavailable_reason())
+    out = subprocess.run([sys.executable, "-m", "atom_kv.bench", "transfer", "--backend", "nixl", "--total-mb", "4",
+                          "--block-kb", "64", "--repeat", "1", "--json"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    (row,) = transfer_figures(out.stdout)["rows"]
+    assert row["block_kb"] == 64 and row["base"] == "raw NIXL" and row["base_gbps"] > 0
+    assert row["ratio"] == pytest.approx(row["gbps"] / row["base_gbps"], rel=0.01)
+    (line,) = _figure_lines({"rows": [row]})
+    assert f"x raw NIXL {row['base_gbps']:.2f} GB/s (same run)" in line
+    assert line.endswith("met" if row["meets_target"] else "MISSED")
+
+
+def test_e2e_bench_device_cuda_without_a_gpu_is_one_line_and_exit_2():
+    from atom_kv.transfer.memory import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is visible here")
+    out = subprocess.run([sys.executable, "-m", "atom_kv.bench", "e2e", "--device", "cuda"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "e2e bench: --device cuda: no GPU visible" in out.stderr
