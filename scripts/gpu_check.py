@@ -15,14 +15,18 @@ every GPU step skipped with that reason, exit 0. Exit 1 when a step failed
 or was cut off by its timeout, 2 for a missing or mismatched kit, 128 + the
 signal's number when cut off by a signal.
 
+Processes a step leaves behind, also those in sessions of their own (the
+test clusters' engines), are ended after it: gpu-check is their subreaper.
+
 Test hooks (standard library only, named as fakes): ``GPU_CHECK_FAKE_SLOW_STEP=NAME``
-replaces that step's command with a sleep; ``GPU_CHECK_TIMEOUTS=name=s,...``
-overrides timeouts.
+replaces that step's command with a sleep that also leaves a detached child;
+``GPU_CHECK_TIMEOUTS=name=s,...`` overrides timeouts.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -38,6 +42,13 @@ from gpu_check_steps import RESULT_PREFIX, Context, Step, steps
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_BUDGET_S = 460.0
 KILL_GRACE_S = 5.0
+PR_SET_CHILD_SUBREAPER = 36
+#: the stand-in for a hanging step: sleeps, after starting a child in a session of its own
+FAKE_SLOW_STEP = ("import subprocess, sys, time\n"
+                  "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], "
+                  "start_new_session=True)\n"
+                  "print(f'fake slow step: sleeping; detached child {child.pid}', flush=True)\n"
+                  "time.sleep(600)\n")
 #: pip settings of this shell that would let the offline install reach anything but the kit
 PIP_ENV_DROP = ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT", "PIP_REQUIREMENT")
 
@@ -142,6 +153,57 @@ def _stop_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def _become_subreaper() -> None:
+    """Orphans of the steps become our children, so that nothing a step started outlives it."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            out.append(pid)
+            todo.append(pid)
+    return out
+
+
+def _end_leftovers() -> int:
+    """SIGTERM, then SIGKILL after a grace period, to every process still below this one; how many there were."""
+    left = _descendants(os.getpid())
+    found = len(left)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in left:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + KILL_GRACE_S
+        while left and time.monotonic() < deadline:
+            try:
+                while os.waitpid(-1, os.WNOHANG)[0] > 0:  # reap the orphans handed to us
+                    pass
+            except ChildProcessError:
+                pass
+            left = _descendants(os.getpid())
+            if left:
+                time.sleep(0.1)
+        if not left:
+            break
+    return found
+
+
 def _tail(path: str, lines: int = 3) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -164,7 +226,7 @@ def run_step(step: Step, ctx: Context, logs: str, index: int, timeout_s: float, 
     cmd = step.command(ctx)
     fake = os.environ.get("GPU_CHECK_FAKE_SLOW_STEP") == step.name
     if fake:  # a stand-in for a step that hangs, for gpu-check's own tests
-        cmd = [sys.executable, "-c", "import time; print('fake slow step: sleeping', flush=True); time.sleep(600)"]
+        cmd = [sys.executable, "-c", FAKE_SLOW_STEP]
     start = summary.step_started = time.monotonic()
     with open(log_path, "w", encoding="utf-8") as log:
         log.write("$ " + " ".join(cmd) + "\n")
@@ -185,6 +247,9 @@ def run_step(step: Step, ctx: Context, logs: str, index: int, timeout_s: float, 
         finally:
             if proc.poll() is None:
                 _stop_group(proc)
+            leftovers = _end_leftovers()
+            if leftovers:
+                log.write(f"gpu-check: ended {leftovers} process(es) the step left behind\n")
     with open(log_path, encoding="utf-8", errors="replace") as f:
         text = f.read()
     row = dict(name=step.name, status="passed" if rc == 0 else "failed", seconds=round(time.monotonic() - start, 1),
@@ -234,6 +299,7 @@ def check(args: argparse.Namespace) -> int:
     plan = steps()
     failed = ""
     no_gpu: Optional[str] = None
+    _become_subreaper()
     signal.signal(signal.SIGTERM, _raise_cut_off)
     signal.signal(signal.SIGINT, _raise_cut_off)
     current = plan[0]
