@@ -13,8 +13,9 @@ can install them there without a package index:
   minor, about half the wheel, which nothing here imports (``--keep-nixl-ep``
   keeps the wheel as published).
 
-torch, numpy and ``nvidia-*`` are never downloaded: the resolution is checked
-before anything is fetched. atom-kv itself is not in the kit: the machine
+torch, numpy and ``nvidia-*`` (and the packages in ``TARGET_HAS``) are never
+downloaded: the closure is resolved from metadata first, and they are left out
+of it, for the machine's own builds. atom-kv itself is not in the kit: the machine
 runs the checkout in place (the tests and the bench come from it anyway).
 
 Also writes ``requirements.txt`` (what ``gpu-check.sh`` installs) and
@@ -84,9 +85,9 @@ def target_flags(args: argparse.Namespace) -> list[str]:
             "--platform", args.platform]
 
 
-def resolve(args: argparse.Namespace, requirements: list[str]) -> list[tuple[str, str]]:
-    """(name, version) of every wheel the requirements need on the target, checked
-    against ``NEVER`` before anything is downloaded."""
+def resolve(args: argparse.Namespace, requirements: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """(name, version) of every wheel the requirements need on the target, and the names left
+    to the machine (``NEVER`` and ``TARGET_HAS``), resolved from metadata before anything is downloaded."""
     with tempfile.TemporaryDirectory(prefix="gpu-kit-resolve-") as tmp:
         report = os.path.join(tmp, "report.json")
         pip(args.python, ["install", "--dry-run", "--ignore-installed", "--report", report,
@@ -94,11 +95,13 @@ def resolve(args: argparse.Namespace, requirements: list[str]) -> list[tuple[str
         with open(report, encoding="utf-8") as f:
             items = json.load(f)["install"]
     pins = [(item["metadata"]["name"], item["metadata"]["version"]) for item in items]
-    banned = sorted(name for name, _ in pins if NEVER.match(canonical(name)))
-    if banned:
-        raise KitError(f"the requirements pull {', '.join(banned)}, which the GPU machine has its own build of; "
-                       "remove what depends on it from KIT_EXTRA")
-    return pins
+
+    asked = {canonical(re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0]) for r in args.extra}
+
+    def machines(name: str) -> bool:  # --extra names what this machine lacks after all
+        return bool(NEVER.match(canonical(name))) or (canonical(name) in TARGET_HAS and canonical(name) not in asked)
+
+    return [p for p in pins if not machines(p[0])], sorted(canonical(n) for n, _ in pins if machines(n))
 
 
 def slim_nixl(path: str) -> int:
@@ -150,7 +153,7 @@ def source_commit() -> str:
 def build(args: argparse.Namespace) -> dict:
     kit = os.path.abspath(args.kit_dir)
     requirements = project_requirements() + list(args.extra)
-    pins = resolve(args, requirements)
+    pins, left = resolve(args, requirements)
     prepare_dir(kit)
     pip(args.python, ["download", "--no-deps", "-d", kit, *target_flags(args),
                       *[f"{name}=={version}" for name, version in pins]])
@@ -174,6 +177,7 @@ def build(args: argparse.Namespace) -> dict:
         "nixl_ep_removed_bytes": saved,
         "requirements": requirements,
         "assumed_on_machine": sorted(TARGET_HAS | {"torch"}),
+        "resolved_but_left_to_machine": left,
         "wheels": [{"file": w, "bytes": os.path.getsize(os.path.join(kit, w))} for w in wheels],
         "source_commit": source_commit(),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -197,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--platform", default="manylinux_2_28_x86_64",
                    help="the machine's wheel platform (manylinux_2_28 covers glibc >= 2.28 on x86_64)")
     p.add_argument("--max-mib", type=float, default=60.0, help="refuse a kit larger than this")
-    p.add_argument("--extra", action="append", default=[], help="one more requirement for the kit (repeatable)")
+    p.add_argument("--extra", action="append", default=[],
+                   help="one more requirement for the kit (repeatable), e.g. one the machine lacks after all")
     p.add_argument("--keep-nixl-ep", action="store_true", help="keep NIXL's nixl_ep_* package in its wheel")
     p.add_argument("--python", default=sys.executable, help="the interpreter whose pip downloads")
     args = p.parse_args(argv)

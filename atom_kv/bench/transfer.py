@@ -374,7 +374,8 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
         sock.append(socket_gbps(sock_port, dst, args.timeout_s))
         # raw NIXL before our read on even repeats, after it on odd ones, so
         # neither always runs in the other's wake
-        if raw_loop is not None and i % 2 == 0 and (error := _raw_once(raw_loop, raw, dst, src, lperm, rperm, args, gpu)):
+        if raw_loop is not None and i % 2 == 0 and (
+                error := _raw_once(raw_loop, raw, dst, src, lperm, rperm, args, gpu)):
             verified = False
             break
         if gpu is not None:
@@ -405,7 +406,8 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
             verified = False
             error = "bytes read differ from the source"
             break
-        if raw_loop is not None and i % 2 == 1 and (error := _raw_once(raw_loop, raw, dst, src, lperm, rperm, args, gpu)):
+        if raw_loop is not None and i % 2 == 1 and (
+                error := _raw_once(raw_loop, raw, dst, src, lperm, rperm, args, gpu)):
             verified = False
             break
     row = {
@@ -444,7 +446,8 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
             f"{row['backend']:>6} block {block_kb:>5} KiB {'scattered' if args.scattered else 'contiguous':>10}: "
             f"{row['gbps']:7.3f} GB/s (median {row['gbps_median']:.3f})  memcpy {row['memcpy_gbps']:.3f} "
             f"({pct_mem:.0f}%)  socket {row['socket_gbps']:.3f} ({pct_sock:.0f}%)"
-            + (f"  raw NIXL {row['raw_nixl_gbps']:.3f} (ratio {row['raw_ratio']:.2f})" if "raw_nixl_gbps" in row else "")
+            + (f"  raw NIXL {row['raw_nixl_gbps']:.3f} (ratio {row['raw_ratio']:.2f})"
+               if "raw_nixl_gbps" in row else "")
             + f"  verified={verified}"
             + (f"  device ceiling {row['ceiling_gbps']:.3f}" if "ceiling_gbps" in row else "")
             + (f"  host tcp {row['host_gbps']:.3f}" if "host_gbps" in row else "")
