@@ -179,7 +179,9 @@ def test_sigterm_mid_step_names_the_step_in_the_summary(tmp_path):
                                 stderr=subprocess.STDOUT, env=_clean_env(GPU_CHECK_FAKE_SLOW_STEP="install-kit"))
     try:
         log = out / "logs" / "02-install-kit.log"
-        wait_until(lambda: "fake slow step: sleeping" in log.read_text(), 120, what="the fake install-kit step")
+        # its output, not the command line the log starts with
+        started = wait_until(lambda: re.search(r"detached child (\d+)", log.read_text()), 120,
+                             what="the fake install-kit step")
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
     finally:
@@ -193,7 +195,7 @@ def test_sigterm_mid_step_names_the_step_in_the_summary(tmp_path):
     assert status["install-kit"]["status"] == "cut-off" and "SIGTERM" in status["install-kit"]["reason"]
     assert status["probe"]["reason"] == "not reached: cut off during install-kit"
     assert "cut off by SIGTERM during step install-kit" in (out / "summary.txt").read_text()
-    detached = int(re.search(r"detached child (\d+)", log.read_text()).group(1))
+    detached = int(started.group(1))
     for pid in (status["install-kit"]["pid"], detached):  # the step ended, with what it left in another session
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
