@@ -42,15 +42,23 @@ print("GPU_CHECK_RESULT " + json.dumps(out), flush=True)
 """
 
 #: a venv over this Python's own packages (its torch); where ensurepip is missing (Debian's python3 without
-#: python3-venv) one without pip, which then runs this Python's own pip
+#: python3-venv) one without pip, which then runs this Python's own pip. When this Python is itself a venv's,
+#: --system-site-packages would reach only its base: a .pth names this venv's site-packages too.
 MAKE_VENV = r"""
-import subprocess, sys, venv
+import os, site, subprocess, sys, sysconfig, venv
+target = {venv!r}
 try:
-    venv.create({venv!r}, system_site_packages=True, with_pip=True)
+    venv.create(target, system_site_packages=True, with_pip=True)
 except Exception as exc:
     print(f"venv with pip failed ({{exc}}); trying without pip, using this Python's own pip", flush=True)
-    venv.create({venv!r}, system_site_packages=True, with_pip=False, clear=True)
-    sys.exit(subprocess.call([{venv!r} + "/bin/python", "-m", "pip", "--version"]))
+    venv.create(target, system_site_packages=True, with_pip=False, clear=True)
+    if subprocess.call([target + "/bin/python", "-m", "pip", "--version"]) != 0:
+        sys.exit("this Python has neither ensurepip nor pip; install python3-venv or python3-pip")
+if sys.prefix != sys.base_prefix:
+    purelib = sysconfig.get_path("purelib", vars={{"base": target, "platbase": target}})
+    with open(os.path.join(purelib, "_gpu_check_parent_site.pth"), "w") as f:
+        f.writelines(p + "\n" for p in site.getsitepackages())
+    print("this Python is a venv's: its site-packages are visible through a .pth", flush=True)
 """
 
 #: the checkout runs in place: a .pth in the venv names it (no build backend needed; Python 3.12 venvs
