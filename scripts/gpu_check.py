@@ -3,7 +3,7 @@
 Creates a scratch venv on top of this Python's own packages (its torch),
 installs the kit (``make gpu-kit``) with ``--no-index``, runs the checkout in
 place, then the ``gpu`` tests and the GPU bench, each step in its own process
-group with its own timeout, all inside one budget (``--budget-s``, 460 s by
+group with its own timeout, all inside one budget (``--budget-s``, 450 s by
 default: done inside 8 minutes). Writes ``OUTDIR/summary.txt``,
 ``OUTDIR/summary.json`` (rewritten after every step, so a hard kill still
 leaves the step it was on, marked ``running``) and each step's log in
@@ -40,7 +40,7 @@ from typing import Any, Optional
 from gpu_check_steps import RESULT_PREFIX, Context, Step, steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_BUDGET_S = 460.0
+DEFAULT_BUDGET_S = 450.0  # plus at most 20 s to end a step cut off at the deadline: inside 8 minutes
 KILL_GRACE_S = 5.0
 PR_SET_CHILD_SUBREAPER = 36
 #: the stand-in for a hanging step: sleeps, after starting a child in a session of its own
@@ -81,9 +81,19 @@ class Summary:
         self.write()
         return row
 
+    def result(self) -> str:
+        """``cut-off``, ``failed`` (a step failed or ran past its timeout), ``running`` or ``passed``."""
+        states = {s["status"] for s in self.steps}
+        if self.cut_off_during:
+            return "cut-off"
+        if states & {"failed", "cut-off"}:
+            return "failed"
+        return "running" if "running" in states else "passed"
+
     def doc(self) -> dict[str, Any]:
         m = self.ctx.manifest
         return {
+            "result": self.result(), "kit_source_commit": m.get("source_commit"),
             "checkout": ROOT, "kit": self.ctx.kit, "kit_python": m.get("python_version"), "kit_nixl": m.get("nixl"),
             "python": sys.version.split()[0], "budget_s": self.budget_s,
             "seconds": round(time.time() - self.started, 1), "note": self.note,
@@ -93,7 +103,7 @@ class Summary:
     def write(self) -> None:
         doc = self.doc()
         _atomic_write(os.path.join(self.out, "summary.json"), json.dumps(doc, indent=2) + "\n")
-        lines = [f"gpu-check: {doc['seconds']:.0f} s of a {self.budget_s:.0f} s budget; kit {self.ctx.kit} "
+        lines = [f"gpu-check: {doc['result']}, {doc['seconds']:.0f} s of a {self.budget_s:.0f} s budget; kit {self.ctx.kit} "
                  f"(Python {doc['kit_python']}, NIXL {doc['kit_nixl']}); Python {doc['python']}"]
         if self.ctx.probe.get("torch"):
             lines.append(f"torch {self.ctx.probe['torch']} ({self.ctx.probe.get('build')}), GPUs: "

@@ -128,6 +128,7 @@ def test_offline_install_then_every_gpu_step_skipped_without_cuda(kit, tmp_path)
     no_cuda = [line for line in proc.stdout.splitlines() if "no CUDA" in line]
     assert len(no_cuda) == 1 and "every GPU step is skipped" in no_cuda[0], proc.stdout
     doc = json.loads((out / "summary.json").read_text())
+    assert doc["result"] == "passed" and doc["cut_off_during"] is None
     status = {s["name"]: s for s in doc["steps"]}
     assert [s["name"] for s in doc["steps"]] == SETUP_STEPS + GPU_STEPS
     for name in SETUP_STEPS:
@@ -166,6 +167,7 @@ def test_a_step_past_its_timeout_is_cut_off_and_named(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     doc = json.loads((out / "summary.json").read_text())
     status = {s["name"]: s for s in doc["steps"]}
+    assert doc["result"] == "failed" and doc["cut_off_during"] is None
     assert status["venv"]["status"] == "cut-off"
     assert status["venv"]["reason"] == "ran past its 2 s timeout"
     assert status["install-kit"]["reason"] == "not run: venv failed"
@@ -189,7 +191,7 @@ def test_sigterm_mid_step_names_the_step_in_the_summary(tmp_path):
             proc.kill()
     assert rc == 128 + signal.SIGTERM, (tmp_path / "stdout").read_text()
     doc = json.loads((out / "summary.json").read_text())
-    assert doc["cut_off_during"] == "install-kit"
+    assert doc["cut_off_during"] == "install-kit" and doc["result"] == "cut-off"
     status = {s["name"]: s for s in doc["steps"]}
     assert status["venv"]["status"] == "passed"
     assert status["install-kit"]["status"] == "cut-off" and "SIGTERM" in status["install-kit"]["reason"]
