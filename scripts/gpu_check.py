@@ -279,6 +279,12 @@ def load_kit(kit: str) -> tuple[Optional[dict[str, Any]], str]:
                       "here, and name it with --kit or GPU_KIT")
     with open(path, encoding="utf-8") as f:
         manifest = json.load(f)
+    for wheel in manifest.get("wheels", []):  # a copy cut short shows here, not as a failed install
+        path = os.path.join(kit, wheel["file"])
+        size = os.path.getsize(path) if os.path.isfile(path) else -1
+        if size != wheel["bytes"]:
+            state = "missing" if size < 0 else f"{size} bytes, not {wheel['bytes']}"
+            return None, f"the kit at {kit} is incomplete: {wheel['file']} is {state}; copy the kit again"
     here = f"{sys.version_info[0]}.{sys.version_info[1]}"
     if manifest.get("python_version") != here:
         return None, (f"the kit at {kit} is for Python {manifest.get('python_version')}, this is Python {here}: "

@@ -17,6 +17,7 @@ import importlib.metadata as metadata
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,6 +159,17 @@ def test_missing_kit_is_one_line_and_exit_2(tmp_path):
                           text=True, timeout=60, env=_clean_env())
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "no kit at" in proc.stderr and "make gpu-kit" in proc.stderr
+
+
+def test_a_kit_copied_short_is_one_line_and_exit_2(kit, tmp_path):
+    short = tmp_path / "kit"
+    shutil.copytree(kit, short)
+    wheel = next(p for p in sorted(short.iterdir()) if p.name.startswith("msgspec-"))
+    wheel.write_bytes(wheel.read_bytes()[:1000])
+    proc = subprocess.run([CHECK, str(tmp_path / "out"), "--kit", str(short)], capture_output=True, text=True,
+                          timeout=60, env=_clean_env())
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and f"{wheel.name} is 1000 bytes, not" in proc.stderr, proc.stderr
 
 
 def test_a_step_past_its_timeout_is_cut_off_and_named(tmp_path):
