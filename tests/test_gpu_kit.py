@@ -2,11 +2,11 @@
 
 A kit is built for this machine's Python (without NIXL) from the package
 index, then installed by ``gpu-check.sh`` with ``--no-index`` into a fresh
-venv. The venv builds on a stand-in for a GPU machine's site-packages: a
-folder of links to just what such a machine has (torch, numpy, aiohttp, uvloop,
-prometheus-client, msgpack, pytest, pytest-timeout, hypothesis, and what they
-need), taken from this test environment, so everything else must come from
-the kit. With a CPU-only torch every GPU step must be skipped with the reason.
+venv. The venv builds on a stand-in for a GPU machine's Python: a venv whose
+site-packages hold links to just what such a machine has (torch, numpy,
+aiohttp, uvloop, prometheus-client, msgpack, pytest, pytest-timeout,
+hypothesis, and what they need), taken from this test environment, so
+everything else must come from the kit. With a CPU-only torch every GPU step must be skipped with the reason.
 Building the kit needs the index: in CI (``CI=true``) a failed download fails
 the test; elsewhere it skips with the reason.
 """
@@ -66,11 +66,12 @@ def _index_needed(proc: subprocess.CompletedProcess) -> None:
         pytest.skip(f"no package index reachable to build the GPU kit: {line[0]}")
 
 
-def _machine_site(dest: str) -> str:
-    """Links to MACHINE_HAS and their dependencies, as installed in this environment."""
+def _machine_python(root: str) -> str:
+    """A Python whose site-packages hold links to MACHINE_HAS and their dependencies, as installed here."""
     from packaging.requirements import Requirement
 
-    os.makedirs(dest)
+    subprocess.run([_base_python(), "-m", "venv", "--without-pip", root], check=True, timeout=120)
+    dest = os.path.join(root, "lib", f"python{HERE}", "site-packages")
     seen: set[str] = set()
     todo = list(MACHINE_HAS)
     while todo:
@@ -87,7 +88,7 @@ def _machine_site(dest: str) -> str:
             src, dst = os.path.join(str(dist.locate_file("")), top), os.path.join(dest, top)
             if os.path.exists(src) and not os.path.lexists(dst) and top != "__pycache__" and not top.endswith(".pth"):
                 os.symlink(src, dst)
-    return dest
+    return os.path.join(root, "bin", "python")
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +123,9 @@ def test_kit_states_its_size_and_holds_no_torch_numpy_or_nvidia(kit):
 
 def test_offline_install_then_every_gpu_step_skipped_without_cuda(kit, tmp_path):
     out = tmp_path / "out"
-    site = _machine_site(str(tmp_path / "machine-site"))
+    python = _machine_python(str(tmp_path / "machine"))
     proc = subprocess.run([CHECK, str(out), "--kit", kit], capture_output=True, text=True, timeout=400,
-                          env=_clean_env(GPU_CHECK_PYTHON=_base_python(), PYTHONPATH=site))
+                          env=_clean_env(GPU_CHECK_PYTHON=python))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     no_cuda = [line for line in proc.stdout.splitlines() if "no CUDA" in line]
     assert len(no_cuda) == 1 and "every GPU step is skipped" in no_cuda[0], proc.stdout
@@ -138,6 +139,8 @@ def test_offline_install_then_every_gpu_step_skipped_without_cuda(kit, tmp_path)
         assert status[name]["status"] == "skipped", status[name]
         assert status[name]["reason"].startswith("no CUDA: no GPU visible to torch"), status[name]
     assert status["preflight"]["figures"]["collected"] > 0  # the gpu tests import with only the kit installed
+    # the stand-in Python is a venv's: its own site-packages (torch) reach the scratch venv through a .pth
+    assert "visible through a .pth" in open(status["venv"]["log"]).read()
     install_log = open(status["install-kit"]["log"]).read()
     assert re.search(rf"Processing {re.escape(kit)}/msgspec-", install_log), install_log  # from the kit, no index
     text = (out / "summary.txt").read_text()
