@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu bench venv clean
+.PHONY: demo test test-gpu gpu-kit bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -48,6 +48,25 @@ $(GPU_STAMP): pyproject.toml
 
 test-gpu: $(GPU_STAMP)
 	$(GPU_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs -m gpu tests
+
+# `make gpu-kit`: for a GPU machine without a package index (docs/gpu.md, "An air-gapped
+# GPU machine"), the wheels it typically lacks, for its Python (PYTHON_VERSION), in one
+# git-ignored folder (KIT_DIR) that states its size; never torch, numpy or nvidia-*, which
+# the machine has. NIXL=cu12|cu13 adds NIXL for the machine's CUDA major (torch.version.cuda
+# there; about 29 MiB), NIXL=none leaves it out (about 3 MiB). A kit over KIT_MAX_MIB is
+# refused. KIT_EXTRA="aiohttp psutil" adds requirements the machine lacks after all.
+# There, `scripts/gpu-check.sh OUTDIR` installs it with --no-index and runs the `gpu`
+# tests and the GPU bench. Needs Python >= 3.11 with pip here (PY).
+PYTHON_VERSION ?= 3.12
+NIXL ?= cu13
+KIT_DIR ?= gpu-kit
+KIT_PLATFORM ?= manylinux_2_28_x86_64
+KIT_MAX_MIB ?= 60
+KIT_EXTRA ?=
+
+gpu-kit:
+	$(PY) scripts/gpu_kit.py --python-version $(PYTHON_VERSION) --nixl $(NIXL) --kit-dir $(KIT_DIR) \
+	    --platform $(KIT_PLATFORM) --max-mib $(KIT_MAX_MIB) $(foreach r,$(KIT_EXTRA),--extra '$(r)')
 
 # `make test-engines`: the tests that drive real engines' schedulers through our
 # adapters (tests/integrations/), each engine in its own environment, built once
