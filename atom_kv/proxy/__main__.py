@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-inflight-body-bytes", type=_pos_int, default=d.max_inflight_body_bytes,
                    help="request bodies the proxy holds at once, all clients together; a request past it is "
                         "answered 503 (default %(default)s)")
+    g.add_argument("--reuse-port", action="store_true",
+                   help="share the HTTP --port with other proxy processes started with this flag (SO_REUSEPORT; "
+                        "the kernel spreads connections among them), so one host's proxy uses several cores; "
+                        "give each process its own --discovery-port and list every one in the engines' proxy_ip")
     g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
     g.add_argument("--admin-token", default=None,
                    help="the management routes (/instances, /metrics) answer only requests with "
@@ -250,7 +254,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
         sse_split_max=args.sse_split_max, max_inflight_body_bytes=args.max_inflight_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
-        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, admin_token=args.admin_token,
+        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, reuse_port=args.reuse_port, admin_token=args.admin_token,
         otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_timeout_s=args.otlp_timeout,
     )
 
@@ -307,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        sock = listen_socket(settings.host, settings.port, settings.backlog)
+        sock = listen_socket(settings.host, settings.port, settings.backlog, reuse_port=settings.reuse_port)
     except OSError as exc:
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
         print(f"atom-kv-proxy: cannot listen on {settings.host}:{settings.port}: {reason}", file=sys.stderr)

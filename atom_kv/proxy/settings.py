@@ -73,6 +73,9 @@ class ProxySettings:
     stall_timeout: float = 60.0  # a client that reads nothing this long while an answer waits is dropped
     shutdown_timeout: float = 5.0
     backlog: int = 4096
+    # SO_REUSEPORT on the HTTP socket: N proxy processes on one host share ``port`` (each with its own
+    # discovery port), so one host's proxy uses N cores; needs a fixed port
+    reuse_port: bool = False
     log_summary_interval_s: float = 10.0  # rate-limited warnings: one summary per interval
     # OpenTelemetry: each relayed request becomes one trace, exported over OTLP/HTTP (protobuf) to this
     # URL (vLLM's --otlp-traces-endpoint; e.g. http://collector:4318/v1/traces). None: off, nothing imported
@@ -115,6 +118,9 @@ class ProxySettings:
             if engine.dp_size > self.max_dp_size:
                 raise ValueError(f"{engine.url}: dp={engine.dp_size} exceeds max_dp_size {self.max_dp_size}")
 
+        if self.reuse_port and self.port == 0:
+            raise ValueError("reuse_port: --reuse-port shares one fixed HTTP port between proxy processes; "
+                             "name it with --port (0 would give each process a port of its own)")
         if (self.discovery and self.registration_token is None and not self.allow_open_registration
                 and not is_loopback(self.discovery_bind_host)):
             raise ValueError(
