@@ -32,6 +32,8 @@ from typing import Optional
 
 import pytest
 
+from atom_kv.config import KVTransferConfig
+from atom_kv.ports import planned_ports
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json, scrape_metrics
 from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
@@ -46,12 +48,13 @@ TP = {"P": 2, "D": 1}
 HOST = {"P": "prefill", "D": "decode"}
 HEARTBEAT_S = 3.0
 PING_INTERVAL_S = 0.5
-UCX_PORTS = (6400, 6415)  # UCX's TCP listeners (one per rank) stay in this range
+UCX_PORTS = "6400-6415"  # nixl: UCX's TCP listeners (one per rank) stay in this range
 TOKEN = secrets.token_hex(16)
 
 
 def _engine_config(role: str, backend: str, proxy_addr: str) -> dict:
-    return {
+    extra = {"nixl_ucx_tcp_port_range": UCX_PORTS} if backend == "nixl" else {}
+    return {**extra,
         "kv_role": "kv_producer" if role == "P" else "kv_consumer",
         "backend": backend,
         "handshake_port": HANDSHAKE_PORT,
@@ -64,14 +67,12 @@ def _engine_config(role: str, backend: str, proxy_addr: str) -> dict:
     }
 
 
-def planned_ports(role: str, backend: str) -> set[int]:
-    """Every port the plan says a host of ``role`` listens on."""
+def plan(role: str, backend: str) -> set[int]:
+    """Every port the port plan says a host of ``role`` (proxy, P or D) listens on."""
     if role == "proxy":
         return {PROXY_PORT, DISCOVERY_PORT}
-    ports = {ENGINE_PORT} | {HANDSHAKE_PORT + r for r in range(TP[role])}
-    if backend == "nixl":
-        ports |= set(range(UCX_PORTS[0], UCX_PORTS[1] + 1))
-    return ports
+    config = KVTransferConfig.from_dict(_engine_config(role, backend, "10.231.7.1"))
+    return {port for p in planned_ports(config, tp_size=TP[role], http_port=ENGINE_PORT) for port in p.ports}
 
 
 class Fleet:
@@ -105,8 +106,7 @@ class Fleet:
     def start_engine(self, role: str) -> None:
         backend = self.backend
         assert backend is not None
-        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": NIC,
-               "UCX_TCP_PORT_RANGE": f"{UCX_PORTS[0]}-{UCX_PORTS[1]}"} if backend == "nixl" else None
+        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": NIC, "UCX_TCP_PORT_RANGE": UCX_PORTS} if backend == "nixl" else None
         host = HOST[role]
         self.engines[role] = self.hosts.spawn(host, f"{role}-{backend}", [
             sys.executable, "-m", "atom_kv.reference", "--host", self.hosts.addr[host], "--port", str(ENGINE_PORT),
@@ -189,9 +189,9 @@ def test_pd_across_hosts_equals_colocated_and_listens_only_on_planned_ports(flee
         exposed = {(a, p) for a, p in listening if not a.startswith("127.")}
         own = fleet.hosts.addr[host]
         assert all(a == own for a, _ in exposed), f"{host}: a listener on another address than {own}: {listening}"
-        plan = planned_ports(role, backend) if role != "client" else set()
-        outside = sorted(p for _, p in exposed if p not in plan)
-        assert not outside, f"{host} listens on {outside}, outside the plan {sorted(plan)}: {sorted(listening)}"
+        planned = plan(role, backend) if role != "client" else set()
+        outside = sorted(p for _, p in exposed if p not in planned)
+        assert not outside, f"{host} listens on {outside}, outside the plan {sorted(planned)}: {sorted(listening)}"
         if role in ("proxy", "P"):  # and every planned server port is really there
             must = {PROXY_PORT, DISCOVERY_PORT} if role == "proxy" else {ENGINE_PORT, HANDSHAKE_PORT, HANDSHAKE_PORT + 1}
             assert must <= {p for _, p in exposed}, (host, listening)
@@ -254,6 +254,7 @@ def test_prefill_killed_mid_prefill_clear_error_no_block_held_recovers_after_res
         results = [f.result(90) for f in futures]
     failed = [r for r in results if r.error is not None]
     assert failed, results
+    assert any(r.status == 502 and "prefill" in r.error for r in failed), failed  # says which leg failed
     for r in failed:  # an HTTP error, or an error event in a stream that had begun: one line, no traceback
         assert r.status in (200, 502, 503) and r.error and "Traceback" not in r.error, r
         assert "\n" not in r.error.strip(), r
