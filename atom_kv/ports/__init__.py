@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import errno
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional, TypeVar
 
 from atom_kv._netaddr import parse_port_range as _parse_range
 from atom_kv.config import MAX_PORT, ConfigError
@@ -39,6 +39,8 @@ __all__ = [
     "PortInUse",
     "Rank",
     "RankPorts",
+    "firewall_rows",
+    "listening",
     "parse_port_range",
     "planned_ports",
     "rank_ports",
@@ -162,6 +164,22 @@ class RankPorts:
                          f"it is the {planned.describe()}; stop what holds it, or move this engine's ports "
                          f"(`{planned.key}`, or `handshake_port` for every derived port; "
                          f"`python -m atom_kv.ports` prints the plan)")
+
+
+_T = TypeVar("_T")
+
+
+def listening(ports: Optional[RankPorts], name: str, host: str, start: Callable[[int], _T]) -> _T:
+    """``start(port)`` with listener ``name``'s planned port (0 without a plan);
+    a planned port in use becomes :class:`PortInUse` (one line naming the key)."""
+    port = ports.port(name) if ports is not None else 0
+    try:
+        return start(port)
+    except OSError as exc:
+        busy = ports.in_use(name, host, exc) if ports is not None else None
+        if busy is None:
+            raise
+        raise busy from None
 
 
 def _is_addr_in_use(exc: BaseException) -> bool:
