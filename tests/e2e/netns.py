@@ -124,15 +124,32 @@ class NsProcess(ManagedProcess):
             time.sleep(0.02)
 
     def stop(self, timeout: float = 8.0, *, signalled: bool = False) -> None:
-        if not self.own_host:
-            super().stop(timeout, signalled=signalled)
-            return
-        if not signalled and self.alive():
-            try:
-                os.kill(self.init_pid(), signal.SIGTERM)
-            except (ProcessLookupError, RuntimeError):
-                pass
+        if not signalled:
+            self.terminate()
         super().stop(timeout, signalled=True)
+
+    def terminate(self) -> None:
+        """SIGTERM to the process under ``unshare`` (or the process itself, without one)."""
+        if not self.alive():
+            return
+        try:
+            os.kill(self.init_pid() if self.own_host else self.pid, signal.SIGTERM)
+        except (ProcessLookupError, RuntimeError):
+            pass
+
+
+def stop_all(processes: list[NsProcess]) -> None:
+    """Stop ``processes`` together: SIGTERM to each, then wait for each (SIGKILL after its timeout)."""
+    for proc in processes:
+        try:
+            proc.terminate()
+        except Exception:  # keep going: whatever happens, every process must be stopped
+            pass
+    for proc in processes:
+        try:
+            proc.stop(signalled=True)
+        except Exception:
+            pass
 
 
 class Hosts:
@@ -224,11 +241,7 @@ class Hosts:
         """Stop every process, then delete every namespace (the veths and the bridge go with them)."""
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
-        for proc in reversed(self.processes):
-            try:
-                proc.stop()
-            except Exception:  # keep going: the namespaces must go whatever happens
-                pass
+        stop_all(list(reversed(self.processes)))
         for ns in (*self.ns.values(), self.switch):
             if ns in _namespaces():
                 _kill_namespace(ns)

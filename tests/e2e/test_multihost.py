@@ -38,7 +38,7 @@ from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json, scrape_metrics
 from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
 from tests.e2e.helpers import PROMPTS, Result, generate
-from tests.e2e.netns import NIC, Hosts, NsProcess, unavailable_reason
+from tests.e2e.netns import NIC, Hosts, NsProcess, stop_all, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
@@ -135,8 +135,7 @@ class Fleet:
         """P and D engines of ``backend`` (restarted when another backend runs)."""
         if self.backend == backend and all(p.alive() for p in self.engines.values()):
             return
-        for proc in self.engines.values():
-            proc.stop()
+        stop_all(list(self.engines.values()))
         self.backend = backend
         for role in ("P", "D"):
             self.start_engine(role)
