@@ -46,7 +46,7 @@ from atom_kv.wire import (
 logger = logging.getLogger(__name__)
 
 RCV_HWM = 2  # pings queued per connection (an engine sends one every few seconds)
-SND_HWM = 4  # answers queued per connection; more are dropped (ROUTER never blocks)
+SND_HWM = 16  # answers queued per connection (under 1 KiB each); more are dropped (ROUTER never blocks)
 HANDSHAKE_MS = 5000  # a connection must finish ZeroMQ's greeting within this
 _BURST = 256  # pings handled per wake-up before yielding to the loop
 
