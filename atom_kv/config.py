@@ -244,6 +244,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     backend: BackendName = "auto"
     engine_id: Optional[str] = None
     ping_interval_s: PositiveSeconds = 3.0
+    registration_answer_timeout_s: PositiveSeconds = 5.0
     handshake_timeout_s: PositiveSeconds = 10.0
     transfer_timeout_s: PositiveSeconds = 30.0
     abort_timeout_s: PositiveSeconds = 120.0

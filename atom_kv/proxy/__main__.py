@@ -150,9 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept only pings signed with this shared token, and sign releases with it: the engines' "
                         "auth_token (one cluster secret)")
     g.add_argument("--allow-open-registration", action="store_true",
-                   help="accept unsigned pings on a non-loopback discovery address (without --registration-token): "
-                        "anyone who can reach the discovery port can then register an engine and receive client "
-                        "requests; refused without this flag")
+                   help="accept unsigned pings (without --registration-token), loopback included: anyone who can "
+                        "reach the discovery port can then register an engine and receive client requests; without "
+                        "a token or this flag every registration is refused")
+    g.add_argument("--discovery-max-connections", type=_pos_int, default=d.discovery_max_connections,
+                   help="open connections to the discovery port, all sources together; a quarter is kept for "
+                        "sources that registered an engine before (default %(default)s)")
+    g.add_argument("--discovery-max-connections-per-source", type=_pos_int,
+                   default=d.discovery_max_connections_per_source,
+                   help="open connections to the discovery port from one address (default %(default)s)")
     g.add_argument("--no-release", dest="release_prefills", action="store_false",
                    help="do not send releases to prefill engines for abandoned prefills (for engines that do not "
                         "speak atom-kv's handshake port; their blocks then wait for their lease)")
@@ -240,6 +246,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         registration_token=args.registration_token, registration_window_s=args.registration_window,
         allow_open_registration=args.allow_open_registration,
+        discovery_max_connections=args.discovery_max_connections,
+        discovery_max_connections_per_source=args.discovery_max_connections_per_source,
         release_prefills=args.release_prefills, first_token_forwarding=args.first_token_forwarding,
         concurrent_dispatch=args.concurrent_dispatch, concurrent_max_queued_tokens=args.concurrent_max_queued_tokens,
         max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,

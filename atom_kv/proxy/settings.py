@@ -43,7 +43,11 @@ class ProxySettings:
     # ahead of the new one: past it the prefill queues, overlapping saves nothing worth holding decode blocks for
     concurrent_max_queued_tokens: int = 2048
     registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
-    allow_open_registration: bool = False  # unsigned pings on a non-loopback discovery address (operator's choice)
+    # unsigned pings (no registration_token), loopback included: any process that reaches the discovery port
+    # can then register an engine; without a token or this, every ping is refused (operator's choice)
+    allow_open_registration: bool = False
+    discovery_max_connections: int = 512  # open connections to the discovery port, all sources together
+    discovery_max_connections_per_source: int = 32  # ... from one source address
     admin_token: str | None = None  # bearer token for /instances and /metrics (None: open)
     max_instances: int = 256
     max_tp_size: int = 512
@@ -101,7 +105,7 @@ class ProxySettings:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
-                     "cache_max_chars"):
+                     "cache_max_chars", "discovery_max_connections", "discovery_max_connections_per_source"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -131,8 +135,13 @@ class ProxySettings:
 
     @property
     def registration_open(self) -> bool:
-        """Whether discovery accepts unsigned pings (no token)."""
-        return self.discovery and self.registration_token is None
+        """Whether discovery accepts unsigned pings (no token, and the operator allowed it)."""
+        return self.discovery and self.registration_token is None and self.allow_open_registration
+
+    @property
+    def registration_refused(self) -> bool:
+        """Whether discovery refuses every ping (no token, and open registration not allowed)."""
+        return self.discovery and self.registration_token is None and not self.allow_open_registration
 
     @property
     def discovery_bind_host(self) -> str:
