@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from atom_kv.testing.polling import wait_until
-from atom_kv.testing.ports import free_port, free_port_range
+from atom_kv.testing.ports import free_plan_base, free_port
 from atom_kv.testing.processes import ManagedProcess, interrupts_held
 from atom_kv.testing.web import http_json
 
@@ -53,10 +53,11 @@ class Cluster:
     def __init__(self, engines: list[EngineSpec], *, with_proxy: bool = True, heartbeat_timeout: float = 3.0,
                  ping_interval_s: float = 0.5, log_dir: Optional[str] = None,
                  proxy_args: Optional[list[str]] = None, extra_proxies: Optional[list[list[str]]] = None,
-                 token: Optional[str] = AUTO_TOKEN) -> None:
+                 token: Optional[str] = AUTO_TOKEN, engine_host: str = "127.0.0.1") -> None:
         self.specs = engines
         # the cluster secret: every proxy's --registration-token and every P/D engine's auth_token
         self.token = secrets.token_hex(16) if token == AUTO_TOKEN else token
+        self.engine_host = engine_host  # what engines bind and advertise (a loopback address)
         self.with_proxy = with_proxy
         self.heartbeat_timeout = heartbeat_timeout
         self.ping_interval_s = ping_interval_s
@@ -80,7 +81,7 @@ class Cluster:
         cfg: dict[str, Any] = {
             "kv_role": "kv_producer" if spec.role == "P" else "kv_consumer",
             "backend": spec.backend,
-            "handshake_port": free_port_range(spec.tp * spec.dp),
+            "handshake_port": free_plan_base(spec.tp * spec.dp),  # its whole default port plan is free
             "ping_interval_s": self.ping_interval_s,
         }
         if self.token is not None:
@@ -97,7 +98,7 @@ class Cluster:
     def engine_argv(self, i: int, port: int = 0) -> list[str]:
         """Engine ``i``'s command line: HTTP on ``port`` (0: the OS picks), reported in its port file."""
         spec = self.specs[i]
-        return [sys.executable, "-m", "atom_kv.reference", "--host", "127.0.0.1", "--port", str(port),
+        return [sys.executable, "-m", "atom_kv.reference", "--host", self.engine_host, "--port", str(port),
                 "--port-file", self._port_file(i), "--tp", str(spec.tp), "--data-parallel-size", str(spec.dp),
                 "--num-blocks", str(spec.num_blocks),
                 "--log-level", "INFO", "--instance-index", str(i), *spec.extra_args, *self._configs[i]]
@@ -207,7 +208,7 @@ class Cluster:
         return [f"http://127.0.0.1:{port}" for port, _ in self.extra_ports]
 
     def engine_url(self, i: int) -> str:
-        return f"http://127.0.0.1:{self.ports[i]}"
+        return f"http://{self.engine_host}:{self.ports[i]}"
 
     def index_of(self, role: str, nth: int = 0) -> int:
         return [i for i, s in enumerate(self.specs) if s.role == role][nth]

@@ -15,9 +15,15 @@ from atom_kv.ports import PortInUse, planned_ports
 from atom_kv.testing.ports import free_plan_base
 from atom_kv.transfer._cma_sys import cma_unavailable_reason
 
-from .kvutil import compat, config, make_caches
+from .kvutil import OS_ASSIGNED, compat, make_caches
+from .kvutil import config as _config
 
 CMA = cma_unavailable_reason() is None
+
+
+def config(role: str, port: int, **keys):
+    """The test config with every listener on its planned port."""
+    return _config(role, port, **{**{key: None for key in OS_ASSIGNED}, **keys})
 
 
 def listening() -> set[tuple[str, int]]:
