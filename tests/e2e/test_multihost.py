@@ -178,10 +178,11 @@ def test_pd_across_hosts_equals_colocated_and_listens_only_on_planned_ports(flee
     after = fleet.client(scrape_metrics, fleet.url("D") + "/metrics")
     moved = after.get("atom_kv_transfer_bytes", 0.0) - before.get("atom_kv_transfer_bytes", 0.0)
     assert moved >= 2 * sum(len(p) for p in PROMPTS) * 4096, moved  # the decode host really read the KV
+    logs = {role: _log(fleet.engines[role]) for role in ("P", "D")}
+    for role, log in logs.items():  # the proxy answered the signed pings, and the engine said so
+        assert f"registered with proxy {fleet.hosts.addr['proxy']}:{DISCOVERY_PORT}" in log, (role, log[-2000:])
     if backend == "auto":  # another host: tcp, never cma
-        with open(fleet.engines["D"].log_path, encoding="utf-8", errors="replace") as f:
-            log = f.read()
-        assert log.count(" uses tcp") == TP["P"] and " uses cma" not in log, log[-2000:]
+        assert logs["D"].count(" uses tcp") == TP["P"] and " uses cma" not in logs["D"], logs["D"][-2000:]
 
     for role, host in (("proxy", "proxy"), ("P", "prefill"), ("D", "decode"), ("client", "client")):
         listening = fleet.hosts.listening(host)
@@ -194,6 +195,11 @@ def test_pd_across_hosts_equals_colocated_and_listens_only_on_planned_ports(flee
         if role in ("proxy", "P"):  # and every planned server port is really there
             must = {PROXY_PORT, DISCOVERY_PORT} if role == "proxy" else {ENGINE_PORT, HANDSHAKE_PORT, HANDSHAKE_PORT + 1}
             assert must <= {p for _, p in exposed}, (host, listening)
+
+
+def _log(proc: NsProcess) -> str:
+    with open(proc.log_path, encoding="utf-8", errors="replace") as f:
+        return f.read()
 
 
 def _stream_events(url: str, prompt: str, max_tokens: int, first: threading.Event, arrivals: list[float],
