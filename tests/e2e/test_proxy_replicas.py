@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import subprocess
 import sys
 import time
 
@@ -24,7 +25,7 @@ import pytest
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.ports import free_port_range
-from atom_kv.testing.processes import ManagedProcess, interrupts_held
+from atom_kv.testing.processes import REPO_ROOT, ManagedProcess, interrupts_held
 from atom_kv.testing.web import http_json, scrape_metrics
 from tests.e2e.helpers import PROMPTS, generate
 
@@ -190,3 +191,11 @@ def test_reuse_port_processes_share_the_port_and_survive_one_killed(fleet, coloc
         assert res.status == 200 and res.error is None, (i, res)
         assert res.text == colocated.text(PROMPTS[i % len(PROMPTS)], chat=bool(i % 2))
     assert _completions_ok(url) == served_by_r2 + 6
+
+
+def test_reuse_port_needs_a_fixed_port():
+    res = subprocess.run([sys.executable, "-m", "atom_kv.proxy", "--port", "0", "--reuse-port",
+                          "--registration-token", TOKEN], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert last.startswith("atom-kv-proxy: error: reuse_port: --reuse-port") and "--port" in last, last
