@@ -106,7 +106,8 @@ class Fleet:
     def start_engine(self, role: str) -> None:
         backend = self.backend
         assert backend is not None
-        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": NIC, "UCX_TCP_PORT_RANGE": UCX_PORTS} if backend == "nixl" else None
+        # UCX over the veth: its TCP transport on the host's interface; its ports come from the config's range
+        env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": NIC} if backend == "nixl" else None
         host = HOST[role]
         self.engines[role] = self.hosts.spawn(host, f"{role}-{backend}", [
             sys.executable, "-m", "atom_kv.reference", "--host", self.hosts.addr[host], "--port", str(ENGINE_PORT),
