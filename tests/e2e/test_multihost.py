@@ -243,7 +243,7 @@ def test_decode_link_down_mid_stream_the_stream_completes_and_no_block_is_lost(f
     res = future.result(60)
     assert res.error is None and res.text == colocated.text(prompt, chat=False, max_tokens=n), res
     assert any(t > up_at for t in arrivals), "the stream had ended before the link went down"
-    assert not any(down_at + 0.5 < t < up_at for t in arrivals), "events crossed a link that was down"
+    assert not any(down_at + 1.5 < t < up_at for t in arrivals), "events crossed a link that was down"
     for role in ("P", "D"):
         fleet.wait_all_free(role)
 
