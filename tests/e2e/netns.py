@@ -13,7 +13,7 @@ network namespace, and (``own_host=True``) under its own pid, mount (fresh
 hosts do not share a hostname or a pid namespace, as on two machines.
 :meth:`Hosts.call` runs a function on a thread that entered a host's network
 namespace (``setns``), so the test's HTTP clients connect from that host.
-Needs root and ``ip`` (iproute2), ``unshare`` and ``ss``.
+Needs root, ``ip`` and ``ss`` (iproute2), ``unshare`` (util-linux) and ``hostname``.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def unavailable_reason() -> Optional[str]:
     """Why namespaced hosts cannot be built here (None: they can)."""
     if os.geteuid() != 0:
         return "needs root (network, pid and UTS namespaces); CI runs it as root"
-    for tool in ("ip", "unshare", "ss"):
+    for tool in ("ip", "unshare", "ss", "hostname"):
         if shutil.which(tool) is None:
-            return f"needs `{tool}` on PATH (iproute2 / util-linux)"
+            return f"needs `{tool}` on PATH (iproute2, util-linux, hostname)"
     if not hasattr(ctypes.CDLL(None), "setns"):
         return "libc has no setns"
     return None

@@ -53,8 +53,7 @@ TOKEN = secrets.token_hex(16)
 
 
 def _engine_config(role: str, backend: str, proxy_addr: str) -> dict:
-    extra = {"nixl_ucx_tcp_port_range": UCX_PORTS} if backend == "nixl" else {}
-    return {**extra,
+    config = {
         "kv_role": "kv_producer" if role == "P" else "kv_consumer",
         "backend": backend,
         "handshake_port": HANDSHAKE_PORT,
@@ -65,6 +64,9 @@ def _engine_config(role: str, backend: str, proxy_addr: str) -> dict:
         "handshake_timeout_s": 3.0,
         "transfer_timeout_s": 5.0,
     }
+    if backend == "nixl":
+        config["nixl_ucx_tcp_port_range"] = UCX_PORTS
+    return config
 
 
 def plan(role: str, backend: str) -> set[int]:
@@ -136,7 +138,10 @@ class Fleet:
         """P and D engines of ``backend`` (restarted when another backend runs)."""
         if self.backend == backend and all(p.alive() for p in self.engines.values()):
             return
-        stop_all(list(self.engines.values()))
+        running = [p for p in self.engines.values() if p.alive()]
+        stop_all(running)
+        codes = {p.name: p.proc.returncode for p in running}
+        assert set(codes.values()) <= {0}, f"engines did not stop cleanly on SIGTERM: {codes}"
         self.backend = backend
         for role in ("P", "D"):
             self.start_engine(role)
@@ -155,8 +160,8 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     hosts = Hosts(["proxy", "prefill", "decode", "client"], str(tmp_path_factory.mktemp("multihost")))
-    hosts.build()
     try:
+        hosts.build()
         yield Fleet(hosts)
     finally:
         hosts.close()
