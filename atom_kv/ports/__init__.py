@@ -160,10 +160,11 @@ class RankPorts:
         planned = self.listeners.get(name)
         if planned is None or planned.port == 0:
             return None
+        move = ("`handshake_port` moves every derived port" if planned.key == "handshake_port" else
+                f"`{planned.key}`, or `handshake_port` for every derived port")
         return PortInUse(f"kv-transfer-config: `{planned.key}`: port {planned.port} on {host} is already in use; "
                          f"it is the {planned.describe()}; stop what holds it, or move this engine's ports "
-                         f"(`{planned.key}`, or `handshake_port` for every derived port; "
-                         f"`python -m atom_kv.ports` prints the plan)")
+                         f"({move}; `python -m atom_kv.ports` prints the plan)")
 
 
 _T = TypeVar("_T")
