@@ -127,7 +127,9 @@ def test_rank_ports_is_that_ranks_row_of_the_plan():
         mine = rank_ports(c, pp_rank=pp, dp_rank=dp, tp_rank=tp, pp_size=2, dp_size=2, tp_size=2)
         assert mine.rank == Rank(pp, dp, tp)
         assert {n: p.port for n, p in mine.listeners.items()} == {p.name: p.port for p in plan if p.rank == mine.rank}
-    assert mine.port("no-such-listener") == 0
+    with pytest.raises(ValueError, match="listener 'no-such-listener' is not in atom_kv.ports.LISTENERS"):
+        mine.port("no-such-listener")  # a new listener must be planned before it can bind
+    assert rank_ports(cfg(backend="tcp")).port("cma") == 0  # planned kind, not opened here: the OS would pick
 
 
 def test_ucx_range_is_one_range_for_every_rank():

@@ -83,7 +83,8 @@ LISTENERS: tuple[ListenerKind, ...] = (
                  "gpu_ipc grant endpoint", same_host=True),
     ListenerKind("moriio", "moriio_port", 4, _BOTH, frozenset({"moriio"}), "MORI-IO IOEngine"),
     ListenerKind("ucx", "nixl_ucx_tcp_port_range", -1, _BOTH, frozenset({"auto", "nixl"}),
-                 "UCX TCP transport of the nixl backend (under auto: GPU memory only), one port per UCX worker and network device", is_range=True),
+                 "UCX TCP transport of the nixl backend (under auto: GPU memory only), one port per UCX "
+                 "worker and network device", is_range=True),
 )
 _BY_NAME = {k.name: k for k in LISTENERS}
 
@@ -141,13 +142,19 @@ class RankPorts:
     rank: Rank
     listeners: dict[str, PlannedListener] = field(default_factory=dict)
 
+    def _planned(self, name: str) -> Optional[PlannedListener]:
+        if name not in _BY_NAME:  # a listener outside the plan: add its kind to LISTENERS
+            raise ValueError(f"listener {name!r} is not in atom_kv.ports.LISTENERS")
+        return self.listeners.get(name)
+
     def port(self, name: str) -> int:
         """The port listener ``name`` binds (0 when unplanned: the OS picks)."""
-        planned = self.listeners.get(name)
+        planned = self._planned(name)
         return planned.port if planned is not None else 0
 
     def port_range(self, name: str) -> Optional[tuple[int, int]]:
-        planned = self.listeners.get(name)
+        """A range listener's ``(first, last)`` port (None: the OS picks)."""
+        planned = self._planned(name)
         if planned is None or planned.port == 0:
             return None
         return planned.port, planned.ports[-1]
@@ -157,13 +164,14 @@ class RankPorts:
         when the cause is a port in use (else None: the caller keeps its own error)."""
         if not _is_addr_in_use(exc):
             return None
-        planned = self.listeners.get(name)
+        planned = self._planned(name)
         if planned is None or planned.port == 0:
             return None
+        move = ("`handshake_port` moves every derived port" if planned.key == "handshake_port" else
+                f"`{planned.key}`, or `handshake_port` for every derived port")
         return PortInUse(f"kv-transfer-config: `{planned.key}`: port {planned.port} on {host} is already in use; "
                          f"it is the {planned.describe()}; stop what holds it, or move this engine's ports "
-                         f"(`{planned.key}`, or `handshake_port` for every derived port; "
-                         f"`python -m atom_kv.ports` prints the plan)")
+                         f"({move}; `python -m atom_kv.ports` prints the plan)")
 
 
 _T = TypeVar("_T")

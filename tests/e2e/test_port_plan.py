@@ -13,6 +13,7 @@ import sys
 from atom_kv.config import KVTransferConfig
 from atom_kv.ports import planned_ports
 from atom_kv.testing.cluster import Cluster, EngineSpec
+from atom_kv.testing.ports import free_plan_base
 from atom_kv.testing.processes import REPO_ROOT
 from atom_kv.testing.web import http_json
 from atom_kv.transfer._cma_sys import cma_unavailable_reason
@@ -119,3 +120,18 @@ def test_an_engine_bound_to_every_interface_advertises_its_advertise_host():
             "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t-advertise"}}, timeout=60)
         assert status == 200, reply
         assert reply["kv_transfer_params"]["remote_host"] == "127.0.0.1"
+
+
+def test_a_busy_planned_port_stops_the_engine_in_one_line_naming_the_key():
+    base = free_plan_base(2, blocks=2)
+    taken = base + 1000 + 1  # rank tp1's tcp read server
+    config = {"kv_role": "kv_producer", "backend": "tcp", "handshake_port": base}
+    with socket.create_server(("127.0.0.1", taken)):
+        out = subprocess.run([sys.executable, "-m", "atom_kv.reference", "--port", "0", "--tp", "2",
+                              "--log-level", "WARNING", "--kv-transfer-config", json.dumps(config)],
+                             capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert out.returncode == 1
+    failed = [line for line in out.stderr.splitlines() if "engine failed" in line]
+    assert len(failed) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"`tcp_port`: port {taken} on 127.0.0.1 is already in use" in failed[0]
+    assert "tcp listener of rank pp0/dp0/tp1 (`tcp_port` + 1)" in failed[0]
