@@ -48,7 +48,7 @@ TP = {"P": 2, "D": 1}
 HOST = {"P": "prefill", "D": "decode"}
 HEARTBEAT_S = 3.0
 PING_INTERVAL_S = 0.5
-UCX_PORTS = "6400-6415"  # nixl: UCX's TCP listeners (one per rank) stay in this range
+UCX_PORTS = "40100-40115"  # nixl: UCX's TCP listeners (one per rank) stay in this range (inside the ephemeral range)
 TOKEN = secrets.token_hex(16)
 
 
