@@ -19,6 +19,7 @@ Needs root, ``ip`` and ``ss`` (iproute2), ``unshare`` (util-linux) and ``hostnam
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from atom_kv.testing.processes import ManagedProcess, interrupts_held
+
+log = logging.getLogger(__name__)
 
 PREFIX = "akvmh"
 SUBNET = "10.231.7"  # /24 on the private bridge; nothing outside it is ever addressed
@@ -52,11 +55,11 @@ def unavailable_reason() -> Optional[str]:
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     argv = ["ip", *args]
-    return _checked(argv) if check else subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    return _checked(argv) if check else subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
 
 
 def _checked(argv: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -144,12 +147,12 @@ def stop_all(processes: list[NsProcess]) -> None:
         try:
             proc.terminate()
         except Exception:  # keep going: whatever happens, every process must be stopped
-            pass
+            log.warning("could not signal %s", proc.name, exc_info=True)
     for proc in processes:
         try:
             proc.stop(signalled=True)
         except Exception:
-            pass
+            log.warning("could not stop %s", proc.name, exc_info=True)
 
 
 class Hosts:

@@ -154,9 +154,12 @@ class Fleet:
         assert status == 200, body
         return body["kv_blocks"]
 
+    def all_free(self, role: str) -> bool:
+        blocks = self.blocks(role)
+        return blocks["free"] == blocks["total"]
+
     def wait_all_free(self, role: str, timeout: float = 15.0) -> None:
-        wait_until(lambda: (lambda b: b["free"] == b["total"])(self.blocks(role)), timeout,
-                   what=f"every KV block of the {HOST[role]} engine to be free")
+        wait_until(lambda: self.all_free(role), timeout, what=f"every KV block of the {HOST[role]} engine to be free")
 
 
 @pytest.fixture(scope="module")

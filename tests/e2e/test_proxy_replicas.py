@@ -67,6 +67,12 @@ class Proxy:
         if not self.proc.alive():
             raise RuntimeError(f"{self.proc.name} exited with {self.proc.proc.returncode}:\n{self.proc.tail()}")
 
+    def registered_both(self) -> bool:
+        """Whether its log says it registered a prefill and a decode instance (raises if it died)."""
+        self.check_alive()
+        log = self.log()
+        return "registered prefill instance" in log and "registered decode instance" in log
+
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.kill()
@@ -118,12 +124,10 @@ def fleet(tmp_path_factory):
             proxy.start()
         cluster.start()
         for name in ("A", "B"):
-            wait_until(lambda: _fleet_known(proxies[name].url), 60, interval=0.1,
+            wait_until(lambda url=proxies[name].url: _fleet_known(url), 60, interval=0.1,
                        what=f"proxy {name} to learn the fleet")
         for name in ("R1", "R2"):  # one shared port: each process's own log says what it learnt
-            wait_until(lambda: (proxies[name].check_alive(), "registered prefill instance" in proxies[name].log()
-                                and "registered decode instance" in proxies[name].log())[1],
-                       60, interval=0.1, what=f"proxy {name} to register the fleet")
+            wait_until(proxies[name].registered_both, 60, interval=0.1, what=f"proxy {name} to register the fleet")
         yield cluster, proxies
     finally:
         cluster.close()
@@ -195,7 +199,8 @@ def test_reuse_port_processes_share_the_port_and_survive_one_killed(fleet, coloc
 
 def test_reuse_port_needs_a_fixed_port():
     res = subprocess.run([sys.executable, "-m", "atom_kv.proxy", "--port", "0", "--reuse-port",
-                          "--registration-token", TOKEN], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+                          "--registration-token", TOKEN], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30,
+                         check=False)
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert last.startswith("atom-kv-proxy: error: reuse_port: --reuse-port") and "--port" in last, last
