@@ -58,6 +58,7 @@ __all__ = [
     "ReadRequest",
     "RegionInfo",
     "RegionSpan",
+    "RegisterAnswer",
     "RegisterPing",
     "RegistrationMessage",
     "Release",
@@ -125,9 +126,31 @@ class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=Tru
     #: what the engine's connector takes part in (``kv_features``, e.g. "rendezvous"), for engines whose
     #: HTTP server cannot announce it on ``/health`` (vLLM's); None: nothing said here
     kv_features: Optional[Annotated[list[FeatureName], msgspec.Meta(max_length=MAX_KV_FEATURES)]] = None
+    #: the sender reads the proxy's :class:`RegisterAnswer` to this ping (atom-kv's pinger sets it; ATOM's own
+    #: engines do not, and get no answer they never asked for)
+    answers: bool = False
     ts: Optional[float] = None
     nonce: Optional[Name] = None
     mac: Optional[Name] = None
+
+
+#: a human-readable explanation on the wire (one log line)
+DetailText = Annotated[str, msgspec.Meta(max_length=512)]
+#: what a :class:`RegisterAnswer` says
+REGISTERED, REFUSED, STALE = "registered", "refused", "stale"
+
+
+class RegisterAnswer(msgspec.Struct, tag_field="type", tag="register_answer", kw_only=True):
+    """The proxy's answer to a :class:`RegisterPing` that set ``answers`` (proxy ROUTER -> engine DEALER).
+
+    ``status``: ``registered``; ``refused`` with ``reason`` one of ``token``, ``limits``, ``format``,
+    ``address``, ``version``; or ``stale`` (a signed ping whose timestamp is outside the proxy's window:
+    the two clocks differ). ``detail`` says why in one line. Informational only: the engine logs it."""
+
+    status: Literal["registered", "refused", "stale"]
+    reason: Name = ""
+    detail: DetailText = ""
+    v: int = PROTOCOL_VERSION
 
 
 class HelloPing(msgspec.Struct, tag_field="type", tag="HELLO", kw_only=True):
@@ -798,6 +821,8 @@ def decode(data: bytes, type_: type[T]) -> T:
         return _decoder(type_).decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): {exc}") from None
+    except UnicodeDecodeError as exc:  # a str field that is not UTF-8: the peer's fault, not ours
+        raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): not UTF-8: {exc.reason}") from None
     except RecursionError:  # a few KiB of nested arrays (0x91 0x91 ...) exhaust the decoder's stack
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): nested too deeply") from None
 

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
-from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handshake_port
+from atom_kv.connector.handshake import HandshakeError, HandshakeServer, compat_mismatch
 from atom_kv.connector.producer_rendezvous import Promise, RendezvousAnswers, WaitingQuery
 from atom_kv.connector.release import engine_sender
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput
@@ -110,12 +110,20 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
         self._evicted_queries: list[WaitingQuery] = []
         self._refusals = RateLimitedLog(logger, "refused confirmations")
         self._defer_s = min(MAX_DEFER_S, self.config.handshake_timeout_s / 2)
+        try:
+            self._server = self._handshake_server()
+        except HandshakeError as exc:
+            busy = self.ports.in_use("handshake", self.bind_host, exc)
+            if busy is not None:
+                raise busy from None
+            raise
+
+    def _handshake_server(self) -> HandshakeServer:
         cfg = self.config
-        self._server = HandshakeServer(
+        return HandshakeServer(
             self._ctx,
             bind_host=self.bind_host,
-            port=handshake_port(cfg.handshake_port, self.dp_rank, self.tp_size, self.tp_rank,
-                                pp_rank=self.pp_rank, dp_size=self.dp_size),
+            port=self.ports.port("handshake"),  # the side-channel port: wire.handshake_port's layout
             auth_token=cfg.auth_token,
             identity=lambda: (self.engine_id, self.tp_rank),
             responder=self._answer_handshake,
@@ -142,6 +150,11 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
         of these blocks wait for those writes on the device."""
         self.backend.kv_written()
         return super().get_finished()
+
+    def _registered(self, memory: list[str]) -> None:
+        # the backend's listeners (planned ports) open now, so a port in use fails at start, not at the
+        # first handshake; a consumer's backend never exports, so it opens none
+        self.backend.export_descriptor()
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         now = time.monotonic()

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from atom_kv._lru import BoundedDict, BoundedSet
+from atom_kv.addresses import kv_addresses
 from atom_kv.config import FieldError, KVTransferConfig
 from atom_kv.connector.base import SchedulerHooks
 from atom_kv.connector.release import NoticeSender, ReleaseSpec, engine_sender, release_spec_from_params
@@ -174,7 +175,7 @@ class ConnectorScheduler(SchedulerHooks):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.config = config
         self.engine_id = engine_id
-        self.host = host
+        self.host = kv_addresses(config, host)[0]  # what prefill responses name as `remote_host`
         self.tp_size = tp_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size

@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-inflight-body-bytes", type=_pos_int, default=d.max_inflight_body_bytes,
                    help="request bodies the proxy holds at once, all clients together; a request past it is "
                         "answered 503 (default %(default)s)")
+    g.add_argument("--reuse-port", action="store_true",
+                   help="share the HTTP --port with other proxy processes started with this flag (SO_REUSEPORT; "
+                        "the kernel spreads connections among them), so one host's proxy uses several cores; "
+                        "give each process its own --discovery-port and list every one in the engines' proxy_ip")
     g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
     g.add_argument("--admin-token", default=None,
                    help="the management routes (/instances, /metrics) answer only requests with "
@@ -146,9 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept only pings signed with this shared token, and sign releases with it: the engines' "
                         "auth_token (one cluster secret)")
     g.add_argument("--allow-open-registration", action="store_true",
-                   help="accept unsigned pings on a non-loopback discovery address (without --registration-token): "
-                        "anyone who can reach the discovery port can then register an engine and receive client "
-                        "requests; refused without this flag")
+                   help="accept unsigned pings (without --registration-token), loopback included: anyone who can "
+                        "reach the discovery port can then register an engine and receive client requests; without "
+                        "a token or this flag every registration is refused")
+    g.add_argument("--discovery-max-connections", type=_pos_int, default=d.discovery_max_connections,
+                   help="open connections to the discovery port, all sources together; a quarter is kept for "
+                        "sources that registered an engine before (default %(default)s)")
+    g.add_argument("--discovery-max-connections-per-source", type=_pos_int,
+                   default=d.discovery_max_connections_per_source,
+                   help="open connections to the discovery port from one address (default %(default)s)")
     g.add_argument("--no-release", dest="release_prefills", action="store_false",
                    help="do not send releases to prefill engines for abandoned prefills (for engines that do not "
                         "speak atom-kv's handshake port; their blocks then wait for their lease)")
@@ -236,6 +246,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         registration_token=args.registration_token, registration_window_s=args.registration_window,
         allow_open_registration=args.allow_open_registration,
+        discovery_max_connections=args.discovery_max_connections,
+        discovery_max_connections_per_source=args.discovery_max_connections_per_source,
         release_prefills=args.release_prefills, first_token_forwarding=args.first_token_forwarding,
         concurrent_dispatch=args.concurrent_dispatch, concurrent_max_queued_tokens=args.concurrent_max_queued_tokens,
         max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
@@ -250,7 +262,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
         sse_split_max=args.sse_split_max, max_inflight_body_bytes=args.max_inflight_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
-        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, admin_token=args.admin_token,
+        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, reuse_port=args.reuse_port, admin_token=args.admin_token,
         otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_timeout_s=args.otlp_timeout,
     )
 
@@ -307,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        sock = listen_socket(settings.host, settings.port, settings.backlog)
+        sock = listen_socket(settings.host, settings.port, settings.backlog, reuse_port=settings.reuse_port)
     except OSError as exc:
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
         print(f"atom-kv-proxy: cannot listen on {settings.host}:{settings.port}: {reason}", file=sys.stderr)

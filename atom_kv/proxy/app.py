@@ -64,7 +64,10 @@ class ProxyState:
         if settings.discovery:
             self.discovery = DiscoveryListener(
                 settings.discovery_bind_host, settings.discovery_port, self.registry, self.metrics,
-                registration_token=settings.registration_token, window_s=settings.registration_window_s,
+                registration_token=settings.registration_token, allow_open=settings.allow_open_registration,
+                window_s=settings.registration_window_s,
+                max_connections=settings.discovery_max_connections,
+                max_connections_per_source=settings.discovery_max_connections_per_source,
                 max_tp_size=settings.max_tp_size, max_dp_size=settings.max_dp_size,
                 poll_s=min(settings.discovery_poll_s, settings.heartbeat_timeout / 2),
                 log_interval_s=settings.log_summary_interval_s,

@@ -43,7 +43,11 @@ class ProxySettings:
     # ahead of the new one: past it the prefill queues, overlapping saves nothing worth holding decode blocks for
     concurrent_max_queued_tokens: int = 2048
     registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
-    allow_open_registration: bool = False  # unsigned pings on a non-loopback discovery address (operator's choice)
+    # unsigned pings (no registration_token), loopback included: any process that reaches the discovery port
+    # can then register an engine; without a token or this, every ping is refused (operator's choice)
+    allow_open_registration: bool = False
+    discovery_max_connections: int = 512  # open connections to the discovery port, all sources together
+    discovery_max_connections_per_source: int = 32  # ... from one source address
     admin_token: str | None = None  # bearer token for /instances and /metrics (None: open)
     max_instances: int = 256
     max_tp_size: int = 512
@@ -73,6 +77,9 @@ class ProxySettings:
     stall_timeout: float = 60.0  # a client that reads nothing this long while an answer waits is dropped
     shutdown_timeout: float = 5.0
     backlog: int = 4096
+    # SO_REUSEPORT on the HTTP socket: N proxy processes on one host share ``port`` (each with its own
+    # discovery port), so one host's proxy uses N cores; needs a fixed port
+    reuse_port: bool = False
     log_summary_interval_s: float = 10.0  # rate-limited warnings: one summary per interval
     # OpenTelemetry: each relayed request becomes one trace, exported over OTLP/HTTP (protobuf) to this
     # URL (vLLM's --otlp-traces-endpoint; e.g. http://collector:4318/v1/traces). None: off, nothing imported
@@ -98,7 +105,7 @@ class ProxySettings:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
-                     "cache_max_chars"):
+                     "cache_max_chars", "discovery_max_connections", "discovery_max_connections_per_source"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.cache_threshold <= 1.0:
@@ -115,6 +122,9 @@ class ProxySettings:
             if engine.dp_size > self.max_dp_size:
                 raise ValueError(f"{engine.url}: dp={engine.dp_size} exceeds max_dp_size {self.max_dp_size}")
 
+        if self.reuse_port and self.port == 0:
+            raise ValueError("reuse_port: --reuse-port shares one fixed HTTP port between proxy processes; "
+                             "name it with --port (0 would give each process a port of its own)")
         if (self.discovery and self.registration_token is None and not self.allow_open_registration
                 and not is_loopback(self.discovery_bind_host)):
             raise ValueError(
@@ -125,8 +135,13 @@ class ProxySettings:
 
     @property
     def registration_open(self) -> bool:
-        """Whether discovery accepts unsigned pings (no token)."""
-        return self.discovery and self.registration_token is None
+        """Whether discovery accepts unsigned pings (no token, and the operator allowed it)."""
+        return self.discovery and self.registration_token is None and self.allow_open_registration
+
+    @property
+    def registration_refused(self) -> bool:
+        """Whether discovery refuses every ping (no token, and open registration not allowed)."""
+        return self.discovery and self.registration_token is None and not self.allow_open_registration
 
     @property
     def discovery_bind_host(self) -> str:

@@ -521,7 +521,10 @@ async def _serve(args: argparse.Namespace) -> None:
                            args.decode_port if engine.role == "D" and args.decodes == 1 else 0)
     pinger = None
     if args.discovery:
-        pinger = FakePinger(args.discovery, [e.register_ping() for e in engines], args.ping_interval).start()
+        token = args.auth_token
+        pings: list[PingSource] = [(lambda e=e: e.register_ping(token=token)) if token else e.register_ping()
+                                   for e in engines]
+        pinger = FakePinger(args.discovery, pings, args.ping_interval).start()
     prefills = ",".join(e.base_url for e in engines if e.role == "P")
     decodes = ",".join(e.base_url for e in engines if e.role == "D")
     print(f"ready prefill={prefills} decode={decodes}", flush=True)
@@ -540,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run fake prefill and decode engines (for proxy tests and benches).")
     parser.add_argument("--discovery", default=None,
                         help="proxy discovery endpoint to ping, e.g. tcp://127.0.0.1:36367 (default: no pings)")
+    parser.add_argument("--auth-token", default=None,
+                        help="sign the pings with this token (the proxy's --registration-token)")
     parser.add_argument("--prefills", type=int, default=1)
     parser.add_argument("--decodes", type=int, default=1)
     parser.add_argument("--prefill-port", type=int, default=0)

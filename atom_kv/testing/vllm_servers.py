@@ -17,7 +17,7 @@ import sys
 from typing import Optional, Sequence
 
 from atom_kv.testing.polling import wait_until
-from atom_kv.testing.ports import free_port, free_port_range
+from atom_kv.testing.ports import free_plan_base, free_port
 from atom_kv.testing.processes import REPO_ROOT, ManagedProcess
 from atom_kv.testing.web import http_json, scrape_metrics
 
@@ -134,7 +134,7 @@ class VllmServers:
             self._vllm(name, {
                 "kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm",
                 "kv_role": role, "kv_connector_extra_config": {
-                    "handshake_port": free_port_range(1), "host_ip": "127.0.0.1", "proxy_ip": proxy_ip,
+                    "handshake_port": free_plan_base(1), "host_ip": "127.0.0.1", "proxy_ip": proxy_ip,
                     "http_port": self.ports[name], "ping_interval_s": 1.0, "auth_token": self.token,
                     **self.extra_config}})
         self._vllm("plain", None)

@@ -69,6 +69,7 @@ class CmaControlServer:
         name: str = "cma",
         purpose: str = PURPOSE_CMA_GRANT,
         handles: Optional[Callable[[], list[wire.GpuIpcRegion]]] = None,
+        port: int = 0,
     ) -> None:
         self._name = name
         self._purpose = purpose
@@ -86,7 +87,7 @@ class CmaControlServer:
         )
         self._server = FrameServer(
             "atomkv-cma-ctl", label, bind_host, limits, self.events,
-            greet=self._greet, refuse_busy=self._busy, handle=self._answer,
+            greet=self._greet, refuse_busy=self._busy, handle=self._answer, port=port,
         )
         self.port = self._server.port
         self.bind_address = self._server.bind_address

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.ports import RankPorts, listening
 from atom_kv.transfer._cma_control import CmaControlServer, request_grant
 from atom_kv.transfer._events import EndpointEvents, endpoint_stats
 from atom_kv.transfer._hostid import host_identity
@@ -122,6 +123,7 @@ class GpuIpcBackend(TransferBackend):
         host: str = "127.0.0.1",
         bind_host: Optional[str] = None,
         key: Optional[str] = None,
+        ports: Optional[RankPorts] = None,
         _seam: Any = None,
     ) -> None:
         if _seam is None:  # ``_seam``: tests pass the host stand-in (atom_kv.transfer._host_seam)
@@ -136,6 +138,7 @@ class GpuIpcBackend(TransferBackend):
         self._seam = _seam
         self.memory_kinds = _seam.memory_kinds
         cfg = resolve_config(config)
+        self._ports = ports
         self._host = host
         self._bind_host = bind_host or host
         self._key = key or f"gpu_ipc-{os.getpid()}-{id(self):x}"
@@ -171,12 +174,12 @@ class GpuIpcBackend(TransferBackend):
         with self._lock:
             self._life.check_open()
             if self._ctl is None:
-                self._ctl = CmaControlServer(
+                self._ctl = listening(self._ports, "gpu_ipc", self._bind_host, lambda port: CmaControlServer(
                     bind_host=self._bind_host, host=self._host, auth_token=self._token,
                     timeout_s=self._grant_timeout, max_connections=self._grant_max_connections,
                     spans=lambda: [], label=f"gpu_ipc grant endpoint {self._key}", name="gpu_ipc",
-                    purpose=PURPOSE_GPU_IPC_GRANT, handles=self._share,
-                )
+                    purpose=PURPOSE_GPU_IPC_GRANT, handles=self._share, port=port,
+                ))
             return self._ctl
 
     def _share(self) -> list[wire.GpuIpcRegion]:
@@ -213,7 +216,6 @@ class GpuIpcBackend(TransferBackend):
                 self._local.append(seam.alias(ptr + off, n, device))
             off += n
         self._local_sizes = np.concatenate([self._local_sizes, np.asarray(sizes, dtype=np.uint64)])
-        self._control()
         log.info("gpu_ipc %s: registered %d bytes of %s memory at 0x%x as regions %s", self._key, size,
                  memory.label, ptr, ids)
         return ids
