@@ -125,7 +125,7 @@ class PlannedListener:
         return port in self.ports
 
     def describe(self) -> str:
-        """``"tcp read server of rank pp0/dp0/tp1 (tcp_port + 1)"``."""
+        """``"tcp listener of rank pp0/dp0/tp1 (`tcp_port` + 1)"``."""
         where = f" of rank {self.rank}" if self.rank is not None else ""
         how = f"`{self.key}`" + (f" + {self.offset}" if self.offset else "")
         return f"{self.name} listener{where} ({how})"

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address the HTTP server and the KV listeners bind (0.0.0.0: every interface)")
     p.add_argument("--advertise-host", default=None,
                    help="address other hosts reach this engine at, sent to the proxy and in KV transfer params "
-                        "(default: --host; required when --host is 0.0.0.0 or ::)")
+                        "(default: the config's `advertise_host`, else --host; required when --host is 0.0.0.0 "
+                        "or ::)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 lets the OS pick one (see --port-file)")
     p.add_argument("--port-file", default=None,
                    help="write the bound HTTP port to this file (atomically) once requests can be served")
@@ -105,7 +106,7 @@ async def _serve(args: argparse.Namespace, engine, router, make_pinger: Callable
         await site.start()
         port = runner.addresses[0][1]  # the bound port (the OS picks it for --port 0)
         log.info("serving %s on http://%s:%d (%s), advertised as %s", args.model_id, args.host, port, engine.role,
-                 args.advertise_host or args.host)
+                 engine.args.host)
         pinger = make_pinger(port)
         if pinger is not None:  # register only once requests can be served
             pinger.start()
@@ -163,7 +164,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if 2 % args.tp:
         print(f"error: --tp {args.tp} must divide the model's 2 KV heads (use 1 or 2)", file=sys.stderr)
         return 2
-    advertise = args.advertise_host or args.host
+    configured = kv_config.advertise_host if kv_config is not None else None
+    if args.advertise_host and configured and args.advertise_host != configured:
+        print(f"error: --advertise-host {args.advertise_host} and the config's `advertise_host` {configured} "
+              f"disagree; give one of them", file=sys.stderr)
+        return 2
+    advertise = args.advertise_host or configured or args.host
     if is_unspecified(advertise):
         flag = "--advertise-host" if args.advertise_host else "--host"
         print(f"error: {flag} {advertise} is an unspecified address, which peers cannot dial and is never "

@@ -135,3 +135,12 @@ def test_a_busy_planned_port_stops_the_engine_in_one_line_naming_the_key():
     assert len(failed) == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"`tcp_port`: port {taken} on 127.0.0.1 is already in use" in failed[0]
     assert "tcp listener of rank pp0/dp0/tp1 (`tcp_port` + 1)" in failed[0]
+
+
+def test_advertise_host_given_twice_differently_is_refused(capsys):
+    from atom_kv.reference.__main__ import main
+
+    config = {"kv_role": "kv_producer", "advertise_host": "127.0.0.2"}
+    assert main(["--advertise-host", "127.0.0.1", "--kv-transfer-config", json.dumps(config)]) == 2
+    assert capsys.readouterr().err == ("error: --advertise-host 127.0.0.1 and the config's `advertise_host` 127.0.0.2 "
+                                       "disagree; give one of them\n")
