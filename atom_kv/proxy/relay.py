@@ -754,7 +754,9 @@ class Relay:
     # ------------------------------------------------------------------ /v1/models
     async def models(self, request_id: str, auth: str | None) -> RelayResult:
         now = time.monotonic()
-        live = [i for i in self.registry.live("D", now) if i.breaker.allows(now)]
+        known = self.registry.live("D", now)
+        live = [i for i in known if i.breaker.allows(now)] or (
+            [self._least_recently_failed("D", known, set())] if known else [])
         if not live:
             raise self._no_instance("D")
         inst = live[self._models_rr % len(live)]

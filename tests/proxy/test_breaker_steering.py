@@ -104,7 +104,7 @@ def test_a_broken_instance_still_opens_its_circuit(status):
                 return [await _post(s, proxy.url, f"request {i}") for i in range(12)]
 
         assert asyncio.run(asyncio.wait_for(requests(), 60)) == [200] * 12  # retried on the good one
-        code, listing = http("GET", proxy.url + "/instances")
+        _, listing = http("GET", proxy.url + "/instances")
         circuits = {i["address"]: i["circuit"] for i in listing if i["role"] == "P"}
         assert circuits == {good.prefill[0]: "closed", broken.prefill[0]: "open"}
         assert _metric(proxy, "atom_kv_proxy_circuit_opened_total", role="prefill") == 1
