@@ -61,7 +61,11 @@ class UpstreamHealth:
         until a probe reaches it. A ``suspect`` failure waits for the request's verdict."""
         name = ROLE_NAMES[inst.role]
         self.metrics.upstream_failures.labels(name, kind).inc()
-        if suspect and request is not None:
+        if suspect:
+            if request is None:  # nobody to judge it with: unresolved at once
+                if inst.breaker.record_unresolved(time.monotonic()):
+                    self._opened(inst, "failed requests that no other instance could judge")
+                return
             request.suspects.append((inst.role, inst.key, inst))
             if request.settled:  # reported after the request's end: judged on what is known
                 self._judge(request, inst)

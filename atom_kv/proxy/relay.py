@@ -738,7 +738,8 @@ class Relay:
             if prompt_tokens is not None and ctype.startswith("application/json"):
                 data = self._patch_json_usage(data, prompt_tokens)
             return RelayResult(resp.status, ctype, body=data, spans=req.spans)
-        framer = EventFramer(prompt_tokens if prompt_tokens is not None and wants_stream_usage(req.body) else None)
+        framer = EventFramer(prompt_tokens if prompt_tokens is not None and wants_stream_usage(req.body) else None,
+                             self.settings.max_upstream_body_bytes)
         return RelayResult(resp.status, ctype, stream=DecodeStream(resp, req.request_id, d, self.health, framer,
                                                                    self.settings.sse_split_max, on_release),
                            spans=req.spans)

@@ -18,6 +18,7 @@ from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json as http
 from atom_kv.testing.web import scrape_metrics
 from tests.proxy.procs import FakeEngines, ProxyProcess
+from tests.proxy.test_cli import _run
 
 ROUNDS = 3  # the burst, repeated
 POISON = "poison"
@@ -114,3 +115,21 @@ def test_a_broken_instance_still_opens_its_circuit(status):
         proxy.kill()
         good.stop()
         broken.stop()
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--circuit-failure-ratio", "1.5", "must be a fraction > 0 and <= 1"),
+    ("--circuit-failure-ratio", "0", "must be > 0"),
+    ("--circuit-min-requests", "0", "must be >= 1"),
+    ("--circuit-window", "-1", "must be > 0"),
+    ("--circuit-failures", "0", "must be >= 1"),
+    ("--max-upstream-head-bytes", "100", "max_upstream_head_bytes: must be >= 1024"),
+    ("--max-upstream-body-bytes", "0", "must be >= 1"),
+    ("--max-server-timing-bytes", "-1", "must be >= 0"),
+    ("--max-first-token-text-bytes", "x", "not an integer"),
+])
+def test_breaker_and_answer_bound_flags_are_checked_in_one_line(flag, value, says):
+    res = _run(flag, value, "--port", "0", "--discovery-port", "0")
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert says in last and (flag in last or flag.lstrip("-").replace("-", "_") in last), last

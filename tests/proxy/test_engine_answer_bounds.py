@@ -171,3 +171,47 @@ async def test_a_well_formed_first_token_is_still_forwarded(make_proxy, make_eng
     (leg,) = d.received
     assert leg.kv["first_token_ids"] == [7] and leg.kv["first_token_sent"] is True
     assert proxy.count("atom_kv_proxy_first_tokens_dropped_total") == 0
+
+
+async def test_a_decode_event_over_the_bound_ends_the_stream_with_an_error(make_proxy, make_engine):
+    """A decode engine that never ends its event: the proxy holds at most the bound, then ends the
+    client's stream with an error event naming the flag and drops the engine's connection."""
+    dropped = asyncio.Event()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length")), 0)
+            await reader.readexactly(length)
+            if head.startswith(b"GET"):
+                body = b'{"status":"ok","role":"decode"}' if head.startswith(b"GET /health") else _MODELS
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                             b"connection: close\r\n\r\n%b" % (len(body), body))
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\ndata: ")
+            for _ in range(32):  # 2 MiB of one event, never ended
+                writer.write(b"x" * (64 * 1024))
+                await writer.drain()
+            await asyncio.wait_for(reader.read(1), 10)  # until the proxy drops the connection
+            dropped.set()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            dropped.set()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    d_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    p = await make_engine("P")
+    proxy = await make_proxy(discovery=False, static_prefill=(parse_engine_spec("P", p.base_url),),
+                             static_decode=(parse_engine_spec("D", d_url),), max_upstream_body_bytes=MiB)
+    assert await proxy.registry.wait_for(lambda r: bool(r.live("P")) and bool(r.live("D")), 5)
+    try:
+        status, _, raw = await post(proxy.url, {"prompt": "x", "max_tokens": 3, "stream": True})
+        assert status == 200 and len(raw) < 64 * 1024  # none of the oversized event reached the client
+        assert b"over --max-upstream-body-bytes" in raw and raw.endswith(b"data: [DONE]\n\n")
+        await asyncio.wait_for(dropped.wait(), 10)
+        (d,) = proxy.registry.known("D")  # a request may ask for huge events: judged like a 500
+        assert d.breaker.window.totals(time.monotonic()) == (0, 0, 1) and d.breaker.state() == "closed"
+    finally:
+        server.close()

@@ -100,3 +100,34 @@ async def test_a_streamed_body_is_not_held_so_not_bounded_in_total(pool):  # noq
     await asyncio.wait_for(done, 10)
     assert b"".join(got) == body
     await peer.close()
+
+
+# ------------------------------------------------------------------ the streamed decode leg's events
+def test_a_partial_event_is_held_without_quadratic_copies_and_bounded():
+    from atom_kv.proxy.sse import EventFramer, EventTooLarge
+
+    framer = EventFramer(max_event_bytes=128 * MiB)
+    piece = b"x" * (64 * 1024)
+    started = time.perf_counter()
+    for _ in range(1024):  # one 64 MiB event, in 64 KiB reads (joined with += this took tens of seconds)
+        assert framer.feed_writes(piece, 4) == []
+    ((event, ends),) = framer.feed_writes(b"\n\ndata: next", 4)
+    assert time.perf_counter() - started < 5.0
+    assert len(event) == 64 * MiB + 2 and not ends
+    assert framer.flush() == b"data: next"
+
+    small = EventFramer(max_event_bytes=MiB)
+    with pytest.raises(EventTooLarge, match="more than 1048576 bytes"):
+        for _ in range(17):
+            small.feed_writes(piece, 4)
+
+
+@pytest.mark.parametrize("pieces", [
+    [b"data: a\n", b"\ndata: b\n\n"], [b"data: a\r\n\r", b"\ndata: b\r\n\r\n"], [b"data: a", b"\n", b"\n", b"data: b\n\n"],
+])
+def test_an_event_end_split_across_reads_is_found(pieces):
+    from atom_kv.proxy.sse import EventFramer
+
+    framer = EventFramer(max_event_bytes=1024)
+    events = [e for p in pieces for e, _ in framer.feed_writes(p, 4)]
+    assert [e.strip() for e in events] == [b"data: a", b"data: b"]
