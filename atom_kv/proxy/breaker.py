@@ -19,13 +19,19 @@ What counts (the relay and :class:`~atom_kv.proxy.health.UpstreamHealth` sort it
     an instance that serves other clients is not judged by one client's content, and
     one that answers everybody 500 still opens after ``min_requests``.
 
+  A fleet whose every instance answers a request 500 charges none of them for it:
+  opening them all would help nobody (see below), and one broken instance among
+  healthy ones is still found, by the requests the others then serve.
+
 When it opens: ``threshold`` consecutive instance failures of different requests (one
 request retried on this instance counts once), or, over the last ``window_s``, at
 least ``min_requests`` outcomes of which ``failure_ratio`` or more were failures (Envoy's
 outlier detection, resilience4j's ``minimumNumberOfCalls``). After ``cooldown_s`` it is
 half-open: one trial request at a time (a trial whose outcome never arrives, e.g. the
 client left, frees the slot after another ``cooldown_s``); a success closes it and clears
-the window, an instance failure opens it again.
+the window, an instance failure opens it again. When every instance of a role is open,
+the relay still sends each leg to the one that failed least recently (``last_failure``):
+an open breaker steers traffic away from an instance, it never refuses every client.
 """
 
 from __future__ import annotations
