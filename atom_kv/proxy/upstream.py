@@ -20,10 +20,12 @@ silence from the peer (before its headers or between two pieces of body),
 ``total_timeout`` the whole exchange.
 
 Engine answers are bounded like client requests: a head (status line and
-headers) over ``max_head_bytes`` fails before more of it is parsed (httptools
-joins a header's pieces with ``bytes +=``, quadratic in its size: the bound
-keeps that small), a ``Server-Timing`` value over ``max_server_timing_bytes``
-is dropped unread, and more than ``max_body_bytes`` of body held at once (an
+headers) over ``max_head_bytes`` fails before any of it is parsed. A head
+split over several reads is collected in a bytearray and given to the parser
+whole, once its end arrived: httptools joins the pieces of a header value
+that come in separate feeds with ``bytes +=`` (quadratic in the value's size),
+so it never sees one in pieces. A ``Server-Timing`` value over
+``max_server_timing_bytes`` is dropped unread, and more than ``max_body_bytes`` of body held at once (an
 answer read whole; a streamed one is handed on as it arrives) fails the
 exchange, at once when its ``Content-Length`` says so.
 
@@ -113,7 +115,7 @@ class UpstreamResponse:
     __slots__ = ("status", "headers", "_conn", "_loop", "_parser", "_body", "_waiter", "_consumer",
                  "_headers_done", "_complete", "_failed", "_released", "_whole", "_timer", "_deadline",
                  "_read_timeout", "_last_read", "_length_known", "_keep_alive", "_got_bytes", "_paused",
-                 "_limits", "_head_seen", "_head_tail", "_held", "_too_large")
+                 "_limits", "_head_buf", "_held", "_too_large")
 
     def __init__(self, conn: "_Connection", whole: bool, read_timeout: float | None,
                  total_timeout: float | None) -> None:
@@ -121,8 +123,7 @@ class UpstreamResponse:
         self._loop = conn.loop
         self._parser = httptools.HttpResponseParser(self)
         self._limits: AnswerLimits = conn.pool.limits
-        self._head_seen = 0  # bytes fed before the head was complete
-        self._head_tail = b""  # the last bytes of those (a head end split across two reads)
+        self._head_buf: bytearray | None = None  # a head split over reads, until its end arrives
         self._held = 0  # body bytes held in ``_body``
         self._too_large: str | None = None  # set by a parser callback, failed after the feed
         self.status = 0
@@ -211,15 +212,27 @@ class UpstreamResponse:
     def _body_error(self, what: str) -> str:
         return f"the engine's answer {what}, over --max-upstream-body-bytes ({self._limits.body})"
 
-    def _head_fits(self, data: bytes) -> bool:
-        """Whether the head still fits ``--max-upstream-head-bytes`` with ``data`` (checked before
-        the parser sees it: past the bound, not one more byte of the head is parsed)."""
-        room = self._limits.head - self._head_seen
-        if len(data) > room and _HEAD_END not in self._head_tail + data[:room]:
-            return False
-        self._head_seen += len(data)
-        self._head_tail = (self._head_tail + data[-3:])[-3:]
-        return True
+    def _whole_head(self, data: bytes) -> bytes | None:
+        """``data`` with the head before it once the head's end is in (what the parser gets next);
+        None while it is not (``data`` is kept). Raises :class:`UpstreamTooLarge` past the bound."""
+        buf = self._head_buf
+        if buf is None:
+            end = data.find(_HEAD_END)
+            if 0 <= end <= self._limits.head:
+                return data  # the usual case: the whole head in one read
+            if end < 0 and len(data) <= self._limits.head:
+                self._head_buf = bytearray(data)
+                return None
+        else:
+            start = max(len(buf) - 3, 0)
+            buf += data
+            end = buf.find(_HEAD_END, start)
+            if end < 0 and len(buf) <= self._limits.head:
+                return None
+            if 0 <= end <= self._limits.head:
+                self._head_buf = None
+                return bytes(buf)
+        raise UpstreamTooLarge(f"the engine's answer head is over --max-upstream-head-bytes ({self._limits.head})")
 
     def on_message_complete(self) -> None:
         self._complete = True
@@ -229,10 +242,15 @@ class UpstreamResponse:
     def _data(self, data: bytes) -> None:
         self._got_bytes = True
         self._last_read = self._loop.time()
-        if not self._headers_done and not self._head_fits(data):
-            self._fail(UpstreamTooLarge(f"the engine's answer head is over --max-upstream-head-bytes "
-                                        f"({self._limits.head})"))
-            return
+        if not self._headers_done:
+            try:
+                whole = self._whole_head(data)
+            except UpstreamTooLarge as exc:
+                self._fail(exc)
+                return
+            if whole is None:
+                return
+            data = whole
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:

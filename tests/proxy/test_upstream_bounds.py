@@ -55,6 +55,27 @@ async def test_a_server_timing_header_over_its_bound_is_dropped_and_the_answer_k
         await peer.close()
 
 
+@pytest.mark.parametrize("cut", [1, 2, 3, 700])
+async def test_a_head_in_many_reads_is_parsed_once_whole(pool, cut):  # noqa: F811
+    """A head that comes in pieces (its end split too) is collected and parsed in one go."""
+    value = b"prefill_queue;dur=1," * 150  # 3 KB, under --max-server-timing-bytes
+    head = b"HTTP/1.1 200 OK\r\nserver-timing: " + value + b"\r\ncontent-length: 2\r\n\r\n"
+
+    async def trickle(reader, writer) -> bool:
+        split = len(head) - cut  # the last ``cut`` bytes of the head come with the body
+        pieces = [head[i:min(i + 500, split)] for i in range(0, split, 500)] + [head[split:] + b"{}"]
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.002)  # separate reads
+        return True
+
+    peer = await RawPeer(trickle).start()
+    resp = await pool().request("127.0.0.1", peer.port, _head("/", b"h", 0), whole=True, total_timeout=10)
+    assert resp.status == 200 and resp.header("server-timing") == value.decode() and await resp.read() == b"{}"
+    await peer.close()
+
+
 async def test_an_announced_200_mb_body_is_refused_at_once(pool):  # noqa: F811
     peer = await RawPeer(_answer(b"", b"", length=200 * 1000 * 1000)).start()
     started = time.perf_counter()
