@@ -101,6 +101,7 @@ class CircuitBreaker:
         self.opened_at = 0.0
         self.last_failure = 0.0  # monotonic time of the last failure (any kind): "least recently failed"
         self.window = OutcomeWindow(window_s)
+        self.trip_reason = ""  # why it last opened (for the log line)
         self._open = False
         self._trial_started: float | None = None
         self._streak: OrderedDict[object, None] = OrderedDict()  # requests counted in ``failures`` (bounded)
@@ -147,8 +148,12 @@ class CircuitBreaker:
         self.failures += 1
         self.last_failure = now
         self.window.add(now, failed=1)
-        if self._trial_started is not None or self.failures >= self.threshold or self._ratio_reached(now):
-            return self._trip(now)
+        if self._trial_started is not None:
+            return self._trip(now, "a failed trial request")
+        if self.failures >= self.threshold:
+            return self._trip(now, f"{self.failures} consecutive instance failures")
+        if self._ratio_reached(now):
+            return self._trip(now, self._ratio_reason())
         return False
 
     def record_unresolved(self, now: float) -> bool:
@@ -157,7 +162,7 @@ class CircuitBreaker:
         self.window.add(now, unresolved=1)
         self._trial_started = None  # the trial told nothing: the next request may try
         if not self._open and self._ratio_reached(now):
-            return self._trip(now)
+            return self._trip(now, self._ratio_reason() + ", serving nobody well")
         return False
 
     def _ratio_reached(self, now: float) -> bool:
@@ -167,7 +172,11 @@ class CircuitBreaker:
         total = ok + failed
         return total >= self.min_requests and failed >= self.failure_ratio * total
 
-    def _trip(self, now: float) -> bool:
+    def _ratio_reason(self) -> str:
+        return f"a failure ratio of at least {self.failure_ratio:g} within {self.window.window_s:g}s"
+
+    def _trip(self, now: float, reason: str) -> bool:
+        self.trip_reason = reason
         self._open = True
         self.opened_at = now
         self._trial_started = None

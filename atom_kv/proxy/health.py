@@ -64,7 +64,7 @@ class UpstreamHealth:
         if suspect:
             if request is None:  # nobody to judge it with: unresolved at once
                 if inst.breaker.record_unresolved(time.monotonic()):
-                    self._opened(inst, "failed requests that no other instance could judge")
+                    self._opened(inst)
                 return
             request.suspects.append((inst.role, inst.key, inst))
             if request.settled:  # reported after the request's end: judged on what is known
@@ -91,18 +91,16 @@ class UpstreamHealth:
         if verdict == "instance":
             self._count(inst, request.key)
         elif verdict == "unresolved" and inst.breaker.record_unresolved(time.monotonic()):
-            self._opened(inst, "failed requests that no other instance could judge")
+            self._opened(inst)
 
     def _count(self, inst: Instance, key: object) -> None:
-        breaker = inst.breaker
-        if breaker.record_failure(time.monotonic(), key):
-            self._opened(inst, f"{breaker.failures} consecutive instance failures" if breaker.failures >= breaker.threshold
-                         else f"a failure ratio of at least {breaker.failure_ratio:g} within {breaker.window.window_s:g}s")
+        if inst.breaker.record_failure(time.monotonic(), key):
+            self._opened(inst)
 
-    def _opened(self, inst: Instance, why: str) -> None:
+    def _opened(self, inst: Instance) -> None:
         name = ROLE_NAMES[inst.role]
         self.metrics.circuit_opened.labels(name).inc()
-        logger.warning("circuit opened for %s instance %s after %s", name, inst.base_url, why)
+        logger.warning("circuit opened for %s instance %s after %s", name, inst.base_url, inst.breaker.trip_reason)
 
     def mark_down(self, inst: Instance, reason: str) -> None:
         if self.registry.mark_down(inst, reason):

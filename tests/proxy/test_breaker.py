@@ -67,3 +67,17 @@ def test_a_suspect_is_judged_by_the_other_instances_of_its_role():
     assert out.verdict("P", p1) == "request" and out.verdict("P", p2) == "request"
     out.served.add(p2)
     assert out.verdict("P", p1) == "instance"
+
+
+def test_the_reason_it_opened_is_kept_for_the_log():
+    b = CircuitBreaker(threshold=2, cooldown_s=5.0, min_requests=100)
+    b.record_failure(0.0, "a")
+    b.record_failure(0.0, "b")
+    assert b.trip_reason == "2 consecutive instance failures"
+    b.on_dispatch(5.0)
+    b.record_failure(5.0, "c")
+    assert b.trip_reason == "a failed trial request"
+    r = CircuitBreaker(threshold=100, cooldown_s=5.0, min_requests=2, failure_ratio=0.5, window_s=10.0)
+    r.record_unresolved(0.0)
+    r.record_unresolved(0.0)
+    assert r.trip_reason == "a failure ratio of at least 0.5 within 10s, serving nobody well"
