@@ -144,7 +144,9 @@ def test_a_partial_event_is_held_without_quadratic_copies_and_bounded():
 
 
 @pytest.mark.parametrize("pieces", [
-    [b"data: a\n", b"\ndata: b\n\n"], [b"data: a\r\n\r", b"\ndata: b\r\n\r\n"], [b"data: a", b"\n", b"\n", b"data: b\n\n"],
+    [b"data: a\n", b"\ndata: b\n\n"],
+    [b"data: a\r\n\r", b"\ndata: b\r\n\r\n"],
+    [b"data: a", b"\n", b"\n", b"data: b\n\n"],
 ])
 def test_an_event_end_split_across_reads_is_found(pieces):
     from atom_kv.proxy.sse import EventFramer
