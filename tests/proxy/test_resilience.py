@@ -258,3 +258,23 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_stall_timeout(ma
         assert _abandoned(proxy, "client_stalled") == 1  # its prefill's release went out
     finally:
         raw.close()
+
+
+async def test_models_and_completions_go_to_the_least_recently_failed_when_every_circuit_is_open(make_proxy,
+                                                                                                 make_engine):
+    proxy = await make_proxy(circuit_failures=1, circuit_cooldown_s=60.0)
+    p = await make_engine("P")
+    older, newer = await make_engine("D"), await make_engine("D")
+    await register(proxy, p, older, newer)
+    by_url = {i.base_url: i for i in proxy.registry.live("D")}
+    now = time.monotonic()
+    by_url[older.base_url].breaker.record_failure(now - 2.0)
+    by_url[newer.base_url].breaker.record_failure(now - 1.0)
+    assert all(i.breaker.state() == "open" for i in by_url.values())
+    assert (await get(proxy.url, "/v1/models"))[0] == 200
+    assert await _complete(proxy, 2) == [200, 200]
+    assert len(older.received) == 2 and newer.received == []  # the one that failed longer ago ...
+    assert by_url[older.base_url].breaker.state() == "closed"  # ... whose success closed its circuit
+    assert by_url[newer.base_url].breaker.state() == "open"
+    # /v1/models and the first completion were the fallback's; the second found a closed circuit
+    assert proxy.count("atom_kv_proxy_all_circuits_open_routed_total", role="decode") == 2
