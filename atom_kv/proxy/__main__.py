@@ -85,6 +85,13 @@ def _pos_int(text: str) -> int:
     return value
 
 
+def _ratio(text: str) -> float:
+    value = _positive(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction > 0 and <= 1, got {text}")
+    return value
+
+
 def _engine(role: str):
     def parse(text: str):
         try:
@@ -215,10 +222,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest wait for the next byte from decode (s)")
     g.add_argument("--tokenize-timeout", type=_positive, default=d.tokenize_timeout,
                    help="timeout of an engine's /tokenize when checking a long prompt's length (s)")
-    g.add_argument("--circuit-failures", type=int, default=d.circuit_failures,
-                   help="consecutive failures that open an instance's circuit (default %(default)s)")
+    g.add_argument("--circuit-failures", type=_pos_int, default=d.circuit_failures,
+                   help="consecutive instance failures (of different requests) that open an instance's circuit; "
+                        "a 500 counts only once another instance served the same request (default %(default)s)")
     g.add_argument("--circuit-cooldown", type=_positive, default=d.circuit_cooldown_s,
                    help="seconds before an open circuit lets a trial request through (default %(default)s)")
+    g.add_argument("--circuit-min-requests", type=_pos_int, default=d.circuit_min_requests,
+                   help="outcomes an instance needs within --circuit-window before its failure ratio can open "
+                        "its circuit (default %(default)s)")
+    g.add_argument("--circuit-failure-ratio", type=_ratio, default=d.circuit_failure_ratio,
+                   help="share of failed outcomes within --circuit-window that opens a circuit (default %(default)s)")
+    g.add_argument("--circuit-window", type=_positive, default=d.circuit_window_s,
+                   help="seconds of outcomes the failure ratio looks at (default %(default)s)")
+    g.add_argument("--max-upstream-head-bytes", type=_pos_int, default=d.max_upstream_head_bytes,
+                   help="largest status line plus headers of an engine's answer, else 502 (default %(default)s)")
+    g.add_argument("--max-upstream-body-bytes", type=_pos_int, default=d.max_upstream_body_bytes,
+                   help="largest engine answer the proxy reads whole (prefill, non-streamed decode, probes), "
+                        "else 502 (default %(default)s)")
+    g.add_argument("--max-server-timing-bytes", type=_nonneg_int, default=d.max_server_timing_bytes,
+                   help="an engine's Server-Timing header longer than this is dropped unparsed (default %(default)s)")
+    g.add_argument("--max-first-token-text-bytes", type=_nonneg_int, default=d.max_first_token_text_bytes,
+                   help="a prefill's first_token_text longer than this is not forwarded: the request takes the "
+                        "sequential path (default %(default)s)")
     g.add_argument("--sse-split-max", type=_nonneg_int, default=d.sse_split_max,
                    help="SSE events that arrive together are forwarded one write each up to this many; a larger "
                         "backlog goes out in one write (default %(default)s)")
@@ -259,6 +284,10 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
         decode_timeout=args.decode_timeout, tokenize_timeout=args.tokenize_timeout,
         circuit_failures=args.circuit_failures, circuit_cooldown_s=args.circuit_cooldown,
+        circuit_min_requests=args.circuit_min_requests, circuit_failure_ratio=args.circuit_failure_ratio,
+        circuit_window_s=args.circuit_window, max_upstream_head_bytes=args.max_upstream_head_bytes,
+        max_upstream_body_bytes=args.max_upstream_body_bytes, max_server_timing_bytes=args.max_server_timing_bytes,
+        max_first_token_text_bytes=args.max_first_token_text_bytes,
         max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
         sse_split_max=args.sse_split_max, max_inflight_body_bytes=args.max_inflight_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,

@@ -51,7 +51,10 @@ class ProxyState:
         self.metrics = ProxyMetrics()
         self.policies: dict[str, Policy] = {"P": _policy(settings, "P"), "D": _policy(settings, "D")}
         self.registry = Registry(settings.heartbeat_timeout, settings.circuit_failures, settings.circuit_cooldown_s,
-                                 max_instances=settings.max_instances, on_evict=self._forget)
+                                 max_instances=settings.max_instances, on_evict=self._forget,
+                                 circuit_min_requests=settings.circuit_min_requests,
+                                 circuit_failure_ratio=settings.circuit_failure_ratio,
+                                 circuit_window_s=settings.circuit_window_s)
         for engine in (*settings.static_prefill, *settings.static_decode):
             self.registry.add_static(engine)
         self.health = UpstreamHealth(self.registry, self.metrics)

@@ -64,11 +64,22 @@ class ProxySettings:
     decode_timeout: float = 300.0
     models_timeout: float = 10.0
     tokenize_timeout: float = 5.0
+    # the breaker counts instance failures, not one request's (atom_kv.proxy.breaker): it opens after
+    # ``circuit_failures`` consecutive ones of different requests, or once the last ``circuit_window_s`` held at
+    # least ``circuit_min_requests`` outcomes with ``circuit_failure_ratio`` of them failures
     circuit_failures: int = 3
     circuit_cooldown_s: float = 10.0
+    circuit_min_requests: int = 20
+    circuit_failure_ratio: float = 0.5
+    circuit_window_s: float = 30.0
     discovery_poll_s: float = 0.5
     max_upstream_connections: int = 4096
     max_request_bytes: int = 64 * 1024 * 1024
+    # engine answers are bounded like client requests (more: 502 naming the flag)
+    max_upstream_head_bytes: int = 64 * 1024  # status line and headers of one answer
+    max_upstream_body_bytes: int = 64 * 1024 * 1024  # an answer read whole (prefill, non-streamed decode, probes)
+    max_server_timing_bytes: int = 4096  # a longer Server-Timing header is dropped unparsed
+    max_first_token_text_bytes: int = 1024  # a prefill's first_token_text (longer: the sequential path)
     max_inflight_body_bytes: int = 1 << 30  # request bodies held at once, all clients together (more: 503)
     sse_split_max: int = 4  # SSE events arriving together are written one by one up to this many
     # HTTP server
@@ -95,19 +106,24 @@ class ProxySettings:
             "heartbeat_timeout", "connect_timeout", "prefill_timeout", "decode_timeout", "models_timeout",
             "tokenize_timeout", "circuit_cooldown_s", "discovery_poll_s", "shutdown_timeout", "probe_interval_s",
             "probe_timeout", "header_timeout", "body_timeout", "stall_timeout", "registration_window_s",
-            "log_summary_interval_s", "balance_rel_threshold", "otlp_timeout_s",
+            "log_summary_interval_s", "balance_rel_threshold", "otlp_timeout_s", "circuit_window_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max",
-                     "concurrent_max_queued_tokens"):
+                     "concurrent_max_queued_tokens", "max_server_timing_bytes", "max_first_token_text_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
-                     "cache_max_chars", "discovery_max_connections", "discovery_max_connections_per_source"):
+                     "cache_max_chars", "discovery_max_connections", "discovery_max_connections_per_source",
+                     "circuit_min_requests", "max_upstream_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
+        if not 0.0 < self.circuit_failure_ratio <= 1.0:
+            raise ValueError(f"circuit_failure_ratio: must be > 0 and <= 1, got {self.circuit_failure_ratio!r}")
+        if self.max_upstream_head_bytes < 1024:
+            raise ValueError(f"max_upstream_head_bytes: must be >= 1024, got {self.max_upstream_head_bytes!r}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold: must be between 0 and 1, got {self.cache_threshold!r}")
         if self.retry_backoff_s < 0:

@@ -97,8 +97,11 @@ async def _serve(args: argparse.Namespace, engine, router, make_pinger: Callable
     engine.on_fatal = on_fatal
     if engine.fatal:
         return 1
+    from atom_kv.reference.http_log import HttpServerLog
+
     runner = web.AppRunner(server.app, access_log=None, handle_signals=False,
-                           shutdown_timeout=args.shutdown_timeout)
+                           shutdown_timeout=args.shutdown_timeout,
+                           logger=HttpServerLog(logging.getLogger("aiohttp.server")))
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     pinger = None
