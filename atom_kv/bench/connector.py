@@ -30,7 +30,7 @@ from atom_kv.connector.scheduler import ConnectorScheduler
 from atom_kv.connector.consumer import ConsumerWorker
 from atom_kv.connector.producer import ProducerWorker
 from atom_kv.connector.types import ConnectorMetadata, SendSpec
-from atom_kv.testing.ports import free_port_range
+from atom_kv.testing.ports import free_plan_base
 from atom_kv.transfer import ChunkedRegion, chunk_sizes, create_backend
 from atom_kv.wire import CompatInfo, HandshakeRequest
 
@@ -243,7 +243,7 @@ def _run_tp(args: argparse.Namespace, tp: int) -> dict[str, Any]:
                         head_dim=args.head_dim, block_size=args.block_size)
     max_blocks = -(-max(args.tokens) // args.block_size)
     num_blocks = max(max_blocks, 2 * -(-args.overhead_tokens // args.block_size))
-    port = free_port_range(tp)
+    port = free_plan_base(tp)
     common = dict(backend=args.backend, handshake_port=port, transfer_timeout_s=120.0, handshake_timeout_s=10.0,
                   auth_token=secrets.token_hex(16) if getattr(args, "auth", True) else None)
     pcfg = KVTransferConfig.from_dict(dict(common, kv_role="kv_producer"))

@@ -14,6 +14,11 @@ does not, so P/D and colocated decode should agree there. (They did not
 until the engine stopped allocating a context-sized gather buffer on every
 decode step: a decode engine, which never runs a long prefill, page-faulted
 through those buffers and decoded at 0.6x colocated speed on 8 KiB prompts.)
+
+Every P/D answer is also compared with the colocated engine's answer to the
+same prompt (greedy): at equal TP the target is the same text, token for
+token (exit 1 otherwise). ``--device cuda`` puts every engine's model and KV
+cache on the GPU (CUDA or ROCm torch).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 import urllib.request
 from typing import Any, Callable, Optional
@@ -38,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--backend", default="auto", choices=["auto", "tcp", "cma"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where the engines keep their model and KV cache (cuda: GPU, CUDA or ROCm torch)")
     parser.add_argument("--tp-prefill", type=int, default=1, choices=[1, 2])
     parser.add_argument("--tp-decode", type=int, default=1, choices=[1, 2])
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -66,9 +74,9 @@ def _group_cpu_s(pgid: int) -> float:
     return sum(s.cpu_s for s in process_stats() if s.pgrp == pgid)
 
 
-def _stream(url: str, prompt: str, max_tokens: int,
-            on_first_token: Optional[Callable[[], None]] = None) -> tuple[float, float, int]:
-    """Returns (ttft_s, total_s, tokens)."""
+def _stream(url: str, prompt: str, max_tokens: int, on_first_token: Optional[Callable[[], None]] = None,
+            pieces: Optional[list[str]] = None) -> tuple[float, float, int]:
+    """Returns (ttft_s, total_s, tokens); the streamed text goes to ``pieces`` when given."""
     body = json.dumps({"model": "atom-kv-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
@@ -85,6 +93,8 @@ def _stream(url: str, prompt: str, max_tokens: int,
             if "error" in event:
                 raise RuntimeError(event["error"]["message"])
             text = "".join(c.get("text") or "" for c in event.get("choices", []))
+            if pieces is not None:
+                pieces.append(text)
             if text:
                 if ttft is None:
                     ttft = time.perf_counter() - start
@@ -104,11 +114,13 @@ def _transfer(url: str) -> tuple[float, float]:
     return b, s
 
 
-def _decode_cpu(url: str, prompt: str, max_tokens: int, pgid: int) -> tuple[tuple[float, float, int], float]:
+def _decode_cpu(url: str, prompt: str, max_tokens: int, pgid: int,
+                pieces: Optional[list[str]] = None) -> tuple[tuple[float, float, int], float]:
     """Stream one request; also return the CPU ms per token the engine group ``pgid`` spent
     between the first streamed token and the end."""
     first: list[float] = []
-    sample = _stream(url, prompt, max_tokens, on_first_token=lambda: first.append(_group_cpu_s(pgid)))
+    sample = _stream(url, prompt, max_tokens, on_first_token=lambda: first.append(_group_cpu_s(pgid)),
+                     pieces=pieces)
     cpu = _group_cpu_s(pgid) - first[0]
     return sample, cpu * 1e3 / (sample[2] - 1) if sample[2] > 1 else 0.0
 
@@ -121,16 +133,21 @@ def _measure(cluster: Cluster, size: int, args: argparse.Namespace) -> dict[str,
     co_samples: list[tuple[float, float, int]] = []
     pd_cpu: list[float] = []
     co_cpu: list[float] = []
+    equal = True
     for rep in range(args.repeats):
         prompt = _prompt(size, rep)
         b0, s0 = _transfer(d_url)
-        (ttft, total, n), cpu = _decode_cpu(cluster.proxy_url, prompt, args.max_tokens, cluster.engines[d].pid)
+        pd_text: list[str] = []
+        co_text: list[str] = []
+        (ttft, total, n), cpu = _decode_cpu(cluster.proxy_url, prompt, args.max_tokens, cluster.engines[d].pid,
+                                            pd_text)
         b1, s1 = _transfer(d_url)
         pd.append((ttft, total, n, b1 - b0, s1 - s0))
         pd_cpu.append(cpu)
-        sample, cpu = _decode_cpu(co_url, prompt, args.max_tokens, cluster.engines[co].pid)
+        sample, cpu = _decode_cpu(co_url, prompt, args.max_tokens, cluster.engines[co].pid, co_text)
         co_samples.append(sample)
         co_cpu.append(cpu)
+        equal = equal and "".join(pd_text) == "".join(co_text)
 
     def tps(samples: list) -> float:
         rates = [(s[2] - 1) / (s[1] - s[0]) for s in samples if s[1] > s[0] and s[2] > 1]
@@ -151,6 +168,7 @@ def _measure(cluster: Cluster, size: int, args: argparse.Namespace) -> dict[str,
         "kv_transfer_ms": kv_seconds * 1e3,
         "kv_gb_per_s": kv_bytes / kv_seconds / 1e9 if kv_seconds > 0 else 0.0,
         "kv_share_of_ttft": kv_seconds / pd_ttft if pd_ttft > 0 else 0.0,
+        "pd_equals_colocated": equal,
     }
 
 
@@ -159,10 +177,16 @@ def run(args: argparse.Namespace) -> int:
         from atom_kv.bench.breakdown import run_breakdown
 
         return run_breakdown(args)
+    if args.device != "cpu":
+        from atom_kv.transfer.memory import gpu_unavailable_reason
+
+        if (why := gpu_unavailable_reason()) is not None:
+            print(f"e2e bench: --device {args.device}: {why}; use --device cpu", file=sys.stderr)
+            return 2
     sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     blocks = (max(sizes) + args.max_tokens + 64) // 16 + 64
     extra = ["--max-model-len", str(max(sizes) + args.max_tokens + 64), "--max-num-batched-tokens",
-             str(max(sizes) + 64)]
+             str(max(sizes) + 64), "--device", args.device]
     cluster = Cluster([
         EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=blocks, extra_args=extra),
         EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=blocks, extra_args=extra),
@@ -175,13 +199,17 @@ def run(args: argparse.Namespace) -> int:
         results = [_measure(cluster, size, args) for size in sizes]
     finally:
         cluster.close()
-    doc = {"suite": "e2e", "backend": args.backend, "tp_prefill": args.tp_prefill, "tp_decode": args.tp_decode,
-           "max_tokens": args.max_tokens, "repeats": args.repeats, "results": results}
+    equal_tp = args.tp_prefill == args.tp_decode
+    equal = all(r["pd_equals_colocated"] for r in results)
+    doc = {"suite": "e2e", "backend": args.backend, "device": args.device, "tp_prefill": args.tp_prefill,
+           "tp_decode": args.tp_decode, "max_tokens": args.max_tokens, "repeats": args.repeats,
+           "pd_equals_colocated": equal, "results": results}
+    failed = equal_tp and not equal
     if args.json:
         print(json.dumps(doc, indent=2))
-        return 0
-    print(f"e2e: backend={args.backend} P TP={args.tp_prefill} D TP={args.tp_decode}, {args.max_tokens} tokens, "
-          f"mean of {args.repeats} sequential streamed requests")
+        return 1 if failed else 0
+    print(f"e2e: backend={args.backend} device={args.device} P TP={args.tp_prefill} D TP={args.tp_decode}, "
+          f"{args.max_tokens} tokens, mean of {args.repeats} sequential streamed requests")
     head = (f"{'bytes':>6} {'TTFT P/D':>10} {'TTFT colo':>10} {'tok/s P/D':>10} {'tok/s colo':>10} "
             f"{'CPUms/tok P/D':>13} {'colo':>6} {'KV MiB':>7} {'KV ms':>7} {'GB/s':>6} {'KV/TTFT':>8}")
     print(head)
@@ -194,4 +222,9 @@ def run(args: argparse.Namespace) -> int:
               f"{r['kv_share_of_ttft'] * 100:>7.1f}%")
     print("tok/s: decode tokens per wall second (sensitive to other load on the machine); CPUms/tok: CPU time "
           "the generating engine spent per decoded token (P/D: the decode engine)")
-    return 0
+    if equal_tp:
+        print(f"target: P/D text == colocated text, greedy, token for token at TP {args.tp_prefill}/{args.tp_decode}: "
+              f"{'met' if equal else 'MISSED'}")
+    else:
+        print(f"P/D text == colocated text: {equal} (not a target where TP differs: the reduction order differs)")
+    return 1 if failed else 0

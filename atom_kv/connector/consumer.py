@@ -12,6 +12,15 @@ the transfer before the done-reading arrived: if the producer's lease expired
 (``abort_timeout_s``) first, its blocks may have been reused and hold another
 request's KV, so the load is reported failed instead (``load_failure_policy``
 then applies). No confirmation within ``handshake_timeout_s`` fails it too.
+
+A rendezvous load whose producer promised to hold the blocks (``lease_ms``)
+and whose reads ended well inside that promise sends its done-reading
+notices without waiting for the answers: the promise already says what the
+confirmation would (the argument is at
+:meth:`~atom_kv.connector.producer_rendezvous.RendezvousAnswers._pin_locked`), and the
+round trip would sit on the path to the request's second token. A producer
+that answers "still coming" (its scheduler has the request queued) is asked
+again, for up to ``prefill_queue_timeout_s``.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from atom_kv.connector.peers import PeerTable, producer_port
 from atom_kv.connector.pipeline import check_stage_cover
 from atom_kv.connector.reads import LoadState, RankRead, ReadContext
 from atom_kv.connector.rendezvous import BlocksClient
-from atom_kv.connector.scheduler import load_budget_s
+from atom_kv.connector.scheduler import load_budget_s, rendezvous_wait_s
 from atom_kv.connector.types import ConnectorMetadata, LoadSpec
 from atom_kv.connector.worker import ConnectorWorker
 from atom_kv.wire import BlocksAnswer, BlocksQuery, DoneReading, HandshakeRequest, blocks_digest
@@ -42,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 #: loads waiting for their prefill at once, per rank (more wait for a thread)
 MAX_RENDEZVOUS_THREADS = 64
+#: the end of a producer's promise a read must keep clear of: this share of it, at least LEASE_SLACK_MIN_S
+LEASE_SLACK_SHARE = 0.1
+LEASE_SLACK_MIN_S = 0.05
 
 
 class ConsumerWorker(ConnectorWorker):
@@ -102,7 +114,7 @@ class ConsumerWorker(ConnectorWorker):
         for spec in metadata.loads:
             self._start_load(spec, now)
 
-    def _start_load(self, spec: LoadSpec, now: float) -> None:
+    def _start_load(self, spec: LoadSpec, now: float, lease_until: Optional[float] = None) -> None:
         rid = spec.request_id
         if self._closed or self._read_pool is None or self._reads is None:
             why = "the connector is closed"
@@ -127,7 +139,7 @@ class ConsumerWorker(ConnectorWorker):
             overlaps = [HeadOverlap(s * tp + o.remote_rank, o.local_first, o.remote_first, o.count)
                         for s in range(spec.remote_pp_size) for o in overlaps]
         ranks = {o.remote_rank for o in overlaps}
-        st = LoadState(spec, now, set(ranks), frozenset(ranks))
+        st = LoadState(spec, now, set(ranks), frozenset(ranks), lease_until=lease_until)
         with self._lock:
             if rid in self._loads:
                 logger.warning("%s: request %s is already loading; ignoring the duplicate", self._name, rid)
@@ -159,8 +171,9 @@ class ConsumerWorker(ConnectorWorker):
 
     def _await_blocks(self, spec: LoadSpec, cancelled: threading.Event) -> None:
         rid = spec.request_id
+        lease_until: Optional[float] = None
         try:
-            result = self._ask_blocks(spec, cancelled)
+            result, asked = self._ask_blocks(spec, cancelled)
         except Exception as exc:  # never lose a load to a bug: fail it clearly
             logger.exception("%s: request %s: asking for the blocks of transfer %s crashed", self._name, rid,
                              spec.transfer_id)
@@ -181,13 +194,19 @@ class ConsumerWorker(ConnectorWorker):
                         self._first_tokens[rid] = list(result.first_token_ids)
                     self._wake()
                 remote = blocks[spec.remote_block_offset:need]
+                if result.lease_ms > 0:
+                    lease_s = result.lease_ms / 1000.0
+                    lease_until = asked + lease_s - max(LEASE_SLACK_MIN_S, LEASE_SLACK_SHARE * lease_s)
                 self._start_load(msgspec.structs.replace(spec, remote_block_ids=remote, await_blocks=False),
-                                 time.monotonic())
+                                 time.monotonic(), lease_until)
                 return
         logger.warning("%s: request %s: no blocks for transfer %s: %s", self._name, rid, spec.transfer_id, result)
         self._fail_load(rid, result)
 
-    def _ask_blocks(self, spec: LoadSpec, cancelled: threading.Event) -> Union[BlocksAnswer, str]:
+    def _ask_blocks(self, spec: LoadSpec, cancelled: threading.Event) -> tuple[Union[BlocksAnswer, str], float]:
+        """The producer's answer (or why there is none) and when the question that got it was sent;
+        asked again while the producer says the prefill is still coming, up to
+        :func:`~atom_kv.connector.scheduler.rendezvous_wait_s`."""
         overlaps = head_overlaps(self.compat.num_kv_heads, self.tp_size, self.tp_rank, spec.remote_tp_size,
                                  is_mla=self.compat.is_mla)
         client: Optional[BlocksClient] = getattr(self._tls, "blocks_client", None)
@@ -198,8 +217,18 @@ class ConsumerWorker(ConnectorWorker):
                 self._blocks_clients.append(client)
         query = BlocksQuery(transfer_id=spec.transfer_id, engine_id=self.engine_id, tp_rank=self.tp_rank,
                             tp_size=self.tp_size)
-        return client.blocks(spec.remote_host, producer_port(spec, overlaps[0].remote_rank), query,
-                             self.config.prefill_wait_timeout_s, self._stop, cancelled, spec.remote_pp_size)
+        port = producer_port(spec, overlaps[0].remote_rank)
+        end = time.monotonic() + rendezvous_wait_s(self.config)
+        while True:
+            asked = time.monotonic()
+            wait_s = min(self.config.prefill_wait_timeout_s, max(0.0, end - asked))
+            result = client.blocks(spec.remote_host, port, query, wait_s, self._stop, cancelled, spec.remote_pp_size)
+            if not (isinstance(result, BlocksAnswer) and not result.found):
+                return result, asked
+            if time.monotonic() >= end:
+                return (f"transfer {spec.transfer_id} was still queued or computing on the prefill after "
+                        f"{rendezvous_wait_s(self.config):g} s (prefill_queue_timeout_s)"), asked
+            logger.debug("%s: request %s: %s; asking again", self._name, spec.request_id, result.reason)
 
     def _run_read(self, read: RankRead) -> None:
         st, rank = read.load, read.remote_rank
@@ -250,7 +279,8 @@ class ConsumerWorker(ConnectorWorker):
     def _confirm_reads(self, st: LoadState) -> Optional[str]:
         """Send ``DoneReading(want_ack)`` to the producer ranks read from (they
         proved the token in their handshake) and wait for their acks; the
-        reason the load cannot be trusted, or None."""
+        reason the load cannot be trusted, or None. Inside the producer's
+        rendezvous promise the notices go without waiting (module docstring)."""
         spec = st.spec
         client: Optional[DoneAckClient] = getattr(self._tls, "ack_client", None)
         if client is None:
@@ -262,6 +292,10 @@ class ConsumerWorker(ConnectorWorker):
         msg = DoneReading(transfer_id=spec.transfer_id, engine_id=self.engine_id, tp_rank=self.tp_rank,
                           tp_size=self.tp_size, ok=True, want_ack=True, block_offset=spec.remote_block_offset,
                           num_blocks=len(spec.remote_block_ids), blocks_digest=blocks_digest(spec.remote_block_ids))
+        if st.lease_until is not None and time.monotonic() < st.lease_until:
+            client.notify(targets, msg)
+            self.stats_.add(confirmations_skipped=1)
+            return None
         try:
             return client.confirm(targets, msg, self.config.handshake_timeout_s, self._stop, tp_size=spec.remote_tp_size)
         except Exception as exc:  # never lose a load to a bug: fail it clearly

@@ -214,6 +214,8 @@ class HandshakeServer:
             if ipv6:
                 self._sock.setsockopt(zmq.IPV6, 1)
             self._sock.bind(endpoint)
+            if port == 0:  # the OS picked it (a port plan with handshake_port 0)
+                self.port = int(self._sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
         except (zmq.ZMQError, ValueError) as exc:
             self._close_fds()
             raise HandshakeError(

@@ -18,6 +18,11 @@ A read is confirmed (``DoneAck(valid=True)``) only when all of these hold:
 - the blocks were not released before the notice arrived: by a release
   message, or by the scheduler (``ConnectorMetadata.released``, learnt in
   ``start_load_kv`` before the step's forward can overwrite them).
+
+The rendezvous (blocks queries, "still coming", and the promise a found answer
+carries) is answered by :mod:`atom_kv.connector.producer_rendezvous`; this
+module takes its releases: one from anyone but the promised consumer's engine
+waits until the promise ends.
 """
 
 from __future__ import annotations
@@ -29,15 +34,15 @@ from typing import Callable, Optional
 
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
-from atom_kv.connector.handshake import HandshakeServer, compat_mismatch, handshake_port
-from atom_kv.connector.blocks_waits import Query, WaitingQueries
+from atom_kv.connector.handshake import HandshakeError, HandshakeServer, compat_mismatch
+from atom_kv.connector.blocks_waits import WaitingQueries
 from atom_kv.connector.handshake_limits import PortLimits
-from atom_kv.connector.types import ConnectorMetadata
+from atom_kv.connector.producer_rendezvous import MAX_QUERIES_PER_TRANSFER, Promise, RendezvousAnswers
+from atom_kv.connector.release import engine_sender
+from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput
 from atom_kv.connector.worker import ConnectorWorker
 from atom_kv.transfer.memory import pair_refusal
 from atom_kv.wire import (
-    BlocksAnswer,
-    BlocksQuery,
     DoneAck,
     DoneReading,
     HandshakeReply,
@@ -64,8 +69,7 @@ MAX_DEFERRED_PER_TRANSFER = 64
 MAX_DEFER_S = 5.0
 
 _LEASE_EXPIRED = "its lease expired after abort_timeout_s"
-
-
+_DROPPED = "the prefill request ended without lending blocks for the decode"
 @dataclass
 class _DoneState:
     ranks: set[int] = field(default_factory=set)
@@ -82,7 +86,7 @@ class _Deferred:
     deadline: float
 
 
-class ProducerWorker(ConnectorWorker):
+class ProducerWorker(RendezvousAnswers, ConnectorWorker):
     """Owns a prefill rank's handshake server and the done-reading, release
     and confirmation bookkeeping of its transfers."""
 
@@ -96,20 +100,32 @@ class ProducerWorker(ConnectorWorker):
         self._released: BoundedDict[str, str] = BoundedDict(MAX_REMEMBERED)  # reads no longer confirmed: tid -> why
         self._issued: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # live transfers' blocks
         self._first: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # their prefills' sampled tokens
+        self._learnt: BoundedDict[str, float] = BoundedDict(MAX_REMEMBERED)  # when the rank learnt each send
+        self._coming: BoundedDict[str, float] = BoundedDict(MAX_REMEMBERED)  # admitted, not yet sent
+        self._pins: BoundedDict[str, Promise] = BoundedDict(MAX_DEFERRED_TRANSFERS, on_evict=self._pin_evicted)
+        self._unpinned: list[Release] = []
         self._deferred: BoundedDict[str, list[_Deferred]] = BoundedDict(
             MAX_DEFERRED_TRANSFERS, on_evict=self._deferred_evicted)
         self._evicted: list[_Deferred] = []
         self._queries = WaitingQueries(self._name, capacity=MAX_DEFERRED_TRANSFERS,
                                        per_source=self.config.rendezvous_max_waiting_per_source,
-                                       per_transfer=MAX_DEFERRED_PER_TRANSFER)
+                                       per_transfer=MAX_QUERIES_PER_TRANSFER)
         self._refusals = RateLimitedLog(logger, "refused confirmations")
         self._defer_s = min(MAX_DEFER_S, self.config.handshake_timeout_s / 2)
+        try:
+            self._server = self._handshake_server()
+        except HandshakeError as exc:
+            busy = self.ports.in_use("handshake", self.bind_host, exc)
+            if busy is not None:
+                raise busy from None
+            raise
+
+    def _handshake_server(self) -> HandshakeServer:
         cfg = self.config
-        self._server = HandshakeServer(
+        return HandshakeServer(
             self._ctx,
             bind_host=self.bind_host,
-            port=handshake_port(cfg.handshake_port, self.dp_rank, self.tp_size, self.tp_rank,
-                                pp_rank=self.pp_rank, dp_size=self.dp_size),
+            port=self.ports.port("handshake"),  # the side-channel port: wire.handshake_port's layout
             auth_token=cfg.auth_token,
             identity=lambda: (self.engine_id, self.tp_rank),
             responder=self._answer_handshake,
@@ -130,17 +146,38 @@ class ProducerWorker(ConnectorWorker):
     def handshake_server(self) -> Optional[HandshakeServer]:
         return self._server
 
+    def get_finished(self) -> KVConnectorOutput:
+        """Also where this rank's KV counts as written: every engine calls it
+        after each step's forward, from the thread (and current stream) that
+        queued it, so the backend records its written event here and reads
+        of these blocks wait for those writes on the device."""
+        self.backend.kv_written()
+        return super().get_finished()
+
+    def _registered(self, memory: list[str]) -> None:
+        # the backend's listeners (planned ports) open now, so a port in use fails at start, not at the
+        # first handshake; a consumer's backend never exports, so it opens none
+        self.backend.export_descriptor()
+
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
+        now = time.monotonic()
         with self._lock:
+            for tid in metadata.coming:
+                if tid not in self._issued and tid not in self._released:
+                    self._coming[tid] = now
             for send in metadata.sends:
+                self._coming.pop(send.transfer_id, None)
                 if send.transfer_id not in self._released:
                     self._issued[send.transfer_id] = list(send.block_ids)
+                    if send.transfer_id not in self._learnt:
+                        self._learnt[send.transfer_id] = now
                     if send.first_token_ids:
                         self._first[send.transfer_id] = list(send.first_token_ids[:MAX_FIRST_TOKENS])
+            for tid in metadata.dropped:
+                if self._coming.pop(tid, None) is not None and tid not in self._issued and tid not in self._released:
+                    self._released[tid] = _DROPPED
             for tid in metadata.released:
-                self._done.pop(tid, None)
-                self._issued.pop(tid, None)
-                self._first.pop(tid, None)
+                self._forget_locked(tid)
                 why = self._ended.get(tid) or _LEASE_EXPIRED
                 self._ended[tid] = why
                 if tid not in self._released:
@@ -148,7 +185,7 @@ class ProducerWorker(ConnectorWorker):
             answers = self._resolve_deferred_locked()
             found = self._resolve_queries_locked()
         self._answer(answers)
-        self._queries.answer(found)
+        self._answer_queries(found)
         for spec in metadata.loads:  # only a consumer reads; a mis-wired engine hears so at once
             why = "this engine is not a kv_consumer"
             logger.warning("%s: request %s: cannot load remote KV: %s", self._name, spec.request_id, why)
@@ -204,10 +241,13 @@ class ProducerWorker(ConnectorWorker):
             if msg.transfer_id in self._released or msg.transfer_id in self._ended:
                 return
             self._issued[msg.transfer_id] = list(msg.block_ids)
+            if msg.transfer_id not in self._learnt:
+                self._learnt[msg.transfer_id] = time.monotonic()
+            self._coming.pop(msg.transfer_id, None)
             answers = self._resolve_deferred_locked()
             found = self._resolve_queries_locked()
         self._answer(answers)
-        self._queries.answer(found)
+        self._answer_queries(found)
 
     def _on_release(self, msg: Release) -> None:
         tid = msg.transfer_id
@@ -215,9 +255,14 @@ class ProducerWorker(ConnectorWorker):
         with self._lock:
             if tid in self._released or tid in self._ended:
                 return  # idempotent: already counted or released
-            self._done.pop(tid, None)
-            self._issued.pop(tid, None)
-            self._first.pop(tid, None)
+            pin = self._pins.get(tid)
+            if pin is not None and msg.sender != engine_sender("decode", pin.consumer):
+                if time.monotonic() < pin.until:
+                    pin.held = pin.held or msg  # applied when the promise ends, unless the reads end first
+                    logger.info("%s: transfer %s %s; holding its blocks until the rendezvous lease given to "
+                                "engine %s ends", self._name, tid, why, pin.consumer)
+                    return
+            self._forget_locked(tid)
             self._ended[tid] = why
             self._released[tid] = why
             self._finished_send.append(tid)
@@ -225,10 +270,19 @@ class ProducerWorker(ConnectorWorker):
             queries = self._queries.pop_locked(tid)
         self._wake()
         logger.info("%s: transfer %s %s; freeing its blocks", self._name, tid, why)
-        self._queries.answer([(q, self._not_found(q.msg, f"producer {why}")) for q in queries])
+        self._answer_queries([(q, self._not_found(q.msg, f"producer {why}")) for q in queries])
         self._answer([(d, self._ack(d.msg, False, f"producer {why} before the read was confirmed")) for d in waiting])
 
     # ------------------------------------------------------------------
+    def _forget_locked(self, tid: str) -> None:
+        """Drop what the rank keeps for a live transfer (it was counted, released or freed)."""
+        self._done.pop(tid, None)
+        self._issued.pop(tid, None)
+        self._first.pop(tid, None)
+        self._learnt.pop(tid, None)
+        self._coming.pop(tid, None)
+        self._pins.pop(tid, None)
+
     def _ack(self, msg: DoneReading, valid: bool, reason: str = "") -> DoneAck:
         return DoneAck(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, valid=valid, reason=reason)
 
@@ -265,6 +319,7 @@ class ProducerWorker(ConnectorWorker):
         it between polls)."""
         now = time.monotonic()
         self._expire_queries(now)
+        self._end_pins(now)
         with self._lock:
             if not self._deferred:
                 return
@@ -279,55 +334,6 @@ class ProducerWorker(ConnectorWorker):
                     del self._deferred[tid]
                 answers += [(d, self._unissued(d.msg)) for d in late]
         self._answer(answers)
-
-    # ------------------------------------------------------------------
-    # the rendezvous: a decode rank asks which blocks hold a transfer
-    # ------------------------------------------------------------------
-    def _on_blocks_query(self, msg: BlocksQuery, respond: Callable[[BlocksAnswer], None], source: str = "") -> None:
-        wait_s = min(msg.wait_ms / 1000.0, self.config.prefill_wait_timeout_s)
-        with self._lock:
-            answer = self._blocks_answer_locked(msg)
-            if answer is None and wait_s > 0:
-                why = self._queries.add_locked(msg, respond, source, wait_s)
-                if why is not None:
-                    answer = self._not_found(msg, why)
-            elif answer is None:
-                answer = self._unknown(msg)
-            pushed_out = self._queries.pushed_out_locked()
-        self._queries.answer([(q, self._unknown(q.msg)) for q in pushed_out])
-        if answer is not None:
-            self._queries.answer([(Query(msg, respond, 0.0, source), answer)])
-
-    def _blocks_answer_locked(self, msg: BlocksQuery) -> Optional[BlocksAnswer]:
-        """The blocks of the queried transfer, why they are gone, or None while the rank has not learnt it."""
-        tid = msg.transfer_id
-        why = self._released.get(tid)
-        if why is not None:
-            return self._not_found(msg, f"producer released transfer {tid} ({why})")
-        blocks = self._issued.get(tid)
-        if blocks is None:
-            return None
-        return BlocksAnswer(transfer_id=tid, tp_rank=self.tp_rank, found=True, block_ids=list(blocks),
-                            pp_size=self.pp_size, first_token_ids=self._first.get(tid, []))
-
-    def _not_found(self, msg: BlocksQuery, reason: str) -> BlocksAnswer:
-        return BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, found=False, reason=reason)
-
-    def _unknown(self, msg: BlocksQuery) -> BlocksAnswer:
-        return self._not_found(msg, f"transfer {msg.transfer_id} was not issued by producer {self.engine_id} rank "
-                                    f"{self.tp_rank} within the wait (the prefill failed, is slow, or is elsewhere)")
-
-    def _resolve_queries_locked(self) -> list[tuple[Query, BlocksAnswer]]:
-        found = []
-        for q in self._queries.known_locked(self._issued, self._released):
-            answer = self._blocks_answer_locked(q.msg)
-            found.append((q, answer if answer is not None else self._unknown(q.msg)))
-        return found
-
-    def _expire_queries(self, now: float) -> None:
-        with self._lock:
-            late = self._queries.late_locked(now)
-        self._queries.answer([(q, self._unknown(q.msg)) for q in late])
 
     def _deferred_evicted(self, _tid: str, waiting: list[_Deferred]) -> None:
         self._evicted.extend(waiting)  # answered by the caller, outside the lock
@@ -356,10 +362,12 @@ class ProducerWorker(ConnectorWorker):
             st.ranks.add(msg.tp_rank)
             if len(st.ranks) < st.tp_size:
                 return
-            del self._done[msg.transfer_id]
+            del self._done[msg.transfer_id]  # its blocks stay known: a late confirmation still finds them
+            self._first.pop(msg.transfer_id, None)
+            self._learnt.pop(msg.transfer_id, None)
+            self._pins.pop(msg.transfer_id, None)  # a release held for the promise is moot now
             self._ended[msg.transfer_id] = "every consumer rank had finished reading"
             self._finished_send.append(msg.transfer_id)
-            self._first.pop(msg.transfer_id, None)
         self._wake()
         logger.debug("%s: transfer %s read by all %d consumer ranks (last %s)", self._name, msg.transfer_id,
                      msg.tp_size, "ok" if msg.ok else "gave up")

@@ -49,6 +49,8 @@ class LoadState:
     cancelled: bool = False
     #: with pipeline stages: the layers each producer rank (``pp_rank*tp_size + tp_rank``) said it holds
     stage_layers: dict[int, list[int]] = field(default_factory=dict)
+    #: a rendezvous load: until when (monotonic, slack taken off) the producer promised to hold the blocks
+    lease_until: Optional[float] = None
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from atom_kv.wire import (
     handshake_port,
 )
 
-__all__ = ["MAX_RELEASE_RANKS", "NoticeSender", "ReleaseSpec", "release_spec_from_params"]
+__all__ = ["MAX_RELEASE_RANKS", "NoticeSender", "ReleaseSpec", "engine_sender", "release_spec_from_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +130,11 @@ class _Waiting:
     nonce: str
     deadline: float
     releases: deque = field(default_factory=lambda: deque(maxlen=_MAX_WAITING))
+
+
+def engine_sender(role: str, engine_id: str) -> str:
+    """How an engine names itself in its notices' ``sender`` ("decode engine D1")."""
+    return f"{role} engine {engine_id}"
 
 
 class NoticeSender:

@@ -55,7 +55,9 @@ class BlocksClient:
         capped by its own ``prefill_wait_timeout_s``). Returns the answer (found,
         with block ids, and the prefill's first token when its engine gave it), or
         the reason there are none (also when the producer has other pipeline
-        stages than ``pp_size``: the load would miss layers)."""
+        stages than ``pp_size``: the load would miss layers). An answer that is not
+        ``found`` but ``coming`` (the producer's scheduler has the request queued or
+        computing) is returned as it is: the caller decides whether to ask again."""
         msg = msgspec.structs.replace(msg, wait_ms=max(0, min(wire.MAX_BLOCKS_WAIT_MS, int(timeout_s * 1000))))
         if self._token is not None:
             msg = sign_struct(self._token, PURPOSE_BLOCKS, msg)
@@ -109,6 +111,8 @@ class BlocksClient:
             return None
         if answer.transfer_id != msg.transfer_id:
             return None
+        if not answer.found and answer.coming:
+            return answer  # still queued or computing there: the caller asks again
         if not answer.found:
             return answer.reason or f"the {where} holds no blocks for transfer {msg.transfer_id}"
         if not answer.block_ids:

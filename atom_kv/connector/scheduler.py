@@ -20,7 +20,7 @@ Consumer (``kv_consumer``)::
         when nothing will be read (the whole prompt was cached, or the engine
         loads none of the remote tokens), released
     build_connector_meta -> loading (deadline = now + load budget, plus
-        ``prefill_wait_timeout_s`` for a rendezvous: params with
+        :func:`rendezvous_wait_s` for a rendezvous: params with
         ``remote_blocks_pending`` and no block ids; the workers learn them from
         the producer, :mod:`atom_kv.connector.rendezvous`)
     first_tokens (the rendezvous brought the prefill's sampled token, and the
@@ -49,9 +49,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from atom_kv._lru import BoundedDict, BoundedSet
+from atom_kv.addresses import kv_addresses
 from atom_kv.config import FieldError, KVTransferConfig
 from atom_kv.connector.base import SchedulerHooks
-from atom_kv.connector.release import NoticeSender, ReleaseSpec, release_spec_from_params
+from atom_kv.connector.release import NoticeSender, ReleaseSpec, engine_sender, release_spec_from_params
 from atom_kv.connector.types import (
     ConnectorMetadata,
     KVConnectorOutput,
@@ -61,7 +62,7 @@ from atom_kv.connector.types import (
 )
 from atom_kv.wire import MAX_TRANSFER_ID_CHARS, KVTransferParams, adoptable_transfer_id
 
-__all__ = ["ConnectorScheduler", "load_backstop_s", "load_budget_s"]
+__all__ = ["ConnectorScheduler", "load_backstop_s", "load_budget_s", "rendezvous_wait_s"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,12 @@ def load_budget_s(config: KVTransferConfig) -> float:
     attempts = config.transfer_retries + 1
     backoff = sum(config.transfer_retry_backoff_ms * (2**i) for i in range(config.transfer_retries)) / 1000.0
     return config.handshake_timeout_s + attempts * config.transfer_timeout_s + backoff
+
+
+def rendezvous_wait_s(config: KVTransferConfig) -> float:
+    """Longest a rendezvous load waits for its block ids: ``prefill_queue_timeout_s`` while the
+    producer answers "still coming", at least one ``prefill_wait_timeout_s``."""
+    return max(config.prefill_wait_timeout_s, config.prefill_queue_timeout_s)
 
 
 def load_backstop_s(config: KVTransferConfig) -> float:
@@ -168,7 +175,7 @@ class ConnectorScheduler(SchedulerHooks):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.config = config
         self.engine_id = engine_id
-        self.host = host
+        self.host = kv_addresses(config, host)[0]  # what prefill responses name as `remote_host`
         self.tp_size = tp_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -184,6 +191,8 @@ class ConnectorScheduler(SchedulerHooks):
         self._recent_tids: BoundedSet[str] = BoundedSet(MAX_RECENT_TRANSFERS)
         self._pending_sends: list[SendSpec] = []
         self._released: list[str] = []
+        self._coming: list[str] = []   # admitted this step: the ranks answer "still coming" for them
+        self._dropped: list[str] = []  # admitted, then ended without lending blocks
         # consumer
         self._matched: dict[str, _Match] = {}
         self._loads: dict[str, _Load] = {}
@@ -255,6 +264,7 @@ class ConnectorScheduler(SchedulerHooks):
         tid = self._transfer_id(request_id, offered)
         self._decode_tids[request_id] = tid
         self._tid_owner[tid] = request_id
+        self._coming.append(tid)
 
     def _transfer_id(self, request_id: str, offered: Any) -> str:
         """The request's own transfer id when it is usable here, else one minted from ours."""
@@ -368,7 +378,7 @@ class ConnectorScheduler(SchedulerHooks):
     def _notices(self) -> NoticeSender:
         if self._sender is None:
             role = "prefill" if self.config.is_producer else "decode"
-            self._sender = NoticeSender(auth_token=self.config.auth_token, sender=f"{role} engine {self.engine_id}",
+            self._sender = NoticeSender(auth_token=self.config.auth_token, sender=engine_sender(role, self.engine_id),
                                         proof_timeout_s=self.config.handshake_timeout_s)
         return self._sender
 
@@ -385,7 +395,7 @@ class ConnectorScheduler(SchedulerHooks):
             load = self._loads[spec.request_id]
             load.state = _LOADING
             load.started = now
-            load.deadline = now + self._budget + (self.config.prefill_wait_timeout_s if spec.await_blocks else 0.0)
+            load.deadline = now + self._budget + (rendezvous_wait_s(self.config) if spec.await_blocks else 0.0)
             self._add_timer(load.deadline, "load", spec.request_id)
             logger.debug("request %s: loading %d blocks of %s", spec.request_id, len(spec.block_ids), spec.transfer_id)
         meta = ConnectorMetadata(
@@ -393,15 +403,20 @@ class ConnectorScheduler(SchedulerHooks):
             sends=self._pending_sends,
             released=self._released,
             cancelled=self._cancelled_out,
+            coming=self._coming,
+            dropped=self._dropped,
         )
         self._pending_loads = {}
         self._pending_sends = []
         self._released = []
         self._cancelled_out = []
+        self._coming = []
+        self._dropped = []
         return meta
 
     def has_metadata(self) -> bool:
-        return bool(self._pending_loads or self._pending_sends or self._released or self._cancelled_out)
+        return bool(self._pending_loads or self._pending_sends or self._released or self._cancelled_out
+                    or self._coming or self._dropped)
 
     def update_connector_output(self, output: KVConnectorOutput, now: Optional[float] = None) -> SchedulerEvents:
         now = time.monotonic() if now is None else now
@@ -523,7 +538,11 @@ class ConnectorScheduler(SchedulerHooks):
         tid = self._decode_tids.pop(rid, None)
         if tid is not None:
             del self._tid_owner[tid]
-        if tid is None or aborted:
+        if tid is None:
+            return False, None
+        if aborted or not block_ids:
+            self._dropped.append(tid)  # a rank holding a rendezvous question on it answers at once
+        if aborted:
             return False, None
         blocks = [int(b) for b in block_ids]
         params = KVTransferParams(

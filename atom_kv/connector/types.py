@@ -53,6 +53,11 @@ class ConnectorMetadata(msgspec.Struct, kw_only=True):
     sends: list[SendSpec] = []
     released: list[str] = []   # producer transfer ids whose blocks were freed (done, released or lease expired)
     cancelled: list[str] = []  # consumer request ids aborted while loading
+    #: producer transfer ids admitted this step (queued or computing: a rank answers a rendezvous
+    #: question on one of them "still coming" rather than "unknown")
+    coming: list[str] = []
+    #: producer transfer ids admitted earlier whose request ended without lending blocks
+    dropped: list[str] = []
 
 
 class KVConnectorOutput(msgspec.Struct, kw_only=True):

@@ -17,6 +17,7 @@ from typing import Callable, ClassVar, Optional, Sequence
 
 import zmq
 
+from atom_kv.addresses import kv_addresses
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.base import KVCacheLayer, WorkerHooks
 from atom_kv.connector.kv_caches import RegisteredKV, describe_kv_caches, register_kv_tensors
@@ -24,6 +25,7 @@ from atom_kv.connector.layout import head_range
 from atom_kv.connector.pipeline import stage_layers
 from atom_kv.connector.stats import TransferStats
 from atom_kv.connector.types import KVConnectorOutput
+from atom_kv.ports import RankPorts, rank_ports
 from atom_kv.transfer import TransferBackend, create_backend
 from atom_kv.wire import CompatInfo
 
@@ -59,7 +61,10 @@ class ConnectorWorker(WorkerHooks):
     ) -> None:
         """``host`` is the address peers dial; the rank's listeners (handshake
         server, the backend's servers) bind ``bind_host``, by default ``host``:
-        never every interface unless ``"0.0.0.0"`` is asked for."""
+        never every interface unless ``"0.0.0.0"`` is asked for. The config's
+        ``advertise_host`` and ``bind_host`` win over both; an unspecified
+        address to advertise is refused. Each listener binds its port of the
+        plan (:func:`atom_kv.ports.rank_ports`)."""
         if config.kv_role != self.role:
             raise ValueError(f"{type(self).__name__} serves kv_role {self.role!r}, the config says {config.kv_role!r}")
         if not 0 <= tp_rank < tp_size:
@@ -76,8 +81,10 @@ class ConnectorWorker(WorkerHooks):
             head_range(compat.num_kv_heads, tp_size, tp_rank)  # raises LayoutError when heads don't divide
         self.config = config
         self.engine_id = engine_id
-        self.host = host
-        self.bind_host = bind_host if bind_host is not None else host
+        self.host, self.bind_host = kv_addresses(config, host, bind_host)
+        #: the ports this rank's listeners bind
+        self.ports: RankPorts = rank_ports(config, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
+                                           pp_size=pp_size, dp_size=dp_size, tp_size=tp_size)
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.dp_rank = dp_rank
@@ -99,7 +106,8 @@ class ConnectorWorker(WorkerHooks):
         self._first_tokens: dict[str, list[int]] = {}
         self._waker: Optional[Callable[[], None]] = None
         self.backend = backend or create_backend(
-            config.backend, config, host=host, bind_host=self.bind_host, key=f"{engine_id}-dp{dp_rank}-tp{tp_rank}"
+            config.backend, config, host=self.host, bind_host=self.bind_host,
+            key=f"{engine_id}-dp{dp_rank}-tp{tp_rank}", ports=self.ports,
         )
         self._ctx = zmq.Context()
         try:

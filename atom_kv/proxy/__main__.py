@@ -85,6 +85,13 @@ def _pos_int(text: str) -> int:
     return value
 
 
+def _ratio(text: str) -> float:
+    value = _positive(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction > 0 and <= 1, got {text}")
+    return value
+
+
 def _engine(role: str):
     def parse(text: str):
         try:
@@ -117,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-inflight-body-bytes", type=_pos_int, default=d.max_inflight_body_bytes,
                    help="request bodies the proxy holds at once, all clients together; a request past it is "
                         "answered 503 (default %(default)s)")
+    g.add_argument("--reuse-port", action="store_true",
+                   help="share the HTTP --port with other proxy processes started with this flag (SO_REUSEPORT; "
+                        "the kernel spreads connections among them), so one host's proxy uses several cores; "
+                        "give each process its own --discovery-port and list every one in the engines' proxy_ip")
     g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
     g.add_argument("--admin-token", default=None,
                    help="the management routes (/instances, /metrics) answer only requests with "
@@ -146,9 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accept only pings signed with this shared token, and sign releases with it: the engines' "
                         "auth_token (one cluster secret)")
     g.add_argument("--allow-open-registration", action="store_true",
-                   help="accept unsigned pings on a non-loopback discovery address (without --registration-token): "
-                        "anyone who can reach the discovery port can then register an engine and receive client "
-                        "requests; refused without this flag")
+                   help="accept unsigned pings (without --registration-token), loopback included: anyone who can "
+                        "reach the discovery port can then register an engine and receive client requests; without "
+                        "a token or this flag every registration is refused")
+    g.add_argument("--discovery-max-connections", type=_pos_int, default=d.discovery_max_connections,
+                   help="open connections to the discovery port, all sources together; a quarter is kept for "
+                        "sources that registered an engine before (default %(default)s)")
+    g.add_argument("--discovery-max-connections-per-source", type=_pos_int,
+                   default=d.discovery_max_connections_per_source,
+                   help="open connections to the discovery port from one address (default %(default)s)")
     g.add_argument("--no-release", dest="release_prefills", action="store_false",
                    help="do not send releases to prefill engines for abandoned prefills (for engines that do not "
                         "speak atom-kv's handshake port; their blocks then wait for their lease)")
@@ -205,10 +222,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest wait for the next byte from decode (s)")
     g.add_argument("--tokenize-timeout", type=_positive, default=d.tokenize_timeout,
                    help="timeout of an engine's /tokenize when checking a long prompt's length (s)")
-    g.add_argument("--circuit-failures", type=int, default=d.circuit_failures,
-                   help="consecutive failures that open an instance's circuit (default %(default)s)")
+    g.add_argument("--circuit-failures", type=_pos_int, default=d.circuit_failures,
+                   help="consecutive instance failures (of different requests) that open an instance's circuit; "
+                        "a 500 counts only once another instance served the same request (default %(default)s)")
     g.add_argument("--circuit-cooldown", type=_positive, default=d.circuit_cooldown_s,
                    help="seconds before an open circuit lets a trial request through (default %(default)s)")
+    g.add_argument("--circuit-min-requests", type=_pos_int, default=d.circuit_min_requests,
+                   help="outcomes an instance needs within --circuit-window before its failure ratio can open "
+                        "its circuit (default %(default)s)")
+    g.add_argument("--circuit-failure-ratio", type=_ratio, default=d.circuit_failure_ratio,
+                   help="share of failed outcomes within --circuit-window that opens a circuit (default %(default)s)")
+    g.add_argument("--circuit-window", type=_positive, default=d.circuit_window_s,
+                   help="seconds of outcomes the failure ratio looks at (default %(default)s)")
+    g.add_argument("--max-upstream-head-bytes", type=_pos_int, default=d.max_upstream_head_bytes,
+                   help="largest status line plus headers of an engine's answer, else 502 (default %(default)s)")
+    g.add_argument("--max-upstream-body-bytes", type=_pos_int, default=d.max_upstream_body_bytes,
+                   help="largest engine answer the proxy reads whole (prefill, non-streamed decode, probes), "
+                        "else 502 (default %(default)s)")
+    g.add_argument("--max-server-timing-bytes", type=_nonneg_int, default=d.max_server_timing_bytes,
+                   help="an engine's Server-Timing header longer than this is dropped unparsed (default %(default)s)")
+    g.add_argument("--max-first-token-text-bytes", type=_nonneg_int, default=d.max_first_token_text_bytes,
+                   help="a prefill's first_token_text longer than this is not forwarded: the request takes the "
+                        "sequential path (default %(default)s)")
     g.add_argument("--sse-split-max", type=_nonneg_int, default=d.sse_split_max,
                    help="SSE events that arrive together are forwarded one write each up to this many; a larger "
                         "backlog goes out in one write (default %(default)s)")
@@ -236,6 +271,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         registration_token=args.registration_token, registration_window_s=args.registration_window,
         allow_open_registration=args.allow_open_registration,
+        discovery_max_connections=args.discovery_max_connections,
+        discovery_max_connections_per_source=args.discovery_max_connections_per_source,
         release_prefills=args.release_prefills, first_token_forwarding=args.first_token_forwarding,
         concurrent_dispatch=args.concurrent_dispatch, concurrent_max_queued_tokens=args.concurrent_max_queued_tokens,
         max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
@@ -247,10 +284,14 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
         decode_timeout=args.decode_timeout, tokenize_timeout=args.tokenize_timeout,
         circuit_failures=args.circuit_failures, circuit_cooldown_s=args.circuit_cooldown,
+        circuit_min_requests=args.circuit_min_requests, circuit_failure_ratio=args.circuit_failure_ratio,
+        circuit_window_s=args.circuit_window, max_upstream_head_bytes=args.max_upstream_head_bytes,
+        max_upstream_body_bytes=args.max_upstream_body_bytes, max_server_timing_bytes=args.max_server_timing_bytes,
+        max_first_token_text_bytes=args.max_first_token_text_bytes,
         max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
         sse_split_max=args.sse_split_max, max_inflight_body_bytes=args.max_inflight_body_bytes,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
-        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, admin_token=args.admin_token,
+        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, reuse_port=args.reuse_port, admin_token=args.admin_token,
         otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_timeout_s=args.otlp_timeout,
     )
 
@@ -307,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        sock = listen_socket(settings.host, settings.port, settings.backlog)
+        sock = listen_socket(settings.host, settings.port, settings.backlog, reuse_port=settings.reuse_port)
     except OSError as exc:
         reason = "address already in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
         print(f"atom-kv-proxy: cannot listen on {settings.host}:{settings.port}: {reason}", file=sys.stderr)

@@ -51,7 +51,10 @@ class ProxyState:
         self.metrics = ProxyMetrics()
         self.policies: dict[str, Policy] = {"P": _policy(settings, "P"), "D": _policy(settings, "D")}
         self.registry = Registry(settings.heartbeat_timeout, settings.circuit_failures, settings.circuit_cooldown_s,
-                                 max_instances=settings.max_instances, on_evict=self._forget)
+                                 max_instances=settings.max_instances, on_evict=self._forget,
+                                 circuit_min_requests=settings.circuit_min_requests,
+                                 circuit_failure_ratio=settings.circuit_failure_ratio,
+                                 circuit_window_s=settings.circuit_window_s)
         for engine in (*settings.static_prefill, *settings.static_decode):
             self.registry.add_static(engine)
         self.health = UpstreamHealth(self.registry, self.metrics)
@@ -64,7 +67,10 @@ class ProxyState:
         if settings.discovery:
             self.discovery = DiscoveryListener(
                 settings.discovery_bind_host, settings.discovery_port, self.registry, self.metrics,
-                registration_token=settings.registration_token, window_s=settings.registration_window_s,
+                registration_token=settings.registration_token, allow_open=settings.allow_open_registration,
+                window_s=settings.registration_window_s,
+                max_connections=settings.discovery_max_connections,
+                max_connections_per_source=settings.discovery_max_connections_per_source,
                 max_tp_size=settings.max_tp_size, max_dp_size=settings.max_dp_size,
                 poll_s=min(settings.discovery_poll_s, settings.heartbeat_timeout / 2),
                 log_interval_s=settings.log_summary_interval_s,

@@ -1,142 +1,66 @@
 """ZeroMQ ROUTER listener for engine registration pings (ATOM's and vLLM MoRIIO's), on the event loop.
 
-ATOM's ping is :class:`atom_kv.wire.RegisterPing` (``type`` "register"); its
-``HELLO`` is ignored. MoRIIO's newer ping carries ``type`` "P"/"D",
-``http_address`` "ip:port" and ``zmq_address``
-"host:IP,handshake:PORT,notify:PORT"; its Structs live here because only the
-proxy receives it.
-
-With a registration token, a ping is accepted only if it is signed
-(:mod:`atom_kv.auth`: ``ts``, ``nonce``, ``mac`` over the rest of the map)
-within the replay window. Every refusal is counted by reason
+What a ping may be is :mod:`atom_kv.proxy.pings`. Registration needs a
+registration token (a ping is accepted only if it is signed, see
+:mod:`atom_kv.auth`: ``ts``, ``nonce``, ``mac`` over the rest of the map,
+within the replay window), or the operator's ``--allow-open-registration``;
+with neither, every ping is refused (loopback is no trust boundary: any local
+process could register). Every refusal is counted by reason
 (``atom_kv_proxy_rejected_registrations``) and logged at a bounded rate.
+
+A ping that asks for it (``answers``, set by atom-kv's pinger) gets a
+:class:`~atom_kv.wire.RegisterAnswer`: registered, refused and why, or stale.
+ATOM's and MoRIIO's pings never do, and get nothing back.
+
+Before anything is decoded, the socket bounds what a stranger can make it
+hold: one message of at most :data:`~atom_kv.proxy.pings.MAX_PING_BYTES`
+(larger: the connection is dropped), :data:`RCV_HWM` queued messages per
+connection, and a :class:`~atom_kv.proxy.discovery_guard.ConnectionGuard` on
+the number of connections.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional, Union
-from urllib.parse import urlsplit
+from typing import Optional
 
-import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_fields
-from atom_kv.config import is_port
+from atom_kv.proxy.discovery_guard import ConnectionGuard
 from atom_kv.proxy.metrics import ProxyMetrics
-from atom_kv.proxy.registry import Registration, Registry, RegistryFull
+from atom_kv.proxy.pings import (  # noqa: F401 - re-exported: the names tests and tools import from here
+    MAX_PING_BYTES, REQUIRED_TRANSFER_MODE, DiscoveryMessage, MoriioDecodePing, MoriioPrefillPing,
+    UnspecifiedAddress, decode_discovery, decode_discovery_map, decode_raw, to_message, to_registration,
+)
+from atom_kv.proxy.registry import Registry, RegistryFull
 from atom_kv.proxy.settings import is_loopback
-from atom_kv.wire import PROTOCOL_VERSION, HelloPing, Name, RegisterPing, UrlText, WireError
+from atom_kv.wire import (
+    PROTOCOL_VERSION, REFUSED, REGISTERED, STALE, HelloPing, RegisterAnswer, RegisterPing, WireError, encode,
+)
 
 logger = logging.getLogger(__name__)
 
-REQUIRED_TRANSFER_MODE = "read"
-MAX_PING_BYTES = 64 * 1024
+RCV_HWM = 2  # pings queued per connection (an engine sends one every few seconds)
+SND_HWM = 16  # answers queued per connection (under 1 KiB each); more are dropped (ROUTER never blocks)
+HANDSHAKE_MS = 5000  # a connection must finish ZeroMQ's greeting within this
 _BURST = 256  # pings handled per wake-up before yielding to the loop
 
-
-class _MoriioPing(msgspec.Struct, tag_field="type", kw_only=True):
-    http_address: UrlText
-    zmq_address: UrlText
-    dp_size: int = 1
-    tp_size: int = 1
-    transfer_mode: Name = "read"
-    model: Optional[Name] = None
+#: what the operator must do when registration is refused for want of a token
+ENABLE_REGISTRATION = ("set --registration-token (the engines' auth_token), or --allow-open-registration to "
+                       "accept unsigned pings from anyone who can reach the discovery port")
 
 
-class MoriioPrefillPing(_MoriioPing, tag="P"):
-    """vLLM MoRIIO registration ping of a prefill instance."""
-
-
-class MoriioDecodePing(_MoriioPing, tag="D"):
-    """vLLM MoRIIO registration ping of a decode instance."""
-
-
-DiscoveryMessage = Union[RegisterPing, HelloPing, MoriioPrefillPing, MoriioDecodePing]
-_any_decoder = msgspec.msgpack.Decoder()
-
-
-def decode_discovery_map(data: bytes) -> tuple[dict[str, Any], DiscoveryMessage]:
-    """Decode any ping the proxy accepts, as its raw map (what a MAC covers) and its Struct.
-    Anything else raises :class:`WireError`."""
+def _peer(frame: zmq.Frame) -> Optional[str]:
+    """The source address a message came from (ZeroMQ's ``Peer-Address`` property), if known."""
     try:
-        raw = _any_decoder.decode(data)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
-        raise WireError(f"bad registration message ({len(data)} bytes): {exc}") from None
-    if not isinstance(raw, dict):
-        raise WireError(f"bad registration message ({len(data)} bytes): not a map")
-    try:
-        return raw, msgspec.convert(raw, DiscoveryMessage)
-    except msgspec.ValidationError as exc:
-        raise WireError(f"bad registration message ({len(data)} bytes): {exc}") from None
-
-
-def decode_discovery(data: bytes) -> DiscoveryMessage:
-    """Decode any ping the proxy accepts; anything else raises :class:`WireError`."""
-    return decode_discovery_map(data)[1]
-
-
-def _port(text: str, what: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise WireError(f"{what}: not a port number: {text!r}") from None
-    if not is_port(port, allow_zero=False):
-        raise WireError(f"{what}: port out of range: {port}")
-    return port
-
-
-def _check_sizes(dp_size: int, tp_size: int) -> None:
-    if dp_size < 1 or tp_size < 1:
-        raise WireError(f"dp_size/tp_size must be >= 1, got dp_size={dp_size} tp_size={tp_size}")
-
-
-def to_registration(msg: RegisterPing | _MoriioPing) -> Registration:
-    """Normalise either ping format; raises :class:`WireError` on bad addresses."""
-    if isinstance(msg, RegisterPing):
-        _check_sizes(msg.dp_size, msg.tp_size)
-        try:
-            parts = urlsplit(msg.request_address)
-        except ValueError as exc:  # e.g. an unclosed IPv6 bracket
-            raise WireError(f"request_address: {exc}: {msg.request_address!r}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise WireError(f"request_address: not an http URL: {msg.request_address!r}")
-        try:
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-        except ValueError:
-            raise WireError(f"request_address: bad port in {msg.request_address!r}") from None
-        if not is_port(msg.handshake_port):
-            raise WireError(f"handshake_port: port out of range: {msg.handshake_port}")
-        return Registration(
-            role=msg.role, base_url=f"{parts.scheme}://{parts.netloc}", host=parts.hostname, http_port=port,
-            handshake_port=msg.handshake_port, dp_size=msg.dp_size, tp_size=msg.tp_size, index=msg.index,
-            engine_id=msg.engine_id, model=msg.model, source="atom",
-            features=None if msg.kv_features is None else frozenset(msg.kv_features),
-        )
-    _check_sizes(msg.dp_size, msg.tp_size)
-    host, sep, port_text = msg.http_address.rpartition(":")
-    if not sep or not host:
-        raise WireError(f"http_address: expected 'ip:port', got {msg.http_address!r}")
-    http_port = _port(port_text, "http_address")
-    fields: dict[str, str] = {}
-    for item in msg.zmq_address.split(","):
-        key, sep, value = item.strip().partition(":")
-        if not sep:
-            raise WireError(f"zmq_address: expected 'host:IP,handshake:PORT,notify:PORT', got {msg.zmq_address!r}")
-        fields[key] = value
-    if "handshake" not in fields:
-        raise WireError(f"zmq_address: no handshake port in {msg.zmq_address!r}")
-    handshake = _port(fields["handshake"], "zmq_address handshake")
-    notify = _port(fields["notify"], "zmq_address notify") if "notify" in fields else None
-    role = "P" if isinstance(msg, MoriioPrefillPing) else "D"
-    return Registration(
-        role=role, base_url=f"http://{host}:{http_port}", host=fields.get("host") or host, http_port=http_port,
-        handshake_port=handshake, dp_size=msg.dp_size, tp_size=msg.tp_size, model=msg.model,
-        notify_port=notify, source="moriio",
-    )
+        return frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return None
 
 
 class DiscoveryError(Exception):
@@ -144,7 +68,8 @@ class DiscoveryError(Exception):
 
 
 class DiscoveryListener:
-    """Owns the ROUTER socket and the loop task that turns pings into :class:`Registry` entries.
+    """Owns the ROUTER socket, its connection guard and the loop tasks that turn pings into
+    :class:`Registry` entries and answer them.
 
     ``start()``/``close()`` belong to the proxy's lifespan (:class:`~atom_kv.proxy.app.ProxyState`)."""
 
@@ -156,9 +81,12 @@ class DiscoveryListener:
         metrics: ProxyMetrics,
         *,
         registration_token: str | None = None,
+        allow_open: bool = False,
         window_s: float = 30.0,
         max_tp_size: int = 512,
         max_dp_size: int = 512,
+        max_connections: int = 512,
+        max_connections_per_source: int = 32,
         poll_s: float = 0.5,
         log_interval_s: float = 10.0,
     ) -> None:
@@ -168,24 +96,38 @@ class DiscoveryListener:
         self.registry = registry
         self.metrics = metrics
         self.registration_token = registration_token
+        self.allow_open = allow_open
         self.max_tp_size = max_tp_size
         self.max_dp_size = max_dp_size
+        self.max_connections = max_connections
+        self.max_connections_per_source = max_connections_per_source
         self.poll_s = poll_s
         self.replay = ReplayWindow(window_s)
         self.warnings = RateLimitedLog(logger, "refused registrations", interval_s=log_interval_s)
+        self.guard: ConnectionGuard | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._sock: zmq.asyncio.Socket | None = None
-        self._task: asyncio.Task | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def refuses_all(self) -> bool:
+        """No token and no ``allow_open``: every ping is refused."""
+        return self.registration_token is None and not self.allow_open
 
     async def start(self) -> int:
         """Bind and start receiving; raises :class:`DiscoveryError` if the address is not usable."""
-        if self._task is not None:
+        if self._tasks:
             assert self.port is not None
             return self.port
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_PING_BYTES)  # a peer sending more is disconnected
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_PING_BYTES)  # a peer sending more is disconnected, nothing allocated
+        sock.setsockopt(zmq.RCVHWM, RCV_HWM)
+        sock.setsockopt(zmq.SNDHWM, SND_HWM)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         try:
             if self.requested_port == 0:
                 self.port = sock.bind_to_random_port(f"tcp://{self.host}")
@@ -193,28 +135,41 @@ class DiscoveryListener:
                 sock.bind(f"tcp://{self.host}:{self.requested_port}")
                 self.port = self.requested_port
         except zmq.ZMQError as exc:
+            sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
             ctx.term()
             raise DiscoveryError(f"cannot listen for discovery on {self.host}:{self.requested_port}: {exc}") from None
-        self._ctx, self._sock = ctx, sock
-        self._task = asyncio.create_task(self._run(), name="atom-kv-proxy-discovery")
+        self._ctx, self._sock, self._monitor = ctx, sock, monitor
+        self.guard = ConnectionGuard(self.port, self.max_connections, self.max_connections_per_source)
+        self._tasks = [asyncio.create_task(self._run(), name="atom-kv-proxy-discovery"),
+                       asyncio.create_task(self._watch(), name="atom-kv-proxy-discovery-guard")]
         logger.info("discovery listening on tcp://%s:%d%s", self.host, self.port,
                     " (signed pings only)" if self.registration_token else "")
-        if self.registration_token is None:
+        if self.refuses_all:
+            logger.warning("REGISTRATION IS REFUSED on tcp://%s:%d: no --registration-token; engines are refused "
+                           "(and told why) until you %s; engines given by --prefill/--decode still work",
+                           self.host, self.port, ENABLE_REGISTRATION)
+        elif self.registration_token is None:
             reach = "any local process" if is_loopback(self.host) else "ANY HOST THAT CAN REACH IT"
-            logger.warning("REGISTRATION IS OPEN on tcp://%s:%d: %s can register an engine and receive client "
-                           "requests; set --registration-token to accept signed pings only", self.host, self.port,
-                           reach)
+            logger.warning("REGISTRATION IS OPEN on tcp://%s:%d (--allow-open-registration): %s can register an "
+                           "engine and receive client requests; set --registration-token to accept signed pings "
+                           "only", self.host, self.port, reach)
         return self.port
 
     async def close(self) -> None:
-        """Stop receiving and close the socket. Idempotent."""
-        task, self._task = self._task, None
-        if task is not None:
+        """Stop receiving and close the sockets. Idempotent."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
             task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         sock, self._sock = self._sock, None
+        monitor, self._monitor = self._monitor, None
         ctx, self._ctx = self._ctx, None
+        if sock is not None:
+            sock.disable_monitor()
+        if monitor is not None:
+            monitor.close(0)
         if sock is not None:
             sock.close(0)
         if ctx is not None:
@@ -229,10 +184,12 @@ class DiscoveryListener:
                 if await sock.poll(timeout_ms):
                     for _ in range(_BURST):
                         try:
-                            frames = await sock.recv_multipart(zmq.NOBLOCK)
+                            frames = await sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self.handle(frames[-1] if frames else b"")
+                        answer = self.handle(frames[-1].bytes, _peer(frames[-1]))
+                        if answer is not None and len(frames) >= 2:
+                            self._answer(sock, frames[0].bytes, answer)
                     else:
                         await asyncio.sleep(0)  # a burst: let requests run before the next one
                 self.warnings.flush()
@@ -242,53 +199,109 @@ class DiscoveryListener:
                 logger.error("discovery socket error: %s", exc)
                 await asyncio.sleep(self.poll_s)
             except Exception as exc:  # keep discovery alive whatever one message does; counted, rate-limited
-                self._refuse("internal", "a discovery message", f"{type(exc).__name__}: {exc}")
+                self._count("internal", "a discovery message", f"{type(exc).__name__}: {exc}")
                 logger.debug("unexpected error in discovery", exc_info=True)
 
-    def _refuse(self, reason: str, who: str, detail: str) -> None:
+    @staticmethod
+    def _answer(sock: zmq.asyncio.Socket, identity: bytes, answer: RegisterAnswer) -> None:
+        try:
+            sock.send_multipart([identity, encode(answer)], zmq.NOBLOCK)  # dropped if the peer's queue is full
+        except zmq.ZMQError as exc:
+            logger.debug("could not answer a registration ping: %s", exc)
+
+    async def _watch(self) -> None:
+        """Follow the ROUTER's connections; shut down those past the guard's caps."""
+        monitor, guard = self._monitor, self.guard
+        assert monitor is not None and guard is not None
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_ACCEPTED:
+                    problem = guard.accepted(int(event["value"]))
+                    if problem is not None:
+                        self._count("connections", "a discovery connection", problem)
+                elif event["event"] == zmq.EVENT_DISCONNECTED:
+                    guard.disconnected(int(event["value"]))
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                logger.error("discovery monitor error: %s", exc)
+                await asyncio.sleep(self.poll_s)
+            except Exception:  # a malformed event: ours to fix, never fatal
+                logger.debug("unexpected discovery monitor event", exc_info=True)
+
+    def _count(self, reason: str, who: str, detail: str) -> None:
         self.metrics.rejected_registrations.labels(reason).inc()
         self.warnings.event(reason, f"refused registration from {who}: {detail}")
 
-    def handle(self, data: bytes) -> None:
-        """Apply one ping; never raises for bad input."""
+    def _refuse(self, wants: bool, reason: str, who: str, detail: str, answer_reason: str,
+                status: str = REFUSED) -> Optional[RegisterAnswer]:
+        self._count(reason, who, detail)
+        return RegisterAnswer(status=status, reason=answer_reason, detail=detail[:512]) if wants else None
+
+    def _bad(self, wants: bool, who: str, exc: WireError) -> Optional[RegisterAnswer]:
+        self.metrics.bad_discovery_messages.inc()
+        return self._refuse(wants, "decode", who, str(exc), "format")
+
+    def handle(self, data: bytes, peer: Optional[str] = None) -> Optional[RegisterAnswer]:
+        """Apply one ping (from source address ``peer``); returns the answer for the sender when it asked for
+        one. Never raises for bad input."""
         try:
-            raw, msg = decode_discovery_map(data)
+            raw = decode_raw(data)
         except WireError as exc:
-            self.metrics.bad_discovery_messages.inc()
-            self.warnings.event("bad_message", f"ignoring discovery message: {exc}")
-            return
+            return self._bad(False, "a discovery message", exc)
+        wants = raw.get("answers") is True and raw.get("type") == "register"
+        try:
+            _, msg = to_message(raw, len(data))
+        except WireError as exc:
+            return self._bad(wants, "a discovery message", exc)
         if isinstance(msg, HelloPing):
             logger.debug("HELLO ping ignored")
-            return
+            return None
         who = msg.request_address if isinstance(msg, RegisterPing) else msg.http_address
         if isinstance(msg, RegisterPing) and msg.v != PROTOCOL_VERSION:
-            self._refuse("version", who, f"registration protocol version {msg.v} (engine) is not version "
-                                         f"{PROTOCOL_VERSION} (proxy): run the same atom-kv release on both")
-            return
+            return self._refuse(wants, "version", who, f"registration protocol version {msg.v} (engine) is not "
+                                f"version {PROTOCOL_VERSION} (proxy): run the same atom-kv release on both", "version")
         if self.registration_token is not None:
             if not isinstance(msg, RegisterPing):
-                self._refuse("auth", who, "unsigned (MoRIIO) ping while --registration-token is set")
-                return
+                return self._refuse(wants, "auth", who, "unsigned (MoRIIO) ping while --registration-token is set",
+                                    "token")
             try:
                 verify_fields(self.registration_token, PURPOSE_REGISTER, raw, self.replay)
             except AuthError as exc:
-                self._refuse(exc.reason, who, str(exc))
-                return
+                return self._auth_refusal(wants, who, exc)
+        elif not self.allow_open:
+            return self._refuse(wants, "open", who, "this proxy has no --registration-token and refuses every "
+                                "registration: its operator must " + ENABLE_REGISTRATION, "token")
         if msg.transfer_mode.lower() != REQUIRED_TRANSFER_MODE:  # vLLM MoRIIO sends "READ", ATOM "read"
-            self._refuse("transfer_mode", who,
-                         f"transfer_mode {msg.transfer_mode!r} is not supported (expected {REQUIRED_TRANSFER_MODE!r})")
-            return
+            return self._refuse(wants, "transfer_mode", who, f"transfer_mode {msg.transfer_mode!r} is not supported "
+                                f"(expected {REQUIRED_TRANSFER_MODE!r})", "format")
         if msg.tp_size > self.max_tp_size or msg.dp_size > self.max_dp_size:
-            self._refuse("limits", who, f"tp_size={msg.tp_size} dp_size={msg.dp_size} exceed the limits "
-                                        f"(--max-tp-size {self.max_tp_size}, --max-dp-size {self.max_dp_size})")
-            return
+            return self._refuse(wants, "limits", who, f"tp_size={msg.tp_size} dp_size={msg.dp_size} exceed the "
+                                f"limits (--max-tp-size {self.max_tp_size}, --max-dp-size {self.max_dp_size})",
+                                "limits")
         try:
             reg = to_registration(msg)
+        except UnspecifiedAddress as exc:
+            return self._refuse(wants, "address", who, str(exc), "address")
         except WireError as exc:
             self.metrics.bad_discovery_messages.inc()
             self.warnings.event("bad_message", f"ignoring registration from {who}: {exc}")
-            return
+            return RegisterAnswer(status=REFUSED, reason="format", detail=str(exc)[:512]) if wants else None
         try:
             self.registry.upsert(reg)
         except RegistryFull as exc:
-            self._refuse("capacity", who, str(exc))
+            return self._refuse(wants, "capacity", who, str(exc), "limits")
+        if self.guard is not None and peer:
+            self.guard.trust(peer)
+        return RegisterAnswer(status=REGISTERED) if wants else None
+
+    def _auth_refusal(self, wants: bool, who: str, exc: AuthError) -> Optional[RegisterAnswer]:
+        if exc.reason == "stale":
+            return self._refuse(wants, "stale", who, f"{exc}: the engine's and the proxy's clocks differ by more than "
+                                f"the proxy's --registration-window {self.replay.window_s:g}s (synchronise them, "
+                                "e.g. NTP)", "stale", status=STALE)
+        if exc.reason == "replay":
+            return self._refuse(wants, "replay", who, str(exc), "replay")
+        return self._refuse(wants, exc.reason, who, f"{exc}: the ping is not signed with this proxy's "
+                            "--registration-token (the engine's auth_token must be the same value)", "token")

@@ -20,6 +20,14 @@ decode leg is told up front; the prefill's answer then always yields the
 first events (:func:`promised_first_events`), from ``first_token_text``: what
 a stream shows for that token alone, which is exactly what the decode engine
 leaves out (a prefill whose token ended the answer yields just the chat role).
+
+A prefill's answer is checked before any of it is used (:func:`bounded_first_token`):
+``first_token_ids`` must be a list of 1 to :data:`~atom_kv.wire.MAX_FIRST_TOKENS`
+token ids, each an int in ``0 <= id < MAX_TOKEN_ID`` (engines do not report their
+vocabulary size; every engine's token ids are int32), and the first token's text at
+most ``--max-first-token-text-bytes``. Anything else is dropped from the params, so
+neither the decode leg nor the client sees it, and the request takes the sequential
+path (the decode engine computes its first token itself).
 """
 
 from __future__ import annotations
@@ -33,12 +41,39 @@ import msgspec
 from atom_kv.openai_errors import sse_error_event
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.stream import ResponseStream, StreamSink
-from atom_kv.wire import KV_FEATURE_FIRST_TOKEN
+from atom_kv.wire import KV_FEATURE_FIRST_TOKEN, MAX_FIRST_TOKENS
 
-__all__ = ["first_token_events", "forwardable", "forwardable_request", "promised_first_events", "FirstTokenStream"]
+__all__ = ["first_token_events", "forwardable", "forwardable_request", "promised_first_events", "FirstTokenStream",
+           "bounded_first_token", "MAX_TOKEN_ID"]
+
+#: token ids are below this (int32 in every engine; none reports its vocabulary size to the proxy)
+MAX_TOKEN_ID = 2**31
+DEFAULT_MAX_TEXT_BYTES = 1024
 
 logger = logging.getLogger(__name__)
 _encoder = msgspec.json.Encoder()
+
+
+def _text_fits(text: object, max_bytes: int) -> bool:
+    """A string of at most ``max_bytes`` UTF-8 bytes (the length in characters is checked first)."""
+    return isinstance(text, str) and len(text) <= max_bytes and len(text.encode("utf-8", "surrogatepass")) <= max_bytes
+
+
+def _token_ids_fit(ids: object) -> bool:
+    return (isinstance(ids, list) and 1 <= len(ids) <= MAX_FIRST_TOKENS
+            and all(type(t) is int and 0 <= t < MAX_TOKEN_ID for t in ids))
+
+
+def bounded_first_token(prefill_kv: dict[str, Any], max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> bool:
+    """Check a prefill's ``first_token_ids`` and ``first_token_text`` (see the module doc); drop both
+    from ``prefill_kv`` when either is out of bounds. True when nothing had to be dropped."""
+    ids = prefill_kv.get("first_token_ids")
+    text = prefill_kv.get("first_token_text")
+    if (ids is None or _token_ids_fit(ids)) and (text is None or _text_fits(text, max_text_bytes)):
+        return True
+    prefill_kv.pop("first_token_ids", None)
+    prefill_kv.pop("first_token_text", None)
+    return False
 
 
 def forwardable_request(body: dict[str, Any], decode_features: frozenset[str]) -> bool:
@@ -94,7 +129,8 @@ def _events(answer: dict[str, Any], text: str, chat: bool) -> bytes:
                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]})
 
 
-def first_token_events(answer: Any, chat: bool, prefill_kv: dict[str, Any] | None = None) -> bytes | None:
+def first_token_events(answer: Any, chat: bool, prefill_kv: dict[str, Any] | None = None,
+                       max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> bytes | None:
     """The client's first SSE event(s) from the prefill's (non-streamed) answer: the role chunk and
     the first content chunk for chat, the first text chunk for completions. None when the answer
     does not hold exactly one unfinished-by-stop choice with text that stands on its own (the
@@ -108,23 +144,24 @@ def first_token_events(answer: Any, chat: bool, prefill_kv: dict[str, Any] | Non
         text = _answer_text(choice, chat)
         if isinstance(text, str) and "\ufffd" in text:
             return None
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str) or not text or not _text_fits(text, max_text_bytes):
         return None
     return _events(answer, text, chat)
 
 
-def promised_first_events(answer: Any, chat: bool, prefill_kv: dict[str, Any]) -> bytes | None:
+def promised_first_events(answer: Any, chat: bool, prefill_kv: dict[str, Any],
+                          max_text_bytes: int = DEFAULT_MAX_TEXT_BYTES) -> bytes | None:
     """The first events of a stream whose decode leg was told up front to leave the first token
     out: the role chunk (chat) and the token's text as a stream shows it alone (possibly nothing:
     a byte of a longer character, or a stop token, whose end the decode engine reports). None
-    when the answer does not hold one choice."""
+    when the answer does not hold one choice, or its text is over ``max_text_bytes``."""
     choice = _choice(answer)
     if choice is None:
         return None
     text = prefill_kv.get("first_token_text")
     if not isinstance(text, str):
         text = _answer_text(choice, chat) if choice.get("finish_reason") in (None, "length") else ""
-    if not isinstance(text, str):
+    if not isinstance(text, str) or not _text_fits(text, max_text_bytes):
         return None
     return _events(answer, text, chat)
 

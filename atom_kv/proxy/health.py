@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from atom_kv.proxy.breaker import RequestOutcomes
 from atom_kv.proxy.metrics import ProxyMetrics
 from atom_kv.proxy.registry import DOWN, PENDING, ROLE_NAMES, Instance, Registry
 from atom_kv.proxy.upstream import UpstreamConnectionError, UpstreamError, UpstreamPool
@@ -38,27 +39,68 @@ def is_connection_failure(exc: BaseException) -> bool:
 
 
 class UpstreamHealth:
-    """Records the outcome of every upstream exchange: breaker, counters, down marks."""
+    """Records the outcome of every upstream exchange: breaker, counters, down marks.
+
+    Suspect failures (a 500 and the like, an answer over the size bounds: what one request's
+    content can cause) of a request that reports with a :class:`RequestOutcomes` wait in it until
+    :meth:`settle` judges them (see :mod:`atom_kv.proxy.breaker`)."""
 
     def __init__(self, registry: Registry, metrics: ProxyMetrics) -> None:
         self.registry = registry
         self.metrics = metrics
 
-    def succeeded(self, inst: Instance) -> None:
-        inst.breaker.record_success()
+    def succeeded(self, inst: Instance, request: RequestOutcomes | None = None) -> None:
+        inst.breaker.record_success(time.monotonic())
+        if request is not None:
+            request.served.add(inst.key)
 
-    def failed(self, inst: Instance, kind: str, exc: BaseException | None = None, request: object = None) -> None:
+    def failed(self, inst: Instance, kind: str, exc: BaseException | None = None,
+               request: RequestOutcomes | None = None, suspect: bool = False) -> None:
         """One failed exchange (``kind`` labels the counter) of ``request`` (the breaker counts
         one request once); a connection-level failure also takes the instance out of routing
-        until a probe reaches it."""
+        until a probe reaches it. A ``suspect`` failure waits for the request's verdict."""
         name = ROLE_NAMES[inst.role]
         self.metrics.upstream_failures.labels(name, kind).inc()
-        if inst.breaker.record_failure(time.monotonic(), request):
-            self.metrics.circuit_opened.labels(name).inc()
-            logger.warning("circuit opened for %s instance %s after %d consecutive failures",
-                           name, inst.base_url, inst.breaker.failures)
+        if suspect:
+            if request is None:  # nobody to judge it with: unresolved at once
+                if inst.breaker.record_unresolved(time.monotonic()):
+                    self._opened(inst)
+                return
+            request.suspects.append((inst.role, inst.key, inst))
+            if request.settled:  # reported after the request's end: judged on what is known
+                self._judge(request, inst)
+            return
+        self._count(inst, request.key if request is not None else None)
         if exc is not None and is_connection_failure(exc):
             self.mark_down(inst, f"{kind}: {exc or type(exc).__name__}")
+
+    def settle(self, request: RequestOutcomes) -> None:
+        """The request has its answer (or gave up): judge its suspect failures, one per instance."""
+        if request.settled:
+            return
+        request.settled = True
+        judged: set[tuple[str, str]] = set()
+        for _, key, inst in request.suspects:
+            if key not in judged:
+                judged.add(key)
+                self._judge(request, inst)  # type: ignore[arg-type]
+
+    def _judge(self, request: RequestOutcomes, inst: Instance) -> None:
+        verdict = request.verdict(inst.role, inst.key)
+        self.metrics.suspect_verdicts.labels(ROLE_NAMES[inst.role], verdict).inc()
+        if verdict == "instance":
+            self._count(inst, request.key)
+        elif verdict == "unresolved" and inst.breaker.record_unresolved(time.monotonic()):
+            self._opened(inst)
+
+    def _count(self, inst: Instance, key: object) -> None:
+        if inst.breaker.record_failure(time.monotonic(), key):
+            self._opened(inst)
+
+    def _opened(self, inst: Instance) -> None:
+        name = ROLE_NAMES[inst.role]
+        self.metrics.circuit_opened.labels(name).inc()
+        logger.warning("circuit opened for %s instance %s after %s", name, inst.base_url, inst.breaker.trip_reason)
 
     def mark_down(self, inst: Instance, reason: str) -> None:
         if self.registry.mark_down(inst, reason):

@@ -85,6 +85,21 @@ class ProxyMetrics:
         self.circuit_opened = Counter(
             "atom_kv_proxy_circuit_opened", "Times an instance's circuit breaker opened", ["role"], registry=r
         )
+        self.suspect_verdicts = Counter(
+            "atom_kv_proxy_suspect_failures_judged",
+            "Suspect upstream failures (500s, oversized answers) by whose fault they were judged: the instance's, "
+            "the request's, or unresolved", ["role", "verdict"], registry=r,
+        )
+        self.circuit_fallbacks = Counter(
+            "atom_kv_proxy_all_circuits_open_routed",
+            "Legs sent to the least recently failed instance because every circuit of the role was open",
+            ["role"], registry=r,
+        )
+        self.first_tokens_dropped = Counter(
+            "atom_kv_proxy_first_tokens_dropped",
+            "Prefill answers whose first_token_ids or first_token_text were out of bounds (the sequential path "
+            "was taken)", registry=r,
+        )
         self.dp_routed = Counter(
             "atom_kv_proxy_dp_rank_requests", "Legs routed to each (instance, DP rank), by role",
             ["role", "instance", "dp_rank"], registry=r,

@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from yarl import URL
 
 from atom_kv._ratelimit import RateLimitedLog
+from atom_kv.proxy.breaker import CircuitBreaker
 from atom_kv.proxy.static import StaticEngine
 
 logger = logging.getLogger(__name__)
@@ -36,75 +36,6 @@ PENDING, UP, DOWN = "pending", "up", "down"
 
 class RegistryFull(Exception):
     """No room for another discovered instance (``max_instances`` live and up)."""
-
-
-class CircuitBreaker:
-    """Per-instance breaker: open after ``threshold`` consecutive failures of
-    *different* requests (one request retried on this instance counts once, so
-    one client cannot trip it alone), half-open after ``cooldown_s`` (one trial
-    request at a time; a trial whose outcome never arrives, e.g. the client left,
-    frees the slot after another ``cooldown_s``), closed again on a success."""
-
-    def __init__(self, threshold: int, cooldown_s: float) -> None:
-        self.threshold = threshold
-        self.cooldown_s = cooldown_s
-        self.failures = 0
-        self.opened_at = 0.0
-        self._open = False
-        self._trial_started: float | None = None
-        self._streak: OrderedDict[object, None] = OrderedDict()  # requests counted in ``failures`` (bounded)
-
-    def state(self, now: float | None = None) -> str:
-        if not self._open:
-            return "closed"
-        now = time.monotonic() if now is None else now
-        if now - self.opened_at >= self.cooldown_s:
-            return "half_open"
-        return "open"
-
-    def allows(self, now: float) -> bool:
-        state = self.state(now)
-        if state == "closed":
-            return True
-        if state == "open":
-            return False
-        return self._trial_started is None or now - self._trial_started >= self.cooldown_s
-
-    def on_dispatch(self, now: float) -> None:
-        if self._open and self.state(now) == "half_open":
-            self._trial_started = now
-
-    def record_success(self) -> None:
-        self.failures = 0
-        self._open = False
-        self._trial_started = None
-        self._streak.clear()
-
-    def record_failure(self, now: float, request: object = None) -> bool:
-        """Count a failure of ``request`` (None: a failure of its own, always counted; a
-        request already counted in this streak is not counted again); returns True when
-        this failure (re)opened the circuit."""
-        if request is not None:
-            if request in self._streak:
-                return False
-            self._streak[request] = None
-            if len(self._streak) > 4 * self.threshold + 16:
-                self._streak.popitem(last=False)
-        self.failures += 1
-        if self._trial_started is not None or self.failures >= self.threshold:
-            self._open = True
-            self.opened_at = now
-            self._trial_started = None
-            return True
-        return False
-
-    def forgive(self, request: object) -> None:
-        """``request`` failed the same way elsewhere too: its failure was the request's, not
-        this instance's, so it no longer counts (unless it already opened the circuit)."""
-        if request in self._streak:
-            del self._streak[request]
-            if not self._open and self.failures > 0:
-                self.failures -= 1
 
 
 @dataclass
@@ -245,11 +176,16 @@ class Registry:
         circuit_cooldown_s: float,
         max_instances: int = 256,
         on_evict: Callable[[Instance], None] | None = None,
+        *,
+        circuit_min_requests: int = 20,
+        circuit_failure_ratio: float = 0.5,
+        circuit_window_s: float = 30.0,
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.max_instances = max_instances
         self._circuit_failures = circuit_failures
         self._circuit_cooldown_s = circuit_cooldown_s
+        self._circuit_window = (circuit_min_requests, circuit_failure_ratio, circuit_window_s)
         self._on_evict = on_evict
         self._instances: dict[tuple[str, str], Instance] = {}
         self._sorted: dict[str, list[Instance]] | None = None
@@ -280,9 +216,14 @@ class Registry:
                       dp_size: int, tp_size: int) -> Instance:
         return Instance(
             role=role, base_url=base_url, host=host, http_port=http_port, handshake_port=handshake_port,
-            dp_size=dp_size, tp_size=tp_size, breaker=CircuitBreaker(self._circuit_failures, self._circuit_cooldown_s),
+            dp_size=dp_size, tp_size=tp_size, breaker=self._breaker(),
             outstanding_tokens=[0] * dp_size, outstanding_requests=[0] * dp_size,
         )
+
+    def _breaker(self) -> CircuitBreaker:
+        min_requests, ratio, window_s = self._circuit_window
+        return CircuitBreaker(self._circuit_failures, self._circuit_cooldown_s, min_requests=min_requests,
+                              failure_ratio=ratio, window_s=window_s)
 
     def _make_room(self, now: float) -> None:
         """At capacity: drop the stalest discovered instance that is not up, or refuse."""

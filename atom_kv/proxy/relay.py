@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import msgspec
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
+from atom_kv.proxy.breaker import RequestOutcomes
 from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.first_token import (
-    FirstTokenStream, first_token_events, forwardable, forwardable_request, promised_first_events,
+    FirstTokenStream, bounded_first_token, first_token_events, forwardable, forwardable_request,
+    promised_first_events,
 )
 from atom_kv.proxy.health import UpstreamHealth
 from atom_kv.proxy.legs import decode_request, prefill_request, wants_stream_usage
@@ -46,7 +48,8 @@ from atom_kv.proxy.spans import RequestSpans
 from atom_kv.proxy.sse import EventFramer, patch_usage
 from atom_kv.proxy.stream import DecodeStream, ResponseStream
 from atom_kv.proxy.upstream import (
-    UpstreamConnectTimeout, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout,
+    AnswerLimits, UpstreamConnectTimeout, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout,
+    UpstreamTooLarge,
 )
 from atom_kv.proxy.validation import context_length_error, could_overflow, requested_max_tokens
 from atom_kv.server_timing import HEADER as SERVER_TIMING
@@ -70,7 +73,7 @@ class _Retryable(Exception):
         super().__init__(error.message)
         self.error = error
         self.inst = inst
-        self.kind = kind  # "unreachable", "rejected", "bad_response" or "kv_transfer"
+        self.kind = kind  # "unreachable", "rejected", "too_large", "bad_response" or "kv_transfer"
         self.status = status  # the upstream's status, for "rejected"
 
 
@@ -94,7 +97,9 @@ class _Request:
     ctx: RouteContext
     max_tokens: int | None
     spans: RequestSpans
-    key: int = 0  # this relay's own number for the request: what an instance's breaker counts once
+    # what the breaker learns from this request: its key (counted once per instance streak), its suspect
+    # failures and the instances that served it, judged when it ends (atom_kv.proxy.breaker)
+    outcomes: RequestOutcomes
 
 
 def _abandon_reason(stage: str, exc: BaseException) -> str:
@@ -149,8 +154,12 @@ class Relay:
         if self._pool is None:
             # idle connections close after 4 s, below uvicorn's 5 s keep-alive (vLLM's server):
             # never reuse a connection the engine is closing
-            self._pool = UpstreamPool(connect_timeout=self.settings.connect_timeout, keepalive_s=4.0,
-                                      limit=self.settings.max_upstream_connections)
+            settings = self.settings
+            self._pool = UpstreamPool(connect_timeout=settings.connect_timeout, keepalive_s=4.0,
+                                      limit=settings.max_upstream_connections,
+                                      limits=AnswerLimits(settings.max_upstream_head_bytes,
+                                                          settings.max_upstream_body_bytes,
+                                                          settings.max_server_timing_bytes))
 
     async def close(self) -> None:
         background, self._background = self._background, set()
@@ -173,15 +182,25 @@ class Relay:
     # ------------------------------------------------------------------ routing
     def _pick(self, role: Role, exclude: set[tuple[str, str]], ctx: RouteContext, tokens: int) -> Pick | None:
         now = time.monotonic()
-        healthy = [i for i in self.registry.live(role, now) if i.breaker.allows(now)]
+        live = self.registry.live(role, now)
+        healthy = [i for i in live if i.breaker.allows(now)]
         if not healthy:
-            return None
+            if not live:
+                return None
+            healthy = [self._least_recently_failed(role, live, exclude)]
         fresh = [i for i in healthy if i.key not in exclude] if exclude else healthy
         inst, rank = self.policies[role].choose(fresh or healthy, ctx)
         inst.breaker.on_dispatch(now)
         inst.charge(rank, tokens)
         self.metrics.routed(role, inst.base_url, rank)
         return Pick(inst, rank, tokens)
+
+    def _least_recently_failed(self, role: Role, live: list[Instance], exclude: set[tuple[str, str]]) -> Instance:
+        """Every circuit of ``role`` is open: refusing every client helps nobody, so the leg goes to
+        the instance that failed least recently (one this request has not failed on, if any)."""
+        fresh = [i for i in live if i.key not in exclude] or live
+        self.metrics.circuit_fallbacks.labels(ROLE_NAMES[role]).inc()
+        return min(fresh, key=lambda i: i.breaker.last_failure)
 
     def _no_instance(self, role: Role) -> ProxyError:
         name = ROLE_NAMES[role]
@@ -204,7 +223,15 @@ class Relay:
         text = prompt_text(body)
         tokens = estimate_prompt_tokens(body, text)
         req = _Request(path, body, request_id, auth, RouteContext(text, tokens), max_tokens,
-                       RequestSpans(self.metrics, received, trace), next(self._request_keys))
+                       RequestSpans(self.metrics, received, trace), RequestOutcomes(next(self._request_keys)))
+        try:
+            return await self._attempts(req, tokens)
+        finally:
+            self.health.settle(req.outcomes)  # its suspect failures: the instance's, or the request's
+
+    async def _attempts(self, req: _Request, tokens: int) -> RelayResult:
+        """Plan a pair and run it, re-planning after a retryable failure (``max_retries``)."""
+        request_id = req.request_id
         exclude: dict[str, set[tuple[str, str]]] = {"P": set(), "D": set()}
         last_error: ProxyError | None = None
         rejected: list[_Retryable] = []
@@ -225,23 +252,20 @@ class Relay:
                 exclude[exc.inst.role].add(exc.inst.key)
                 last_error = exc.error
                 logger.warning("[%s] attempt %d failed: %s", request_id, attempt + 1, exc.error.message)
-                if exc.kind == "rejected" and self._request_failure(req, exc, rejected):
+                if exc.kind in ("rejected", "too_large") and self._request_failure(exc, rejected):
                     break
         assert last_error is not None
         raise last_error
 
     @staticmethod
-    def _request_failure(req: _Request, exc: _Retryable, rejected: list[_Retryable]) -> bool:
-        """Whether this 5xx is the request's own failure: it failed the same way on another
-        instance of the same pool. Then no instance is charged for it, and it is not retried."""
-        same = [e for e in rejected if e.inst.role == exc.inst.role and e.status == exc.status
+    def _request_failure(exc: _Retryable, rejected: list[_Retryable]) -> bool:
+        """Whether this failure is the request's own: it failed the same way on another instance
+        of the same pool. Then it is not retried (and the breakers, told when the request ends,
+        charge no instance for it)."""
+        same = [e for e in rejected if e.inst.role == exc.inst.role and e.kind == exc.kind and e.status == exc.status
                 and e.inst.key != exc.inst.key]
         rejected.append(exc)
-        if not same:
-            return False
-        for e in (*same, exc):
-            e.inst.breaker.forgive(req.key)
-        return True
+        return bool(same)
 
     def _concurrent(self, p: Pick, d: Pick) -> bool:
         """Whether this pair's legs go out together: both engines take part in the rendezvous, the
@@ -336,9 +360,10 @@ class Relay:
                 finally:
                     p.credit()
                 self._check_adopted(prefill_kv, p, transfer_id)
-                early = promised_first_events(answer, req.path.endswith("/chat/completions"), prefill_kv)
+                early = promised_first_events(answer, req.path.endswith("/chat/completions"), prefill_kv,
+                                              self.settings.max_first_token_text_bytes)
                 if early is None:
-                    self.health.failed(p.inst, "bad_response", request=req.key)
+                    self.health.failed(p.inst, "bad_response", request=req.outcomes)
                     raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} answered without a "
                                                      "usable choice"), p.inst, "bad_response")
                 stage = "handed_off"  # the decode leg's own task abandons the prefill if it fails
@@ -550,24 +575,28 @@ class Relay:
         body = await resp.read()
         ctype = resp.header("content-type", "application/json")
         if resp.status < 500:
-            self.health.succeeded(pick.inst)
+            self.health.succeeded(pick.inst, req.outcomes)
             raise UpstreamResponseError(resp.status, body, ctype)
-        self.health.failed(pick.inst, "5xx", request=req.key)
+        # a gateway error is the instance's (or its host's); a 500 may be the request's own doing
+        self.health.failed(pick.inst, "5xx", request=req.outcomes, suspect=resp.status not in (502, 503, 504))
         text = body[:300].decode("utf-8", "replace")
         raise _Retryable(ProxyError(502, f"{leg} instance {pick.inst.base_url} answered {resp.status}: {text}"),
                          pick.inst, "rejected", resp.status)
 
     def _transport_error(self, exc: UpstreamError, pick: Pick, leg: str, req: _Request) -> Exception:
         base = pick.inst.base_url
+        if isinstance(exc, UpstreamTooLarge):  # a request can ask for a huge answer: judged like a 500
+            self.health.failed(pick.inst, "too_large", request=req.outcomes, suspect=True)
+            return _Retryable(ProxyError(502, f"{leg} instance {base}: {exc}"), pick.inst, "too_large")
         if isinstance(exc, UpstreamConnectTimeout):
-            self.health.failed(pick.inst, "connect", request=req.key)
+            self.health.failed(pick.inst, "connect", request=req.outcomes)
             self.health.mark_down(pick.inst, "connect timed out")
             return _Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {exc}"),
                               pick.inst, "unreachable")
         if isinstance(exc, UpstreamTimeout):
-            self.health.failed(pick.inst, "timeout", request=req.key)
+            self.health.failed(pick.inst, "timeout", request=req.outcomes)
             return ProxyError(504, f"{leg} instance {base} timed out")
-        self.health.failed(pick.inst, "connection", exc, request=req.key)
+        self.health.failed(pick.inst, "connection", exc, request=req.outcomes)
         detail = str(exc) or type(exc).__name__
         return _Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {detail}"), pick.inst, "unreachable")
 
@@ -590,15 +619,18 @@ class Relay:
         try:
             answer = _json_decoder.decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-            self.health.failed(p.inst, "bad_response", request=req.key)
+            self.health.failed(p.inst, "bad_response", request=req.outcomes)
             raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} returned invalid JSON"),
                              p.inst, "bad_response") from None
         kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(kv, dict):
-            self.health.failed(p.inst, "bad_response", request=req.key)
+            self.health.failed(p.inst, "bad_response", request=req.outcomes)
             raise _Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} returned no kv_transfer_params"),
                              p.inst, "bad_response")
-        self.health.succeeded(p.inst)
+        self.health.succeeded(p.inst, req.outcomes)
+        if not bounded_first_token(kv, self.settings.max_first_token_text_bytes):
+            self.metrics.first_tokens_dropped.inc()
+            logger.debug("[%s] prefill %s: first token out of bounds, dropped", req.request_id, p.inst.base_url)
         usage = answer.get("usage")
         prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         logger.debug("[%s] prefill done on %s rank %d", req.request_id, p.inst.base_url, p.rank)
@@ -610,7 +642,8 @@ class Relay:
         """The client's first event(s) when this pair and request forward the prefill's token, else None."""
         if not self.settings.first_token_forwarding or not forwardable(req.body, d.inst.features, prefill_kv):
             return None
-        return first_token_events(answer, chat=req.path.endswith("/chat/completions"), prefill_kv=prefill_kv)
+        return first_token_events(answer, chat=req.path.endswith("/chat/completions"), prefill_kv=prefill_kv,
+                                  max_text_bytes=self.settings.max_first_token_text_bytes)
 
     async def _decode_after_first_token(self, req: _Request, p: Pick, d: Pick, prefill_kv: dict[str, Any],
                                         transfer_id: str, prompt_tokens: int | None) -> ResponseStream:
@@ -673,6 +706,7 @@ class Relay:
                 raise self._transport_error(exc, d, "decode", req) from None
             finally:
                 resp.close()
+        req.outcomes.served.add(d.inst.key)  # its stream's end tells the breaker; this request was served
         req.spans.decode_answered(resp.header(_SERVER_TIMING))
         return resp
 
@@ -680,8 +714,8 @@ class Relay:
         """The decode engine could not read the prefill's KV: charge the prefill
         instance (the decode engine answered as it should) and re-plan the pair."""
         body = await resp.read()
-        self.health.succeeded(d.inst)
-        self.health.failed(p.inst, "kv_transfer", request=req.key)
+        self.health.succeeded(d.inst, req.outcomes)
+        self.health.failed(p.inst, "kv_transfer", request=req.outcomes)
         text = body[:300].decode("utf-8", "replace")
         raise _Retryable(ProxyError(502, f"decode instance {d.inst.base_url} could not read the KV of prefill "
                                          f"instance {p.inst.base_url}: {text}"), p.inst, "kv_transfer")
@@ -698,13 +732,14 @@ class Relay:
             finally:
                 resp.close()
             if not data:
-                self.health.failed(d.inst, "bad_response", request=req.key)
+                self.health.failed(d.inst, "bad_response", request=req.outcomes)
                 raise ProxyError(502, f"decode instance {d.inst.base_url} returned an empty response")
-            self.health.succeeded(d.inst)
+            self.health.succeeded(d.inst, req.outcomes)
             if prompt_tokens is not None and ctype.startswith("application/json"):
                 data = self._patch_json_usage(data, prompt_tokens)
             return RelayResult(resp.status, ctype, body=data, spans=req.spans)
-        framer = EventFramer(prompt_tokens if prompt_tokens is not None and wants_stream_usage(req.body) else None)
+        framer = EventFramer(prompt_tokens if prompt_tokens is not None and wants_stream_usage(req.body) else None,
+                             self.settings.max_upstream_body_bytes)
         return RelayResult(resp.status, ctype, stream=DecodeStream(resp, req.request_id, d, self.health, framer,
                                                                    self.settings.sse_split_max, on_release),
                            spans=req.spans)
@@ -720,7 +755,9 @@ class Relay:
     # ------------------------------------------------------------------ /v1/models
     async def models(self, request_id: str, auth: str | None) -> RelayResult:
         now = time.monotonic()
-        live = [i for i in self.registry.live("D", now) if i.breaker.allows(now)]
+        known = self.registry.live("D", now)
+        live = [i for i in known if i.breaker.allows(now)] or (
+            [self._least_recently_failed("D", known, set())] if known else [])
         if not live:
             raise self._no_instance("D")
         inst = live[self._models_rr % len(live)]

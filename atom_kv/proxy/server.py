@@ -32,12 +32,18 @@ from atom_kv.proxy.settings import ProxySettings
 __all__ = ["listen_socket", "serve_app", "serve_until_signalled"]
 
 
-def listen_socket(host: str, port: int, backlog: int) -> socket.socket:
-    """A bound, listening TCP socket (port 0: the OS picks; read it back with ``getsockname``)."""
+def listen_socket(host: str, port: int, backlog: int, *, reuse_port: bool = False) -> socket.socket:
+    """A bound, listening TCP socket (port 0: the OS picks; read it back with ``getsockname``).
+
+    ``reuse_port`` sets ``SO_REUSEPORT``: several processes (of the same user) that
+    all set it share one port, and the kernel spreads new connections among them;
+    a process that does not set it still gets "address already in use"."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(backlog)
@@ -53,7 +59,7 @@ async def serve_app(app: Quart, settings: ProxySettings, stop: asyncio.Event,
     """Serve until ``stop`` is set; the app's lifespan starts and stops its state.
     A start-up failure (e.g. the discovery port is taken) is raised as it is."""
     if sock is None:
-        sock = listen_socket(settings.host, settings.port, settings.backlog)
+        sock = listen_socket(settings.host, settings.port, settings.backlog, reuse_port=settings.reuse_port)
     state: ProxyState = app.extensions[STATE_KEY]
     try:
         await app.startup()

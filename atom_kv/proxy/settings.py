@@ -43,7 +43,11 @@ class ProxySettings:
     # ahead of the new one: past it the prefill queues, overlapping saves nothing worth holding decode blocks for
     concurrent_max_queued_tokens: int = 2048
     registration_window_s: float = 30.0  # signed pings: |now - ts| bound and replay memory
-    allow_open_registration: bool = False  # unsigned pings on a non-loopback discovery address (operator's choice)
+    # unsigned pings (no registration_token), loopback included: any process that reaches the discovery port
+    # can then register an engine; without a token or this, every ping is refused (operator's choice)
+    allow_open_registration: bool = False
+    discovery_max_connections: int = 512  # open connections to the discovery port, all sources together
+    discovery_max_connections_per_source: int = 32  # ... from one source address
     admin_token: str | None = None  # bearer token for /instances and /metrics (None: open)
     max_instances: int = 256
     max_tp_size: int = 512
@@ -60,11 +64,22 @@ class ProxySettings:
     decode_timeout: float = 300.0
     models_timeout: float = 10.0
     tokenize_timeout: float = 5.0
+    # the breaker counts instance failures, not one request's (atom_kv.proxy.breaker): it opens after
+    # ``circuit_failures`` consecutive ones of different requests, or once the last ``circuit_window_s`` held at
+    # least ``circuit_min_requests`` outcomes with ``circuit_failure_ratio`` of them failures
     circuit_failures: int = 3
     circuit_cooldown_s: float = 10.0
+    circuit_min_requests: int = 20
+    circuit_failure_ratio: float = 0.5
+    circuit_window_s: float = 30.0
     discovery_poll_s: float = 0.5
     max_upstream_connections: int = 4096
     max_request_bytes: int = 64 * 1024 * 1024
+    # engine answers are bounded like client requests (more: 502 naming the flag)
+    max_upstream_head_bytes: int = 64 * 1024  # status line and headers of one answer
+    max_upstream_body_bytes: int = 64 * 1024 * 1024  # an answer read whole (prefill, non-streamed decode, probes)
+    max_server_timing_bytes: int = 4096  # a longer Server-Timing header is dropped unparsed
+    max_first_token_text_bytes: int = 1024  # a prefill's first_token_text (longer: the sequential path)
     max_inflight_body_bytes: int = 1 << 30  # request bodies held at once, all clients together (more: 503)
     sse_split_max: int = 4  # SSE events arriving together are written one by one up to this many
     # HTTP server
@@ -73,6 +88,9 @@ class ProxySettings:
     stall_timeout: float = 60.0  # a client that reads nothing this long while an answer waits is dropped
     shutdown_timeout: float = 5.0
     backlog: int = 4096
+    # SO_REUSEPORT on the HTTP socket: N proxy processes on one host share ``port`` (each with its own
+    # discovery port), so one host's proxy uses N cores; needs a fixed port
+    reuse_port: bool = False
     log_summary_interval_s: float = 10.0  # rate-limited warnings: one summary per interval
     # OpenTelemetry: each relayed request becomes one trace, exported over OTLP/HTTP (protobuf) to this
     # URL (vLLM's --otlp-traces-endpoint; e.g. http://collector:4318/v1/traces). None: off, nothing imported
@@ -88,19 +106,24 @@ class ProxySettings:
             "heartbeat_timeout", "connect_timeout", "prefill_timeout", "decode_timeout", "models_timeout",
             "tokenize_timeout", "circuit_cooldown_s", "discovery_poll_s", "shutdown_timeout", "probe_interval_s",
             "probe_timeout", "header_timeout", "body_timeout", "stall_timeout", "registration_window_s",
-            "log_summary_interval_s", "balance_rel_threshold", "otlp_timeout_s",
+            "log_summary_interval_s", "balance_rel_threshold", "otlp_timeout_s", "circuit_window_s",
         )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max",
-                     "concurrent_max_queued_tokens"):
+                     "concurrent_max_queued_tokens", "max_server_timing_bytes", "max_first_token_text_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
-                     "cache_max_chars"):
+                     "cache_max_chars", "discovery_max_connections", "discovery_max_connections_per_source",
+                     "circuit_min_requests", "max_upstream_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
+        if not 0.0 < self.circuit_failure_ratio <= 1.0:
+            raise ValueError(f"circuit_failure_ratio: must be > 0 and <= 1, got {self.circuit_failure_ratio!r}")
+        if self.max_upstream_head_bytes < 1024:
+            raise ValueError(f"max_upstream_head_bytes: must be >= 1024, got {self.max_upstream_head_bytes!r}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold: must be between 0 and 1, got {self.cache_threshold!r}")
         if self.retry_backoff_s < 0:
@@ -115,6 +138,9 @@ class ProxySettings:
             if engine.dp_size > self.max_dp_size:
                 raise ValueError(f"{engine.url}: dp={engine.dp_size} exceeds max_dp_size {self.max_dp_size}")
 
+        if self.reuse_port and self.port == 0:
+            raise ValueError("reuse_port: --reuse-port shares one fixed HTTP port between proxy processes; "
+                             "name it with --port (0 would give each process a port of its own)")
         if (self.discovery and self.registration_token is None and not self.allow_open_registration
                 and not is_loopback(self.discovery_bind_host)):
             raise ValueError(
@@ -125,8 +151,13 @@ class ProxySettings:
 
     @property
     def registration_open(self) -> bool:
-        """Whether discovery accepts unsigned pings (no token)."""
-        return self.discovery and self.registration_token is None
+        """Whether discovery accepts unsigned pings (no token, and the operator allowed it)."""
+        return self.discovery and self.registration_token is None and self.allow_open_registration
+
+    @property
+    def registration_refused(self) -> bool:
+        """Whether discovery refuses every ping (no token, and open registration not allowed)."""
+        return self.discovery and self.registration_token is None and not self.allow_open_registration
 
     @property
     def discovery_bind_host(self) -> str:

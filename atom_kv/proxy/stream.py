@@ -9,7 +9,7 @@ from typing import Callable, Protocol
 from atom_kv.openai_errors import sse_error_event
 from atom_kv.proxy.health import UpstreamHealth
 from atom_kv.proxy.pick import Pick
-from atom_kv.proxy.sse import DONE_EVENT, EventFramer
+from atom_kv.proxy.sse import DONE_EVENT, EventFramer, EventTooLarge
 from atom_kv.proxy.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,12 @@ class DecodeStream:
             return  # after [DONE]: the upstream's tail is drained
         sink = self._sink
         assert sink is not None
-        for piece, ends in self._framer.feed_writes(data, self._split_max):
+        try:
+            writes = self._framer.feed_writes(data, self._split_max)
+        except EventTooLarge as exc:
+            self._event_too_large(exc)
+            return
+        for piece, ends in writes:
             self._sent_any = True
             if ends:
                 self._end_client(piece)
@@ -151,6 +156,18 @@ class DecodeStream:
         message = f"decode stream interrupted: decode instance {self._d.inst.base_url} {detail}"
         logger.warning("[%s] %s", self._request_id, message)
         self._end_client(sse_error_event(504 if timeout else 502, message))
+
+    def _event_too_large(self, exc: EventTooLarge) -> None:
+        """The engine sent an event over the bound: the stream ends here with an error event (a
+        request can ask for huge events, e.g. prompt logprobs: judged like a 500, not a dead engine)."""
+        self._upstream_over = True
+        self._resp.close()
+        self._d.credit()
+        self._health.failed(self._d.inst, "too_large", suspect=True)
+        message = (f"decode stream interrupted: decode instance {self._d.inst.base_url} sent {exc}, over "
+                   "--max-upstream-body-bytes")
+        logger.warning("[%s] %s", self._request_id, message)
+        self._end_client(sse_error_event(502, message))
 
     def _end_client(self, data: bytes) -> None:
         self.complete = True

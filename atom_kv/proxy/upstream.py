@@ -19,10 +19,21 @@ getting a connection (slot and TCP connect), ``read_timeout`` the longest
 silence from the peer (before its headers or between two pieces of body),
 ``total_timeout`` the whole exchange.
 
+Engine answers are bounded like client requests: a head (status line and
+headers) over ``max_head_bytes`` fails before any of it is parsed. A head
+split over several reads is collected in a bytearray and given to the parser
+whole, once its end arrived: httptools joins the pieces of a header value
+that come in separate feeds with ``bytes +=`` (quadratic in the value's size),
+so it never sees one in pieces. A ``Server-Timing`` value over
+``max_server_timing_bytes`` is dropped unread, and more than ``max_body_bytes`` of body held at once (an
+answer read whole; a streamed one is handed on as it arrives) fails the
+exchange, at once when its ``Content-Length`` says so.
+
 Failures are :class:`UpstreamError` subclasses: :class:`UpstreamConnectTimeout`,
-:class:`UpstreamTimeout` (a :class:`TimeoutError`), and
+:class:`UpstreamTimeout` (a :class:`TimeoutError`),
 :class:`UpstreamConnectionError` (a :class:`ConnectionError`: refused, reset,
-closed before the answer ended, or not HTTP).
+closed before the answer ended, or not HTTP) and :class:`UpstreamTooLarge`
+(an answer over the bounds above; the message names the proxy flag).
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ import httptools
 
 __all__ = [
     "UpstreamPool", "UpstreamResponse", "BodyConsumer", "UpstreamError", "UpstreamConnectTimeout",
-    "UpstreamTimeout", "UpstreamConnectionError",
+    "UpstreamTimeout", "UpstreamConnectionError", "UpstreamTooLarge", "AnswerLimits",
 ]
 
 logger = logging.getLogger(__name__)
@@ -57,6 +68,25 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
 
 class UpstreamConnectionError(UpstreamError, ConnectionError):
     """Refused, reset or closed before the answer ended, or the answer was not HTTP."""
+
+
+class UpstreamTooLarge(UpstreamError):
+    """The answer's head or body is over the proxy's bounds (the message names the flag)."""
+
+
+class AnswerLimits:
+    """The bounds on one engine answer (see the module doc); the flags that set them name them in errors."""
+
+    __slots__ = ("head", "body", "server_timing")
+
+    def __init__(self, head: int = 64 * 1024, body: int = 64 * 1024 * 1024, server_timing: int = 4096) -> None:
+        self.head = head
+        self.body = body
+        self.server_timing = server_timing
+
+
+_SERVER_TIMING = "server-timing"
+_HEAD_END = b"\r\n\r\n"
 
 
 class BodyConsumer(Protocol):
@@ -84,13 +114,18 @@ class UpstreamResponse:
 
     __slots__ = ("status", "headers", "_conn", "_loop", "_parser", "_body", "_waiter", "_consumer",
                  "_headers_done", "_complete", "_failed", "_released", "_whole", "_timer", "_deadline",
-                 "_read_timeout", "_last_read", "_length_known", "_keep_alive", "_got_bytes", "_paused")
+                 "_read_timeout", "_last_read", "_length_known", "_keep_alive", "_got_bytes", "_paused",
+                 "_limits", "_head_buf", "_held", "_too_large")
 
     def __init__(self, conn: "_Connection", whole: bool, read_timeout: float | None,
                  total_timeout: float | None) -> None:
         self._conn = conn
         self._loop = conn.loop
         self._parser = httptools.HttpResponseParser(self)
+        self._limits: AnswerLimits = conn.pool.limits
+        self._head_buf: bytearray | None = None  # a head split over reads, until its end arrives
+        self._held = 0  # body bytes held in ``_body``
+        self._too_large: str | None = None  # set by a parser callback, failed after the feed
         self.status = 0
         self.headers: dict[str, str] = {}
         self._body: list[bytes] = []
@@ -151,16 +186,53 @@ class UpstreamResponse:
         key = name.decode("latin-1").lower()
         if key in ("content-length", "transfer-encoding"):
             self._length_known = True
+        if key == _SERVER_TIMING and len(value) > self._limits.server_timing:
+            return  # dropped unread (--max-server-timing-bytes): the spans of this leg go without it
         self.headers[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
         self._headers_done = True
+        length = self.headers.get("content-length", "")
+        if self._whole and length.isdigit() and int(length) > self._limits.body:
+            self._too_large = self._body_error(f"announced {length} bytes")
+            return
         if not self._whole:
             self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self._too_large is not None:
+            return
+        self._held += len(body)
+        if self._held > self._limits.body:
+            self._too_large = self._body_error(f"sent more than {self._limits.body} bytes")
+            return
         self._body.append(body)
+
+    def _body_error(self, what: str) -> str:
+        return f"the engine's answer {what}, over --max-upstream-body-bytes ({self._limits.body})"
+
+    def _whole_head(self, data: bytes) -> bytes | None:
+        """``data`` with the head before it once the head's end is in (what the parser gets next);
+        None while it is not (``data`` is kept). Raises :class:`UpstreamTooLarge` past the bound."""
+        buf = self._head_buf
+        if buf is None:
+            end = data.find(_HEAD_END)
+            if 0 <= end <= self._limits.head:
+                return data  # the usual case: the whole head in one read
+            if end < 0 and len(data) <= self._limits.head:
+                self._head_buf = bytearray(data)
+                return None
+        else:
+            start = max(len(buf) - 3, 0)
+            buf += data
+            end = buf.find(_HEAD_END, start)
+            if end < 0 and len(buf) <= self._limits.head:
+                return None
+            if 0 <= end <= self._limits.head:
+                self._head_buf = None
+                return bytes(buf)
+        raise UpstreamTooLarge(f"the engine's answer head is over --max-upstream-head-bytes ({self._limits.head})")
 
     def on_message_complete(self) -> None:
         self._complete = True
@@ -170,10 +242,22 @@ class UpstreamResponse:
     def _data(self, data: bytes) -> None:
         self._got_bytes = True
         self._last_read = self._loop.time()
+        if not self._headers_done:
+            try:
+                whole = self._whole_head(data)
+            except UpstreamTooLarge as exc:
+                self._fail(exc)
+                return
+            if whole is None:
+                return
+            data = whole
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamConnectionError(f"invalid HTTP answer: {exc}"))
+            return
+        if self._too_large is not None:
+            self._fail(UpstreamTooLarge(self._too_large))
             return
         if self._complete:
             self._stop_timer()
@@ -183,6 +267,7 @@ class UpstreamResponse:
             if body:
                 chunk = body[0] if len(body) == 1 else b"".join(body)
                 body.clear()
+                self._held = 0
                 consumer.body_received(chunk)
             if self._complete:
                 self._release()
@@ -285,6 +370,7 @@ class UpstreamResponse:
         if self._body:
             chunk = b"".join(self._body)
             self._body.clear()
+            self._held = 0
             consumer.body_received(chunk)
         if self._complete and not self._released:
             self._release()
@@ -402,8 +488,10 @@ class _Connection(asyncio.Protocol):
 class UpstreamPool:
     """Owns pooled keep-alive connections to the engines (see the module doc)."""
 
-    def __init__(self, *, connect_timeout: float, keepalive_s: float = 4.0, limit: int = 0) -> None:
+    def __init__(self, *, connect_timeout: float, keepalive_s: float = 4.0, limit: int = 0,
+                 limits: AnswerLimits | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.limits = limits or AnswerLimits()
         self.connect_timeout = connect_timeout
         self.keepalive_s = keepalive_s
         self.limit = limit

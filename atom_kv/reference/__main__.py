@@ -1,10 +1,14 @@
-"""``python -m atom_kv.reference --host H --port P [--tp N] [--kv-transfer-config JSON] ...``
+"""``python -m atom_kv.reference --host H [--advertise-host A] --port P [--tp N] [--kv-transfer-config JSON] ...``
 
 Starts the reference engine: a colocated engine without a config, a prefill
 (``kv_producer``) or decode (``kv_consumer``) engine with one. With
 ``proxy_ip`` in the config, it registers with the proxy. ``--port 0`` lets
 the OS pick the HTTP port; ``--port-file F`` writes the bound port to F once
-requests can be served.
+requests can be served. ``--host`` is what the HTTP server and the KV
+listeners bind; ``--advertise-host`` (default ``--host``) is what the engine
+tells others: the registration ping's address and ``remote_host`` for KV
+reads. An unspecified address (``0.0.0.0``, ``::``) is never advertised:
+``--host 0.0.0.0`` without ``--advertise-host`` is refused in one line.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import signal
 import sys
 from typing import Any, Callable, Optional
 
+from atom_kv._netaddr import is_unspecified
 from atom_kv.config import ConfigError, is_port, parse_kv_transfer_config
 
 log = logging.getLogger("atom_kv.reference")
@@ -25,7 +30,12 @@ log = logging.getLogger("atom_kv.reference")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m atom_kv.reference", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on (and to advertise for KV reads)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the HTTP server and the KV listeners bind (0.0.0.0: every interface)")
+    p.add_argument("--advertise-host", default=None,
+                   help="address other hosts reach this engine at, sent to the proxy and in KV transfer params "
+                        "(default: the config's `advertise_host`, else --host; required when --host is 0.0.0.0 "
+                        "or ::)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port; 0 lets the OS pick one (see --port-file)")
     p.add_argument("--port-file", default=None,
                    help="write the bound HTTP port to this file (atomically) once requests can be served")
@@ -87,15 +97,19 @@ async def _serve(args: argparse.Namespace, engine, router, make_pinger: Callable
     engine.on_fatal = on_fatal
     if engine.fatal:
         return 1
+    from atom_kv.reference.http_log import HttpServerLog
+
     runner = web.AppRunner(server.app, access_log=None, handle_signals=False,
-                           shutdown_timeout=args.shutdown_timeout)
+                           shutdown_timeout=args.shutdown_timeout,
+                           logger=HttpServerLog(logging.getLogger("aiohttp.server")))
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
     pinger = None
     try:
         await site.start()
         port = runner.addresses[0][1]  # the bound port (the OS picks it for --port 0)
-        log.info("serving %s on http://%s:%d (%s)", args.model_id, args.host, port, engine.role)
+        log.info("serving %s on http://%s:%d (%s), advertised as %s", args.model_id, args.host, port, engine.role,
+                 engine.args.host)
         pinger = make_pinger(port)
         if pinger is not None:  # register only once requests can be served
             pinger.start()
@@ -107,6 +121,21 @@ async def _serve(args: argparse.Namespace, engine, router, make_pinger: Callable
             pinger.close()
         await runner.cleanup()
     return exit_code
+
+
+def _plan_error(kv_config: Any, args: argparse.Namespace) -> Optional[str]:
+    """Why the port plan of this engine cannot work (blocks colliding or past 65535, the
+    HTTP port inside it), or None."""
+    from atom_kv.ports import planned_ports
+
+    try:
+        plan = planned_ports(kv_config, dp_size=args.dp, tp_size=args.tp)
+    except (ConfigError, ValueError) as exc:
+        return str(exc)
+    clash = next((p for p in plan if args.port and p.covers(args.port)), None)
+    if clash is not None:
+        return f"--port {args.port} is also the {clash.describe()}; pick another HTTP port or move `{clash.key}`"
+    return None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -138,9 +167,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if 2 % args.tp:
         print(f"error: --tp {args.tp} must divide the model's 2 KV heads (use 1 or 2)", file=sys.stderr)
         return 2
-    if kv_config is not None and kv_config.handshake_port + args.dp * args.tp - 1 > 65535:
-        print(f"error: kv-transfer-config: `handshake_port` {kv_config.handshake_port} leaves no room for "
-              f"{args.dp * args.tp} side-channel ports (one per DP x TP rank) below 65536", file=sys.stderr)
+    configured = kv_config.advertise_host if kv_config is not None else None
+    if args.advertise_host and configured and args.advertise_host != configured:
+        print(f"error: --advertise-host {args.advertise_host} and the config's `advertise_host` {configured} "
+              f"disagree; give one of them", file=sys.stderr)
+        return 2
+    advertise = args.advertise_host or configured or args.host
+    if is_unspecified(advertise):
+        flag = "--advertise-host" if args.advertise_host else "--host"
+        print(f"error: {flag} {advertise} is an unspecified address, which peers cannot dial and is never "
+              f"advertised; set --advertise-host to this host's reachable address (--host {args.host} may stay, "
+              f"to bind every interface)", file=sys.stderr)
+        return 2
+    if kv_config is not None and (why := _plan_error(kv_config, args)) is not None:
+        print(f"error: {why}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from atom_kv.reference.dp import DataParallelEngine
@@ -152,7 +192,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         EngineArgs(model_id=args.model_id, seed=args.seed, num_layers=args.num_layers, tp=args.tp,
                    num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-                   host=args.host, threads=args.threads, device=args.device, startup_timeout_s=args.startup_timeout,
+                   host=advertise, bind_host=args.host, threads=args.threads, device=args.device, startup_timeout_s=args.startup_timeout,
                    step_timeout_s=args.step_timeout),
         kv_config, router.deliver, dp_size=args.dp,
     )
@@ -164,7 +204,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return engine_hooks.build_registration_pinger(
             kv_config, role="P" if kv_config.is_producer else "D",
-            index=args.instance_index or str(http_port), http_host=args.host, http_port=http_port,
+            index=args.instance_index or str(http_port), http_host=advertise, http_port=http_port,
             tp_size=args.tp, dp_size=args.dp, engine_id=engine.engine_id, model=args.model_id,
         )
 

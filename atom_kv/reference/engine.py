@@ -42,7 +42,8 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_model_len: int = 10240
     max_num_batched_tokens: int = 8192
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address peers are told (KV reads)
+    bind_host: Optional[str] = None  # the KV listeners' address (None: host)
     threads: int = 1
     device: str = "cpu"  # the model's and the KV cache's: "cpu" or "cuda"
     idle_tick_s: float = 0.1      # slowest connector poll while transfers are outstanding
@@ -117,7 +118,7 @@ class EngineCore:
             RankSpec(model=a.model_config(), model_id=a.model_id, num_blocks=a.num_blocks,
                      block_size=a.block_size, tp_rank=r, tp_size=a.tp, engine_id=self.engine_id,
                      host=a.host, kv_config_json=cfg_json, device=a.device, dp_rank=self.dp_rank,
-                     dp_size=self.dp_size)
+                     dp_size=self.dp_size, bind_host=a.bind_host)
             for r in range(a.tp)
         ]
         self._executor = create_executor(specs, threads=a.threads, startup_timeout_s=a.startup_timeout_s,

@@ -31,8 +31,9 @@ class RankSpec:
     tp_rank: int
     tp_size: int
     engine_id: str
-    host: str
+    host: str  # advertised to peers
     kv_config_json: Optional[str] = None
+    bind_host: Optional[str] = None  # the listeners' address (None: host)
     dp_rank: int = 0
     dp_size: int = 1
     device: str = "cpu"  # "cpu" or "cuda" (also ROCm builds of torch): the model and its KV cache

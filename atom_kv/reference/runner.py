@@ -82,6 +82,7 @@ class ModelRunner:
                 config,
                 engine_id=spec.engine_id,
                 host=spec.host,
+                bind_host=spec.bind_host,
                 tp_rank=spec.tp_rank,
                 tp_size=spec.tp_size,
                 dp_rank=spec.dp_rank,

@@ -5,8 +5,11 @@
   (``torch.distributed`` with gloo on 127.0.0.1), driven over pipes; each
   rank also has a wake pipe, on which its connector says it has news
   (:class:`WakePipes` turns that into the engine's wake-up). Rank 0
-  hosts the rendezvous store on a port the OS picks and reports it up its
-  pipe; the engine hands it to the other ranks (no port is guessed). The
+  creates the rendezvous store, a file (``FileStore``: no listener, where
+  torch's ``TCPStore`` would listen on every interface), and reports its
+  path up its pipe; the engine hands it to the other ranks. Gloo's own
+  sockets stay on loopback (``GLOO_SOCKET_IFNAME=lo`` unless set), so the
+  ranks open no port another host can reach. The
   engine process never joins a collective, so a dead or stuck worker shows up
   as a bounded wait that fails (:class:`WorkerFailure`) instead of a hang.
   Ranks are forked from a fork server (started by this process; it exits when
@@ -146,24 +149,36 @@ class WakePipes:
 
 
 def _rendezvous_store(spec: RankSpec, conn: Connection, timeout_s: float) -> Any:
-    """Rank 0 serves the gloo rendezvous store on an OS-assigned port and reports it to the
-    engine; every other rank waits (bounded) for that port from the engine and connects."""
+    """Rank 0 creates the gloo rendezvous store in a new temporary file and reports its path to
+    the engine; every other rank waits (bounded) for that path from the engine and opens it.
+    The engine removes the file once every rank has started."""
+    import tempfile
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    timeout = timedelta(seconds=timeout_s)
     if spec.tp_rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, spec.tp_size, is_master=True, timeout=timeout,
-                              wait_for_workers=False)
-        conn.send(("rendezvous", store.port))
+        fd, path = tempfile.mkstemp(prefix=f"atom-kv-tp-store-dp{spec.dp_rank}-")
+        os.close(fd)
+        store = dist.FileStore(path, spec.tp_size)
+        store.set_timeout(timedelta(seconds=timeout_s))
+        conn.send(("rendezvous", path))
         return store
     if not conn.poll(timeout_s):
-        raise TimeoutError(f"no rendezvous port from the engine within {timeout_s:.0f} s")
-    kind, port = conn.recv()
+        raise TimeoutError(f"no rendezvous store from the engine within {timeout_s:.0f} s")
+    kind, path = conn.recv()
     if kind != "rendezvous":
-        raise RuntimeError(f"expected the rendezvous port, got {kind!r}")
-    return dist.TCPStore("127.0.0.1", port, spec.tp_size, is_master=False, timeout=timeout)
+        raise RuntimeError(f"expected the rendezvous store, got {kind!r}")
+    store = dist.FileStore(path, spec.tp_size)
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def _remove_quietly(path: Any) -> None:
+    try:
+        os.unlink(path)
+    except (OSError, TypeError):
+        pass
 
 
 def _worker_main(spec: RankSpec, conn: Connection, wake_conn: Connection, threads: int, parent_pid: int,
@@ -185,6 +200,7 @@ def _worker_main(spec: RankSpec, conn: Connection, wake_conn: Connection, thread
         from atom_kv.reference.runner import ModelRunner, host_all_reduce
 
         torch.set_num_threads(threads)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one engine share a host
         dist.init_process_group(
             "gloo",
             store=_rendezvous_store(spec, conn, startup_timeout_s),
@@ -251,13 +267,16 @@ class ProcessExecutor:
         self._wakes = WakePipes(wake_readers, name=f"atom-kv-engine-waker-dp{specs[0].dp_rank}")
         try:
             deadline = time.monotonic() + startup_timeout_s
-            (port,) = self._gather(startup_timeout_s, "report the rendezvous port", ranks=[0])
+            (store,) = self._gather(startup_timeout_s, "report the rendezvous store", ranks=[0])
             for i, conn in enumerate(self._conns[1:], start=1):
                 try:
-                    conn.send(("rendezvous", port))
+                    conn.send(("rendezvous", store))
                 except OSError:
                     raise self._fail(f"TP worker {i} is gone (exit code {self._procs[i].exitcode})")
-            self._gather(startup_timeout_s, "start", deadline=deadline)
+            try:
+                self._gather(startup_timeout_s, "start", deadline=deadline)
+            finally:  # every rank has joined (or failed): the rendezvous file has served its purpose
+                _remove_quietly(store)
         except BaseException:
             self.close()
             raise

@@ -4,12 +4,18 @@ Engines bind HTTP port 0 and report the port they got through a port file
 (``--port-file``), so no engine port is guessed; the proxy and the engines'
 handshake ports are still picked free beforehand (those servers cannot
 report a port yet).
+
+Registration is signed, as in production: by default the cluster makes up a
+secret, passed as the proxies' ``--registration-token`` and every P/D
+engine's ``auth_token``. ``token=None`` runs without one, and then the
+proxies are started with ``--allow-open-registration`` (said explicitly).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -17,11 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from atom_kv.testing.polling import wait_until
-from atom_kv.testing.ports import free_port, free_port_range
+from atom_kv.testing.ports import free_plan_base, free_port
 from atom_kv.testing.processes import ManagedProcess, interrupts_held
 from atom_kv.testing.web import http_json
 
-__all__ = ["EngineSpec", "Cluster"]
+__all__ = ["EngineSpec", "Cluster", "AUTO_TOKEN"]
+
+#: ``Cluster(token=AUTO_TOKEN)``: make up a fresh cluster secret
+AUTO_TOKEN = "<auto>"
 
 
 @dataclass
@@ -43,8 +52,12 @@ class Cluster:
 
     def __init__(self, engines: list[EngineSpec], *, with_proxy: bool = True, heartbeat_timeout: float = 3.0,
                  ping_interval_s: float = 0.5, log_dir: Optional[str] = None,
-                 proxy_args: Optional[list[str]] = None, extra_proxies: Optional[list[list[str]]] = None) -> None:
+                 proxy_args: Optional[list[str]] = None, extra_proxies: Optional[list[list[str]]] = None,
+                 token: Optional[str] = AUTO_TOKEN, engine_host: str = "127.0.0.1") -> None:
         self.specs = engines
+        # the cluster secret: every proxy's --registration-token and every P/D engine's auth_token
+        self.token = secrets.token_hex(16) if token == AUTO_TOKEN else token
+        self.engine_host = engine_host  # what engines bind and advertise (a loopback address)
         self.with_proxy = with_proxy
         self.heartbeat_timeout = heartbeat_timeout
         self.ping_interval_s = ping_interval_s
@@ -68,9 +81,11 @@ class Cluster:
         cfg: dict[str, Any] = {
             "kv_role": "kv_producer" if spec.role == "P" else "kv_consumer",
             "backend": spec.backend,
-            "handshake_port": free_port_range(spec.tp * spec.dp),
+            "handshake_port": free_plan_base(spec.tp * spec.dp),  # its whole default port plan is free
             "ping_interval_s": self.ping_interval_s,
         }
+        if self.token is not None:
+            cfg["auth_token"] = self.token
         if self.with_proxy and spec.register:
             cfg["proxy_ip"] = ",".join(f"127.0.0.1:{d}" for d in [self.discovery_port] + [d for _, d in self.extra_ports])
             cfg["proxy_ping_port"] = self.discovery_port
@@ -83,7 +98,7 @@ class Cluster:
     def engine_argv(self, i: int, port: int = 0) -> list[str]:
         """Engine ``i``'s command line: HTTP on ``port`` (0: the OS picks), reported in its port file."""
         spec = self.specs[i]
-        return [sys.executable, "-m", "atom_kv.reference", "--host", "127.0.0.1", "--port", str(port),
+        return [sys.executable, "-m", "atom_kv.reference", "--host", self.engine_host, "--port", str(port),
                 "--port-file", self._port_file(i), "--tp", str(spec.tp), "--data-parallel-size", str(spec.dp),
                 "--num-blocks", str(spec.num_blocks),
                 "--log-level", "INFO", "--instance-index", str(i), *spec.extra_args, *self._configs[i]]
@@ -102,6 +117,12 @@ class Cluster:
             else:
                 self.engines.append(proc)
 
+    def _registration_args(self) -> list[str]:
+        """How a proxy of this cluster accepts registration: the token, or open registration said explicitly."""
+        if self.token is not None:
+            return ["--registration-token", self.token]
+        return ["--allow-open-registration"]
+
     def start(self, timeout: float = 90.0) -> "Cluster":
         try:
             if self.with_proxy:
@@ -110,14 +131,16 @@ class Cluster:
                     self.proxy = ManagedProcess("proxy", [
                         sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.proxy_port),
                         "--discovery-host", "127.0.0.1", "--discovery-port", str(self.discovery_port),
-                        "--heartbeat-timeout", str(self.heartbeat_timeout), *self.proxy_args], self.log_dir)
+                        "--heartbeat-timeout", str(self.heartbeat_timeout), *self._registration_args(),
+                        *self.proxy_args], self.log_dir)
                 for n, args in enumerate(self.extra_proxy_args):
                     ports = (free_port(), free_port())
                     with interrupts_held():
                         self.extra_proxies.append(ManagedProcess(f"proxy{n + 1}", [
                             sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(ports[0]),
                             "--discovery-host", "127.0.0.1", "--discovery-port", str(ports[1]),
-                            "--heartbeat-timeout", str(self.heartbeat_timeout), *args], self.log_dir))
+                            "--heartbeat-timeout", str(self.heartbeat_timeout), *self._registration_args(),
+                            *args], self.log_dir))
                         self.extra_ports.append(ports)
             self.ports = [0] * len(self.specs)
             self._configs = [self._engine_config(i) for i in range(len(self.specs))]
@@ -185,7 +208,7 @@ class Cluster:
         return [f"http://127.0.0.1:{port}" for port, _ in self.extra_ports]
 
     def engine_url(self, i: int) -> str:
-        return f"http://127.0.0.1:{self.ports[i]}"
+        return f"http://{self.engine_host}:{self.ports[i]}"
 
     def index_of(self, role: str, nth: int = 0) -> int:
         return [i for i, s in enumerate(self.specs) if s.role == role][nth]

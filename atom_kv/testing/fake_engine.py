@@ -160,6 +160,10 @@ class FakeEngine:
         self.tokenize_enabled = True
         self.adopt_transfer_id = True  # a prefill keeps the proxy's transfer_id (atom-kv's producer does)
         self.events_per_write = 1  # >1: several SSE events in one write, then token_delay_s
+        # a prefill's answer: these in its kv_transfer_params (a broken or hostile engine), and padding
+        self.first_token_ids: Any = None  # None: no first_token_ids key
+        self.first_token_text: Any = None  # None: no first_token_text key
+        self.answer_padding = 0  # bytes of filler in the prefill's answer
         # records
         self.record = True
         self.received: list[Received] = []
@@ -390,6 +394,12 @@ class FakeEngine:
             "dp_rank": dp_rank,
             "transfer_id": transfer_id,
         }
+        if self.first_token_ids is not None:
+            answer["kv_transfer_params"]["first_token_ids"] = self.first_token_ids
+        if self.first_token_text is not None:
+            answer["kv_transfer_params"]["first_token_text"] = self.first_token_text
+        if self.answer_padding:
+            answer["padding"] = "x" * self.answer_padding
         return web.Response(body=_enc.encode(answer), content_type="application/json")
 
     def _chunk(self, body: dict[str, Any], chat: bool, i: int, n: int) -> bytes:
@@ -517,11 +527,16 @@ async def _serve(args: argparse.Namespace) -> None:
     for engine in engines:
         engine.record = False
         engine.hang = engine.role == "D" and args.hang_decode
+        engine.fail_prompt = args.fail_prompt
+        engine.fail_status = args.fail_status
         await engine.start(port=args.prefill_port if engine.role == "P" and args.prefills == 1 else
                            args.decode_port if engine.role == "D" and args.decodes == 1 else 0)
     pinger = None
     if args.discovery:
-        pinger = FakePinger(args.discovery, [e.register_ping() for e in engines], args.ping_interval).start()
+        token = args.auth_token
+        pings: list[PingSource] = [(lambda e=e: e.register_ping(token=token)) if token else e.register_ping()
+                                   for e in engines]
+        pinger = FakePinger(args.discovery, pings, args.ping_interval).start()
     prefills = ",".join(e.base_url for e in engines if e.role == "P")
     decodes = ",".join(e.base_url for e in engines if e.role == "D")
     print(f"ready prefill={prefills} decode={decodes}", flush=True)
@@ -540,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run fake prefill and decode engines (for proxy tests and benches).")
     parser.add_argument("--discovery", default=None,
                         help="proxy discovery endpoint to ping, e.g. tcp://127.0.0.1:36367 (default: no pings)")
+    parser.add_argument("--auth-token", default=None,
+                        help="sign the pings with this token (the proxy's --registration-token)")
     parser.add_argument("--prefills", type=int, default=1)
     parser.add_argument("--decodes", type=int, default=1)
     parser.add_argument("--prefill-port", type=int, default=0)
@@ -553,6 +570,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill engines model a prefix cache of this many 16-character blocks")
     parser.add_argument("--hang-decode", action="store_true", help="decode engines never answer")
     parser.add_argument("--ping-interval", type=float, default=1.0)
+    parser.add_argument("--fail-prompt", default=None,
+                        help="every engine answers 500 to a prompt containing this (a request's own failure)")
+    parser.add_argument("--fail-status", type=int, default=None,
+                        help="every engine answers every completion with this status (a broken engine)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(_serve(args))

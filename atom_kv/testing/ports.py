@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import socket
 
-__all__ = ["free_port", "free_port_range"]
+__all__ = ["free_plan_base", "free_port", "free_port_range"]
 
 
 def free_port() -> int:
@@ -38,23 +38,37 @@ def _ephemeral_range() -> tuple[int, int]:
 def free_port_range(n: int, attempts: int = 200) -> int:
     """A base port such that ``base .. base+n-1`` are all free on 127.0.0.1 right now, outside
     the ephemeral range where possible (see the module docstring)."""
+    return _free_blocks(n, (0,), attempts)
+
+
+def free_plan_base(n: int, blocks: int = 4, attempts: int = 200) -> int:
+    """A ``handshake_port`` whose whole default port plan is free on 127.0.0.1 right now:
+    ``n`` ports (one per rank) at ``base + k*atom_kv.ports.STRIDE`` for each of ``blocks`` listener kinds."""
+    from atom_kv.ports import STRIDE
+
+    return _free_blocks(n, tuple(k * STRIDE for k in range(blocks)), attempts)
+
+
+def _free_blocks(n: int, offsets: tuple[int, ...], attempts: int) -> int:
+    span = max(offsets) + n
     low, high = _ephemeral_range()
-    if low - n > 20000:
-        first, last = 20000, low - n
+    if low - span > 20000:
+        first, last = 20000, low - span
     else:  # the ephemeral range starts too low to stay below it: stay above it if we can
-        first, last = (high + 1, 65535 - n) if high + n < 65000 else (1024, 65535 - n)
+        first, last = (high + 1, 65535 - span) if high + span < 65000 else (1024, 65535 - span)
     for _ in range(attempts):
         base = random.randint(first, last)
         socks = []
         try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
+            for off in offsets:
+                for p in range(base + off, base + off + n):
+                    s = socket.socket()
+                    socks.append(s)
+                    s.bind(("127.0.0.1", p))
             return base
         except OSError:
             continue
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError(f"no {n} consecutive free ports found")
+    raise RuntimeError(f"no free ports found for {len(offsets)} blocks of {n}")

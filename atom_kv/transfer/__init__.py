@@ -27,6 +27,7 @@ from atom_kv.transfer.memory import HOST, MemoryKind, memory_of
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
+    from atom_kv.ports import RankPorts
 
 __all__ = [
     "BACKENDS",
@@ -65,6 +66,7 @@ def create_backend(
     host: str = "127.0.0.1",
     bind_host: Optional[str] = None,
     key: Optional[str] = None,
+    ports: Optional["RankPorts"] = None,
 ) -> TransferBackend:
     """Build the backend called ``name`` (see :data:`BACKENDS`).
 
@@ -72,7 +74,9 @@ def create_backend(
     its descriptor); ``bind_host`` the address its listeners bind (the
     engine's ``--host``; ``host`` when not given; all interfaces only when
     it says ``"0.0.0.0"``); ``key`` a process-unique name (engine id +
-    ranks) used by backends that need one.
+    ranks) used by backends that need one; ``ports`` the rank's port plan
+    (:func:`atom_kv.ports.rank_ports`; without it every listener's port is
+    OS-assigned).
     Raises :class:`BackendUnavailable` with a one-line reason when the backend
     cannot run here.
     """
@@ -83,4 +87,5 @@ def create_backend(
     module_name, cls_name = target.split(":")
     module = importlib.import_module(module_name)
     cls = getattr(module, cls_name)
-    return cls(config, host=host, bind_host=bind_host, key=key)
+    extra = {} if ports is None else {"ports": ports}
+    return cls(config, host=host, bind_host=bind_host, key=key, **extra)

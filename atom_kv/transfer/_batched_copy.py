@@ -3,10 +3,13 @@
 A read names many ranges (blocks, or head slices of blocks). Copying them one
 call at a time costs a kernel launch each on a GPU, so :func:`copy_ranges`
 views both byte tensors as rows of the ranges' common unit (the gcd of every
-offset and size, so usually a block or a head slice) and moves all ranges
-with one ``index_select`` and one ``index_copy_`` (a plain slice copy when the
-rows are consecutive). The same code runs on CPU tensors, which is how the
-CPU suite covers it; only the device the tensors live on differs.
+offset and size, so usually a block or a head slice) and moves all ranges in
+one batched call that reads each byte once and writes it once (a slice copy,
+an ``index_select`` straight into consecutive rows, an ``index_copy_``
+straight from them, or one ``_foreach_copy_`` over the ranges). The older
+gather-then-scatter path stays reachable (``mode="gather"``) so both can be
+measured. The same code runs on CPU tensors, which is how the CPU suite
+covers it; only the device the tensors live on differs.
 
 :func:`cut_pieces` cuts a list of ranges into pieces of at most ``chunk``
 bytes (splitting ranges exactly at the cut), the unit staged transfers move
@@ -19,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["copy_ranges", "cut_pieces", "range_rows", "row_unit"]
+__all__ = ["COPY_MODES", "copy_ranges", "cut_pieces", "range_rows", "row_unit"]
 
 #: widest element used to move rows (bytes): 8-byte elements move 8x fewer items than bytes
 _WIDTHS = (8, 4, 2, 1)
@@ -53,32 +56,86 @@ def _consecutive(rows: np.ndarray) -> bool:
     return len(rows) == 0 or int(rows[-1]) - int(rows[0]) == len(rows) - 1 and bool((np.diff(rows) == 1).all())
 
 
-def copy_ranges(src: Any, src_offsets: np.ndarray, dst: Any, dst_offsets: np.ndarray, sizes: np.ndarray) -> None:
+#: how :func:`copy_ranges` moves scattered ranges: "direct" reads each byte
+#: once, straight from its source range into its destination range;
+#: "gather" (the older path, kept to measure against) gathers into a
+#: temporary buffer and scatters from it, twice the traffic
+COPY_MODES = ("direct", "gather")
+
+
+def copy_ranges(src: Any, src_offsets: np.ndarray, dst: Any, dst_offsets: np.ndarray, sizes: np.ndarray,
+                mode: str = "direct") -> None:
     """Copy ``sizes[i]`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``
-    for every i, in one batched gather and one batched scatter (or one slice
-    copy when both sides are consecutive rows). ``src``/``dst`` are 1-D uint8
-    tensors, on any devices; ranges must be in bounds (checked by the caller).
-    On a GPU the work is queued on the current stream."""
+    for every i, in one batched call. ``src``/``dst`` are 1-D uint8 tensors,
+    on any devices; ranges must be in bounds (checked by the caller). On a
+    GPU the work is queued on the current stream.
+
+    ``mode="direct"`` (:data:`COPY_MODES`): consecutive rows on both sides
+    are one slice copy; consecutive destination rows are one
+    ``index_select`` written straight into them; consecutive source rows one
+    ``index_copy_`` read straight from them; scattered on both sides, one
+    ``torch._foreach_copy_`` over the ranges' views. ``mode="gather"``, and
+    any copy between two devices with scattered rows: one ``index_select``
+    into a temporary on the source's device, one transfer, one
+    ``index_copy_`` from it (three launches instead of one copy per range).
+
+    A copy into host memory from a device is never left in flight unless the
+    destination is pinned (the caller then fences before reading it): a
+    pageable or plain host destination is copied synchronously, so what this
+    returns can be read at once."""
     import torch
 
     if len(sizes) == 0:
         return
+    if mode not in COPY_MODES:
+        raise ValueError(f"copy mode {mode!r}; allowed: {', '.join(COPY_MODES)}")
     unit = row_unit(src_offsets, dst_offsets, sizes)
     counts = np.asarray(sizes, dtype=np.int64) // unit
     srows = range_rows(np.asarray(src_offsets) // unit, counts)
     drows = range_rows(np.asarray(dst_offsets) // unit, counts)
     width = next(w for w in _WIDTHS if unit % w == 0 and src.data_ptr() % w == 0 and dst.data_ptr() % w == 0)
     s2, d2 = _rows_view(src, unit, width, torch), _rows_view(dst, unit, width, torch)
-    if _consecutive(srows):
+    # into host memory from a device: asynchronous only into pinned memory (fenced by the caller)
+    non_blocking = d2.device.type != "cpu" or (s2.device.type != "cpu" and bool(d2.is_pinned()))
+    s_run, d_run = _consecutive(srows), _consecutive(drows)
+    if s_run and d_run:
+        d2[int(drows[0]) : int(drows[0]) + len(drows)].copy_(s2[int(srows[0]) : int(srows[0]) + len(srows)],
+                                                            non_blocking=non_blocking)
+        return
+    if mode == "direct" and s2.device == d2.device:  # across devices, one transfer of the gathered rows wins
+        _copy_direct(torch, s2, srows, s_run, d2, drows, d_run, np.asarray(src_offsets) // unit,
+                     np.asarray(dst_offsets) // unit, counts, non_blocking)
+        return
+    if s_run:
         rows = s2[int(srows[0]) : int(srows[0]) + len(srows)]
     else:
-        rows = s2.index_select(0, torch.from_numpy(srows).to(s2.device, non_blocking=True))
-    if rows.device != d2.device:
-        rows = rows.to(d2.device, non_blocking=True)
-    if _consecutive(drows):
-        d2[int(drows[0]) : int(drows[0]) + len(drows)].copy_(rows, non_blocking=True)
+        rows = s2.index_select(0, _index(torch, srows, s2.device))
+    if rows.device != d2.device:  # into host memory: a finished copy (index_copy_ reads it at once)
+        rows = rows.to(d2.device, non_blocking=d2.device.type != "cpu")
+    if d_run:
+        d2[int(drows[0]) : int(drows[0]) + len(drows)].copy_(rows, non_blocking=non_blocking)
     else:
-        d2.index_copy_(0, torch.from_numpy(drows).to(d2.device, non_blocking=True), rows)
+        d2.index_copy_(0, _index(torch, drows, d2.device), rows)
+
+
+def _index(torch: Any, rows: np.ndarray, device: Any) -> Any:
+    """Row indices as an int64 tensor on ``device`` (a host-to-device copy
+    from pageable memory: torch has copied it out before this returns)."""
+    return torch.from_numpy(rows).to(device, non_blocking=True)
+
+
+def _copy_direct(torch: Any, s2: Any, srows: np.ndarray, s_run: bool, d2: Any, drows: np.ndarray, d_run: bool,
+                 s_starts: np.ndarray, d_starts: np.ndarray, counts: np.ndarray, non_blocking: bool) -> None:
+    """Every byte read once and written once, on one device: no temporary of the ranges' size."""
+    if d_run:
+        out = d2[int(drows[0]) : int(drows[0]) + len(drows)]
+        torch.index_select(s2, 0, _index(torch, srows, s2.device), out=out)
+    elif s_run:
+        d2.index_copy_(0, _index(torch, drows, d2.device), s2[int(srows[0]) : int(srows[0]) + len(srows)])
+    else:  # scattered on both sides: one batched copy over the ranges' views
+        s_list = [s2[a : a + n] for a, n in zip(s_starts.tolist(), counts.tolist())]
+        d_list = [d2[a : a + n] for a, n in zip(d_starts.tolist(), counts.tolist())]
+        torch._foreach_copy_(d_list, s_list, non_blocking=non_blocking)
 
 
 def cut_pieces(offsets: np.ndarray, sizes: np.ndarray, chunk: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -73,6 +73,7 @@ class CmaControlServer:
         name: str = "cma",
         purpose: str = PURPOSE_CMA_GRANT,
         handles: Optional[Callable[[], list[wire.GpuIpcRegion]]] = None,
+        port: int = 0,
     ) -> None:
         self._name = name
         self._purpose = purpose
@@ -94,7 +95,7 @@ class CmaControlServer:
         )
         self._server = FrameServer(
             "atomkv-cma-ctl", label, bind_host, limits, self.events,
-            greet=self._greet, refuse_busy=self._busy, handle=self._answer,
+            greet=self._greet, refuse_busy=self._busy, handle=self._answer, port=port,
         )
         self.port = self._server.port
         self.bind_address = self._server.bind_address
@@ -112,7 +113,7 @@ class CmaControlServer:
         return self.events["granted"]
 
     def stats(self) -> dict[str, int]:
-        """Event counts by key: granted, auth, version, decode, busy, oversized, timeout."""
+        """Event counts by key: granted, auth, version, decode, export, busy, oversized, timeout."""
         return self.events.snapshot()
 
     def _greet(self, conn: Conn) -> bytes:
@@ -147,7 +148,10 @@ class CmaControlServer:
             proof = server_proof(self._token, self._purpose, conn.nonce, req.nonce)
         conn.authenticated = True  # its address is a reader's: it keeps a share of the reserve
         spans = [wire.RegionSpan(region=r, addr=a, size=s) for r, a, s in self._spans()]
-        ipc = self._handles() if self._handles is not None else []
+        try:  # gpu_ipc: one send of every region per grant; memory it cannot share refuses the grant
+            ipc = self._handles() if self._handles is not None else []
+        except TransferError as exc:
+            return self._refuse(conn, "export", who, str(exc))
         self._send(conn, wire.CmaGrantReply(ok=True, pid=os.getpid(), regions=spans, proof=proof, ipc=ipc))
         self.events.count("granted")
         log.info("%s: granted %d regions", who, len(spans))

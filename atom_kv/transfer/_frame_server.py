@@ -115,10 +115,10 @@ class Conn:
         self._bgot = 0
 
 
-def listen(bind_host: str) -> socket.socket:
-    """A listening TCP socket on ``bind_host`` (IPv4 or IPv6), OS-assigned port."""
+def listen(bind_host: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket on ``bind_host`` (IPv4 or IPv6) and ``port`` (0: OS-assigned)."""
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-    return socket.create_server((bind_host, 0), family=family, backlog=128)
+    return socket.create_server((bind_host, port), family=family, backlog=128)
 
 
 class FrameServer:
@@ -137,6 +137,7 @@ class FrameServer:
         greet: Callable[[Conn], bytes],
         refuse_busy: Callable[[str], bytes],
         handle: Callable[[Conn, bytearray], bool],
+        port: int = 0,
     ) -> None:
         self._label = label
         self._limits = limits
@@ -144,7 +145,7 @@ class FrameServer:
         self._greet = greet
         self._refuse_busy = refuse_busy
         self._handle = handle
-        self._lsock = listen(bind_host)
+        self._lsock = listen(bind_host, port)
         self._lsock.setblocking(False)
         self.port: int = self._lsock.getsockname()[1]
         self.bind_address: tuple = self._lsock.getsockname()

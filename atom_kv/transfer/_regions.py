@@ -106,6 +106,11 @@ class RegionTable:
             t = self._tensors[region] = copier_for(HOST, self._copiers).region(0, 0, self._views[region])
         return t
 
+    def kv_written(self) -> None:
+        """Mark the engine's writes so far written, for every copier's gathers."""
+        for copier in list(self._copiers.values()):
+            copier.kv_written()
+
     def copier(self, region: int) -> Any:
         from atom_kv.transfer.staging import copier_for
 

@@ -91,6 +91,7 @@ class TcpReadServer:
         auth_token: Optional[str],
         settings: TcpServerSettings,
         label: str,
+        port: int = 0,
     ) -> None:
         self._regions = regions
         self._token = auth_token.encode("utf-8") if auth_token else None
@@ -111,7 +112,7 @@ class TcpReadServer:
         )
         self._server = FrameServer(
             "atomkv-tcp", label, bind_host, limits, self.events,
-            greet=self._greet, refuse_busy=self._busy, handle=self._handle,
+            greet=self._greet, refuse_busy=self._busy, handle=self._handle, port=port,
         )
         self.port = self._server.port
         self.bind_address = self._server.bind_address

@@ -31,6 +31,7 @@ from atom_kv.transfer.tcp import TcpBackend
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
+    from atom_kv.ports import RankPorts
 
 __all__ = ["AutoBackend"]
 
@@ -58,9 +59,10 @@ class AutoBackend(TransferBackend):
         host: str = "127.0.0.1",
         bind_host: Optional[str] = None,
         key: Optional[str] = None,
+        ports: Optional["RankPorts"] = None,
     ) -> None:
-        self._args = (config, host, bind_host, key)
-        self._tcp = TcpBackend(config, host=host, bind_host=bind_host, key=key)
+        self._args = (config, host, bind_host, key, ports)
+        self._tcp = TcpBackend(config, host=host, bind_host=bind_host, key=key, ports=ports)
         self._extra: dict[str, TransferBackend] = {}
         self.unavailable: dict[str, str] = {}
         reason = cma_unavailable_reason()
@@ -85,9 +87,9 @@ class AutoBackend(TransferBackend):
     def _try_build(self, name: str) -> None:
         from atom_kv.transfer import create_backend
 
-        config, host, bind_host, key = self._args
+        config, host, bind_host, key, ports = self._args
         try:
-            self._extra[name] = create_backend(name, config, host=host, bind_host=bind_host, key=key)
+            self._extra[name] = create_backend(name, config, host=host, bind_host=bind_host, key=key, ports=ports)
         except BackendUnavailable as exc:
             self.unavailable[name] = str(exc)
 

@@ -198,6 +198,14 @@ class TransferBackend(abc.ABC):
     def close(self) -> None:
         """Stop threads, close sockets, deregister memory. Idempotent."""
 
+    def kv_written(self) -> None:
+        """The engine's KV writes queued so far, on its current stream of every
+        registered GPU, count as written: reads and staging gathers of this
+        process's memory start only after they are complete on the device.
+        Call from the thread that queued them (the connector calls it in
+        ``get_finished``, after each step's forward: docs/integrating.md).
+        Host memory needs nothing: its writes are complete when made."""
+
     def stats(self) -> dict[str, int]:
         """Event counts of this endpoint by reason (connections refused or
         dropped, bad frames, fallbacks); empty for backends that keep none."""

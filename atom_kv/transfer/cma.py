@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.ports import RankPorts, listening
 from atom_kv.transfer._cma_control import CmaControlServer, request_grant
 from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
 from atom_kv.wire import decode
@@ -77,8 +78,10 @@ class CmaBackend(TransferBackend):
         host: str = "127.0.0.1",
         bind_host: Optional[str] = None,
         key: Optional[str] = None,
+        ports: Optional[RankPorts] = None,
     ) -> None:
         cfg = resolve_config(config)
+        self._ports = ports
         self._sys = CmaSys()
         self._host = host
         self._bind_host = bind_host or host
@@ -103,11 +106,11 @@ class CmaBackend(TransferBackend):
         with self._lock:
             self._life.check_open()
             if self._ctl is None:
-                self._ctl = CmaControlServer(
+                self._ctl = listening(self._ports, "cma", self._bind_host, lambda port: CmaControlServer(
                     bind_host=self._bind_host, host=self._host, auth_token=self._token,
                     timeout_s=self._grant_timeout, max_connections=self._grant_max_connections,
-                    spans=self._regions.spans, label=f"cma grant endpoint {self._key}",
-                )
+                    spans=self._regions.spans, label=f"cma grant endpoint {self._key}", port=port,
+                ))
             return self._ctl
 
     def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
@@ -119,7 +122,6 @@ class CmaBackend(TransferBackend):
             if note:
                 log.info("cma %s: %s", self._key, note)
         ids = self._regions.add(ptr, size, align, self.max_region_bytes)
-        self._control()
         log.info("cma %s: registered %d bytes at 0x%x as regions %s", self._key, size, ptr, ids)
         return ids
 

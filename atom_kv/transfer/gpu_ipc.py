@@ -1,25 +1,42 @@
 """``gpu_ipc`` backend: one-sided GPU-to-GPU reads between processes of one
 node, through CUDA IPC memory handles (HIP IPC on ROCm builds of torch).
 
-- Serving: each registered GPU region is exported once as an IPC handle
-  (:mod:`atom_kv.transfer._ipc_handles`). Handles are capabilities: whoever
+- Serving: each registered GPU region gets an exporter
+  (:mod:`atom_kv.transfer._ipc_handles`); every grant is one send of each
+  region, with its own reference counter. Handles are capabilities: whoever
   holds one can read and write that GPU memory. So they never travel in the
   descriptor; a reader gets them from the grant endpoint
   (:mod:`atom_kv.transfer._cma_control`), and only after proving the
   ``auth_token`` there (challenge-response, purpose ``gpu-ipc-grant``).
+  Memory that cannot be shared refuses the grant, so ``auto`` falls back.
+- Producer order: :meth:`GpuIpcBackend.kv_written` records this process's
+  written event (one interprocess event per GPU) on the engine's current
+  stream; a reader's copies wait on it, so they never start before the
+  engine's writes queued up to that call are complete on the device
+  (docs/integrating.md says where an engine calls it).
 - Reading: ``add_peer`` maps the peer's regions once (per peer, not per
-  read). ``read`` checks every range against the granted region sizes, then
-  queues one batched gather/scatter per (remote region, local region) pair
-  (:func:`~atom_kv.transfer._batched_copy.copy_ranges`) on this backend's
-  own stream of the destination's GPU, records an event, and returns. A named
-  completion thread waits on the event: the handle finishes, and *settles*,
-  only once that stream's work is done, so ``wait_settled`` keeps its meaning
-  even for a read failed by its deadline.
-- A peer that exited is noticed through its pidfd: reads from it fail.
+  read) and opens its written events. ``read`` checks every range against
+  the granted region sizes, then queues one batched copy per (remote region,
+  local region) pair (:func:`~atom_kv.transfer._batched_copy.copy_ranges`,
+  straight from the remote ranges into the local ones) on this backend's
+  own stream of the destination's GPU, after the producer's written event
+  and the consumer's current stream, and records a fence on every stream it
+  used, on every path. A named completion thread waits on the fences
+  (blocking-sync events: the thread sleeps, no core spins): the handle
+  finishes, and *settles*, only once the copies are complete on the device,
+  so the consumer's next step after it saw the handle finish is ordered
+  after them, and ``wait_settled`` keeps its meaning even for a read failed
+  by its deadline.
+- A peer that exited is noticed through its pidfd (``poll``, any fd
+  number): reads from it fail.
 
-Two processes on one GPU and two GPUs of one node with peer access both work
-(a copy between devices goes through ``Tensor.to``). torch is imported lazily;
-without a GPU the constructor raises :class:`BackendUnavailable` in one line.
+Every device call goes through a seam (:mod:`atom_kv.transfer._gpu_seam`);
+the CPU suite runs this whole module between real processes over a host
+stand-in of it (:mod:`atom_kv.transfer._host_seam`, tests only).
+
+Two processes on one GPU and two GPUs of one node with peer access both work.
+torch is imported lazily; without a GPU the constructor raises
+:class:`BackendUnavailable` in one line.
 """
 
 from __future__ import annotations
@@ -30,12 +47,13 @@ import os
 import queue
 import select
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.ports import RankPorts, listening
 from atom_kv.transfer._cma_control import CmaControlServer, request_grant
 from atom_kv.transfer._events import EndpointEvents, endpoint_stats
 from atom_kv.transfer._hostid import host_identity
@@ -49,40 +67,54 @@ from atom_kv.wire import decode
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
 
-__all__ = ["GpuIpcBackend"]
+__all__ = ["GpuIpcBackend", "pid_exited"]
 
 log = logging.getLogger(__name__)
 
 
+def pid_exited(pidfd: int) -> bool:
+    """Whether the process behind ``pidfd`` exited (``poll``: works for any fd
+    number, where ``select`` fails from fd 1024 on)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 @dataclass
 class _Peer:
-    """A granted peer: its regions mapped here (uint8 tensors) and their sizes."""
+    """A granted peer: its regions mapped here, their sizes, its written
+    events (per region, None when none) and what the seam opened for it."""
 
     pid: int
     tensors: list[Any]
     sizes: np.ndarray
     pidfd: Optional[int]
+    written: list[Any] = field(default_factory=list)
+    mapped: Any = None
 
     def gone(self) -> bool:
-        if self.pidfd is None:
-            return False
-        readable, _, _ = select.select([self.pidfd], [], [], 0)
-        return bool(readable)
+        return self.pidfd is not None and pid_exited(self.pidfd)
 
     def close(self) -> None:
+        self.tensors, self.written = [], []
+        if self.mapped is not None:
+            self.mapped.close()
+            self.mapped = None
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
-        self.tensors = []
 
 
 class GpuIpcBackend(TransferBackend):
-    """Owns this process's exported GPU regions, the grant endpoint, the
-    mapped peers, one copy stream per GPU and the completion thread."""
+    """Owns this process's exporters and written events, the grant endpoint,
+    the mapped peers, one copy stream per GPU and the completion thread."""
 
     name = "gpu_ipc"
     accepts_op_arrays = True
     memory_kinds = frozenset({"gpu"})
+    #: how scattered reads copy (:data:`~atom_kv.transfer._batched_copy.COPY_MODES`):
+    #: "direct" (each byte read once) or "gather" (the older gather + scatter, to measure against)
+    copy_mode = "direct"
 
     def __init__(
         self,
@@ -91,16 +123,22 @@ class GpuIpcBackend(TransferBackend):
         host: str = "127.0.0.1",
         bind_host: Optional[str] = None,
         key: Optional[str] = None,
+        ports: Optional[RankPorts] = None,
+        _seam: Any = None,
     ) -> None:
-        from atom_kv.transfer.memory import gpu_unavailable_reason
+        if _seam is None:  # ``_seam``: tests pass the host stand-in (atom_kv.transfer._host_seam)
+            from atom_kv.transfer.memory import gpu_unavailable_reason
 
-        reason = gpu_unavailable_reason()
-        if reason is not None:
-            raise BackendUnavailable(f"gpu_ipc: {reason}; use backend 'auto', 'tcp' or 'cma' for host memory")
-        import torch
+            reason = gpu_unavailable_reason()
+            if reason is not None:
+                raise BackendUnavailable(f"gpu_ipc: {reason}; use backend 'auto', 'tcp' or 'cma' for host memory")
+            from atom_kv.transfer._gpu_seam import CudaSeam
 
-        self._torch = torch
+            _seam = CudaSeam()
+        self._seam = _seam
+        self.memory_kinds = _seam.memory_kinds
         cfg = resolve_config(config)
+        self._ports = ports
         self._host = host
         self._bind_host = bind_host or host
         self._key = key or f"gpu_ipc-{os.getpid()}-{id(self):x}"
@@ -109,9 +147,11 @@ class GpuIpcBackend(TransferBackend):
         self._grant_max_connections = cfg.cma_grant_max_connections
         self.reader_events = EndpointEvents(log, f"gpu_ipc {self._key} reader events")
         self._lock = threading.Lock()
+        self._share_lock = threading.Lock()
         self._life = Lifecycle("gpu_ipc", self._lock, key=self._key)
-        self._exports: list[wire.GpuIpcRegion] = []
-        self._keep: list[Any] = []  # storages behind exported handles
+        self._exports: list[tuple[Any, int]] = []  # (exporter, device) per region
+        self._export_error: Optional[str] = None  # why this memory cannot be shared: grants are refused
+        self._written: dict[int, Any] = {}  # device -> this process's written event
         self._local: list[Any] = []  # our regions as uint8 tensors
         self._local_sizes = np.zeros(0, dtype=np.uint64)
         self._ctl: Optional[CmaControlServer] = None
@@ -119,7 +159,8 @@ class GpuIpcBackend(TransferBackend):
         self._streams: dict[int, Any] = {}
         self._peer_seq = itertools.count(1)
         self._read_seq = itertools.count(1)
-        self._done: "queue.SimpleQueue[Optional[tuple[ReadHandle, list[Any], Optional[str]]]]" = queue.SimpleQueue()
+        self._done: "queue.SimpleQueue[Optional[tuple[ReadHandle, list[Any], Optional[str], Any]]]" = \
+            queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete, name=f"atomkv-gpu_ipc-done-{self._key}",
                                            daemon=True)
         self._completer.start()
@@ -133,35 +174,59 @@ class GpuIpcBackend(TransferBackend):
         with self._lock:
             self._life.check_open()
             if self._ctl is None:
-                self._ctl = CmaControlServer(
+                self._ctl = listening(self._ports, "gpu_ipc", self._bind_host, lambda port: CmaControlServer(
                     bind_host=self._bind_host, host=self._host, auth_token=self._token,
                     timeout_s=self._grant_timeout, max_connections=self._grant_max_connections,
                     spans=lambda: [], label=f"gpu_ipc grant endpoint {self._key}", name="gpu_ipc",
-                    purpose=PURPOSE_GPU_IPC_GRANT, handles=lambda: list(self._exports),
-                )
+                    purpose=PURPOSE_GPU_IPC_GRANT, handles=self._share, port=port,
+                ))
             return self._ctl
+
+    def _share(self) -> list[wire.GpuIpcRegion]:
+        """One grant's handles: a fresh send of every region (one ref counter each).
+        Raises :class:`TransferError` (the grant is refused) when they cannot be shared."""
+        with self._lock:
+            self._life.check_open()
+            exports, written, error = list(self._exports), dict(self._written), self._export_error
+        if error is not None:
+            raise TransferError(error)
+        with self._share_lock:  # grants are answered by two threads; a send rewraps the storage it shares
+            return [exp.share(region, written[device].handle) for region, (exp, device) in enumerate(exports)]
 
     def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
         self._life.check_open()
         self.check_memory(memory)
-        from atom_kv.transfer._ipc_handles import alias, export_region
-
+        sizes = chunk_sizes(size, align, self.max_region_bytes)
+        seam, device = self._seam, memory.device
+        if device not in self._written:
+            self._written[device] = seam.written(device)
         ids = []
         off = 0
-        for n in chunk_sizes(size, align, self.max_region_bytes):
-            rid = len(self._local)
-            exported, storage = export_region(rid, ptr + off, n, memory.device)
-            self._exports.append(exported)
-            self._keep.append(storage)
-            self._local.append(alias(ptr + off, n, memory.device))
-            ids.append(rid)
+        for n in sizes:
+            try:
+                exporter = seam.export(ptr + off, n, device)
+            except TransferError as exc:  # served to nobody: each grant says why, and auto falls back to tcp
+                exporter = None
+                if self._export_error is None:
+                    self._export_error = str(exc)
+                    log.warning("gpu_ipc %s: %s; readers will be refused this memory", self._key, exc)
+            with self._lock:
+                ids.append(len(self._local))
+                self._exports.append((exporter, device))
+                self._local.append(seam.alias(ptr + off, n, device))
             off += n
-        self._local_sizes = np.concatenate([self._local_sizes, np.asarray(chunk_sizes(size, align, self.max_region_bytes),
-                                                                         dtype=np.uint64)])
-        self._control()
+        self._local_sizes = np.concatenate([self._local_sizes, np.asarray(sizes, dtype=np.uint64)])
         log.info("gpu_ipc %s: registered %d bytes of %s memory at 0x%x as regions %s", self._key, size,
                  memory.label, ptr, ids)
         return ids
+
+    def kv_written(self) -> None:
+        """The engine's KV writes queued so far, on each registered GPU's
+        current stream, count as written: readers' copies start after them."""
+        with self._lock:
+            written = list(self._written.values())
+        for event in written:
+            event.record()
 
     def export_descriptor(self) -> bytes:
         ctl = self._control()
@@ -185,17 +250,7 @@ class GpuIpcBackend(TransferBackend):
         regions = sorted(grant.ipc, key=lambda r: r.region)
         if [r.region for r in regions] != list(range(len(regions))):
             raise TransferError(f"gpu_ipc: peer pid {desc.pid} granted regions that are not numbered 0..n-1")
-        from atom_kv.transfer._ipc_handles import alias, open_region
-
-        same_process = grant.pid == os.getpid()
-        try:  # mapped once here, for every read from this peer
-            tensors = [alias(r.addr, r.size, r.device) if same_process else open_region(r) for r in regions]
-        except TransferError:
-            raise
-        except RuntimeError as exc:
-            raise TransferError(f"gpu_ipc: cannot map the GPU memory of peer pid {desc.pid}: {exc}") from None
-        pidfd = None if same_process else os.pidfd_open(grant.pid)
-        peer = _Peer(grant.pid, tensors, np.asarray([r.size for r in regions], dtype=np.uint64), pidfd)
+        peer = self._map(grant.pid, regions)
         peer_id = f"gpu_ipc:{desc.key or desc.pid}#{next(self._peer_seq)}"
         with self._lock:
             closed = self._life.closed
@@ -204,19 +259,43 @@ class GpuIpcBackend(TransferBackend):
         if closed:
             peer.close()
             self._life.check_open()
-        log.info("gpu_ipc %s: mapped %d regions of peer %s", self._key, len(tensors), peer_id)
+        log.info("gpu_ipc %s: mapped %d regions of peer %s", self._key, len(peer.tensors), peer_id)
         return peer_id
+
+    def _map(self, pid: int, regions: list[wire.GpuIpcRegion]) -> _Peer:
+        """Map a granted peer's regions once, for every read from it."""
+        sizes = np.asarray([r.size for r in regions], dtype=np.uint64)
+        if pid == os.getpid():  # one process: our own memory, no handle to open
+            return _Peer(pid, [self._seam.alias(r.addr, r.size, r.device) for r in regions], sizes, None,
+                         [None] * len(regions))
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError as exc:  # it exited between its grant and here
+            raise TransferError(f"gpu_ipc: peer pid {pid} is gone since its grant ({exc.strerror})") from None
+        peer = _Peer(pid, [], sizes, pidfd, mapped=self._seam.open_peer(pid, pidfd))
+        try:
+            peer.tensors = [peer.mapped.region(r) for r in regions]
+            peer.written = [peer.mapped.written(r) for r in regions]
+            if peer.gone():
+                raise TransferError(f"gpu_ipc: peer pid {pid} exited while its regions were mapped")
+        except TransferError:
+            peer.close()
+            raise
+        except Exception as exc:  # any other failure to map is the peer's memory we cannot use: auto falls back
+            peer.close()
+            raise TransferError(f"gpu_ipc: cannot map the memory of peer pid {pid}: {exc}") from None
+        return peer
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:
             peer = self._peers.pop(peer_id, None)
-        if peer is not None:
+        if peer is not None:  # reads in flight keep their own references to the mapped tensors
             peer.close()
 
-    def _stream(self, device: Any) -> Any:
-        s = self._streams.get(device.index)
+    def _stream(self, device: int) -> Any:
+        s = self._streams.get(device)
         if s is None:
-            s = self._streams[device.index] = self._torch.cuda.Stream(device)
+            s = self._streams[device] = self._seam.stream(device)
         return s
 
     def read(self, peer_id: str, ops: Sequence[ReadOp] | Any, *, timeout_s: float) -> ReadHandle:
@@ -239,54 +318,59 @@ class GpuIpcBackend(TransferBackend):
             return handle
         handle._track_io()
         self._life.watch(handle, timeout_s, f"{what} from {peer_id}")
-        events: list[Any] = []
+        fences: list[Any] = []
         error = None
+        keep = peer.tensors  # mapped memory stays referenced until the copies settled
         try:
-            self._enqueue(peer, table, events)
-        except Exception as exc:  # a CUDA error: what was queued still settles through its events
+            self._enqueue(peer, table, fences)
+        except Exception as exc:  # a device error: what was queued still settles through the fences
             error = f"{what}: device copy failed: {exc}"
-        self._done.put((handle, events, error))
+        self._done.put((handle, fences, error, keep))
         return handle
 
-    def _enqueue(self, peer: _Peer, table: np.ndarray, events: list[Any]) -> None:
+    def _enqueue(self, peer: _Peer, table: np.ndarray, fences: list[Any]) -> None:
         """One batched copy per (remote region, local region) pair, on the
-        destination GPU's stream (and the source's, when they differ)."""
-        import contextlib
-
+        destination GPU's stream (and the source's, when they differ), each
+        stream ordered after the producer's written event and the consumer's
+        current stream. A fence is recorded on every stream used, whatever
+        happens midway."""
         from atom_kv.transfer._batched_copy import copy_ranges
 
-        torch = self._torch
+        seam = self._seam
         pairs = table[:, 2] * (1 << 32) + table[:, 0]
         used: dict[int, Any] = {}
-        for key in np.unique(pairs):
-            m = pairs == key
-            src, dst = peer.tensors[int(key >> 32)], self._local[int(key & 0xFFFFFFFF)]
-            streams = {d.index: self._stream(d) for d in (src.device, dst.device)}
-            used.update(streams)
-            with contextlib.ExitStack() as on:
-                on.enter_context(torch.cuda.device(dst.device))
-                for stream in streams.values():
-                    on.enter_context(torch.cuda.stream(stream))
-                copy_ranges(src, table[m, 3], dst, table[m, 1], table[m, 4])
-        for stream in used.values():
-            event = torch.cuda.Event()
-            event.record(stream)
-            events.append(event)
+        try:
+            for key in np.unique(pairs):
+                m = pairs == key
+                remote = int(key >> 32)
+                src, dst = peer.tensors[remote], self._local[int(key & 0xFFFFFFFF)]
+                written = peer.written[remote]
+                devices = dict.fromkeys((seam.device_of(dst), seam.device_of(src)))
+                streams = {d: self._stream(d) for d in devices}
+                used.update(streams)
+                for d, stream in streams.items():  # here the current streams are still the consumer's
+                    seam.order(stream, d, [] if written is None else [written])
+                with seam.using(next(iter(devices)), list(streams.values())):
+                    copy_ranges(src, table[m, 3], dst, table[m, 1], table[m, 4], mode=self.copy_mode)
+        finally:
+            for stream in used.values():
+                fences.append(seam.record(stream))
 
     def _complete(self) -> None:
-        """The completion thread: a read finishes and settles once its stream work is done."""
+        """The completion thread: a read finishes and settles once its copies are complete."""
         while True:
             item = self._done.get()
             if item is None:
                 return
-            handle, events, error = item
+            handle, fences, error, _keep = item
             try:
-                for event in events:
-                    event.synchronize()
+                for fence in fences:
+                    self._seam.synchronize(fence)
             except Exception as exc:  # reported on the handle, never swallowed
                 error = error or f"gpu_ipc: device copy failed: {exc}"
             handle._finish(error)
             handle._settle()
+            del item, _keep  # the read's mapped memory is not held while waiting for the next one
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -309,6 +393,10 @@ class GpuIpcBackend(TransferBackend):
         self._life.stop_deadlines()
         for peer in peers:
             peer.close()
-        self._local, self._keep, self._exports = [], [], []
+        with self._lock:
+            exports, self._exports, self._local, self._written = self._exports, [], [], {}
+        for exporter, _ in exports:
+            if exporter is not None:
+                exporter.close()
         self.reader_events.flush()
         log.info("gpu_ipc %s: closed", self._key)

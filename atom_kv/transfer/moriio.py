@@ -24,6 +24,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from atom_kv import wire
 from atom_kv.config import KVTransferConfig
+from atom_kv.ports import RankPorts
 from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer.memory import HOST, MemoryKind
 from atom_kv.transfer.base import (
@@ -71,7 +72,8 @@ class MoriIOBackend(TransferBackend):
     peers, cached sessions and the completion thread of one TP rank.
 
     The ``IOEngine`` listens on ``host``, the address it also advertises
-    (``IOEngineConfig`` has one address); ``bind_host`` is accepted for the
+    (``IOEngineConfig`` has one address), on the plan's ``moriio`` port
+    (``moriio_port``; 0: the OS picks); ``bind_host`` is accepted for the
     common backend signature."""
 
     name = "moriio"
@@ -91,6 +93,7 @@ class MoriIOBackend(TransferBackend):
         sysfs_dir: Optional[str] = None,
         environ: Optional[Mapping[str, str]] = None,
         max_region_bytes: int = MAX_REGION_BYTES,
+        ports: Optional[RankPorts] = None,
     ) -> None:
         self.config = config if config is not None else KVTransferConfig(kv_role="kv_consumer")
         self.transport = self.config.moriio_backend
@@ -111,13 +114,17 @@ class MoriIOBackend(TransferBackend):
         self._EngineDesc = resolve(mori, "EngineDesc", import_fn)
         self._MemoryDesc = resolve(mori, "MemoryDesc", import_fn)
         try:
-            io_config = resolve(mori, "IOEngineConfig", import_fn)(host=host, port=0)
+            port = ports.port("moriio") if ports is not None else 0
+            io_config = resolve(mori, "IOEngineConfig", import_fn)(host=host, port=port)
             self._engine = resolve(mori, "IOEngine", import_fn)(self.key, io_config)
             self._create_transport()
         except (BackendUnavailable, TransferError):
             raise
         except Exception as exc:  # the native library refused: no GPU, no NIC, port in use...
             logger.debug("MORI-IO engine start failed", exc_info=True)
+            busy = ports.in_use("moriio", host, exc) if ports is not None else None
+            if busy is not None:
+                raise busy from None
             text = " ".join(str(exc).split())
             raise BackendUnavailable(
                 f"{UNAVAILABLE_PREFIX}could not start the {self.transport} IOEngine on {host}: "

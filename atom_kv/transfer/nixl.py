@@ -38,6 +38,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.ports import RankPorts
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer._regions import begin_read, resolve_config
 from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError, chunk_sizes
@@ -77,9 +78,11 @@ class NixlBackend(TransferBackend):
     their prepared descriptor lists and the completion thread of one TP rank.
 
     The agent opens no listener of its own; UCX's TCP transport listens on
-    the interfaces UCX uses (``UCX_NET_DEVICES``). When ``bind_host`` (else
-    ``host``) is a loopback address and ``UCX_NET_DEVICES`` is unset, it is
-    set to ``lo``, so a loopback engine listens on loopback only."""
+    the interfaces UCX uses (``UCX_NET_DEVICES``), on ports from
+    ``UCX_TCP_PORT_RANGE`` (set from ``nixl_ucx_tcp_port_range``, the plan's
+    ``ucx`` listener; else the OS picks). When ``bind_host`` (else ``host``)
+    is a loopback address and ``UCX_NET_DEVICES`` is unset, it is set to
+    ``lo``, so a loopback engine listens on loopback only."""
 
     name = "nixl"
     memory_kinds = frozenset({"host", "gpu"})
@@ -93,6 +96,7 @@ class NixlBackend(TransferBackend):
         bind_host: Optional[str] = None,
         key: Optional[str] = None,
         api: Optional[ModuleType] = None,
+        ports: Optional[RankPorts] = None,
     ) -> None:
         self.config = resolve_config(config)
         self.host = host
@@ -103,6 +107,7 @@ class NixlBackend(TransferBackend):
             self._agent = NixlAgent(nixl, agent_name, plugins=list(self.config.nixl_plugins),
                                     progress_threads=self.config.nixl_progress_threads,
                                     ucx_tls=self.config.nixl_ucx_tls,
+                                    ucx_tcp_ports=_ucx_port_range(self.config, ports),
                                     loopback_only=_is_loopback(bind_host or host))
         except TransferError as exc:
             raise BackendUnavailable(f"transfer backend 'nixl' is unavailable: {exc}") from None
@@ -314,6 +319,14 @@ class NixlBackend(TransferBackend):
             self._local.clear()
         self._finalizer()
         logger.info("NIXL agent of %s closed", self.key)
+
+
+def _ucx_port_range(config: KVTransferConfig, ports: Optional[RankPorts]) -> Optional[str]:
+    """``UCX_TCP_PORT_RANGE`` for this rank: the plan's ``ucx`` range, else the config's key."""
+    planned = ports.port_range("ucx") if ports is not None else None
+    if planned is not None:
+        return f"{planned[0]}-{planned[1]}"
+    return config.nixl_ucx_tcp_port_range
 
 
 def _is_loopback(host: str) -> bool:

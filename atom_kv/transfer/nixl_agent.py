@@ -47,13 +47,10 @@ class NixlAgent:
     """A native NIXL agent, its lock, and every native handle made from it."""
 
     def __init__(self, api: ModuleType, name: str, *, plugins: list[str], progress_threads: int,
-                 ucx_tls: Optional[str], loopback_only: bool = False) -> None:
+                 ucx_tls: Optional[str], loopback_only: bool = False, ucx_tcp_ports: Optional[str] = None) -> None:
         # UCX reads its environment when the agent's UCX context is created, just below
-        if ucx_tls:
-            previous = os.environ.get("UCX_TLS")
-            if previous is not None and previous != ucx_tls:
-                logger.warning("nixl: `nixl_ucx_tls` %r replaces UCX_TLS=%r from the environment", ucx_tls, previous)
-            os.environ["UCX_TLS"] = ucx_tls
+        _set_ucx_env("UCX_TLS", ucx_tls, "nixl_ucx_tls")
+        _set_ucx_env("UCX_TCP_PORT_RANGE", ucx_tcp_ports, "nixl_ucx_tcp_port_range")
         if loopback_only and "UCX_NET_DEVICES" not in os.environ:
             # an engine bound to loopback: UCX's TCP transport would otherwise
             # listen on every interface; shared memory and cma are unaffected
@@ -198,6 +195,17 @@ class NixlAgent:
                     logger.warning("nixl: deregistering memory failed: %s", nixl_error(exc))
             self._regs.clear()
         del agent  # the last reference: the native agent (UCX workers, progress thread) goes now
+
+
+def _set_ucx_env(name: str, value: Optional[str], key: str) -> None:
+    """Set UCX's environment variable ``name`` from config key ``key`` (a different value already
+    in the environment is replaced, with a warning)."""
+    if not value:
+        return
+    previous = os.environ.get(name)
+    if previous is not None and previous != value:
+        logger.warning("nixl: `%s` %r replaces %s=%r from the environment", key, value, name, previous)
+    os.environ[name] = value
 
 
 def _create_agent(api: ModuleType, name: str, plugins: list[str], progress_threads: int) -> Any:

@@ -8,7 +8,14 @@ The device work sits behind a small *copier* seam:
   (``TcpBackend.stage_host_memory``) to cover everything below but the
   device copies themselves.
 - :class:`DeviceCopier` does the same on one GPU, on its own stream, into
-  pinned host buffers; :meth:`fence` records an event that :meth:`wait` blocks on.
+  pinned host buffers; :meth:`fence` records a blocking-sync event that
+  :meth:`wait` sleeps on. Its gathers wait for the engine's written event
+  (:meth:`DeviceCopier.kv_written`, recorded on the engine's stream where
+  its KV counts as written), so they never read blocks still being written.
+
+Every region goes through its own copier: a piece that mixes host and GPU
+regions, or regions on two GPUs, is gathered (and scattered) by each of them,
+and every copier involved is fenced, on every path.
 
 :class:`StagingPool` owns the buffers: allocated once, bounded, leased in
 pairs (double buffering), so no user ever holds one and waits for another.
@@ -76,6 +83,21 @@ class HostCopier:
     def download(self, scratch: Any, buf: Any, n: int) -> None:
         """Move an assembled piece into the staging buffer (nothing to do here)."""
 
+    def packed(self, n: int) -> Any:
+        """Where this copier packs its share of a piece that mixes copiers."""
+        return self._torch.empty(n, dtype=self._torch.uint8)
+
+    def download_ranges(self, scratch: Any, packed: np.ndarray, buf: Any, positions: np.ndarray,
+                        sizes: np.ndarray) -> None:
+        """Move a packed share of a mixed piece to its places in the staging buffer."""
+        copy_ranges(scratch, packed, buf, positions, sizes)
+
+    def kv_written(self) -> None:
+        """The engine's writes so far count as written (host writes already are)."""
+
+    def after_written(self) -> None:
+        """Order the work queued next after the engine's written writes (nothing to order here)."""
+
     def upload(self, buf: Any, n: int) -> Any:
         """The received piece where the scatter reads it from."""
         return buf[:n]
@@ -97,6 +119,7 @@ class DeviceCopier(HostCopier):
         self.device = device
         self._device = torch.device("cuda", device)
         self._stream = torch.cuda.Stream(self._device)
+        self._written: Any = None
 
     def region(self, ptr: int, size: int, view: Optional[memoryview] = None) -> Any:
         return self._torch.as_tensor(_CudaArray(ptr, size), device=self._device)
@@ -110,6 +133,23 @@ class DeviceCopier(HostCopier):
     def scratch(self, buf: Any, n: int) -> Any:
         return self._torch.empty(n, dtype=self._torch.uint8, device=self._device)
 
+    def packed(self, n: int) -> Any:
+        return self._torch.empty(n, dtype=self._torch.uint8, device=self._device)
+
+    def kv_written(self) -> None:
+        """Record the written event on the engine's current stream of this GPU
+        (call from the engine's thread): gathers queued later wait for it."""
+        event = self._torch.cuda.Event(blocking=True)
+        event.record(self._torch.cuda.current_stream(self._device))
+        self._written = event
+
+    def after_written(self) -> None:
+        """This copier's stream waits for the last written event (gathers
+        never read blocks the engine's stream is still writing)."""
+        written = self._written
+        if written is not None:
+            self._stream.wait_event(written)
+
     def download(self, scratch: Any, buf: Any, n: int) -> None:
         buf[:n].copy_(scratch, non_blocking=True)
 
@@ -117,7 +157,7 @@ class DeviceCopier(HostCopier):
         return buf[:n].to(self._device, non_blocking=True)
 
     def fence(self) -> Any:
-        event = self._torch.cuda.Event()
+        event = self._torch.cuda.Event(blocking=True)  # a wait on it sleeps, no core spins
         event.record(self._stream)
         return event
 
@@ -180,31 +220,95 @@ def _pieces(regions: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, chunk: 
         yield regions[index], offs, lens
 
 
-def _assemble(staged: StagedRegions, regions: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, buf: Any) -> Any:
-    """Gather one piece into ``buf`` (one batched copy per region); returns its fence."""
+def _by_copier(staged: StagedRegions, regions: np.ndarray) -> list[tuple[HostCopier, np.ndarray]]:
+    """The piece's ranges grouped by the copier of their region (a request may
+    mix host and GPU regions, or regions on two GPUs): (copier, mask) each."""
+    out: dict[int, tuple[HostCopier, np.ndarray]] = {}
+    for r in np.unique(regions):
+        copier = staged.copier(int(r))
+        m = regions == r
+        if id(copier) in out:
+            out[id(copier)] = (copier, out[id(copier)][1] | m)
+        else:
+            out[id(copier)] = (copier, m)
+    return list(out.values())
+
+
+def _assemble(staged: StagedRegions, regions: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+              buf: Any) -> list[tuple[HostCopier, Any]]:
+    """Gather one piece into ``buf``, each region by its own copier (one
+    batched copy per region); returns a fence of every copier involved."""
     n = int(sizes.sum())
-    copier = staged.copier(int(regions[0]))
     positions = np.cumsum(sizes) - sizes
-    with copier.stream():
+    fences: list[tuple[HostCopier, Any]] = []
+    with _settle_on_error(fences):
+        for copier, mine in _by_copier(staged, regions):
+            with copier.stream(), _fenced(copier, fences):
+                copier.after_written()
+                _gather(staged, copier, mine, regions, offsets, sizes, positions, buf, n)
+    return fences
+
+
+def _gather(staged: StagedRegions, copier: HostCopier, mine: np.ndarray, regions: np.ndarray, offsets: np.ndarray,
+            sizes: np.ndarray, positions: np.ndarray, buf: Any, n: int) -> None:
+    """One copier's share of :func:`_assemble`."""
+    if mine.all():  # the common case: one copier, assembled in its scratch, moved in one copy
         scratch = copier.scratch(buf, n)
         for r in np.unique(regions):
             m = regions == r
             copy_ranges(staged.tensor(int(r)), offsets[m], scratch, positions[m], sizes[m])
         copier.download(scratch, buf, n)
-        return copier, copier.fence()
+    else:  # a mixed piece: this copier's ranges, packed, then to their places in the buffer
+        packed = np.cumsum(sizes[mine]) - sizes[mine]
+        scratch = copier.packed(int(sizes[mine].sum()))
+        regs, offs, lens = regions[mine], offsets[mine], sizes[mine]
+        for r in np.unique(regs):
+            m = regs == r
+            copy_ranges(staged.tensor(int(r)), offs[m], scratch, packed[m], lens[m])
+        copier.download_ranges(scratch, packed, buf, positions[mine], lens)
 
 
-def _spread(staged: StagedRegions, regions: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, buf: Any) -> Any:
-    """Scatter one received piece from ``buf`` to its regions; returns its fence."""
+def _spread(staged: StagedRegions, regions: np.ndarray, offsets: np.ndarray, sizes: np.ndarray,
+            buf: Any) -> list[tuple[HostCopier, Any]]:
+    """Scatter one received piece from ``buf`` to its regions, each region by
+    its own copier; returns a fence of every copier involved."""
     n = int(sizes.sum())
-    copier = staged.copier(int(regions[0]))
     positions = np.cumsum(sizes) - sizes
-    with copier.stream():
-        src = copier.upload(buf, n)
-        for r in np.unique(regions):
-            m = regions == r
-            copy_ranges(src, positions[m], staged.tensor(int(r)), offsets[m], sizes[m])
-        return copier, copier.fence()
+    fences: list[tuple[HostCopier, Any]] = []
+    with _settle_on_error(fences):
+        for copier, mine in _by_copier(staged, regions):
+            with copier.stream(), _fenced(copier, fences):
+                src = copier.upload(buf, n)
+                regs, offs, lens, pos = regions[mine], offsets[mine], sizes[mine], positions[mine]
+                for r in np.unique(regs):
+                    m = regs == r
+                    copy_ranges(src, pos[m], staged.tensor(int(r)), offs[m], lens[m])
+    return fences
+
+
+@contextlib.contextmanager
+def _fenced(copier: HostCopier, fences: list[tuple[HostCopier, Any]]) -> Iterator[None]:
+    """Whatever happens inside, a fence after the copier's queued work."""
+    try:
+        yield
+    finally:
+        fences.append((copier, copier.fence()))
+
+
+@contextlib.contextmanager
+def _settle_on_error(fences: list[tuple[HostCopier, Any]]) -> Iterator[None]:
+    """On an error, wait for the copies already queued before raising: the
+    buffer goes back to the pool only once no device still touches it."""
+    try:
+        yield
+    except BaseException:
+        _wait_all(fences)
+        raise
+
+
+def _wait_all(fences: list[tuple[HostCopier, Any]]) -> None:
+    for copier, token in fences:
+        copier.wait(token)
 
 
 def send_staged(sock: socket.socket, staged: StagedRegions, regions: np.ndarray, offsets: np.ndarray,
@@ -223,13 +327,12 @@ def send_staged(sock: socket.socket, staged: StagedRegions, regions: np.ndarray,
                 _send_piece(sock, last, deadline)
         finally:
             if pending is not None:  # an error: the buffer goes back only once the device let go of it
-                copier, token = pending[1]
-                copier.wait(token)
+                _wait_all(pending[1])
 
 
 def _send_piece(sock: socket.socket, piece: tuple[Any, Any, int], deadline: float) -> None:
-    buf, (copier, token), n = piece
-    copier.wait(token)
+    buf, fences, n = piece
+    _wait_all(fences)
     send_views(sock, [_host_view(buf, n)], np.array([n], dtype=np.int64), deadline)
 
 
@@ -244,11 +347,10 @@ def recv_staged(sock: socket.socket, staged: StagedRegions, regions: np.ndarray,
             for i, (regs, offs, lens) in enumerate(_pieces(regions, offsets, sizes, staged.pool.nbytes)):
                 buf = pair[i % 2]
                 if len(fences) == 2:  # this buffer's previous piece must be on the device before it is reused
-                    copier, token = fences.pop(0)
-                    copier.wait(token)
+                    _wait_all(fences.pop(0))
                 n = int(lens.sum())
                 recv_views(sock, [_host_view(buf, n)], np.array([n], dtype=np.int64), deadline, should_stop)
                 fences.append(_spread(staged, regs, offs, lens, buf))
         finally:
-            for copier, token in fences:
-                copier.wait(token)
+            for piece in fences:
+                _wait_all(piece)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.ports import RankPorts, listening
 from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents, endpoint_stats
 from atom_kv.transfer._hostid import host_identity
@@ -67,7 +68,8 @@ def plan_jobs(table: np.ndarray, streams: int, max_ranges: int = MAX_JOB_RANGES)
 
 class TcpBackend(TransferBackend):
     """Owns this process's registered regions, its read server (started on
-    first registration or export) and one :class:`TcpPeer` per added peer.
+    the first export: only a rank that serves reads listens) and one
+    :class:`TcpPeer` per added peer.
 
     ``host`` is the address peers are told to connect to; the read server
     listens on ``bind_host`` (``host`` when not given: never all interfaces
@@ -88,8 +90,10 @@ class TcpBackend(TransferBackend):
         host: str = "127.0.0.1",
         bind_host: Optional[str] = None,
         key: Optional[str] = None,
+        ports: Optional[RankPorts] = None,
     ) -> None:
         cfg = resolve_config(config)
+        self._ports = ports
         self._host = host
         self._bind_host = bind_host or host
         self._key = key or f"tcp-{os.getpid()}-{id(self):x}"
@@ -113,10 +117,10 @@ class TcpBackend(TransferBackend):
         with self._lock:
             self._life.check_open()
             if self._server is None:
-                self._server = TcpReadServer(
+                self._server = listening(self._ports, "tcp", self._bind_host, lambda port: TcpReadServer(
                     self._regions, bind_host=self._bind_host, host=self._host, auth_token=self._token,
-                    settings=self._settings, label=f"tcp server {self._key}",
-                )
+                    settings=self._settings, label=f"tcp server {self._key}", port=port,
+                ))
             return self._server
 
     def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
@@ -124,7 +128,6 @@ class TcpBackend(TransferBackend):
         self.check_memory(memory)
         ids = self._regions.add(ptr, size, align, self.max_region_bytes, memory=memory,
                                 staged=self.stage_host_memory)
-        _ = self.server
         log.info("tcp %s: registered %d bytes of %s memory at 0x%x as regions %s%s", self._key, size, memory.label,
                  ptr, ids, " (staged)" if self._regions.staged[ids[0]] else "")
         return ids
@@ -189,6 +192,9 @@ class TcpBackend(TransferBackend):
         return endpoint_stats(server, self.reader_events)
 
     # -- lifecycle ------------------------------------------------------
+    def kv_written(self) -> None:
+        self._regions.kv_written()
+
     def close(self) -> None:
         with self._lock:
             if not self._life.mark_closed():

@@ -22,9 +22,14 @@ def compat(*, block_size: int = BLOCK, is_mla: bool = False, model: str = "tiny"
                       head_dim=LATENT if is_mla else HEAD_DIM, block_size=block_size, is_mla=is_mla)
 
 
+#: the data-path listeners' ports left to the OS: tests pick only a free handshake port
+#: (tests/connector/test_port_plan.py tests the planned ones, passing None)
+OS_ASSIGNED = dict(tcp_port=0, cma_grant_port=0, gpu_ipc_grant_port=0, moriio_port=0)
+
+
 def config(role: str, port: int, **overrides) -> KVTransferConfig:
     base = dict(kv_role=role, handshake_port=port, handshake_timeout_s=2.0, transfer_timeout_s=2.0,
-                abort_timeout_s=30.0, transfer_retries=1, transfer_retry_backoff_ms=20.0)
+                abort_timeout_s=30.0, transfer_retries=1, transfer_retry_backoff_ms=20.0, **OS_ASSIGNED)
     base.update(overrides)
     return KVTransferConfig.from_dict(base)
 

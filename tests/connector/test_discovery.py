@@ -63,7 +63,7 @@ def test_pings_reach_a_proxy_started_late_and_restarted():
         unsigned = msgspec.structs.replace(ping, ts=None, nonce=None, mac=None)
         assert unsigned == wire.RegisterPing(role="P", index="0", request_address="http://127.0.0.1:8100/v1/completions",
                                              handshake_port=6400, dp_size=1, tp_size=2, transfer_mode="read",
-                                             engine_id="P-1", model="tiny")
+                                             engine_id="P-1", model="tiny", answers=True)
         # signed with the token (which itself never travels): the proxy's check accepts it
         assert ping.mac and ping.nonce and abs(ping.ts - time.time()) < 60
         fields = msgspec.to_builtins(ping)

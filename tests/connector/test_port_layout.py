@@ -13,7 +13,7 @@ import zmq
 from atom_kv.connector.peers import producer_port
 from atom_kv.connector.release import ReleaseSpec, release_spec_from_params
 from atom_kv.connector.types import LoadSpec
-from atom_kv.testing.ports import free_port_range
+from atom_kv.testing.ports import free_plan_base
 from atom_kv.wire import handshake_port
 
 from .kvutil import compat, config, make_caches
@@ -61,7 +61,7 @@ def test_producer_ranks_bind_the_layout_ports():
     from atom_kv import engine_hooks
 
     pp_size, dp_size, tp_size = 2, 2, 2
-    base = free_port_range(pp_size * dp_size * tp_size)
+    base = free_plan_base(pp_size * dp_size * tp_size)
     cfg = config("kv_producer", base)
     workers = []
     try:

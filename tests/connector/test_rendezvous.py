@@ -76,22 +76,87 @@ def test_the_prefills_first_token_comes_with_the_blocks_to_a_decode_that_asked_f
         dw.close()
 
 
-def test_prefill_slower_than_the_wait_fails_the_load_and_frees_both_sides():
+def test_prefill_the_producer_never_heard_of_fails_the_load_after_the_wait():
     port = free_port()
     P, pw, _ = producer_engine(port, prefill_wait_timeout_s=0.5)
     D, dw, _ = consumer_engine(port, prefill_wait_timeout_s=0.5)
     try:
-        start_prefill(P, "p", "t-slow", 40)
         t0 = time.monotonic()
-        D.admit("d", 40, pending(port, "t-slow"))
+        D.admit("d", 40, pending(port, "t-elsewhere"))  # no prefill admitted it here
         run_until([P, D], lambda: "d" in D.failed, timeout_s=10)
-        assert time.monotonic() - t0 >= 0.5
-        assert "t-slow" in D.failed["d"] and "within" in D.failed["d"], D.failed
+        assert 0.5 <= time.monotonic() - t0 < 5.0
+        assert "t-elsewhere" in D.failed["d"] and "within" in D.failed["d"], D.failed
+        assert D.pool.held == {}
+    finally:
+        pw.close()
+        dw.close()
+
+
+def test_queued_prefill_past_the_wait_is_still_coming_and_the_load_succeeds():
+    """The producer's scheduler admitted the prefill (queued or computing): a question whose wait
+    ends is answered "still coming" and asked again, so a slow queue does not fail the load."""
+    port = free_port()
+    P, pw, _ = producer_engine(port, prefill_wait_timeout_s=0.3)
+    D, dw, dcaches = consumer_engine(port, prefill_wait_timeout_s=0.3, prefill_queue_timeout_s=30.0)
+    try:
+        start_prefill(P, "p", "t-queued", 40)
+        local = D.admit("d", 40, pending(port, "t-queued"))
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:  # five waits' worth
+            P.step()
+            D.step()
+            time.sleep(0.01)
+        assert "d" not in D.failed and dw.num_loading() == 1, D.failed
+        params = finish_prefill(P, "p")
+        t1 = time.monotonic()
+        run_until([P, D], lambda: "d" in D.ready and "p" in P.freed, timeout_s=5)
+        assert time.monotonic() - t1 < 2.0 and D.failed == {}
+        assert check_blocks(dcaches, list(zip(local, params["remote_block_ids"])), 0, 1, NB) == ""
+        D.finish("d")
+        assert D.pool.held == {} and P.pool.held == {}
+    finally:
+        pw.close()
+        dw.close()
+
+
+def test_queued_prefill_past_the_queue_bound_fails_the_load_and_frees_both_sides():
+    port = free_port()
+    P, pw, _ = producer_engine(port, prefill_wait_timeout_s=0.3)
+    D, dw, _ = consumer_engine(port, prefill_wait_timeout_s=0.3, prefill_queue_timeout_s=1.0)
+    try:
+        start_prefill(P, "p", "t-stuck", 40)
+        t0 = time.monotonic()
+        D.admit("d", 40, pending(port, "t-stuck"))
+        run_until([P, D], lambda: "d" in D.failed, timeout_s=10)
+        assert 1.0 <= time.monotonic() - t0 < 5.0
+        assert "prefill_queue_timeout_s" in D.failed["d"], D.failed
         assert D.pool.held == {}
         finish_prefill(P, "p")  # the decode's release came first: the lease ends at once
         t1 = time.monotonic()
         run_until([P, D], lambda: "p" in P.freed, timeout_s=10)
         assert time.monotonic() - t1 < 2.0 and P.pool.held == {}
+    finally:
+        pw.close()
+        dw.close()
+
+
+def test_prefill_aborted_while_a_question_waits_is_answered_at_once():
+    port = free_port()
+    P, pw, _ = producer_engine(port, prefill_wait_timeout_s=30.0)
+    D, dw, _ = consumer_engine(port, prefill_wait_timeout_s=30.0)
+    try:
+        start_prefill(P, "p", "t-aborted", 40)
+        D.admit("d", 40, pending(port, "t-aborted"))
+        for _ in range(10):
+            P.step()
+            D.step()
+            time.sleep(0.01)
+        P.finish("p", aborted=True)  # no release from anyone: the scheduler's own word is enough
+        t0 = time.monotonic()
+        run_until([P, D], lambda: "d" in D.failed, timeout_s=5)
+        assert time.monotonic() - t0 < 2.0
+        assert "without lending blocks" in D.failed["d"], D.failed
+        assert D.pool.held == {} and P.pool.held == {}
     finally:
         pw.close()
         dw.close()

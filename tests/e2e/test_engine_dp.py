@@ -96,8 +96,11 @@ def test_health_and_metrics_per_rank(engine):
 @pytest.mark.parametrize("argv,line", [
     (["--data-parallel-size", "0"], "error: --data-parallel-size must be >= 1"),
     (["--dp", "4", "--tp", "2", "--kv-transfer-config", '{"kv_role": "kv_producer", "handshake_port": 65530}'],
-     "error: kv-transfer-config: `handshake_port` 65530 leaves no room for 8 side-channel ports "
-     "(one per DP x TP rank) below 65536"),
+     "error: kv-transfer-config: the handshake ports (`handshake_port` = 65530, one per rank, 8 ranks) run "
+     "past 65535"),
+    (["--port", "7301", "--kv-transfer-config", '{"kv_role": "kv_producer", "handshake_port": 6301}'],
+     "error: --port 7301 is also the tcp listener of rank pp0/dp0/tp0 (`tcp_port`); pick another HTTP port or "
+     "move `tcp_port`"),
 ])
 def test_bad_dp_flags_are_refused_in_one_line(argv, line, capsys):
     from atom_kv.reference.__main__ import main

@@ -11,9 +11,10 @@ import sys
 import pytest
 
 from atom_kv.bench.vllm import (
-    engine_totals, format_result, mean_ms, parse_binds, parse_extra_config, parse_levels, parse_modes,
-    vllm_python_problem,
+    default_binds, engine_totals, external_tokens, format_result, mean_ms, parse_binds, parse_extra_config,
+    parse_levels, parse_modes, target_lines, vllm_python_problem,
 )
+from atom_kv.testing.vllm_servers import memory_problem
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,12 +58,33 @@ def test_concurrency_levels_are_positive_integers():
             parse_levels(bad)
 
 
-def test_modes_are_sequential_and_concurrent_in_the_order_given():
+def test_modes_are_ours_and_vllms_nixl_pair_in_the_order_given():
     assert parse_modes("concurrent,sequential") == ["concurrent", "sequential"]
     assert parse_modes("sequential, sequential") == ["sequential"]
+    assert parse_modes("nixl,nixl-router,concurrent") == ["nixl", "nixl-router", "concurrent"]
     for bad in ("", "both", "sequential,parallel"):
         with pytest.raises(ValueError, match="--modes"):
             parse_modes(bad)
+
+
+def test_the_default_pinning_is_one_core_per_engine():
+    assert default_binds([0, 1]) == "0,1,0"          # plain shares the prefill's core: never busy at once
+    assert default_binds([4, 5, 6, 7]) == "4,5,6"
+    assert default_binds([3]) == "nobind,nobind,nobind"
+
+
+def test_the_external_kv_token_count_is_read_per_source():
+    metrics = {'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"}': 120.0,
+               'vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"}': 7.0,
+               "vllm:prompt_tokens_by_source_total": 127.0}
+    assert external_tokens(metrics) == 120.0
+    assert external_tokens({}) == 0.0
+
+
+def test_memory_for_the_servers_is_checked_up_front_naming_the_flag():
+    assert memory_problem(3, 1 << 20) is None  # 3 servers with 1 MiB of KV each fit any test machine
+    why = memory_problem(5, 1 << 50)
+    assert why is not None and "--kv-cache-mb" in why and "\n" not in why
 
 
 def test_extra_config_is_a_json_object():
@@ -81,32 +103,34 @@ def test_engine_means_come_from_the_histograms_deltas():
     assert means == pytest.approx({"ttft": 50.0, "queue": 50.0})  # first_step: no new sample, left out
 
 
-def test_the_table_shows_both_ttfts_their_ratio_the_spans_and_each_engine():
-    stats = {"mean": 40.0, "p50": 36.0, "min": 30.0, "max": 60.0}
-    lines = format_result({
-        "mode": "concurrent", "concurrency": 1, "requests": 20, "pd_ttft_ms": stats,
-        "plain_ttft_ms": {"mean": 16.0, "p50": 18.0, "min": 12.0, "max": 30.0},
-        "spans_ms": {"proxy_admission": 0.3, "prefill_response": 19.0},
-        "engines_ms": {"prefill": {"ttft": 10.0, "queue": 0.1, "first_step": 5.0}, "decode": {"ttft": 12.0}},
-    })
+def _level(concurrency: int, modes: dict[str, float], plain_p50: float = 10.0, external: float = 200.0):
+    plain = {"mean": plain_p50, "p50": plain_p50, "min": plain_p50, "max": plain_p50}
+    return {"concurrency": concurrency, "requests": 4, "plain_ttft_ms": plain, "engines_ms": {},
+            "modes": {m: {"ttft_ms": {"mean": p + 2, "p50": p, "min": p - 1, "max": p + 5},
+                          "external_tokens": external, "prompt_tokens": 200,
+                          **({"spans_ms": {"proxy_admission": 0.3}} if m != "nixl-router" else {})}
+                      for m, p in modes.items()}}
+
+
+def test_the_table_shows_each_mode_next_to_plain_with_its_ratio_and_kv_tokens():
+    r = _level(1, {"sequential": 30.0, "concurrent": 18.0, "nixl": 25.0})
+    r["engines_ms"] = {"prefill": {"ttft": 10.0, "queue": 0.1, "first_step": 5.0}, "decode": {"ttft": 12.0}}
+    lines = format_result(r)
     text = "\n".join(lines)
-    assert lines[0] == "concurrent dispatch, concurrency 1 (20 requests each side)"
-    assert "TTFT mean   P/D     40.0 ms   plain     16.0 ms   x2.50" in text
-    assert "TTFT p50    P/D     36.0 ms   plain     18.0 ms   x2.00" in text
-    assert "TTFT min    P/D     30.0 ms   plain     12.0 ms   x2.50" in text
-    assert "target: P/D TTFT p50 <= 2x plain at concurrency 1: met" in text  # p50 x2.00
-    assert "proxy_admission 0.3, prefill_response 19.0" in text
+    assert lines[0] == "concurrency 1 (4 requests per mode and plain, interleaved)"
+    row = next(line for line in lines if line.strip().startswith("concurrent "))
+    assert row.split() == ["concurrent", "18.0", "17.0", "20.0", "1.80", "200", "of", "200"]
+    assert "sequential proxy spans (mean ms): proxy_admission 0.3" in text
     decode = next(line for line in lines if line.strip().startswith("decode"))
     assert decode.split() == ["decode", "12.0", "-", "-"]
 
 
-def test_the_target_line_is_for_concurrency_1_only_and_says_when_it_is_missed():
-    def table(concurrency: int, pd_p50: float) -> str:
-        stats = {"mean": pd_p50, "p50": pd_p50, "min": pd_p50, "max": pd_p50}
-        plain = {"mean": 10.0, "p50": 10.0, "min": 10.0, "max": 10.0}
-        return "\n".join(format_result({"mode": "sequential", "concurrency": concurrency, "requests": 4,
-                                        "pd_ttft_ms": stats, "plain_ttft_ms": plain, "spans_ms": {},
-                                        "engines_ms": {}}))
-
-    assert "target: P/D TTFT p50 <= 2x plain at concurrency 1: missed" in table(1, 25.0)
-    assert "target" not in table(4, 25.0)
+def test_targets_compare_our_modes_with_the_nixl_pair_and_plain_and_check_the_kv_tokens():
+    lines = target_lines(_level(4, {"sequential": 30.0, "concurrent": 18.0, "nixl": 25.0}))
+    assert any(line.startswith("target concurrent: TTFT p50 18.0 ms <= 2x plain (20.0 ms) and <= nixl 25.0 ms: met")
+               for line in lines), lines
+    assert any(line.startswith("target sequential:") and line.endswith("missed") for line in lines)  # 30 > 20, 25
+    assert sum("prompt tokens from the remote KV: met" in line for line in lines) == 3
+    starved = target_lines(_level(1, {"concurrent": 12.0}, external=150.0))
+    assert "target concurrent: TTFT p50 12.0 ms <= 2x plain (20.0 ms): met" in starved
+    assert "target concurrent: decode took 150 of 200 prompt tokens from the remote KV: missed" in starved

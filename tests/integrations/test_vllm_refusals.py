@@ -72,6 +72,11 @@ def base(**more) -> dict:
      "set it once, as vLLM's kv_role"),
     ({"host_ip": ""},
      "kv_connector_extra_config: `host_ip` must be a host name or IP address, got ''"),
+    ({"advertise_host": "127.0.0.2"},
+     "kv_connector_extra_config: `host_ip` '127.0.0.1' and `advertise_host` '127.0.0.2' disagree; give one of them"),
+    ({"advertise_host": "0.0.0.0"},
+     "kv-transfer-config: `advertise_host` '0.0.0.0' is an unspecified address, which peers cannot dial; set it to "
+     "this host's reachable address (`bind_host` may be 0.0.0.0)"),
     ({"idle_wait_ms": 1001},
      "kv_connector_extra_config: `idle_wait_ms` must be a number of milliseconds from 0 to 1000, got 1001"),
     ({"idle_wait_ms": "5"},
@@ -84,6 +89,13 @@ def test_bad_extra_config_is_one_line_naming_the_key(model_dir, extra, message):
     with pytest.raises(ConfigError) as info:
         create(model_dir, "kv_producer", dict(base(), **extra))
     assert str(info.value) == message
+
+
+def test_an_unspecified_host_ip_is_never_advertised(model_dir):
+    with pytest.raises(ConfigError, match=r"the engine's address '0\.0\.0\.0' is an unspecified address.*"
+                                          r"set `advertise_host` \(or the engine's own advertise setting: vLLM's "
+                                          r"`host_ip`"):
+        create(model_dir, "kv_producer", dict(base(), host_ip="0.0.0.0"))
 
 
 def test_kv_both_is_refused(model_dir):

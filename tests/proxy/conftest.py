@@ -18,6 +18,7 @@ FAST = ProxySettings(
     host="127.0.0.1", port=0, discovery_port=0, heartbeat_timeout=10.0,
     connect_timeout=1.0, prefill_timeout=3.0, decode_timeout=3.0, models_timeout=2.0, retry_backoff_s=0.01,
     discovery_poll_s=0.1, circuit_cooldown_s=1.0, shutdown_timeout=1.0, probe_interval_s=0.2, probe_timeout=1.0,
+    allow_open_registration=True,  # the fake engines' pings are unsigned (tests of signed pings set a token)
 )
 
 

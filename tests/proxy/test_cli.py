@@ -17,12 +17,13 @@ from tests.proxy.procs import ENV, ROOT, FakeEngines, ProxyProcess, rss_bytes
 
 
 def test_subprocess_registration_health_and_sigterm():
-    proxy = ProxyProcess("--heartbeat-timeout", "5")
+    proxy = ProxyProcess("--heartbeat-timeout", "5", "--registration-token", "cli-secret")
     engines = None
     try:
         assert "discovery listening on tcp://127.0.0.1:" in "".join(proxy.lines)  # follows --host
         assert http("GET", proxy.url + "/health") == (503, {"status": "unavailable", "prefill": 0, "decode": 0})
-        engines = FakeEngines("--discovery", proxy.discovery, "--dp-size", "2", "--ping-interval", "0.2")
+        engines = FakeEngines("--discovery", proxy.discovery, "--dp-size", "2", "--ping-interval", "0.2",
+                              "--auth-token", "cli-secret")
         wait_until(lambda: http("GET", proxy.url + "/health")[0] == 200, 10, interval=0.05, what="the engines to register")
         assert http("GET", proxy.url + "/health") == (200, {"status": "ok", "prefill": 1, "decode": 1})
         status, listing = http("GET", proxy.url + "/instances")
@@ -104,7 +105,7 @@ def test_decode_dying_mid_request_ends_its_clients_at_once():
 
 
 def test_a_huge_dp_size_ping_is_refused_without_growing_memory():
-    proxy = ProxyProcess()
+    proxy = ProxyProcess("--allow-open-registration")  # unsigned pings reach the limits check
     try:
         before = rss_bytes(proxy.proc.pid)
         ctx = zmq.Context()

@@ -7,6 +7,7 @@ notifications) or moves a breaker's clock."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 
@@ -197,7 +198,8 @@ async def test_one_poison_request_does_not_open_the_only_instances_breaker(make_
     assert await _complete(proxy, 1, prompt="poison") == [502]
     assert len(d.received) == 3  # retried: the failure might have been the instance's
     (inst,) = proxy.registry.live("D")
-    assert inst.breaker.state() == "closed" and inst.breaker.failures == 1  # one request, counted once
+    assert inst.breaker.state() == "closed" and inst.breaker.failures == 0  # no instance failure ...
+    assert inst.breaker.window.totals(time.monotonic()) == (0, 0, 1)  # ... one unresolved suspect, counted once
     assert await _complete(proxy, 3) == [200] * 3  # everyone else is still served
 
 
@@ -216,14 +218,21 @@ async def test_poison_requests_failing_on_two_instances_charge_neither(make_prox
 
 
 async def test_failures_of_different_requests_still_open_the_breaker(make_proxy, make_engine):
-    proxy = await make_proxy(max_retries=0, circuit_failures=3, circuit_cooldown_s=30.0)
+    """An only instance that answers everybody 500 (nobody served well) opens at the minimum volume;
+    with every circuit of the role open, the least recently failed instance still gets the requests."""
+    proxy = await make_proxy(max_retries=0, circuit_failures=3, circuit_cooldown_s=30.0, circuit_min_requests=3)
     p = await make_engine("P")
     d = await make_engine("D")
     await register(proxy, p, d)
     d.fail_status = 500  # the instance is unwell: every request fails there
-    assert await _complete(proxy, 4) == [502, 502, 502, 503]
+    assert await _complete(proxy, 3) == [502, 502, 502]
     (inst,) = proxy.registry.known("D")
     assert inst.breaker.state() == "open"
+    assert proxy.count("atom_kv_proxy_circuit_opened_total", role="decode") == 1
+    d.fail_status = None  # it recovered: routed to anyway (no other instance), it closes again
+    assert await _complete(proxy, 1) == [200]
+    assert proxy.count("atom_kv_proxy_all_circuits_open_routed_total", role="decode") == 1
+    assert inst.breaker.state() == "closed"
 
 
 async def test_a_client_that_stops_reading_is_dropped_after_the_stall_timeout(make_proxy, make_engine):
@@ -249,3 +258,23 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_stall_timeout(ma
         assert _abandoned(proxy, "client_stalled") == 1  # its prefill's release went out
     finally:
         raw.close()
+
+
+async def test_models_and_completions_go_to_the_least_recently_failed_when_every_circuit_is_open(make_proxy,
+                                                                                                 make_engine):
+    proxy = await make_proxy(circuit_failures=1, circuit_cooldown_s=60.0)
+    p = await make_engine("P")
+    older, newer = await make_engine("D"), await make_engine("D")
+    await register(proxy, p, older, newer)
+    by_url = {i.base_url: i for i in proxy.registry.live("D")}
+    now = time.monotonic()
+    by_url[older.base_url].breaker.record_failure(now - 2.0)
+    by_url[newer.base_url].breaker.record_failure(now - 1.0)
+    assert all(i.breaker.state() == "open" for i in by_url.values())
+    assert (await get(proxy.url, "/v1/models"))[0] == 200
+    assert await _complete(proxy, 2) == [200, 200]
+    assert len(older.received) == 2 and newer.received == []  # the one that failed longer ago ...
+    assert by_url[older.base_url].breaker.state() == "closed"  # ... whose success closed its circuit
+    assert by_url[newer.base_url].breaker.state() == "open"
+    # /v1/models and the first completion were the fallback's; the second found a closed circuit
+    assert proxy.count("atom_kv_proxy_all_circuits_open_routed_total", role="decode") == 2

@@ -15,7 +15,7 @@ import pytest
 from atom_kv.config import KVTransferConfig
 from atom_kv.reference.engine import EngineArgs, EngineCore
 from atom_kv.reference.request import Request, RequestOutput
-from atom_kv.testing.ports import free_port_range
+from atom_kv.testing.ports import free_plan_base
 
 NEVER_S = 60.0  # no poll falls inside a test
 WAIT_S = 15.0   # what a request may take here (a lost wake-up costs NEVER_S)
@@ -57,7 +57,7 @@ def _core(role: str, tp: int, port: int, outputs: _Outputs) -> EngineCore:
 @pytest.fixture(scope="module", params=[1, 2], ids=["D-tp1", "D-tp2"])
 def pair(request):
     p_out, d_out = _Outputs(), _Outputs()
-    p_port, d_port = free_port_range(1), free_port_range(request.param)
+    p_port, d_port = free_plan_base(1), free_plan_base(request.param)
     prefill = _core("kv_producer", 1, p_port, p_out)
     try:
         decode = _core("kv_consumer", request.param, d_port, d_out)

@@ -23,14 +23,26 @@ def pattern(size: int, seed: int = SEED) -> np.ndarray:
 
 def place(data: np.ndarray, device: str) -> tuple[Any, int, Any]:
     """``data`` where a spec keeps its memory: (buffer, its address, its memory kind)."""
+    buf, ptr, memory, _ = place_owned(data, device)
+    return buf, ptr, memory
+
+
+def place_owned(data: np.ndarray, device: str) -> tuple[Any, int, Any, Any]:
+    """:func:`place`, plus what owns the memory (a memfd's :class:`SharedBuffer`, else None)."""
     from atom_kv.transfer.memory import memory_of
 
     if device == "cpu":
-        return data, data.ctypes.data, memory_of(data)
+        return data, data.ctypes.data, memory_of(data), None
+    if device == "memfd":
+        from atom_kv.transfer._host_seam import shared_buffer
+
+        owner = shared_buffer(data.nbytes)
+        owner.array[:] = data
+        return owner.array, owner.array.ctypes.data, memory_of(owner.array), owner
     import torch
 
     t = torch.from_numpy(data).to(device)
-    return t, t.data_ptr(), memory_of(t)
+    return t, t.data_ptr(), memory_of(t), None
 
 
 def _serve(spec_name: str, config: dict[str, Any], size: int, align: int, region_limit: int, conn: Any) -> None:
@@ -40,10 +52,8 @@ def _serve(spec_name: str, config: dict[str, Any], size: int, align: int, region
         spec = by_name(spec_name)
         spec.run_setup()
         from atom_kv.config import KVTransferConfig
-        from atom_kv.transfer import create_backend
-
         cfg = KVTransferConfig.from_dict({"kv_role": "kv_producer", **spec.config, **config})
-        backend = create_backend(spec.backend, cfg, host="127.0.0.1", key=f"serve-{spec_name}-{os.getpid()}")
+        backend = spec.create(cfg, host="127.0.0.1", key=f"serve-{spec_name}-{os.getpid()}")
         buf, ptr, memory = place(pattern(size), spec.device)
         backend.max_region_bytes = region_limit
         spec.prepare(backend)

@@ -13,8 +13,13 @@ To add a backend, append one ``BackendSpec`` to ``SPECS`` below:
                   (only for genuine hardware/library absence);
 * ``config``    - extra ``KVTransferConfig`` keys for both sides;
 * ``supports_auth`` - whether the backend enforces ``auth_token``;
-* ``device``    - "cpu" (host memory) or "cuda" (GPU 0 on both sides: such
-                  specs carry the ``gpu`` marker and skip without a GPU);
+* ``device``    - "cpu" (host memory), "memfd" (host memory in a memfd, what
+                  the gpu_ipc host stand-in shares) or "cuda" (GPU 0 on both
+                  sides: such specs carry the ``gpu`` marker and skip without
+                  a GPU);
+* ``factory``   - optional "module:function" (config, host, key) building the
+                  backend instead of ``create_backend`` (the gpu_ipc host
+                  stand-in is passed to the backend this way, never by name);
 * ``stage_host`` - run the staging path GPU memory takes on host memory
                   (``TcpBackend.stage_host_memory``), both sides.
 
@@ -44,6 +49,15 @@ class BackendSpec:
     supports_auth: bool = True
     device: str = "cpu"
     stage_host: bool = False
+    factory: Optional[str] = None
+
+    def create(self, config: Any, *, host: str = "127.0.0.1", key: Optional[str] = None) -> Any:
+        """The backend this spec names, on both sides of the suite."""
+        if self.factory:
+            return _resolve(self.factory)(config, host, key)
+        from atom_kv.transfer import create_backend
+
+        return create_backend(self.backend, config, host=host, key=key)
 
     def prepare(self, backend: Any) -> None:
         """Set what this spec changes on a backend before it registers memory."""
@@ -87,6 +101,22 @@ def gpu_skip_reason() -> Optional[str]:
     return gpu_unavailable_reason()
 
 
+def host_seam_skip_reason() -> Optional[str]:
+    """None when the gpu_ipc host stand-in (memfd + pidfd_getfd) works here."""
+    from atom_kv.transfer._host_seam import HostSeam
+
+    return HostSeam.unavailable_reason()
+
+
+def gpu_ipc_on_host_seam(config: Any, host: str, key: Optional[str]) -> Any:
+    """gpu_ipc over the host STAND-IN of its device seam: the whole backend
+    (grant, mapping, bounds, batched copies, completion, close) on host memory."""
+    from atom_kv.transfer._host_seam import HostSeam
+    from atom_kv.transfer.gpu_ipc import GpuIpcBackend
+
+    return GpuIpcBackend(config, host=host, key=key, _seam=HostSeam())
+
+
 def nixl_gpu_skip_reason() -> Optional[str]:
     """None when NIXL loads and torch sees a GPU here, else why not."""
     return gpu_skip_reason() or nixl_skip_reason()
@@ -98,6 +128,10 @@ SPECS: list[BackendSpec] = [
     BackendSpec(name="tcp-staged", backend="tcp", stage_host=True),
     BackendSpec(name="cma", backend="cma", skip_reason="tests.transfer.backends:cma_skip_reason"),
     BackendSpec(name="auto", backend="auto"),
+    # gpu_ipc's whole logic, between real processes, over the host stand-in of its device seam
+    BackendSpec(name="gpu_ipc-hostseam-standin", backend="gpu_ipc", device="memfd",
+                factory="tests.transfer.backends:gpu_ipc_on_host_seam",
+                skip_reason="tests.transfer.backends:host_seam_skip_reason"),
     # moriio-fake / moriio entries are appended below this line.
     # MORI-IO reads are one-sided (RDMA): there is no serving code to check a token.
     BackendSpec(
@@ -126,8 +160,17 @@ SPECS: list[BackendSpec] = [
 ]
 
 
+#: specs other tests serve through ``tests.transfer._serve`` (not part of the contract suite)
+EXTRA_SPECS: list[BackendSpec] = [
+    # gpu_ipc on the host stand-in, logging the seam calls (tests/transfer/test_gpu_ipc_host.py)
+    BackendSpec(name="gpu_ipc-hostseam-recording", backend="gpu_ipc", device="memfd",
+                factory="tests.transfer.test_gpu_ipc_host:recording_backend",
+                skip_reason="tests.transfer.backends:host_seam_skip_reason"),
+]
+
+
 def by_name(name: str) -> BackendSpec:
-    for spec in SPECS:
+    for spec in SPECS + EXTRA_SPECS:
         if spec.name == name:
             return spec
     raise KeyError(f"no backend spec named {name!r}")

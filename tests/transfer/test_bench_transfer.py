@@ -147,3 +147,6 @@ def test_bench_nixl_rows_carry_raw_nixl_next_to_ours() -> None:
     for r in rows:
         assert r["verified"] is True and r["raw_nixl_gbps"] > 0
         assert r["raw_ratio"] == pytest.approx(r["gbps"] / r["raw_nixl_gbps"], rel=0.01)
+        # the target names its base, measured in the same run, with the value
+        assert r["target"] == ">= 0.9 x raw NIXL" and r["base"] == "raw NIXL"
+        assert r["base_gbps"] == r["raw_nixl_gbps"] and r["meets_target"] == (r["gbps"] >= 0.9 * r["raw_nixl_gbps"])

@@ -4,6 +4,8 @@ process per backend listed in ``tests/transfer/backends.py``."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Iterator
@@ -12,8 +14,8 @@ import numpy as np
 import pytest
 
 from atom_kv.config import KVTransferConfig
-from atom_kv.transfer import ChunkedRegion, ReadOp, TransferBackend, TransferError, create_backend, split_pair
-from tests.transfer._serve import ServerProc, pattern, place
+from atom_kv.transfer import ChunkedRegion, ReadOp, TransferBackend, TransferError, split_pair
+from tests.transfer._serve import ServerProc, pattern, place_owned
 from tests.transfer.backends import SPECS, BackendSpec
 
 BLOCK = 4096
@@ -67,10 +69,10 @@ class Reader:
     """The reading side in this process: backend, destination buffer, chunk maps."""
 
     def __init__(self, spec: BackendSpec, srv: ServerProc, **config: Any) -> None:
-        self.backend: TransferBackend = create_backend(spec.backend, _config(spec, **config), key=f"reader-{spec.name}")
+        self.backend: TransferBackend = spec.create(_config(spec, **config), key=f"reader-{spec.name}")
         self.backend.max_region_bytes = LOCAL_LIMIT
         spec.prepare(self.backend)
-        self._dst, ptr, memory = place(np.zeros(SIZE, dtype=np.uint8), spec.device)
+        self._dst, ptr, memory, self._owner = place_owned(np.zeros(SIZE, dtype=np.uint8), spec.device)
         ids = self.backend.register_memory(ptr, SIZE, align=BLOCK, memory=memory)
         self.local = ChunkedRegion(tuple(ids), LOCAL_LIMIT, SIZE)
         self.remote = ChunkedRegion(tuple(srv.region_ids), REMOTE_LIMIT, srv.size)
@@ -103,6 +105,28 @@ class Reader:
 
     def close(self) -> None:
         self.backend.close()
+        if self._owner is not None:
+            self._owner.close_fd()
+
+
+#: set in a test's own process (see :func:`_in_own_process`)
+_ISOLATED = "ATOMKV_TEST_IN_OWN_PROCESS"
+
+
+def _in_own_process(spec: BackendSpec, request: pytest.FixtureRequest) -> bool:
+    """For a GPU spec, run this test alone in a fresh pytest process and say
+    so (the caller then returns): a test that kills an exporter under copies
+    in flight, or unmaps exports, can poison the CUDA context of the process
+    it runs in, and with it every later GPU test of the run."""
+    if spec.device != "cuda" or os.environ.get(_ISOLATED):
+        return False
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", request.node.nodeid],
+        env={**os.environ, _ISOLATED: "1"}, cwd=str(request.config.rootpath), capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"{request.node.nodeid} in its own process:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+    return True
 
 
 @pytest.fixture
@@ -217,7 +241,9 @@ def test_auth_token(spec: BackendSpec) -> None:
         srv.stop()
 
 
-def test_peer_killed_and_stalled(spec: BackendSpec) -> None:
+def test_peer_killed_and_stalled(spec: BackendSpec, request: pytest.FixtureRequest) -> None:
+    if _in_own_process(spec, request):
+        return
     srv = _start(spec)
     r = Reader(spec, srv)
     try:
@@ -259,7 +285,10 @@ def _open_fds() -> set[int]:
     return {int(fd) for fd in os.listdir("/proc/self/fd")}
 
 
-def test_close_releases_sockets_and_threads(spec: BackendSpec, server: ServerProc) -> None:
+def test_close_releases_sockets_and_threads(spec: BackendSpec, request: pytest.FixtureRequest) -> None:
+    if _in_own_process(spec, request):
+        return
+    server = request.getfixturevalue("server")
     threads_before = _atomkv_threads()
     fds_before = _open_fds()
     r = Reader(spec, server)

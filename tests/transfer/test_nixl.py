@@ -199,3 +199,68 @@ def test_plan_sends_long_merged_ranges_as_explicit_rows():
     ll, rl = UnitLayout.build(local, BLOCK), UnitLayout.build(remote, BLOCK)
     (t,) = plan_read(np.array([[0, 0, 0, 0, 64 * BLOCK]], dtype=np.int64), local, remote, ll, rl)
     assert not t.prepped and t.remote_rows.tolist() == [[1 << 30, 64 * BLOCK, 0]]  # one row, not 64 indices
+
+
+def _listening_tcp_ports() -> set[int]:
+    """Ports this process listens on (IPv4 and IPv6)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[9] in inodes and cols[3] == "0A":
+                    out.add(int(cols[1].split(":")[1], 16))
+    return out
+
+
+def _free_window(n: int) -> int:
+    """The first port of ``n`` free ports inside the kernel's ephemeral range (UCX takes its
+    port range only there)."""
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low, high = (int(x) for x in f.read().split())
+    for _ in range(200):
+        first = random.randint(low, high - n)
+        socks = []
+        try:
+            for p in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free window in the ephemeral range")
+
+
+@needs_nixl
+def test_ucx_listens_only_inside_the_planned_port_range(monkeypatch):
+    from atom_kv.ports import rank_ports
+
+    monkeypatch.delenv("UCX_TCP_PORT_RANGE", raising=False)  # both restored when the test ends
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    first = _free_window(32)
+    span = f"{first}-{first + 31}"
+    cfg = KVTransferConfig.from_dict({"kv_role": "kv_producer", "backend": "nixl", "nixl_ucx_tcp_port_range": span})
+    before = _listening_tcp_ports()
+    backend = create_backend("nixl", cfg, host="127.0.0.1", ports=rank_ports(cfg))
+    try:
+        opened = _listening_tcp_ports() - before
+        assert os.environ.get("UCX_TCP_PORT_RANGE") == span
+        assert opened, "UCX opened no TCP listener"
+        assert all(first <= p <= first + 31 for p in opened), (span, opened)
+    finally:
+        backend.close()

@@ -14,7 +14,7 @@ import torch
 from atom_kv.transfer import create_backend
 from atom_kv.transfer._batched_copy import copy_ranges, cut_pieces, range_rows, row_unit
 from atom_kv.transfer._regions import RegionTable
-from atom_kv.transfer.staging import recv_staged, send_staged
+from atom_kv.transfer.staging import HostCopier, StagingPool, recv_staged, send_staged
 
 
 def _naive(src: np.ndarray, so, dst: np.ndarray, do, sizes) -> None:
@@ -22,8 +22,9 @@ def _naive(src: np.ndarray, so, dst: np.ndarray, do, sizes) -> None:
         dst[b : b + n] = src[a : a + n]
 
 
+@pytest.mark.parametrize("mode", ["direct", "gather"])
 @pytest.mark.parametrize("block, n, shift", [(4096, 64, 0), (256, 300, 8), (96, 50, 4), (7, 40, 1)])
-def test_copy_ranges_matches_one_copy_per_range(block, n, shift):
+def test_copy_ranges_matches_one_copy_per_range(block, n, shift, mode):
     rng = np.random.default_rng(block)
     src = rng.integers(0, 256, block * n + shift, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -31,7 +32,7 @@ def test_copy_ranges_matches_one_copy_per_range(block, n, shift):
     so = rng.permutation(n)[: n // 2] * block + shift
     do = rng.permutation(n)[: n // 2] * block
     sizes = np.full(len(so), block)
-    copy_ranges(torch.from_numpy(src), so, torch.from_numpy(dst), do, sizes)
+    copy_ranges(torch.from_numpy(src), so, torch.from_numpy(dst), do, sizes, mode=mode)
     _naive(src, so, want, do, sizes)
     assert np.array_equal(dst, want)
 
@@ -44,21 +45,37 @@ def test_copy_ranges_contiguous_and_mixed_sizes():
     assert np.array_equal(dst[8192 : 8192 + 12288], src[:12288]) and not dst[:8192].any()
 
 
-def test_copy_ranges_is_one_batched_gather_however_many_blocks(monkeypatch):
-    calls = []
-    real = torch.Tensor.index_select
+def _count(monkeypatch, owner, name, calls):
+    real = getattr(owner, name)
+    label = f"{'Tensor' if owner is torch.Tensor else 'torch'}.{name}"
 
-    def counting(self, *args, **kwargs):
-        calls.append(1)
-        return real(self, *args, **kwargs)
+    def counting(*args, **kwargs):
+        calls.append(label)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch.Tensor, "index_select", counting)
+    monkeypatch.setattr(owner, name, counting)
+
+
+@pytest.mark.parametrize("mode", ["direct", "gather"])
+@pytest.mark.parametrize("scatter_dst", [False, True], ids=["dst-run", "dst-scattered"])
+def test_copy_ranges_is_one_batched_call_however_many_blocks(monkeypatch, mode, scatter_dst):
     src = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)
     dst = torch.zeros_like(src)
     perm = np.random.default_rng(3).permutation(1024)
-    copy_ranges(src, perm * 4096, dst, np.arange(1024) * 4096, np.full(1024, 4096))
-    assert len(calls) == 1
-    assert torch.equal(dst.view(1024, 4096), src.view(-1, 4096)[torch.from_numpy(perm)])
+    dperm = np.random.default_rng(4).permutation(1024) if scatter_dst else np.arange(1024)
+    calls: list[str] = []
+    _count(monkeypatch, torch.Tensor, "index_select", calls)  # a gather into a new tensor
+    _count(monkeypatch, torch.Tensor, "index_copy_", calls)
+    _count(monkeypatch, torch, "index_select", calls)  # with out=: straight into the destination rows
+    _count(monkeypatch, torch, "_foreach_copy_", calls)
+    copy_ranges(src, perm * 4096, dst, dperm * 4096, np.full(1024, 4096), mode=mode)
+    want = torch.zeros_like(src).view(1024, 4096)
+    want[torch.from_numpy(dperm)] = src.view(-1, 4096)[torch.from_numpy(perm)]
+    assert torch.equal(dst.view(1024, 4096), want)
+    if mode == "gather":  # a gather into a temporary, then a scatter (or slice copy) from it
+        assert calls == (["Tensor.index_select", "Tensor.index_copy_"] if scatter_dst else ["Tensor.index_select"])
+    else:  # straight from the source ranges into the destination ranges, one batched call, no temporary
+        assert calls == (["torch._foreach_copy_"] if scatter_dst else ["torch.index_select"])
 
 
 def test_units_and_rows():
@@ -147,3 +164,78 @@ def test_tcp_stages_gpu_memory_and_host_memory_only_when_asked():
         assert be._regions.staged.tolist() == [False, True] and be._regions.pool is not None
     finally:
         be.close()
+
+
+class _FakeDeviceCopier(HostCopier):
+    """A FAKE device copier on host memory (no GPU here): like a GPU's, its
+    scratch is its own tensor moved to the staging buffer by download/upload;
+    its fences and waits are logged."""
+
+    def __init__(self, name: str, log: list) -> None:
+        super().__init__()
+        self.name, self.log, self.device = name, log, 0
+
+    def scratch(self, buf, n):
+        return torch.empty(n, dtype=torch.uint8)
+
+    def download(self, scratch, buf, n):
+        buf[:n].copy_(scratch)
+
+    def upload(self, buf, n):
+        return buf[:n].clone()
+
+    def fence(self):
+        self.log.append(("fence", self.name))
+        return self.name
+
+    def wait(self, token):
+        self.log.append(("wait", token))
+
+
+class _MixedRegions:
+    """Six regions of 16 KiB: 0-1 host (the host copier), 2-3 and 4-5 on two fake devices."""
+
+    def __init__(self, data: np.ndarray, log: list) -> None:
+        host = HostCopier()
+        self._copiers = [host, host, *[_FakeDeviceCopier("gpu0", log)] * 2, *[_FakeDeviceCopier("gpu1", log)] * 2]
+        self._copiers[3] = self._copiers[2]
+        self._copiers[5] = self._copiers[4]
+        self._tensors = [torch.from_numpy(data[i * 16384 : (i + 1) * 16384]) for i in range(6)]
+        self.pool = StagingPool(host, 1, nbytes=1 << 15)
+
+    def tensor(self, region):
+        return self._tensors[region]
+
+    def copier(self, region):
+        return self._copiers[region]
+
+
+def test_a_piece_mixing_host_and_two_devices_uses_and_fences_each_region_s_copier():
+    src = np.random.default_rng(8).integers(0, 256, 6 * 16384, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    send_log: list = []
+    recv_log: list = []
+    server, reader = _MixedRegions(src, send_log), _MixedRegions(dst, recv_log)
+    # 4 KiB blocks, every piece (32 KiB) mixing host, gpu0 and gpu1 regions, in both directions
+    n = 24
+    order = np.array([(i % 3) * 8 + i // 3 for i in range(n)])  # interleave the region kinds
+    s_reg, s_off = order * 4096 // 16384, order * 4096 % 16384
+    d_perm = np.random.default_rng(9).permutation(n)
+    d_reg, d_off = d_perm * 4096 // 16384, d_perm * 4096 % 16384
+    sizes = np.full(n, 4096)
+    a, b = socket.socketpair()
+    deadline = time.monotonic() + 10
+    t = threading.Thread(target=send_staged, args=(a, server, s_reg, s_off, sizes, deadline))
+    t.start()
+    recv_staged(b, reader, d_reg, d_off, sizes, deadline)
+    t.join(5)
+    a.close()
+    b.close()
+    got = dst.reshape(-1, 4096)[d_perm]
+    assert np.array_equal(got, src.reshape(-1, 4096)[order])
+    for log in (send_log, recv_log):
+        fenced = [name for kind, name in log if kind == "fence"]
+        waited = [name for kind, name in log if kind == "wait"]
+        # 3 pieces, each holding regions of both fake devices: each device fenced once per piece, each fence waited
+        assert sorted(fenced) == ["gpu0"] * 3 + ["gpu1"] * 3
+        assert sorted(waited) == sorted(fenced)

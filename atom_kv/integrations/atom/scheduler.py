@@ -85,7 +85,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         kv = engine.kv
         self.is_producer = kv.is_producer
         self.engine_id = kv.engine_id or f"atom-{uuid.uuid4().hex[:12]}"
-        self.host = host or advertised_host()
+        self.host = host or kv.advertise_host or advertised_host()
         self.block_size = engine.block_size
         self._engine = engine
         self._block_manager = block_manager

@@ -59,8 +59,9 @@ class AtomEngine:
 
 
 def advertised_host() -> str:
-    """The address other engines dial to read this engine's KV: ATOM's own choice
-    (``ATOM_HOST_IP`` if set, else the address of the default route)."""
+    """The address other engines dial to read this engine's KV when the config
+    has no ``advertise_host``: ATOM's own choice (``ATOM_HOST_IP`` if set, else
+    the address of the default route)."""
     try:
         from atom.utils.network import get_ip
     except ImportError:

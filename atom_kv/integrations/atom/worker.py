@@ -45,7 +45,7 @@ class AtomKVWorker(KVConnectorBase):
             dp_rank = groups[2] if dp_rank is None else dp_rank
         self.is_producer = engine.kv.is_producer
         self.tp_rank, self.tp_size, self.dp_rank = tp_rank, tp_size, dp_rank
-        self.host = host or advertised_host()
+        self.host = host or engine.kv.advertise_host or advertised_host()
         self._engine = engine
         self._caches: Optional[AtomCaches] = None
         self._hooks: Optional[WorkerHooks] = None

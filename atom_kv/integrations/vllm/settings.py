@@ -86,6 +86,11 @@ def _place(vllm_config: VllmConfig, config: KVTransferConfig, host: Optional[str
         if size > 1:
             raise UnsupportedKVCache(f"AtomKVConnector does not support {label} (size {size}); use tensor "
                                      "and data parallelism")
+    if config.advertise_host is not None:
+        if host is not None and host != config.advertise_host:
+            raise ConfigError(f"kv_connector_extra_config: `host_ip` {host!r} and `advertise_host` "
+                              f"{config.advertise_host!r} disagree; give one of them")
+        host = config.advertise_host
     if host is None:
         from vllm.utils.network_utils import get_ip
 

@@ -48,7 +48,8 @@ class _WorkerSide:
         layers, compat = hooks_layers(shape, kv_caches, names, layout=layout, resolved=resolved)
         hooks = engine_hooks.build_worker_hooks(
             self.config, engine_id=self.place.engine_id, host=self.place.host, tp_rank=self.tp_rank,
-            tp_size=self.place.tp_size, dp_rank=self.place.dp_rank, compat=compat,
+            tp_size=self.place.tp_size, dp_rank=self.place.dp_rank,
+            dp_size=max(self.place.dp_size, self.place.dp_rank + 1), compat=compat,
         )
         try:
             hooks.register_kv_caches(layers)
