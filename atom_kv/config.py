@@ -202,6 +202,10 @@ def convert_fields(data: Mapping[str, Any], cls: type) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 # The config
 # --------------------------------------------------------------------------
+#: challenges a producer rank's handshake port keeps pending in all (atom_kv.connector.handshake.MAX_CHALLENGES)
+_MAX_CHALLENGES = 4096
+
+
 class ConfigError(ValueError):
     """A ``--kv-transfer-config`` problem, phrased for the operator in one line."""
 
@@ -267,6 +271,13 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     tcp_idle_timeout_s: PositiveSeconds = 300.0
     cma_grant_timeout_s: PositiveSeconds = 3.0
     cma_grant_max_connections: PositiveInt = 64
+    # --- pre-authentication fair shares (docs/security.md) ---
+    handshake_max_connections: PositiveInt = 1024
+    handshake_max_unproven_connections_per_source: PositiveInt = 64
+    handshake_max_challenges_per_source: PositiveInt = 64
+    handshake_reserved_challenges: NonNegativeInt = 1024
+    tcp_reserved_connections: Optional[NonNegativeInt] = None  # None: tcp_max_connections // 8
+    rendezvous_max_waiting_per_source: PositiveInt = 256
     moriio_backend: MoriIOTransport = "rdma"
     poll_cq_mode: PollCqMode = "polling"
     nixl_plugins: NixlPlugins = msgspec.field(default_factory=lambda: ["UCX"])
@@ -291,6 +302,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             setattr(self, name, value)  # e.g. an int given for a float key becomes a float
         if self.post_batch_size == 0:  # the one rule a range cannot say
             raise ConfigError(f"`post_batch_size` must be {_POST_BATCH_SIZE}, got 0")
+        self._check_shares()
         _check_listener_keys(self)
         if self.protocol is not None:
             wanted = _PROTOCOL_BACKEND[self.protocol]
@@ -299,6 +311,15 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             elif self.backend != wanted:
                 raise ConfigError(f"`protocol` {self.protocol!r} means `backend` {wanted!r}, but `backend` is "
                                   f"{self.backend!r}; give only one of them")
+
+    def _check_shares(self) -> None:
+        """The pre-authentication reserves must leave room for strangers' connections and challenges."""
+        if self.handshake_reserved_challenges >= _MAX_CHALLENGES:
+            raise ConfigError(f"`handshake_reserved_challenges` must be below {_MAX_CHALLENGES} (the challenges a "
+                              f"producer rank keeps in all), got {self.handshake_reserved_challenges}")
+        if self.tcp_reserved_connections is not None and self.tcp_reserved_connections >= self.tcp_max_connections:
+            raise ConfigError(f"`tcp_reserved_connections` must be below `tcp_max_connections` "
+                              f"({self.tcp_max_connections}), got {self.tcp_reserved_connections}")
 
     # --- helpers -----------------------------------------------------------
     @property

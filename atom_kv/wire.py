@@ -262,13 +262,21 @@ class HandshakeChallenge(msgspec.Struct, tag_field="t", tag="hs_challenge", kw_o
     v: int = HANDSHAKE_PROTOCOL_VERSION
 
 
+#: largest :class:`HandshakeRequest` a producer takes back in a :class:`HandshakeProof` (every field at
+#: its bound, in 4-byte UTF-8 characters, encodes to about 8 KiB)
+MAX_HANDSHAKE_REQUEST_BYTES = 16 << 10
+
+
 class HandshakeProof(msgspec.Struct, tag_field="t", tag="hs_proof", kw_only=True):
     """The consumer's answer to a :class:`HandshakeChallenge` (``nonce`` is the
-    producer's): an HMAC over both nonces and the request it sent."""
+    producer's): an HMAC over both nonces and the request it sent, and that
+    request's bytes again (``request``), so the producer keeps only a digest of
+    it while it waits for this answer."""
 
     nonce: HandshakeNonce
     proof: HandshakeMac
     v: int = HANDSHAKE_PROTOCOL_VERSION
+    request: Annotated[bytes, msgspec.Meta(max_length=MAX_HANDSHAKE_REQUEST_BYTES)] = b""
 
 
 class HandshakeReply(msgspec.Struct, tag_field="t", tag="hs_ok", kw_only=True):
@@ -376,6 +384,13 @@ class Release(msgspec.Struct, tag_field="t", tag="release", kw_only=True):
     v: int = HANDSHAKE_PROTOCOL_VERSION
 
 
+#: most blocks one :class:`Issued` notice names (a million tokens at 16 tokens a block): it bounds the
+#: largest message a producer rank's handshake port accepts
+MAX_ISSUED_BLOCKS = 1 << 16
+#: a block id on the handshake port: an index into a KV cache
+WireBlockId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+
+
 class Issued(msgspec.Struct, tag_field="t", tag="issued", kw_only=True):
     """A producer engine's scheduler telling its own ranks that ``block_ids``
     are lent to readers under ``transfer_id``, for engines whose per-step
@@ -384,7 +399,7 @@ class Issued(msgspec.Struct, tag_field="t", tag="issued", kw_only=True):
     :class:`Release`."""
 
     transfer_id: WireTransferId
-    block_ids: list[int]
+    block_ids: Annotated[list[WireBlockId], msgspec.Meta(max_length=MAX_ISSUED_BLOCKS)]
     ts: Optional[float] = None
     nonce: Optional[HandshakeNonce] = None
     mac: Optional[HandshakeMac] = None
@@ -839,7 +854,7 @@ def peek_version(data: bytes) -> Optional[int]:
     integer one (to refuse a newer peer by naming both versions), else None."""
     try:
         v = _version_decoder.decode(data).v
-    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError):
         return None
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 

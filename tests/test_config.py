@@ -244,3 +244,15 @@ def test_describe_type():
     assert describe_type(Optional[Port]) == "an integer or null"
     assert describe_type(Literal["b", "a"]) == "one of 'b', 'a'"  # declaration order
     assert describe_type(list[int]) == "a list"
+
+
+@pytest.mark.parametrize("fields, key", [
+    ({"handshake_reserved_challenges": 4096}, "`handshake_reserved_challenges` must be below 4096"),
+    ({"tcp_max_connections": 16, "tcp_reserved_connections": 16}, "`tcp_reserved_connections` must be below"),
+    ({"handshake_max_connections": 0}, "`handshake_max_connections`"),
+    ({"rendezvous_max_waiting_per_source": 0}, "`rendezvous_max_waiting_per_source`"),
+])
+def test_pre_authentication_shares_are_validated_naming_the_key(fields, key):
+    with pytest.raises(ConfigError) as err:
+        KVTransferConfig.from_dict({"kv_role": "kv_producer", **fields})
+    assert key in str(err.value) and "\n" not in str(err.value)

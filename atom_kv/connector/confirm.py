@@ -86,7 +86,8 @@ class DoneAckClient:
                  max_sockets: int = 64) -> None:
         self._stats = stats
         self._token = auth_token
-        self._socks = DealerCache(ctx, max_sockets, {zmq.MAXMSGSIZE: MAX_ACK_BYTES, zmq.SNDHWM: 1024})
+        # RCVHWM: what a peer (any host a client named) can make this socket queue
+        self._socks = DealerCache(ctx, max_sockets, {zmq.MAXMSGSIZE: MAX_ACK_BYTES, zmq.SNDHWM: 1024, zmq.RCVHWM: 64})
 
     def _socket(self, host: str, port: int) -> zmq.Socket:
         return self._socks.get(host, port)

@@ -1,5 +1,6 @@
-"""The handshake side channel: a producer rank's ROUTER server and the
-consumer's handshake request.
+"""The handshake side channel: a producer rank's ROUTER server (the
+consumer's handshake request is :mod:`atom_kv.connector.handshake_client`,
+re-exported here).
 
 The server answers :class:`~atom_kv.wire.HandshakeRequest` with a
 :class:`~atom_kv.wire.HandshakeReply` (backend descriptor, region list,
@@ -10,7 +11,11 @@ compat info); with an ``auth_token`` it first runs the challenge-response of
 signed, fresh, never replayed) to callbacks; a confirmation
 (:class:`~atom_kv.wire.DoneAck`) goes back to the sender, signed, whenever the
 callback answers (at once, or later from another thread). Anything else on
-the port, and every refusal, is counted and logged at a bounded rate.
+the port, and every refusal, is counted and logged at a bounded rate. What a
+stranger can make the port hold before proving the token is bounded by
+:mod:`atom_kv.connector.handshake_limits` (frame size, queued frames,
+connections per address) and the fair shares of its
+:class:`~atom_kv.connector.handshake_auth.ChallengeTable`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from typing import Any, Callable, Optional
 
 import msgspec
@@ -39,22 +43,30 @@ from atom_kv.auth import (
     verify_struct,
 )
 from atom_kv.connector.confirm import DealerCache, DoneAckClient
-from atom_kv.connector.endpoints import connect_socket, tcp_endpoint
+from atom_kv.connector.endpoints import tcp_endpoint
 from atom_kv.connector.handshake_auth import (
     Challenge,
     ChallengeTable,
     ack_mac,
     answer_mac,
-    client_proof,
+    challenge_binding,
     client_proof_of_digest,
     peer_proof,
     reply_mac,
     request_digest,
     server_proof,
 )
+from atom_kv.connector.handshake_client import (
+    MAX_MESSAGE_BYTES,
+    HandshakeError,
+    HandshakeRejected,
+    decode_checked,
+    request_handshake,
+    version_refusal,
+)
+from atom_kv.connector.handshake_limits import RECEIVE_HWM, ConnectionGuard, PortLimits, largest_message_bytes
 from atom_kv.connector.stats import TransferStats
 from atom_kv.wire import (
-    HANDSHAKE_PROTOCOL_VERSION,
     BlocksAnswer,
     BlocksQuery,
     CompatInfo,
@@ -88,23 +100,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Largest frame the handshake port accepts; bigger ones drop the connection.
-MAX_MESSAGE_BYTES = 1 << 20
-#: Challenges a producer rank remembers at once (a new one is refused past it; none is dropped early).
+#: Challenges a producer rank remembers at once (see :class:`~atom_kv._fairshare.FairShares`).
 MAX_CHALLENGES = 4096
 #: Challenges pending at once for one peer address (a decode engine has one per rank and handshake in flight).
 MAX_CHALLENGES_PER_SOURCE = 64
 _POLL_MS = 200
 _BATCH = 64  # messages handled between two housekeeping passes
-
-
-class HandshakeError(RuntimeError):
-    """A handshake did not complete (timeout, bad reply); worth retrying."""
-
-
-class HandshakeRejected(HandshakeError):
-    """The peer answered and refused (auth, compat, version), or did not prove
-    the auth token; retrying won't help."""
 
 
 def compat_mismatch(here: CompatInfo, peer: CompatInfo, here_is: str = "here", peer_is: str = "peer") -> Optional[str]:
@@ -121,12 +122,6 @@ def compat_mismatch(here: CompatInfo, peer: CompatInfo, here_is: str = "here", p
     return "KV layout mismatch: " + "; ".join(diffs) if diffs else None
 
 
-def version_refusal(peer_version: Any) -> str:
-    """The one line that refuses a peer speaking another handshake protocol version."""
-    return (f"handshake protocol version {peer_version} (peer) is not version {HANDSHAKE_PROTOCOL_VERSION} "
-            "(here): run the same atom-kv release on the prefill and decode engines")
-
-
 def _peer_address(frame: zmq.Frame) -> str:
     """The sending peer's IP address (ZeroMQ's ``Peer-Address`` property), or "" where unknown."""
     try:
@@ -135,19 +130,12 @@ def _peer_address(frame: zmq.Frame) -> str:
         return ""
 
 
-def _decode(data: bytes, type_: Any) -> Any:
-    """``wire.decode`` that also names a version mismatch (``HandshakeRejected``)
-    and survives msgpack nested too deeply (``WireError``)."""
+def _source_fd(frame: zmq.Frame) -> Optional[int]:
+    """The descriptor of the connection a message came on (ZeroMQ's ``ZMQ_SRCFD``), or None."""
     try:
-        msg = wire.decode(data, type_)
-    except (WireError, RecursionError) as exc:
-        v = wire.peek_version(data)
-        if v is not None and v != HANDSHAKE_PROTOCOL_VERSION:
-            raise HandshakeRejected(version_refusal(v)) from None
-        raise WireError(str(exc) if isinstance(exc, WireError) else "message nested too deeply") from None
-    if msg.v != HANDSHAKE_PROTOCOL_VERSION:
-        raise HandshakeRejected(version_refusal(msg.v))
-    return msg
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
 
 
 # ---------------------------------------------------------------------------
@@ -163,10 +151,11 @@ class HandshakeServer:
     every checked done-reading notice (``respond`` is None unless it asked for
     a confirmation; it may be called later, from any thread); ``on_release``
     every checked release, ``on_issued`` every checked issue notice from the
-    engine's own scheduler; ``on_blocks(query, respond)`` every checked
+    engine's own scheduler; ``on_blocks(query, respond, source)`` every checked
     blocks query (the rendezvous; ``respond`` may be called later, from any
-    thread); ``on_tick()`` runs on the server thread between
-    polls (at least every 0.2 s).
+    thread; ``source`` is the asker's address); ``on_tick()`` runs on the server
+    thread between polls (at least every 0.2 s). ``limits``: the
+    pre-authentication bounds (:class:`~atom_kv.connector.handshake_limits.PortLimits`).
     """
 
     def __init__(
@@ -183,12 +172,13 @@ class HandshakeServer:
         stats: TransferStats,
         on_issued: Optional[Callable[[Issued], None]] = None,
         on_tick: Optional[Callable[[], None]] = None,
-        on_blocks: Optional[Callable[[BlocksQuery, Callable[[BlocksAnswer], None]], None]] = None,
+        on_blocks: Optional[Callable[[BlocksQuery, Callable[[BlocksAnswer], None], str], None]] = None,
         name: str,
         challenge_ttl_s: float = 10.0,
         auth_window_s: float = 30.0,
         replay_entries: int = 65536,
         log_interval_s: float = 10.0,
+        limits: Optional[PortLimits] = None,
     ) -> None:
         self._token = auth_token
         self._identity = identity
@@ -200,7 +190,9 @@ class HandshakeServer:
         self._on_blocks = on_blocks
         self._stats = stats
         self._stop = threading.Event()
-        self._challenges = ChallengeTable(MAX_CHALLENGES, challenge_ttl_s, MAX_CHALLENGES_PER_SOURCE)
+        limits = limits if limits is not None else PortLimits()
+        self._challenges = ChallengeTable(MAX_CHALLENGES, challenge_ttl_s, limits.challenges_per_source,
+                                          reserved=limits.challenges_reserved, on_evict=self._evicted)
         self._replay = ReplayWindow(auth_window_s, replay_entries)
         self.port = port
         self.warnings = RateLimitedLog(logger, f"refused messages on handshake port {port}",
@@ -211,8 +203,12 @@ class HandshakeServer:
         os.set_blocking(self._wake_w, False)
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, largest_message_bytes())
+        self._sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, int(limits.zmq_handshake_s * 1000))
         self._sock.setsockopt(zmq.SNDHWM, 1024)
+        self.guard = ConnectionGuard(self._sock, max_connections=limits.max_connections,
+                                     per_source=limits.connections_per_source, on_refuse=self._refuse_quietly)
         try:
             endpoint, ipv6 = tcp_endpoint(bind_host, port)
             if ipv6:
@@ -226,6 +222,8 @@ class HandshakeServer:
                 f"cannot listen for handshakes on {bind_host}:{port} "
                 f"(handshake_port + pp_rank*dp_size*tp_size + dp_rank*tp_size + tp_rank): {exc}"
             ) from None
+        self._fd: Optional[int] = None  # the connection and address of the message being handled
+        self._source = ""
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -234,9 +232,12 @@ class HandshakeServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.guard.monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(_POLL_MS))
+                if self.guard.monitor in events:
+                    self.guard.poll_events()
                 if self._wake_r in events:
                     self._drain_wake()
                 self._send_outbox()
@@ -244,6 +245,7 @@ class HandshakeServer:
                     self._receive_batch()
                 self._housekeeping()
         finally:
+            self.guard.close()
             self._sock.close(0)
 
     def _receive_batch(self) -> None:
@@ -257,17 +259,16 @@ class HandshakeServer:
                     logger.warning("handshake server: receive failed: %s", exc)
                 return
             try:
-                self._handle([part.bytes for part in parts], _peer_address(parts[-1]))
+                self._handle([part.bytes for part in parts], _peer_address(parts[-1]), _source_fd(parts[-1]))
             except Exception as exc:  # a bug in a handler must not kill the server, nor let a peer flood the log
                 self._refuse("internal", f"failed to handle a message: {type(exc).__name__}: {exc}")
                 logger.debug("handshake server: failed to handle a message", exc_info=True)
 
     def _housekeeping(self) -> None:
         for ch in self._challenges.expire():
-            req = ch.request
-            self._refuse("unanswered", f"handshake from engine {req.engine_id} rank {req.tp_rank} "
-                                       f"({req.host or 'unknown host'}) never answered the challenge: the "
-                                       "decode engine could not verify this engine's proof (different auth_token?)")
+            self._refuse("unanswered", f"a handshake from {ch.source or 'an unknown address'} never answered the "
+                                       "challenge: the decode engine could not verify this engine's proof "
+                                       "(different auth_token?), or it was not a decode engine")
         self.warnings.flush()
         if self._on_tick is not None:
             try:
@@ -308,7 +309,7 @@ class HandshakeServer:
             pass  # the pipe is full (a wake-up is pending anyway) or closed
 
     # -- messages ------------------------------------------------------------
-    def _handle(self, frames: list[bytes], source: str = "") -> None:
+    def _handle(self, frames: list[bytes], source: str = "", fd: Optional[int] = None) -> None:
         identity, payloads = frames[0], frames[1:]
         if len(payloads) == 2 and payloads[0] == b"":
             payloads = payloads[1:]  # REQ-style envelope
@@ -317,7 +318,7 @@ class HandshakeServer:
             return
         data = payloads[0]
         try:
-            msg = _decode(data, wire.HandshakeMessage)
+            msg = decode_checked(data, wire.HandshakeMessage)
         except HandshakeRejected as exc:  # another protocol version: say so to a handshake
             self._refuse("version", str(exc))
             self._send(identity, wire.encode(HandshakeReply(ok=False, error=str(exc))))
@@ -325,6 +326,9 @@ class HandshakeServer:
         except WireError as exc:
             self._refuse("decode", str(exc))
             return
+        self._fd, self._source = fd, source
+        if self._token is None:  # nothing to prove: a connection that speaks the protocol is a peer's
+            self.guard.proven(fd)
         if isinstance(msg, HandshakeRequest):
             self._on_request(identity, data, msg, source)
         elif isinstance(msg, HandshakeProof):
@@ -336,7 +340,7 @@ class HandshakeServer:
         elif isinstance(msg, DoneReading):
             self._on_done_reading(identity, msg)
         elif isinstance(msg, BlocksQuery):
-            self._on_blocks_query(identity, msg)
+            self._on_blocks_query(identity, msg, source)
         elif isinstance(msg, Issued):
             what = f"issue of transfer {msg.transfer_id}"
             if self._on_issued is not None and self._checked(PURPOSE_ISSUED, msg, what):
@@ -357,14 +361,13 @@ class HandshakeServer:
             return
         p_nonce = new_nonce()
         engine_id, rank = self._identity()
-        full = self._challenges.add(p_nonce, Challenge(identity, req.nonce, request_digest(data), wire.encode(req),
-                                                       self._challenges.new_deadline(), source))
+        full = self._challenges.add(p_nonce, Challenge.of(identity, data, source, self._challenges.new_deadline()))
         if full is not None:
-            limit = (f"{MAX_CHALLENGES} handshakes in flight" if full == "full" else
-                     f"{MAX_CHALLENGES_PER_SOURCE} handshakes in flight from {source or 'one address'}")
-            self._refuse("challenges_" + full, f"handshake from {who} refused: more than {limit}")
+            why = (f"{len(self._challenges)} handshakes in flight, all from addresses that proved the auth_token "
+                   "before (strangers' share is empty)")
+            self._refuse("challenges_full", f"handshake from {who} refused: {why}")
             self._send(identity, wire.encode(HandshakeReply(
-                ok=False, error="handshake rejected: too many handshakes in flight; retry the handshake")))
+                ok=False, error=f"handshake rejected: {why}; retry the handshake")))
             return
         challenge = HandshakeChallenge(engine_id=engine_id, tp_rank=rank, nonce=p_nonce,
                                        proof=server_proof(self._token, req.nonce, p_nonce, engine_id, rank))
@@ -377,20 +380,23 @@ class HandshakeServer:
                 ok=False, error="handshake rejected: this prefill engine has no auth_token")))
             return
         ch = self._challenges.take(msg.nonce)
-        if ch is None or ch.identity != identity:
-            self._refuse("challenge", "handshake proof for an unknown or expired challenge")
+        if ch is None or ch.binding != challenge_binding(identity, msg.request):
+            why = ("it carries no request (the decode engine runs an older atom-kv: run the same release on both)"
+                   if ch is not None and not msg.request else "an unknown or expired challenge")
+            self._refuse("challenge", f"handshake proof from {self._source or 'an unknown address'}: {why}")
             self._send(identity, wire.encode(HandshakeReply(
-                ok=False, error="handshake rejected: unknown or expired challenge; retry the handshake")))
+                ok=False, error=f"handshake rejected: {why}; retry the handshake")))
             return
-        expected = client_proof_of_digest(self._token, ch.c_nonce, msg.nonce, ch.request_digest)
-        request = ch.request
+        request = decode_checked(msg.request, HandshakeRequest)  # decoded when it was received: it still decodes
+        expected = client_proof_of_digest(self._token, request.nonce, msg.nonce, request_digest(msg.request))
         if not same_mac(expected, msg.proof):
             self._refuse("auth", f"handshake from engine {request.engine_id} rank {request.tp_rank} "
                                  f"({request.host or 'unknown host'}): wrong auth_token")
             self._send(identity, wire.encode(HandshakeReply(ok=False, error="handshake rejected: wrong auth_token")))
             return
+        self._proved()
         reply = wire.encode(self._responder(request))
-        sealed = SealedHandshakeReply(reply=reply, mac=reply_mac(self._token, ch.c_nonce, msg.nonce, reply))
+        sealed = SealedHandshakeReply(reply=reply, mac=reply_mac(self._token, request.nonce, msg.nonce, reply))
         self._send(identity, wire.encode(sealed))
 
     def _on_done_reading(self, identity: bytes, msg: DoneReading) -> None:
@@ -412,7 +418,7 @@ class HandshakeServer:
 
         self._on_done(msg, respond)
 
-    def _on_blocks_query(self, identity: bytes, msg: BlocksQuery) -> None:
+    def _on_blocks_query(self, identity: bytes, msg: BlocksQuery, source: str = "") -> None:
         if not 0 <= msg.tp_rank < msg.tp_size <= 4096:
             self._refuse("rank", f"blocks query for transfer {msg.transfer_id}: rank {msg.tp_rank} of {msg.tp_size}")
             return
@@ -430,7 +436,7 @@ class HandshakeServer:
             respond(BlocksAnswer(transfer_id=msg.transfer_id, tp_rank=self._identity()[1], found=False,
                                  reason="this engine is not a kv_producer"))
             return
-        self._on_blocks(msg, respond)
+        self._on_blocks(msg, respond, source)
 
     def _on_release_msg(self, msg: Release) -> None:
         if not self._checked(PURPOSE_RELEASE, msg, f"release of transfer {msg.transfer_id} "
@@ -447,7 +453,22 @@ class HandshakeServer:
         except AuthError as exc:
             self._refuse(exc.reason, f"{what}: {exc}")
             return False
+        self._proved()
         return True
+
+    def _proved(self) -> None:
+        """The message being handled proved the token: its connection and its address are a peer's."""
+        self.guard.proven(self._fd)
+        self._challenges.proven.proved(self._source)
+
+    def _evicted(self, challenge: Challenge, why: str) -> None:
+        where = challenge.source or "an unknown address"
+        self._refuse("challenges_" + why, f"forgot the oldest pending challenge of {where}: " + (
+            "a newer one came from there and it holds the most, or handshake_max_challenges_per_source"
+            if why == "source" else f"{MAX_CHALLENGES} are pending and {where} holds the most"))
+
+    def _refuse_quietly(self, reason: str, why: str) -> None:
+        self.warnings.event(reason, f"handshake port {self.port}: {why}")
 
     def _refuse(self, reason: str, why: str) -> None:
         self._stats.add(bad_messages=1)
@@ -464,6 +485,7 @@ class HandshakeServer:
                 os.close(fd)
             except OSError:
                 pass
+        self.guard.close()
         self._sock.close(0)
 
     def close(self) -> None:
@@ -475,102 +497,3 @@ class HandshakeServer:
                 os.close(fd)
             except OSError:
                 pass
-
-
-# ---------------------------------------------------------------------------
-# consumer side
-# ---------------------------------------------------------------------------
-class _Exchange:
-    """One handshake connection: a DEALER socket and bounded receives."""
-
-    def __init__(self, ctx: zmq.Context, host: str, port: int, timeout_s: float,
-                 stop: Optional[threading.Event]) -> None:
-        self.where = f"{host}:{port}"
-        self._timeout_s = timeout_s
-        self._deadline = time.monotonic() + timeout_s
-        self._stop = stop
-        self.sock = connect_socket(ctx, zmq.DEALER, host, port, {zmq.MAXMSGSIZE: 64 * MAX_MESSAGE_BYTES})
-
-    def send(self, msg: msgspec.Struct) -> bytes:
-        data = wire.encode(msg)
-        self.sock.send(data, zmq.NOBLOCK)
-        return data
-
-    def receive(self) -> Any:
-        while True:
-            left = self._deadline - time.monotonic()
-            if left <= 0 or (self._stop is not None and self._stop.is_set()):
-                raise HandshakeError(f"no handshake reply from {self.where} within {self._timeout_s:g} s")
-            if self.sock.poll(min(left, 0.25) * 1000, zmq.POLLIN):
-                frames = self.sock.recv_multipart()
-                try:
-                    return _decode(frames[-1], wire.HandshakeReplyMessage)
-                except WireError as exc:
-                    raise HandshakeError(f"bad handshake reply from {self.where}: {exc}") from None
-
-
-def request_handshake(
-    ctx: zmq.Context,
-    host: str,
-    port: int,
-    request: HandshakeRequest,
-    timeout_s: float,
-    stop: Optional[threading.Event] = None,
-    auth_token: Optional[str] = None,
-) -> HandshakeReply:
-    """Handshake with the producer rank at ``host:port`` (at most ``timeout_s``).
-
-    With ``auth_token``: the request carries a fresh nonce, and nothing derived
-    from the token is sent unless the peer first proves it knows the token
-    (:mod:`atom_kv.connector.handshake_auth`). Raises :class:`HandshakeRejected`
-    for refusals and peers that cannot prove the token, :class:`HandshakeError`
-    for timeouts and garbage."""
-    if auth_token is not None:
-        request = msgspec.structs.replace(request, nonce=new_nonce())
-    try:
-        ex = _Exchange(ctx, host, port, timeout_s, stop)
-    except (zmq.ZMQError, ValueError) as exc:
-        raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
-    try:
-        sent = ex.send(request)
-        first = ex.receive()
-        if auth_token is None:
-            if isinstance(first, HandshakeReply):
-                return first
-            if isinstance(first, HandshakeChallenge):
-                raise HandshakeRejected(f"{ex.where} requires an auth_token and none is configured here; set the "
-                                        "prefill engine's auth_token on this engine too")
-            raise HandshakeError(f"unexpected {type(first).__name__} from {ex.where}")
-        return _proven_handshake(ex, auth_token, request, sent, first)
-    except zmq.ZMQError as exc:
-        raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
-    finally:
-        ex.sock.close(0)
-
-
-def _proven_handshake(ex: _Exchange, token: str, request: HandshakeRequest, sent: bytes, first: Any) -> HandshakeReply:
-    if isinstance(first, HandshakeReply):
-        if not first.ok:
-            raise HandshakeRejected(f"handshake with {ex.where} refused: {first.error}")
-        raise HandshakeRejected(f"{ex.where} answered without proving the auth token (is auth_token configured "
-                                "on the prefill engine?); its reply is not trusted")
-    if not isinstance(first, HandshakeChallenge):
-        raise HandshakeError(f"unexpected {type(first).__name__} from {ex.where}")
-    expected = server_proof(token, request.nonce, first.nonce, first.engine_id, first.tp_rank)
-    if not same_mac(expected, first.proof):
-        raise HandshakeRejected(f"{ex.where} did not prove it knows the auth token (a different auth_token, or "
-                                "not a prefill engine of this cluster); nothing was sent to it")
-    ex.send(HandshakeProof(nonce=first.nonce, proof=client_proof(token, request.nonce, first.nonce, sent)))
-    second = ex.receive()
-    if isinstance(second, HandshakeReply):
-        if not second.ok:
-            raise HandshakeRejected(f"handshake with {ex.where} refused: {second.error}")
-        raise HandshakeRejected(f"{ex.where} sent an unsealed reply after the challenge; not trusted")
-    if not isinstance(second, SealedHandshakeReply):
-        raise HandshakeError(f"unexpected {type(second).__name__} from {ex.where}")
-    if not same_mac(reply_mac(token, request.nonce, first.nonce, second.reply), second.mac):
-        raise HandshakeRejected(f"the handshake reply from {ex.where} was altered (wrong MAC); not trusted")
-    try:
-        return _decode(second.reply, HandshakeReply)
-    except WireError as exc:
-        raise HandshakeError(f"bad handshake reply from {ex.where}: {exc}") from None

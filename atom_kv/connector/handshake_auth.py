@@ -25,8 +25,9 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
+from atom_kv._fairshare import FairShares, ProvenSources
 from atom_kv.auth import (
     PURPOSE_BLOCKS_ANSWER,
     PURPOSE_DONE_ACK,
@@ -39,13 +40,14 @@ from atom_kv.auth import (
     struct_payload,
     verify_mac,
 )
-from atom_kv.wire import BlocksAnswer, DoneAck, HandshakeRequest, decode
+from atom_kv.wire import BlocksAnswer, DoneAck
 
 __all__ = [
     "Challenge",
     "ChallengeTable",
     "ack_mac",
     "answer_mac",
+    "challenge_binding",
     "client_proof",
     "client_proof_of_digest",
     "peer_proof",
@@ -109,69 +111,139 @@ def verify_answer(token: str, answer: BlocksAnswer, query_nonce: str) -> bool:
     return verify_mac(token, PURPOSE_BLOCKS_ANSWER, struct_payload(answer, request_nonce=query_nonce), answer.mac)
 
 
-@dataclass(slots=True)
+def challenge_binding(identity: bytes, request: bytes) -> bytes:
+    """What a producer keeps of a handshake request while its challenge is pending (32 bytes): the
+    connection it came on and the request's bytes. The proof must come on that connection and carry
+    those bytes again (``HandshakeProof.request``)."""
+    return hashlib.sha256(len(identity).to_bytes(2, "big") + identity + request).digest()
+
+
+@dataclass(slots=True, eq=False)
 class Challenge:
-    """One challenge the producer sent and waits on an answer for: a few hundred
-    bytes. The request as received is kept only as its digest (what the proof
-    covers), and the request itself re-encoded from its decoded, bounded fields
-    (anything else the peer sent is gone)."""
+    """One challenge the producer sent and waits on an answer for: about 300
+    bytes, whatever the request held. Nothing of the request is kept but
+    :func:`challenge_binding`; the consumer sends it again with its proof."""
 
-    identity: bytes        # the consumer's socket identity (the answer must come from it)
-    c_nonce: str
-    request_digest: bytes  # :func:`request_digest` of the request as received: the consumer's proof covers it
-    request_bytes: bytes   # ``wire.encode`` of the decoded request
+    binding: bytes          # :func:`challenge_binding` of the connection and the request as received
+    ident: int              # ``hash`` of the connection's identity: which connection of its source holds it
     deadline: float
-    source: str = ""       # the peer's address: at most ``per_source`` pending challenges each
+    source: str = ""        # the peer's address: see :class:`~atom_kv._fairshare.FairShares`
+    reserved: bool = False  # counted in the reserve of sources that proved the token before
+    older: Optional["Challenge"] = None  # the same source's next older pending challenge
+    nonce: str = ""         # the producer's nonce naming it (the table's key)
 
-    @property
-    def request(self) -> HandshakeRequest:
-        return decode(self.request_bytes, HandshakeRequest)
+    @classmethod
+    def of(cls, identity: bytes, request: bytes, source: str, deadline: float) -> "Challenge":
+        """The challenge for ``request`` (as received) on connection ``identity`` from ``source``."""
+        return cls(challenge_binding(identity, request), hash(identity), deadline, source)
 
 
 class ChallengeTable:
-    """Owns a producer rank's outstanding challenges: at most ``capacity`` in all
-    and ``per_source`` per peer address, each forgotten after ``ttl_s``. A full
-    table (or a source at its cap) refuses the new challenge: a pending one is
-    never dropped early, so strangers cannot evict a proving peer's challenge.
+    """Owns a producer rank's outstanding challenges: bounded by
+    :class:`~atom_kv._fairshare.FairShares` (``capacity`` in all, ``per_source``
+    per peer address, ``reserved`` for addresses that proved the token before),
+    each forgotten after ``ttl_s``. A source at its cap loses its own oldest
+    challenge of the connection holding the most; a full table takes the
+    oldest of the source holding the most, or refuses the newcomer. So
+    strangers cannot evict the challenge of a peer that holds one or two.
     Single-threaded (the handshake server's thread)."""
 
-    def __init__(self, capacity: int, ttl_s: float, per_source: int | None = None) -> None:
+    def __init__(self, capacity: int, ttl_s: float, per_source: int | None = None, *, reserved: int = 0,
+                 proven: Optional[ProvenSources] = None,
+                 on_evict: Optional[Callable[[Challenge, str], None]] = None) -> None:
         self.ttl_s = ttl_s
         self.capacity = capacity
         self.per_source = capacity if per_source is None else per_source
+        self.shares = FairShares(capacity, self.per_source, reserved, proven)
+        self._on_evict = on_evict
         self._items: dict[str, Challenge] = {}  # insertion order is deadline order (one ttl for all)
-        self._by_source: dict[str, int] = {}
+        self._newest: dict[str, Challenge] = {}  # source -> its newest pending challenge (a chain to the oldest)
 
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def proven(self) -> ProvenSources:
+        return self.shares.proven
+
     def add(self, p_nonce: str, challenge: Challenge) -> Optional[str]:
-        """Remember ``challenge``; returns None, or why it was refused (``"full"``, ``"source"``)."""
-        if len(self._items) >= self.capacity:
-            return "full"
-        held = self._by_source.get(challenge.source, 0)
-        if held >= self.per_source:
-            return "source"
+        """Remember ``challenge``; returns None, or why it was refused (``"full"``)."""
+        verdict = self.shares.admit(challenge.source)
+        if not verdict.ok:
+            return verdict.reason
+        if verdict.evict is not None:
+            same = verdict.evict == challenge.source
+            victim = self._hog_oldest(verdict.evict, challenge.ident) if same else self._oldest(verdict.evict)
+            if victim is not None:
+                self._drop(victim)
+                if self._on_evict is not None:
+                    self._on_evict(victim, "source" if same else "full")
+        challenge.reserved = verdict.reserved
+        head = self._newest.get(challenge.source)
+        if head is not None:
+            challenge.source = head.source  # one string per source, shared
+        challenge.older = head
+        self._newest[challenge.source] = challenge
         self._items[p_nonce] = challenge
-        self._by_source[challenge.source] = held + 1
+        challenge.nonce = p_nonce
+        self.shares.add(challenge.source, challenge.reserved)
         return None
 
-    def _forget(self, challenge: Challenge) -> None:
-        left = self._by_source.get(challenge.source, 1) - 1
-        if left > 0:
-            self._by_source[challenge.source] = left
+    def _chain(self, source: str) -> list[Challenge]:
+        out = []
+        ch = self._newest.get(source)
+        while ch is not None:
+            out.append(ch)
+            ch = ch.older
+        return out  # newest first
+
+    def _oldest(self, source: str) -> Optional[Challenge]:
+        chain = self._chain(source)
+        return chain[-1] if chain else None
+
+    def _hog_oldest(self, source: str, newcomer: int) -> Optional[Challenge]:
+        """The oldest challenge of the connection holding the most of ``source``'s (the newcomer's
+        connection counts its new one)."""
+        chain = self._chain(source)
+        counts: dict[int, int] = {newcomer: 1}
+        for ch in chain:
+            counts[ch.ident] = counts.get(ch.ident, 0) + 1
+        most = max(counts.values())
+        for ch in reversed(chain):
+            if counts[ch.ident] == most:
+                return ch
+        return chain[-1] if chain else None
+
+    def _drop(self, challenge: Challenge) -> None:
+        self._items.pop(challenge.nonce, None)
+        self._unlink(challenge)
+        self.shares.remove(challenge.source, challenge.reserved)
+
+    def _unlink(self, challenge: Challenge) -> None:
+        newer = None
+        ch = self._newest.get(challenge.source)
+        while ch is not None and ch is not challenge:
+            newer, ch = ch, ch.older
+        if ch is None:
+            return
+        if newer is None:
+            if challenge.older is None:
+                del self._newest[challenge.source]
+            else:
+                self._newest[challenge.source] = challenge.older
         else:
-            self._by_source.pop(challenge.source, None)
+            newer.older = challenge.older
+        challenge.older = None
 
     def new_deadline(self, now: Optional[float] = None) -> float:
         return (time.monotonic() if now is None else now) + self.ttl_s
 
     def take(self, p_nonce: str, now: Optional[float] = None) -> Optional[Challenge]:
         """The challenge ``p_nonce`` names (forgotten now), or None if unknown or expired."""
-        challenge = self._items.pop(p_nonce, None)
+        challenge = self._items.get(p_nonce)
         if challenge is None:
             return None
-        self._forget(challenge)
+        self._drop(challenge)
         if challenge.deadline < (time.monotonic() if now is None else now):
             return None
         return challenge
@@ -180,11 +252,10 @@ class ChallengeTable:
         """Forget and return the challenges nobody answered in time (oldest first)."""
         now = time.monotonic() if now is None else now
         expired = []
-        for nonce, challenge in self._items.items():
+        for challenge in self._items.values():
             if challenge.deadline >= now:
                 break
-            expired.append(nonce)
-        out = [self._items.pop(nonce) for nonce in expired]
-        for challenge in out:
-            self._forget(challenge)
-        return out
+            expired.append(challenge)
+        for challenge in expired:
+            self._drop(challenge)
+        return expired

@@ -35,7 +35,9 @@ from typing import Callable, Optional
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeError, HandshakeServer, compat_mismatch
-from atom_kv.connector.producer_rendezvous import Promise, RendezvousAnswers, WaitingQuery
+from atom_kv.connector.blocks_waits import WaitingQueries
+from atom_kv.connector.handshake_limits import PortLimits
+from atom_kv.connector.producer_rendezvous import MAX_QUERIES_PER_TRANSFER, Promise, RendezvousAnswers
 from atom_kv.connector.release import engine_sender
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput
 from atom_kv.connector.worker import ConnectorWorker
@@ -105,9 +107,9 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
         self._deferred: BoundedDict[str, list[_Deferred]] = BoundedDict(
             MAX_DEFERRED_TRANSFERS, on_evict=self._deferred_evicted)
         self._evicted: list[_Deferred] = []
-        self._queries: BoundedDict[str, list[WaitingQuery]] = BoundedDict(
-            MAX_DEFERRED_TRANSFERS, on_evict=self._queries_evicted)
-        self._evicted_queries: list[WaitingQuery] = []
+        self._queries = WaitingQueries(self._name, capacity=MAX_DEFERRED_TRANSFERS,
+                                       per_source=self.config.rendezvous_max_waiting_per_source,
+                                       per_transfer=MAX_QUERIES_PER_TRANSFER)
         self._refusals = RateLimitedLog(logger, "refused confirmations")
         self._defer_s = min(MAX_DEFER_S, self.config.handshake_timeout_s / 2)
         try:
@@ -137,6 +139,7 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
             challenge_ttl_s=cfg.handshake_timeout_s,
             auth_window_s=cfg.auth_window_s,
             replay_entries=cfg.auth_replay_entries,
+            limits=PortLimits.from_config(cfg),
         )
 
     @property
@@ -264,7 +267,7 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
             self._released[tid] = why
             self._finished_send.append(tid)
             waiting = self._deferred.pop(tid, None) or []
-            queries = self._queries.pop(tid, None) or []
+            queries = self._queries.pop_locked(tid)
         self._wake()
         logger.info("%s: transfer %s %s; freeing its blocks", self._name, tid, why)
         self._answer_queries([(q, self._not_found(q.msg, f"producer {why}")) for q in queries])

@@ -13,7 +13,9 @@ needs no confirmation).
 :class:`RendezvousAnswers` is a part of
 :class:`~atom_kv.connector.producer.ProducerWorker`, split out by concern: it
 works on the worker's lock and transfer tables (``_issued``, ``_released``,
-``_first``, ``_learnt``, ``_coming``, ``_pins``, ``_queries``).
+``_first``, ``_learnt``, ``_coming``, ``_pins``, ``_queries``: the waiting
+questions, bounded per asking address by
+:class:`~atom_kv.connector.blocks_waits.WaitingQueries`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from atom_kv.connector.blocks_waits import WaitingQuery
 from atom_kv.wire import BlocksAnswer, BlocksQuery, Release
 
 __all__ = ["PIN_MARGIN_S", "Promise", "RendezvousAnswers", "WaitingQuery"]
@@ -46,41 +49,28 @@ class Promise:
     held: Optional[Release] = None      # a third party's release that waits for the promise to end
 
 
-@dataclass
-class WaitingQuery:
-    """A blocks query (the rendezvous) asked before the rank learnt the transfer."""
-
-    msg: BlocksQuery
-    respond: Callable[[BlocksAnswer], None]
-    deadline: float
-
-
 class RendezvousAnswers:
     """Owns the producer rank's answers to blocks queries and its rendezvous promises."""
 
     # ------------------------------------------------------------------
     # the rendezvous: a decode rank asks which blocks hold a transfer
     # ------------------------------------------------------------------
-    def _on_blocks_query(self, msg: BlocksQuery, respond: Callable[[BlocksAnswer], None]) -> None:
+    def _on_blocks_query(self, msg: BlocksQuery, respond: Callable[[BlocksAnswer], None], source: str = "") -> None:
         wait_s = min(msg.wait_ms / 1000.0, self.config.prefill_wait_timeout_s)
         with self._lock:
             answer = self._blocks_answer_locked(msg)
             if answer is None and wait_s <= 0 and msg.transfer_id in self._coming:
                 answer = self._still_coming(msg)
             if answer is None and wait_s > 0:
-                waiting = self._queries.get(msg.transfer_id)
-                if waiting is None:
-                    waiting = self._queries[msg.transfer_id] = []  # may evict the oldest transfer's
-                if len(waiting) < MAX_QUERIES_PER_TRANSFER:
-                    waiting.append(WaitingQuery(msg, respond, time.monotonic() + wait_s))
-                else:
-                    answer = self._not_found(msg, f"too many queries wait for transfer {msg.transfer_id}")
+                why = self._queries.add_locked(msg, respond, source, wait_s)  # None: it waits
+                if why is not None:
+                    answer = self._not_found(msg, why)
             elif answer is None:
                 answer = self._unknown(msg)
-            evicted, self._evicted_queries = self._evicted_queries, []
-        self._answer_queries([(q, self._unknown(q.msg)) for q in evicted])
+            pushed_out = self._queries.pushed_out_locked()
+        self._answer_queries([(q, self._unknown(q.msg)) for q in pushed_out])
         if answer is not None:
-            self._answer_queries([(WaitingQuery(msg, respond, 0.0), answer)])
+            self._answer_queries([(WaitingQuery(msg, respond, 0.0, source), answer)])
 
     def _blocks_answer_locked(self, msg: BlocksQuery) -> Optional[BlocksAnswer]:
         """The blocks of the queried transfer, why they are gone, or None while the rank has not learnt it."""
@@ -158,36 +148,16 @@ class RendezvousAnswers:
 
     def _resolve_queries_locked(self) -> list[tuple[WaitingQuery, BlocksAnswer]]:
         found = []
-        for tid in [t for t in self._queries if t in self._issued or t in self._released]:
-            for q in self._queries.pop(tid):
-                answer = self._blocks_answer_locked(q.msg)
-                found.append((q, answer if answer is not None else self._unknown(q.msg)))
+        for q in self._queries.known_locked(self._issued, self._released):
+            answer = self._blocks_answer_locked(q.msg)
+            found.append((q, answer if answer is not None else self._unknown(q.msg)))
         return found
 
     def _expire_queries(self, now: float) -> None:
         with self._lock:
-            if not self._queries:
-                return
-            late: list[tuple[WaitingQuery, BlocksAnswer]] = []
-            for tid in list(self._queries):
-                waiting = self._queries[tid]
-                answer = self._still_coming if tid in self._coming else self._unknown
-                late += [(q, answer(q.msg)) for q in waiting if q.deadline <= now]
-                waiting[:] = [q for q in waiting if q.deadline > now]
-                if not waiting:
-                    del self._queries[tid]
+            late = [(q, (self._still_coming if q.msg.transfer_id in self._coming else self._unknown)(q.msg))
+                    for q in self._queries.late_locked(now)]
         self._answer_queries(late)
 
-    def _queries_evicted(self, _tid: str, waiting: list[WaitingQuery]) -> None:
-        self._evicted_queries.extend(waiting)  # answered by the caller, outside the lock
-
     def _answer_queries(self, answers: list[tuple[WaitingQuery, BlocksAnswer]]) -> None:
-        for q, answer in answers:
-            if not answer.found and not answer.coming:
-                logger.info("%s: no blocks for transfer %s to engine %s rank %d: %s", self._name,
-                            answer.transfer_id, q.msg.engine_id, q.msg.tp_rank, answer.reason)
-            try:
-                q.respond(answer)
-            except Exception:
-                logger.exception("%s: answering a blocks query for transfer %s failed", self._name,
-                                 answer.transfer_id)
+        self._queries.answer(answers)  # outside the lock; logged at a bounded rate

@@ -168,6 +168,11 @@ class NoticeSender:
 
     def issue(self, spec: ReleaseSpec, block_ids: list[int]) -> None:
         """Queue an :class:`~atom_kv.wire.Issued` notice to every rank of ``spec`` (a producer's own)."""
+        if len(block_ids) > wire.MAX_ISSUED_BLOCKS:  # over the handshake port's message bound: never sent
+            self.warnings.event("issued_blocks", f"transfer {spec.transfer_id}: {len(block_ids)} blocks are more "
+                                f"than an issue notice names ({wire.MAX_ISSUED_BLOCKS}); its ranks learn it from the "
+                                "engine's metadata only")
+            return
         msg = Issued(transfer_id=spec.transfer_id, block_ids=list(block_ids))
         self._put(spec.targets(), (msg, PURPOSE_ISSUED))
 
@@ -214,7 +219,7 @@ class NoticeSender:
     # -- the sender thread ---------------------------------------------------
     def _run(self) -> None:
         ctx = zmq.Context()
-        socks = DealerCache(ctx, self._max_sockets, {zmq.SNDHWM: 1024, zmq.MAXMSGSIZE: 1 << 16})
+        socks = DealerCache(ctx, self._max_sockets, {zmq.SNDHWM: 1024, zmq.MAXMSGSIZE: 1 << 16, zmq.RCVHWM: 64})
         proven: BoundedDict[tuple[str, int], float] = BoundedDict(_MAX_PROVEN)
         waiting: BoundedDict[tuple[str, int], _Waiting] = BoundedDict(_MAX_TARGETS, on_evict=self._evicted)
         try:

@@ -44,7 +44,9 @@ class BlocksClient:
                  max_sockets: int = 64) -> None:
         self._stats = stats
         self._token = auth_token
-        self._socks = DealerCache(ctx, max_sockets, {zmq.MAXMSGSIZE: MAX_ANSWER_BYTES, zmq.SNDHWM: 1024})
+        # RCVHWM: what a peer (any host a client named) can make this socket queue
+        self._socks = DealerCache(ctx, max_sockets,
+                                  {zmq.MAXMSGSIZE: MAX_ANSWER_BYTES, zmq.SNDHWM: 1024, zmq.RCVHWM: 16})
 
     def blocks(self, host: str, port: int, msg: BlocksQuery, timeout_s: float, stop: threading.Event,
                cancelled: threading.Event, pp_size: int = 1) -> Union[BlocksAnswer, str]:

@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 #: threads answering grant requests (each answer is one small send)
 GRANT_THREADS = 2
+#: a grant endpoint lets one address wait for its request on 1/8 of its connections ...
+GRANT_SHARES_PER_SOURCE = 8
+#: ... and keeps 1/4 of them for addresses that were granted before
+GRANT_RESERVED_FRACTION = 4
 #: largest grant reply a reader accepts (about 150,000 regions)
 MAX_GRANT_REPLY = 4 << 20
 
@@ -84,6 +88,10 @@ class CmaControlServer:
         limits = ServerLimits(
             max_connections=max_connections, max_frame=HELLO_FRAME_MAX, read_timeout_s=timeout_s,
             idle_timeout_s=timeout_s, threads=GRANT_THREADS,
+            max_unauthenticated_per_source=max(1, max_connections // GRANT_SHARES_PER_SOURCE),
+            reserved=max_connections // GRANT_RESERVED_FRACTION,
+            keys=("cma_grant_max_connections", "cma_grant_max_connections / 8 per address",
+                  "cma_grant_max_connections / 4"),
         )
         self._server = FrameServer(
             "atomkv-cma-ctl", label, bind_host, limits, self.events,
@@ -113,11 +121,9 @@ class CmaControlServer:
             conn.nonce = new_nonce()
         return wire.encode(wire.CmaChallenge(nonce=conn.nonce))
 
-    def _busy(self) -> bytes:
-        return wire.encode(wire.CmaChallenge(
-            ok=False, error=f"{self._name}: the grant endpoint has {self._max_connections} connections open "
-                            "(cma_grant_max_connections); try again later",
-        ))
+    def _busy(self, why: str) -> bytes:
+        return wire.encode(wire.CmaChallenge(ok=False, error=f"{self._name}: the grant endpoint refused the "
+                                                             f"connection: {why}"))
 
     def _answer(self, conn: Conn, payload: bytearray) -> bool:
         """Answer the one request of a connection; the connection then closes."""
@@ -140,6 +146,7 @@ class CmaControlServer:
                 return self._refuse(conn, "auth", who, f"{self._name}: the grant endpoint refused this reader: "
                                                        f"wrong or missing auth_token proof; {AUTH_HINT}")
             proof = server_proof(self._token, self._purpose, conn.nonce, req.nonce)
+        conn.authenticated = True  # its address is a reader's: it keeps a share of the reserve
         spans = [wire.RegionSpan(region=r, addr=a, size=s) for r, a, s in self._spans()]
         try:  # gpu_ipc: one send of every region per grant; memory it cannot share refuses the grant
             ipc = self._handles() if self._handles is not None else []

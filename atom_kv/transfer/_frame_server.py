@@ -6,11 +6,16 @@ What it guarantees whatever the peers do:
 
 - **Bounded threads**: 1 selector thread + ``limits.threads`` handlers, however
   many connections are open.
-- **Bounded connections**: at most ``limits.max_connections``; one more is sent
-  the protocol's refusal frame and closed (counted as "busy"). At most
+- **Bounded connections, fair shares** (:class:`~atom_kv._fairshare.FairShares`):
+  at most ``limits.max_connections``; at most
   ``limits.max_unauthenticated_per_source`` of them may wait for their hello
-  from one peer address (one more: "busy_source"), so strangers on one host
-  cannot hold every slot.
+  from one peer address: one more closes that address's oldest waiting
+  connection ("busy_source"), so a stranger sharing a reader's address only
+  pushes out its own idle connections. Connections from addresses that never
+  authenticated share ``max_connections - limits.reserved``; the rest is kept
+  for addresses that authenticated before. Past the share, a newcomer closes
+  the oldest waiting connection of the address holding the most, or is sent the
+  protocol's refusal frame, naming the cause, and closed ("busy").
 - **No allocation before authentication**: until the handler marks a
   connection authenticated, a frame may announce at most
   :data:`HELLO_FRAME_MAX` bytes; afterwards at most ``limits.max_frame``. A
@@ -23,7 +28,8 @@ What it guarantees whatever the peers do:
 
 The protocol plugs in three callables: ``greet(conn)`` returns the frame sent
 right after accept (the server hello, which may carry a challenge nonce);
-``refuse_busy()`` the frame that refuses a connection over the limit; and
+``refuse_busy(why)`` the frame that refuses a connection over a limit (``why``
+names it); and
 ``handle(conn, payload)`` runs in a handler thread with the connection to
 itself (blocking sends with deadlines are fine there) and returns whether to
 keep the connection.
@@ -41,6 +47,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from atom_kv._fairshare import FairShares, ProvenSources
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._sockio import FRAME_HEADER, HELLO_FRAME_MAX, frame
 
@@ -66,6 +73,9 @@ class ServerLimits:
     threads: int
     hello_timeout_s: Optional[float] = None  # None: read_timeout_s
     max_unauthenticated_per_source: Optional[int] = None  # None: max_connections
+    reserved: int = 0  # connections kept for addresses that authenticated before
+    #: the config keys that set max_connections, the per-source cap and the reserve (for refusal texts)
+    keys: tuple[str, str, str] = ("max_connections", "max_unauthenticated_per_source", "reserved")
 
     @property
     def hello_s(self) -> float:
@@ -78,7 +88,7 @@ class Conn:
     and ``nonce`` belong to the protocol."""
 
     __slots__ = ("cid", "sock", "peer", "authenticated", "nonce", "data", "_header", "_hgot", "_buf", "_bgot",
-                 "deadline", "_busy", "source", "_unproven")
+                 "deadline", "_busy", "source", "_unproven", "_reserved", "_hello")
 
     def __init__(self, cid: int, sock: socket.socket, peer: str, source: str = "") -> None:
         self.cid = cid
@@ -86,6 +96,8 @@ class Conn:
         self.peer = peer
         self.source = source  # the peer's address
         self._unproven = False  # counted among its source's connections waiting for their hello
+        self._reserved = False  # ... in the reserve of addresses that authenticated before
+        self._hello = False  # a handler judges its hello
         self.authenticated = False
         self.nonce = ""
         #: protocol-specific per-connection state
@@ -123,7 +135,7 @@ class FrameServer:
         events: EndpointEvents,
         *,
         greet: Callable[[Conn], bytes],
-        refuse_busy: Callable[[], bytes],
+        refuse_busy: Callable[[str], bytes],
         handle: Callable[[Conn, bytearray], bool],
         port: int = 0,
     ) -> None:
@@ -145,7 +157,9 @@ class FrameServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
         self._lock = threading.Lock()
         self._conns: dict[int, Conn] = {}
-        self._unproven: dict[str, int] = {}  # peer address -> its connections waiting for their hello
+        per_source = limits.max_unauthenticated_per_source or limits.max_connections
+        self._shares = FairShares(limits.max_connections, per_source, limits.reserved, ProvenSources())
+        self._waiting: dict[str, dict[int, Conn]] = {}  # peer address -> its connections waiting for their hello
         self._returned: list[tuple[Conn, bool]] = []
         self._seq = 0
         self._next_check = float("inf")
@@ -213,33 +227,73 @@ class FrameServer:
             peer = f"{addr[0]}:{addr[1]}"
             sock.setblocking(False)
             source = str(addr[0])
-            per_source = self._limits.max_unauthenticated_per_source or self._limits.max_connections
-            with self._lock:
-                full = len(self._conns) >= self._limits.max_connections
-                crowded = not full and self._unproven.get(source, 0) >= per_source
-                if not full and not crowded:
-                    self._seq += 1
-                    conn = Conn(self._seq, sock, peer, source)
-                    self._conns[conn.cid] = conn
-                    conn._unproven = True
-                    self._unproven[source] = self._unproven.get(source, 0) + 1
-            if full or crowded:
-                if full:
-                    self.events.warn("busy", f"{self._label}: refused a connection from {peer}: "
-                                             f"{self._limits.max_connections} connections already open")
-                else:
-                    self.events.warn("busy_source", f"{self._label}: refused a connection from {peer}: "
-                                                    f"{per_source} connections from {source} already wait for "
-                                                    "their hello")
-                _send_small(sock, frame(self._refuse_busy()))
+            why, reserved = self._admit(source, peer)
+            if why is not None:
+                _send_small(sock, frame(self._refuse_busy(why)))
                 sock.close()
                 continue
+            with self._lock:
+                self._seq += 1
+                conn = Conn(self._seq, sock, peer, source)
+                self._conns[conn.cid] = conn
+                self._wait(conn, reserved)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if not _send_small(sock, frame(self._greet(conn))):
                 self._close(conn)
                 continue
             self._arm(conn, time.monotonic() + self._limits.hello_s)
             self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _admit(self, source: str, peer: str) -> tuple[Optional[str], bool]:
+        """Make room for a connection from ``source`` (closing what the fair shares say), or say why not;
+        and whether it counts in the reserve."""
+        lim = self._limits
+        max_key, source_key, reserve_key = lim.keys
+        verdict = self._shares.admit(source)
+        if verdict.ok and verdict.evict is not None:
+            same = verdict.evict == source
+            why = (f"a newer connection came from {source}, which holds the most or {source_key}" if same else
+                   f"{source} needs a share and {verdict.evict} holds the most")
+            if not self._evict(verdict.evict, "busy_source" if same else "busy", why):
+                verdict.ok = False
+        if not verdict.ok:
+            why = (f"{len(self._shares)} connections from addresses that have not authenticated already wait for "
+                   f"their hello (the last {lim.reserved} of {max_key} are kept for readers that authenticated "
+                   f"before, {reserve_key}); try again later")
+            self.events.warn("busy", f"{self._label}: refused a connection from {peer}: {why}")
+            return why, False
+        with self._lock:
+            full = len(self._conns) >= lim.max_connections
+        if full and not self._evict_largest(source):
+            why = f"{lim.max_connections} connections already open ({max_key}); try again later"
+            self.events.warn("busy", f"{self._label}: refused a connection from {peer}: {why}")
+            return why, False
+        return None, verdict.reserved
+
+    def _wait(self, conn: Conn, reserved: bool) -> None:
+        """``conn`` waits for its hello: counted in its source's share (lock held)."""
+        conn._unproven = True
+        conn._reserved = reserved
+        self._waiting.setdefault(conn.source, {})[conn.cid] = conn
+        self._shares.add(conn.source, conn._reserved)
+
+    def _evict(self, source: str, key: str, why: str) -> bool:
+        """Close ``source``'s oldest connection still waiting for its hello (not one being answered)."""
+        with self._lock:
+            victim = next((c for c in self._waiting.get(source, {}).values() if not c._busy), None)
+        if victim is None:
+            return False
+        self._drop(victim, (key, f"{self._label}: closed {victim.peer}, which waited for its hello: {why}"))
+        return True
+
+    def _evict_largest(self, source: str) -> bool:
+        with self._lock:
+            held = len(self._waiting.get(source, {}))
+            largest = max(self._waiting, key=lambda s: len(self._waiting[s]), default=None)
+            if largest is None or len(self._waiting[largest]) <= held:
+                return False
+        return self._evict(largest, "busy", f"every connection is taken and {largest} holds the most "
+                                            "waiting for their hello")
 
     def _on_readable(self, conn: Conn) -> None:
         sock = conn.sock
@@ -291,6 +345,10 @@ class FrameServer:
         self._sel.unregister(conn.sock)
         conn._busy = True
         conn.deadline = float("inf")
+        if conn._unproven:  # its hello came: a handler judges it now, it no longer holds a share
+            conn._hello = True
+            with self._lock:
+                self._stop_waiting(conn)
         self._work.put((conn, payload))
 
     def _drain_wake(self) -> None:
@@ -306,9 +364,13 @@ class FrameServer:
         now = time.monotonic()
         for conn, keep in returned:
             conn._busy = False
-            if conn.authenticated and conn._unproven:
-                with self._lock:
-                    self._proven(conn)
+            if conn._hello:
+                conn._hello = False
+                if conn.authenticated:
+                    self._shares.proven.proved(conn.source)  # its address is a reader's: the reserve is open to it
+                elif keep:
+                    with self._lock:
+                        self._wait(conn, False)  # the protocol waits for another hello frame
             if not keep or self._stop.is_set():
                 self._close(conn)
                 continue
@@ -360,20 +422,22 @@ class FrameServer:
             pass
         self._close(conn)
 
-    def _proven(self, conn: Conn) -> None:
-        """``conn`` no longer counts toward its source's connections waiting for a hello (lock held)."""
+    def _stop_waiting(self, conn: Conn) -> None:
+        """``conn`` no longer counts toward its source's connections waiting for a hello (lock held): its
+        hello came, or it closed."""
         if conn._unproven:
             conn._unproven = False
-            left = self._unproven.get(conn.source, 1) - 1
-            if left > 0:
-                self._unproven[conn.source] = left
-            else:
-                self._unproven.pop(conn.source, None)
+            mine = self._waiting.get(conn.source)
+            if mine is not None:
+                mine.pop(conn.cid, None)
+                if not mine:
+                    del self._waiting[conn.source]
+            self._shares.remove(conn.source, conn._reserved)
 
     def _close(self, conn: Conn) -> None:
         with self._lock:
             self._conns.pop(conn.cid, None)
-            self._proven(conn)
+            self._stop_waiting(conn)
         try:
             conn.sock.close()
         except OSError:

@@ -59,6 +59,7 @@ class TcpServerSettings:
     send_timeout_s: float
     hello_timeout_s: float = 2.0
     max_unauthenticated_per_source: int = 64
+    reserved_connections: int = 64
 
     @classmethod
     def from_config(cls, cfg: "KVTransferConfig") -> "TcpServerSettings":
@@ -71,6 +72,8 @@ class TcpServerSettings:
             send_timeout_s=cfg.transfer_timeout_s,
             hello_timeout_s=cfg.tcp_hello_timeout_s,
             max_unauthenticated_per_source=cfg.tcp_max_unauthenticated_per_source,
+            reserved_connections=(cfg.tcp_max_connections // 8 if cfg.tcp_reserved_connections is None
+                                  else cfg.tcp_reserved_connections),
         )
 
 
@@ -104,6 +107,8 @@ class TcpReadServer:
             threads=settings.threads,
             hello_timeout_s=settings.hello_timeout_s,
             max_unauthenticated_per_source=settings.max_unauthenticated_per_source,
+            reserved=min(settings.reserved_connections, settings.max_connections - 1),
+            keys=("tcp_max_connections", "tcp_max_unauthenticated_per_source", "tcp_reserved_connections"),
         )
         self._server = FrameServer(
             "atomkv-tcp", label, bind_host, limits, self.events,
@@ -140,11 +145,8 @@ class TcpReadServer:
             conn.nonce = new_nonce()
         return wire.encode(wire.TcpServerHello(nonce=conn.nonce))
 
-    def _busy(self) -> bytes:
-        return wire.encode(wire.TcpServerHello(
-            ok=False, error=f"tcp: the read server has {self._settings.max_connections} connections open "
-                            "(tcp_max_connections); try again later",
-        ))
+    def _busy(self, why: str) -> bytes:
+        return wire.encode(wire.TcpServerHello(ok=False, error=f"tcp: the read server refused the connection: {why}"))
 
     def _handle(self, conn: Conn, payload: bytearray) -> bool:
         if not conn.authenticated:

@@ -82,7 +82,7 @@ def test_garbage_on_the_handshake_port_is_counted_and_survived():
         assert raw.poll(5000)
         challenge = wire.decode(raw.recv_multipart()[-1], wire.HandshakeChallenge)
         raw.send(wire.encode(wire.HandshakeProof(nonce=challenge.nonce, proof=client_proof(
-            "wrong", bad_hs.nonce, challenge.nonce, wire.encode(bad_hs)))))
+            "wrong", bad_hs.nonce, challenge.nonce, wire.encode(bad_hs)), request=wire.encode(bad_hs))))
         assert raw.poll(5000)
         reply = wire.decode(raw.recv_multipart()[-1], wire.HandshakeReply)
         assert not reply.ok and "auth_token" in reply.error

@@ -162,7 +162,8 @@ def test_a_proof_with_the_wrong_token_is_refused_and_the_right_one_gets_a_sealed
             peer.send(req)
             challenge = peer.recv(wire.HandshakeChallenge)
             peer.send(wire.HandshakeProof(nonce=challenge.nonce,
-                                          proof=client_proof(token, req.nonce, challenge.nonce, wire.encode(req))))
+                                          proof=client_proof(token, req.nonce, challenge.nonce, wire.encode(req)),
+                                          request=wire.encode(req)))
             answer = peer.recv(wire.HandshakeReplyMessage)
             if ok:
                 assert isinstance(answer, wire.SealedHandshakeReply)
@@ -415,17 +416,22 @@ def test_a_producer_that_announces_its_transfers_confirms_reads_before_it_steps(
 def test_outstanding_challenges_are_bounded_and_expire():
     from atom_kv.connector.handshake_auth import Challenge, ChallengeTable
 
-    req = wire.HandshakeRequest(engine_id="x", tp_rank=0, tp_size=1, compat=compat(), backend="tcp")
     table = ChallengeTable(capacity=3, ttl_s=1.0, per_source=2)
-    added = [table.add(f"n{i}", Challenge(b"id", "c" * 32, b"d" * 32, wire.encode(req),
-                                          table.new_deadline(now=100.0 + i * 0.1),
-                                          source="10.0.0.1" if i < 3 else "10.0.0.2"))
-             for i in range(5)]  # a flood of handshakes nobody answers
-    assert added == [None, None, "source", None, "full"]  # refused, never evicting a pending one
+
+    def challenge(i: float, source: str, ident: int = 1) -> Challenge:
+        return Challenge(b"d" * 32, ident, table.new_deadline(now=100.0 + i * 0.1), source)
+
+    # a flood of handshakes nobody answers: 10.0.0.1 at its cap pushes out its own oldest (n0), never another's
+    added = [table.add(f"n{i}", challenge(i, "10.0.0.1" if i < 3 else "10.0.0.2")) for i in range(3)]
+    assert added == [None, None, None] and sorted(table._items) == ["n1", "n2"]
+    assert table.add("n3", challenge(3, "10.0.0.2")) is None
+    # full: a newcomer takes the oldest of the address holding the most (10.0.0.1: 2, more than it holds)
+    assert table.add("n4", challenge(4, "10.0.0.3")) is None and sorted(table._items) == ["n2", "n3", "n4"]
+    # it holds as many as anyone: its own oldest goes
+    assert table.add("n5", challenge(5, "10.0.0.3")) is None and sorted(table._items) == ["n2", "n3", "n5"]
     assert len(table) == 3
-    assert table.take("n0", now=100.5) is not None and table.take("n0", now=100.5) is None  # answered once
-    assert table.add("n5", Challenge(b"id", "c" * 32, b"d" * 32, wire.encode(req), table.new_deadline(now=100.5),
-                                     source="10.0.0.1")) is None  # room again, for that source too
-    assert table.take("n1", now=105.0) is None  # answered too late
-    assert [c.deadline for c in table.expire(now=105.0)] == [pytest.approx(101.3), pytest.approx(101.5)]
-    assert len(table) == 0
+    assert table.take("n2", now=100.5) is not None and table.take("n2", now=100.5) is None  # answered once
+    assert table.add("n6", challenge(6, "10.0.0.1")) is None  # room again
+    assert table.take("n3", now=105.0) is None  # answered too late
+    assert [c.deadline for c in table.expire(now=105.0)] == [pytest.approx(101.5), pytest.approx(101.6)]
+    assert len(table) == 0 and not table._newest and len(table.shares) == 0

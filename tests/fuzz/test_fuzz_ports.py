@@ -1,5 +1,6 @@
-"""Fuzzing the engine's binary ports: a producer rank's handshake port (ZeroMQ) and the tcp
-data path's read server, both with an auth token, in this process.
+"""Fuzzing the engine's binary ports: a producer rank's handshake port (ZeroMQ), the tcp data path's
+read server and the cma/gpu_ipc grant endpoint, all with an auth token, and the rendezvous (blocks
+queries on a handshake port without a token, where anyone may ask), in this process.
 
 Random bytes, and well-formed frames of every message kind carrying random field values
 (hypothesis). Asserted: the serving threads stay up and still serve a real peer, memory stays
@@ -9,6 +10,7 @@ failure went through the counted, rate-limited refusal path). Bounded in time.""
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 import msgpack
@@ -26,6 +28,7 @@ from atom_kv.connector.handshake import request_handshake
 from atom_kv.connector.handshake_auth import peer_proof
 from atom_kv.testing.procfs import rss_bytes
 from atom_kv.transfer import ReadOp
+from atom_kv.transfer._cma_control import CmaControlServer, request_grant
 from atom_kv.transfer._sockio import frame, recv_frame
 from atom_kv.transfer.tcp import TcpBackend
 from tests.conftest import free_port
@@ -48,9 +51,9 @@ def _fields_of(*structs) -> list[str]:
     return sorted({name for s in structs for name in s.__struct_fields__})
 
 
-_HS_TAGS = ["hs", "hs_proof", "proof_req", "done", "release", "issued", "hs_ok", "bogus"]
+_HS_TAGS = ["hs", "hs_proof", "proof_req", "done", "release", "issued", "blocks_q", "hs_ok", "bogus"]
 _HS_FIELDS = _fields_of(wire.HandshakeRequest, wire.HandshakeProof, wire.DoneReading, wire.Release, wire.Issued,
-                        wire.CompatInfo)
+                        wire.BlocksQuery, wire.CompatInfo)
 
 
 class _Traces(logging.Handler):
@@ -116,7 +119,7 @@ def test_every_message_kind_with_random_fields_on_the_handshake_port(handshake, 
                          (PURPOSE_RELEASE, wire.Release(transfer_id="x"))):
         forged = msgspec.structs.replace(sign_struct("not-the-token", purpose, msg), mac=mac)
         handshake.sock.send(wire.encode(forged))
-    handshake.sock.send(wire.encode(wire.HandshakeProof(nonce="n" * 32, proof=mac)))
+    handshake.sock.send(wire.encode(wire.HandshakeProof(nonce="n" * 32, proof=mac, request=mac.encode())))
 
 
 def test_zz_the_handshake_port_survived(handshake, traces):
@@ -221,4 +224,116 @@ def test_zz_the_tcp_port_survived(tcp, traces):
     stats = tcp.backend.stats()
     assert stats.get("internal", 0) == 0, stats
     assert rss_bytes() - tcp.rss_start < 64 << 20
+    assert traces.records == [], [r.getMessage() for r in traces.records][:5]
+
+
+# ---------------------------------------------------------------------------- the rendezvous (no token)
+class _RendezvousTarget(_HandshakeTarget):
+    """A producer rank without a token: anyone may ask it for a transfer's blocks."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.engine, self.worker, _ = producer_engine(self.port, prefill_wait_timeout_s=0.5)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock.connect(f"tcp://127.0.0.1:{self.port}")
+        self.rss_start = rss_bytes()
+
+
+@pytest.fixture(scope="module")
+def rendezvous(traces):
+    t = _RendezvousTarget()
+    yield t
+    t.close()
+
+
+_BQ_FIELDS = _fields_of(wire.BlocksQuery)
+
+
+@FUZZ
+@given(fields=st.dictionaries(st.sampled_from(_BQ_FIELDS), _value, max_size=8),
+       tid=st.text(max_size=140), rank=st.integers(-5, 5000), size=st.integers(-5, 5000),
+       wait_ms=st.integers(-5, wire.MAX_BLOCKS_WAIT_MS + 5))
+def test_blocks_queries_with_random_fields_on_the_rendezvous(rendezvous, fields, tid, rank, size, wait_ms):
+    rendezvous.sock.send(msgpack.packb({"t": "blocks_q", "v": 2, **fields}))
+    well_formed = {"t": "blocks_q", "v": 2, "transfer_id": tid, "engine_id": "fuzz", "tp_rank": rank,
+                   "tp_size": size, "wait_ms": wait_ms}
+    rendezvous.sock.send(msgpack.packb(well_formed))
+
+
+def test_zz_the_rendezvous_survived(rendezvous, traces):
+    server = rendezvous.worker.handshake_server
+    rendezvous.sock.send(wire.encode(wire.BlocksQuery(transfer_id="sentinel", engine_id="D", tp_rank=0, tp_size=1)))
+    while True:
+        assert rendezvous.sock.poll(30_000), "the rendezvous stopped answering"
+        try:
+            answer = wire.decode(rendezvous.sock.recv_multipart()[-1], wire.BlocksAnswer)
+        except wire.WireError:
+            continue
+        if answer.transfer_id == "sentinel":
+            assert not answer.found
+            break
+    assert server._thread.is_alive()
+    assert "internal" not in server.refusals(), server.refusals()
+    assert rss_bytes() - rendezvous.rss_start < 64 << 20
+    assert traces.records == [], [r.getMessage() for r in traces.records][:5]
+
+
+# ---------------------------------------------------------------------------- grant endpoints (cma, gpu_ipc)
+class _GrantTarget:
+    def __init__(self) -> None:
+        self.server = CmaControlServer(bind_host="127.0.0.1", host="127.0.0.1", auth_token=TOKEN, timeout_s=1.0,
+                                       max_connections=64, spans=lambda: [(0, 4096, 4096)], label="fuzzed grants")
+        self.addr = ("127.0.0.1", self.server.port)
+        self.rss_start = rss_bytes()
+
+    def exchange(self, payloads: list[bytes]) -> None:
+        with socket.create_connection(self.addr, timeout=5) as s:
+            try:
+                recv_frame(s)  # the endpoint's challenge
+                for payload in payloads:
+                    s.sendall(frame(payload))
+                s.shutdown(socket.SHUT_WR)
+                s.settimeout(3)
+                while s.recv(65536):
+                    pass
+            except (ConnectionError, TimeoutError, OSError, ValueError):
+                pass
+
+
+@pytest.fixture(scope="module")
+def grants(traces):
+    t = _GrantTarget()
+    yield t
+    t.server.close()
+
+
+_GRANT_FIELDS = _fields_of(wire.CmaGrantRequest)
+
+
+@FUZZ
+@given(data=st.binary(max_size=600))
+def test_random_bytes_on_the_grant_endpoint(grants, data):
+    grants.exchange([data])
+
+
+@FUZZ
+@given(request=st.fixed_dictionaries({"t": st.sampled_from(["cma_grant", "tcp_hello", "x"]), "v": st.integers(0, 3)},
+                                     optional={"pid": _value, "key": _value, "nonce": _value, "proof": _value}),
+       extra=st.dictionaries(st.sampled_from(_GRANT_FIELDS), _value, max_size=4),
+       proof=st.text(max_size=70), pid=st.integers(-(2**63), 2**63 - 1))
+def test_grant_requests_with_random_fields_on_the_grant_endpoint(grants, request, extra, proof, pid):
+    grants.exchange([msgpack.packb({**extra, **request})])
+    grants.exchange([wire.encode(wire.CmaGrantRequest(pid=pid, key="k", nonce="n" * 32, proof=proof))])
+
+
+def test_zz_the_grant_endpoint_survived(grants, traces):
+    desc = wire.CmaDescriptor(pid=os.getpid(), host_id="h", ctl_host=grants.addr[0], ctl_port=grants.addr[1])
+    reply = request_grant(desc, "reader", TOKEN, 5.0)
+    assert reply.ok and reply.regions, reply.error
+    stats = grants.server.stats()
+    assert stats.get("internal", 0) == 0 and stats.get("decode", 0) + stats.get("auth", 0) > 0, stats
+    assert rss_bytes() - grants.rss_start < 64 << 20
     assert traces.records == [], [r.getMessage() for r in traces.records][:5]

@@ -202,16 +202,25 @@ def test_auto_falls_back_to_tcp_when_the_grant_endpoint_is_silent(caplog: pytest
 
 
 @needs_cma
-def test_auto_falls_back_to_tcp_when_the_grant_is_refused() -> None:
+def test_auto_falls_back_to_tcp_when_the_grant_is_refused(monkeypatch) -> None:
+    """An idle stranger no longer takes the only slot (fair shares close its connection for the reader's);
+    the endpoint refuses when every slot is being answered, which this test stands in for."""
+    from atom_kv.transfer.cma import CmaBackend
+
     src = np.arange(1 << 14, dtype=np.uint32).view(np.uint8)
     dst = np.zeros_like(src)
     a, b = _auto_pair(_grant_cfg(cma_grant_max_connections=1, cma_grant_timeout_s=5), src, dst)
     try:
         blob = a.export_descriptor()
-        cma = wire.decode(wire.decode(blob, wire.AutoDescriptor).cma, wire.CmaDescriptor)
-        with socket.create_connection((cma.ctl_host, cma.ctl_port), timeout=5) as hog:
-            hog.recv(1)  # the endpoint's one connection is taken (its challenge arrived)
-            peer = b.add_peer(blob)
+        endpoint = next(be for be in a._inner() if isinstance(be, CmaBackend))._control()._server
+
+        def every_slot_answered(source, peer):
+            why = "1 connections already open (cma_grant_max_connections); try again later"
+            endpoint.events.warn("busy", f"refused a connection from {peer}: {why}")
+            return why, False
+
+        monkeypatch.setattr(endpoint, "_admit", every_slot_answered)
+        peer = b.add_peer(blob)
         assert b.backend_for(peer) == "tcp"  # type: ignore[attr-defined]
         _read_all(b, peer, src, dst)
         assert b.stats()["cma_fallbacks"] == 1 and a.stats()["cma_busy"] == 1

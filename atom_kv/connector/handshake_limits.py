@@ -1,0 +1,238 @@
+"""What a producer rank's handshake port (a ZeroMQ ROUTER) lets a stranger make it hold.
+
+- :func:`largest_message_bytes`: ``ZMQ_MAXMSGSIZE``, from the wire bounds: the
+  largest legitimate message (an :class:`~atom_kv.wire.Issued` naming
+  ``MAX_ISSUED_BLOCKS`` blocks, about 330 KiB). ZeroMQ drops a connection that
+  announces a bigger frame before allocating anything for it.
+- ``ZMQ_RCVHWM`` (:data:`RECEIVE_HWM`): messages queued per connection; past
+  it ZeroMQ stops reading that connection (TCP backpressure), so one
+  connection holds at most ``(RECEIVE_HWM + 1) * largest_message_bytes()``.
+- :class:`ConnectionGuard`: connections, counted per peer address from the
+  socket's monitor (accepted / disconnected, with the file descriptor). A
+  source holds at most ``per_source`` connections that have not proven the
+  token (sent a valid proof or signed notice); one more shuts that source's
+  oldest unproven connection down, so a stranger sharing a legitimate peer's
+  address evicts its own idle connections first. (Without a token, any
+  well-formed message counts as the proof: a decode host's cached connections
+  are never cut, and the cap still bounds connections that say nothing.) At most ``max_connections``
+  in all: past it, the oldest unproven connection of the source holding the
+  most goes (when it holds at least two more than the newcomer's source),
+  otherwise the newcomer. So pre-authentication memory is at most
+  ``max_connections * (RECEIVE_HWM + 1) * largest_message_bytes()``, and a
+  connection that never completes ZeroMQ's own handshake is dropped after
+  ``ZMQ_HANDSHAKE_IVL``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+import os
+import socket
+import struct
+from typing import Any, Callable, Optional
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from atom_kv import wire
+
+__all__ = ["ConnectionGuard", "PortLimits", "RECEIVE_HWM", "largest_message_bytes"]
+
+logger = logging.getLogger(__name__)
+
+#: messages ZeroMQ queues per connection before it stops reading from it
+RECEIVE_HWM = 4
+_WIDE = "\U0001f600"  # a 4-byte UTF-8 character: strings at their bound in characters are 4x their length in bytes
+
+
+@functools.lru_cache(maxsize=1)
+def largest_message_bytes() -> int:
+    """The largest frame a legitimate peer sends to a handshake port, rounded up to 4 KiB."""
+    name = _WIDE * 256
+    nonce, mac = _WIDE * 128, _WIDE * 128
+    compat = wire.CompatInfo(model_id=name, dtype=name, num_layers=1 << 20, num_kv_heads=1 << 20,
+                             head_dim=1 << 20, block_size=1 << 20, is_mla=True, layout=name)
+    request = wire.HandshakeRequest(engine_id=name, tp_rank=1 << 20, tp_size=1 << 20, compat=compat, backend=name,
+                                    host=_WIDE * 255, nonce=nonce, memory=[_WIDE * 16] * 16)
+    tid = _WIDE * 128
+    signed = dict(ts=-1.5e308, nonce=nonce, mac=mac)
+    messages = [
+        request,
+        wire.HandshakeProof(nonce=nonce, proof=mac, request=b"\xff" * wire.MAX_HANDSHAKE_REQUEST_BYTES),
+        wire.PeerProofRequest(nonce=nonce),
+        wire.DoneReading(transfer_id=tid, engine_id=name, tp_rank=1 << 20, tp_size=1 << 20, ok=False,
+                         want_ack=True, block_offset=1 << 20, num_blocks=1 << 20, blocks_digest=name, **signed),
+        wire.Release(transfer_id=tid, reason=name, sender=name, **signed),
+        wire.Issued(transfer_id=tid, block_ids=[(1 << 32) - 1] * wire.MAX_ISSUED_BLOCKS, **signed),
+        wire.BlocksQuery(transfer_id=tid, engine_id=name, tp_rank=1 << 20, tp_size=1 << 20,
+                         wait_ms=wire.MAX_BLOCKS_WAIT_MS, **signed),
+    ]
+    largest = max(len(wire.encode(m)) for m in messages)
+    return (largest + 4095) // 4096 * 4096
+
+
+@dataclass(frozen=True)
+class PortLimits:
+    """The handshake port's pre-authentication bounds, from the ``handshake_*`` config keys."""
+
+    max_connections: int = 1024
+    connections_per_source: int = 64
+    challenges_per_source: int = 64
+    challenges_reserved: int = 1024
+    zmq_handshake_s: float = 5.0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "PortLimits":
+        return cls(max_connections=cfg.handshake_max_connections,
+                   connections_per_source=cfg.handshake_max_unproven_connections_per_source,
+                   challenges_per_source=cfg.handshake_max_challenges_per_source,
+                   challenges_reserved=cfg.handshake_reserved_challenges,
+                   zmq_handshake_s=cfg.handshake_timeout_s)
+
+
+class _Conn:
+    __slots__ = ("source", "proven")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.proven = False
+
+
+class ConnectionGuard:
+    """Owns the counts of a ROUTER socket's connections by peer address (see
+    the module doc). ``on_refuse(reason, message)`` counts and logs a
+    connection it shut down. Runs on the socket's serving thread: call
+    :meth:`poll_events` when the monitor socket is readable."""
+
+    def __init__(self, sock: zmq.Socket, *, max_connections: int, per_source: int,
+                 on_refuse: Callable[[str, str], None]) -> None:
+        self.max_connections = max_connections
+        self.per_source = per_source
+        self._on_refuse = on_refuse
+        self._conns: dict[int, _Conn] = {}  # fd -> connection
+        self._unproven: dict[str, dict[int, None]] = {}  # source -> its unproven connections' fds, oldest first
+        self._closing: set[int] = set()  # shut down, until ZeroMQ reports them disconnected
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+
+    def __len__(self) -> int:
+        return len(self._conns) - len(self._closing)
+
+    def sources(self) -> dict[str, int]:
+        """Open connections by peer address (tests, metrics; from any thread)."""
+        out: dict[str, int] = {}
+        closing = set(self._closing)
+        for fd, conn in list(self._conns.items()):  # one copy, atomic for a dict
+            if fd not in closing:
+                out[conn.source] = out.get(conn.source, 0) + 1
+        return out
+
+    def poll_events(self) -> None:
+        """Handle every monitor event waiting (never blocks)."""
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                return
+            try:
+                msg = parse_monitor_message(frames)
+            except (ValueError, struct.error):
+                continue
+            event, fd = int(msg["event"]), int(msg["value"])
+            if event == zmq.EVENT_ACCEPTED:
+                self._accepted(fd)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._gone(fd)
+
+    def proven(self, fd: Optional[int]) -> None:
+        """The connection on ``fd`` delivered a message that proved the token."""
+        conn = self._conns.get(fd) if fd is not None else None
+        if conn is None or conn.proven:
+            return
+        conn.proven = True
+        self._forget_unproven(conn.source, fd)  # type: ignore[arg-type]
+
+    def _accepted(self, fd: int) -> None:
+        source = _peer_of(fd)
+        self._closing.discard(fd)
+        old = self._conns.pop(fd, None)  # a reused descriptor whose disconnect we missed
+        if old is not None and not old.proven:
+            self._forget_unproven(old.source, fd)
+        conn = self._conns[fd] = _Conn(source)
+        mine = self._unproven.setdefault(source, {})
+        if len(mine) >= self.per_source:
+            victim = next(iter(mine))
+            self._shut(victim, "connections_source", f"closed the oldest of {len(mine)} connections from {source} "
+                                                     "that have not proven the token (a newer one came)")
+        if len(self) > self.max_connections:
+            largest = max(self._unproven.items(), key=lambda kv: len(kv[1]), default=("", {}))
+            if largest[1] and len(largest[1]) > len(mine):
+                self._shut(next(iter(largest[1])), "connections_full",
+                           f"closed the oldest unproven connection from {largest[0]} (it holds the most of "
+                           f"{self.max_connections} connections)")
+            else:
+                self._shut(fd, "connections_full", f"closed a connection from {source}: {len(self._conns)} "
+                                                   f"connections open (handshake_max_connections)")
+                return
+        mine[fd] = None
+        del conn
+
+    def _gone(self, fd: int) -> None:
+        self._closing.discard(fd)
+        conn = self._conns.pop(fd, None)
+        if conn is not None and not conn.proven:
+            self._forget_unproven(conn.source, fd)
+
+    def _forget_unproven(self, source: str, fd: int) -> None:
+        mine = self._unproven.get(source)
+        if mine is not None:
+            mine.pop(fd, None)
+            if not mine:
+                del self._unproven[source]
+
+    def _shut(self, fd: int, reason: str, why: str) -> None:
+        """Shut the connection on ``fd`` down (ZeroMQ then closes it and reports it disconnected)."""
+        conn = self._conns.get(fd)
+        if conn is not None and not conn.proven:
+            self._forget_unproven(conn.source, fd)
+        if conn is not None:
+            self._closing.add(fd)
+        s = _socket_of(fd)
+        if s is not None:
+            with s:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._on_refuse(reason, why)
+
+    def close(self) -> None:
+        self.monitor.close(0)
+
+
+def _peer_of(fd: int) -> str:
+    """The peer address of a connected socket descriptor, or "" when it is gone."""
+    s = _socket_of(fd)
+    if s is None:
+        return ""
+    with s:
+        try:
+            return str(s.getpeername()[0])
+        except OSError:
+            return ""
+
+
+def _socket_of(fd: int) -> Optional[socket.socket]:
+    """A socket object on a duplicate of ``fd`` (closing it leaves ``fd`` open), or None."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
