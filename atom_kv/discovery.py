@@ -48,6 +48,7 @@ _CONNECT_TIMEOUT_S = 1.0   # one attempt to reach the engine's own HTTP server
 _SERVING_RETRY_S = 0.5     # between attempts while it starts
 _SERVING_WARN_AFTER_S = (30.0, 120.0)
 _MAX_ANSWER_BYTES = 8192   # a RegisterAnswer with every field at its bound is about 3.2 KiB
+_MAX_UNANSWERED = 4        # pings an answer may still be for (older ones were lost with their connection)
 
 
 def parse_proxy_address(address: str, default_port: int) -> tuple[str, int]:
@@ -81,6 +82,7 @@ class _ProxyLink:
         self.registered_once = False
         self.awaiting_since: Optional[float] = None  # when the oldest unanswered ping was sent (or dropped)
         self.dropped = 0  # pings that could not be queued since the last answer (no connection)
+        self.unanswered = 0  # pings sent and not answered yet (bounded): an answer beyond them is not read
 
 
 SILENT = "silent"
@@ -199,6 +201,7 @@ class RegistrationPinger:
         try:
             link.sock.send(self.payload(), zmq.NOBLOCK)
             self.sent += 1
+            link.unanswered = min(link.unanswered + 1, _MAX_UNANSWERED)
         except zmq.Again:
             self.dropped += 1
             link.dropped += 1
@@ -210,6 +213,10 @@ class RegistrationPinger:
                 frames = link.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if link.unanswered == 0:  # nothing asked: a proxy cannot flood the log with answers
+                self.bad_answers += 1
+                continue
+            link.unanswered -= 1
             try:
                 answer = wire.decode(frames[-1], RegisterAnswer)
             except WireError as exc:
