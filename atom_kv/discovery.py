@@ -72,6 +72,9 @@ def parse_proxy_address(address: str, default_port: int) -> tuple[str, int]:
     return host, int(port_text)
 
 
+SILENT = "silent"  # a link's state while its proxy does not answer
+
+
 class _ProxyLink:
     """One proxy: its DEALER socket and what the engine has heard from it (for the log)."""
 
@@ -83,9 +86,6 @@ class _ProxyLink:
         self.awaiting_since: Optional[float] = None  # when the oldest unanswered ping was sent (or dropped)
         self.dropped = 0  # pings that could not be queued since the last answer (no connection)
         self.unanswered = 0  # pings sent and not answered yet (bounded): an answer beyond them is not read
-
-
-SILENT = "silent"
 
 
 class RegistrationPinger:
@@ -106,7 +106,6 @@ class RegistrationPinger:
         self.dropped = 0
         self.answers = 0
         self.bad_answers = 0
-        self.states: dict[str, Optional[tuple[str, str]]] = {}  # proxy address -> its last state (for tests)
         self._auth_token = auth_token
         self._fields = msgspec.to_builtins(self.ping)
         self._payload = wire.encode(self.ping)
@@ -236,7 +235,6 @@ class RegistrationPinger:
                        "does not listen on loopback only (--discovery-host); a proxy older than this engine does "
                        "not answer", link.address, self.answer_timeout_s, how)
         link.state = (SILENT, "")
-        self.states[link.address] = link.state
 
     def _changed(self, link: _ProxyLink, state: tuple[str, str], detail: str) -> None:
         if state == link.state:
@@ -254,7 +252,6 @@ class RegistrationPinger:
         else:
             logger.warning("proxy %s refused registration of %s (%s): %s", link.address, what, reason, detail)
         link.state = state
-        self.states[link.address] = state
 
     def close(self) -> None:
         if self._closed:
