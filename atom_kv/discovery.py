@@ -241,7 +241,9 @@ class RegistrationPinger:
             return
         status, reason = state
         what = f"{self.ping.role} engine {self.ping.engine_id} ({self.ping.request_address})"
-        if status == REGISTERED:
+        if status == REGISTERED and reason:  # registered, but e.g. the proxy cannot reach the engine's URL
+            logger.warning("proxy %s registered %s %s", link.address, what, detail)
+        elif status == REGISTERED:
             if not link.registered_once:
                 logger.info("registered with proxy %s as %s", link.address, what)
             else:

@@ -180,7 +180,8 @@ def test_the_pinger_logs_the_first_success_once_then_each_change_and_ignores_ans
                                        tp_size=1, engine_id="P-1").start()
     ok = wire.RegisterAnswer(status="registered")
     refused = wire.RegisterAnswer(status="refused", reason="token", detail="wrong mac")
-    script = [ok, ok, refused, refused, refused, ok, ok]
+    unreachable = wire.RegisterAnswer(status="registered", reason="unreachable", detail="but the proxy cannot reach")
+    script = [ok, ok, refused, refused, refused, ok, ok, unreachable, unreachable]
     try:
         for n, answer in enumerate(script):
             assert router.poll(5000), "no ping"
@@ -198,6 +199,9 @@ def test_the_pinger_logs_the_first_success_once_then_each_change_and_ignores_ans
     lines = [r.getMessage() for r in caplog.records if "proxy 127.0.0.1" in r.getMessage()]
     assert lines[0].startswith(f"registered with proxy 127.0.0.1:{port} as P engine P-1")
     assert [line.split(" (")[0] for line in lines[1:]] == [
-        f"proxy 127.0.0.1:{port} refused registration of P engine P-1", f"registered with proxy 127.0.0.1:{port} again"]
-    assert "(token): wrong mac" in lines[1]
+        f"proxy 127.0.0.1:{port} refused registration of P engine P-1", f"registered with proxy 127.0.0.1:{port} again",
+        f"proxy 127.0.0.1:{port} registered P engine P-1"]
+    assert "(token): wrong mac" in lines[1] and lines[3].endswith("but the proxy cannot reach")
+    assert [r.levelname for r in caplog.records if "proxy 127.0.0.1" in r.getMessage()] == [
+        "INFO", "WARNING", "INFO", "WARNING"]
     assert pinger.bad_answers >= 40
