@@ -48,6 +48,7 @@ _CONNECT_TIMEOUT_S = 1.0   # one attempt to reach the engine's own HTTP server
 _SERVING_RETRY_S = 0.5     # between attempts while it starts
 _SERVING_WARN_AFTER_S = (30.0, 120.0)
 _MAX_ANSWER_BYTES = 8192   # a RegisterAnswer with every field at its bound is about 3.2 KiB
+_MAX_UNANSWERED = 4        # pings an answer may still be for (older ones were lost with their connection)
 
 
 def parse_proxy_address(address: str, default_port: int) -> tuple[str, int]:
@@ -71,6 +72,9 @@ def parse_proxy_address(address: str, default_port: int) -> tuple[str, int]:
     return host, int(port_text)
 
 
+SILENT = "silent"  # a link's state while its proxy does not answer
+
+
 class _ProxyLink:
     """One proxy: its DEALER socket and what the engine has heard from it (for the log)."""
 
@@ -81,9 +85,7 @@ class _ProxyLink:
         self.registered_once = False
         self.awaiting_since: Optional[float] = None  # when the oldest unanswered ping was sent (or dropped)
         self.dropped = 0  # pings that could not be queued since the last answer (no connection)
-
-
-SILENT = "silent"
+        self.unanswered = 0  # pings sent and not answered yet (bounded): an answer beyond them is not read
 
 
 class RegistrationPinger:
@@ -104,7 +106,6 @@ class RegistrationPinger:
         self.dropped = 0
         self.answers = 0
         self.bad_answers = 0
-        self.states: dict[str, Optional[tuple[str, str]]] = {}  # proxy address -> its last state (for tests)
         self._auth_token = auth_token
         self._fields = msgspec.to_builtins(self.ping)
         self._payload = wire.encode(self.ping)
@@ -199,6 +200,7 @@ class RegistrationPinger:
         try:
             link.sock.send(self.payload(), zmq.NOBLOCK)
             self.sent += 1
+            link.unanswered = min(link.unanswered + 1, _MAX_UNANSWERED)
         except zmq.Again:
             self.dropped += 1
             link.dropped += 1
@@ -210,6 +212,10 @@ class RegistrationPinger:
                 frames = link.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if link.unanswered == 0:  # nothing asked: a proxy cannot flood the log with answers
+                self.bad_answers += 1
+                continue
+            link.unanswered -= 1
             try:
                 answer = wire.decode(frames[-1], RegisterAnswer)
             except WireError as exc:
@@ -229,14 +235,15 @@ class RegistrationPinger:
                        "does not listen on loopback only (--discovery-host); a proxy older than this engine does "
                        "not answer", link.address, self.answer_timeout_s, how)
         link.state = (SILENT, "")
-        self.states[link.address] = link.state
 
     def _changed(self, link: _ProxyLink, state: tuple[str, str], detail: str) -> None:
         if state == link.state:
             return
         status, reason = state
         what = f"{self.ping.role} engine {self.ping.engine_id} ({self.ping.request_address})"
-        if status == REGISTERED:
+        if status == REGISTERED and reason:  # registered, but e.g. the proxy cannot reach the engine's URL
+            logger.warning("proxy %s registered %s %s", link.address, what, detail)
+        elif status == REGISTERED:
             if not link.registered_once:
                 logger.info("registered with proxy %s as %s", link.address, what)
             else:
@@ -247,7 +254,6 @@ class RegistrationPinger:
         else:
             logger.warning("proxy %s refused registration of %s (%s): %s", link.address, what, reason, detail)
         link.state = state
-        self.states[link.address] = state
 
     def close(self) -> None:
         if self._closed:

@@ -143,7 +143,8 @@ REGISTERED, REFUSED, STALE = "registered", "refused", "stale"
 class RegisterAnswer(msgspec.Struct, tag_field="type", tag="register_answer", kw_only=True):
     """The proxy's answer to a :class:`RegisterPing` that set ``answers`` (proxy ROUTER -> engine DEALER).
 
-    ``status``: ``registered``; ``refused`` with ``reason`` one of ``token``, ``limits``, ``format``,
+    ``status``: ``registered`` (``reason`` ``unreachable`` while the proxy cannot reach the engine's
+    URL); ``refused`` with ``reason`` one of ``token``, ``limits``, ``format``,
     ``address``, ``version``; or ``stale`` (a signed ping whose timestamp is outside the proxy's window:
     the two clocks differ). ``detail`` says why in one line. Informational only: the engine logs it."""
 

@@ -9,7 +9,9 @@ process could register). Every refusal is counted by reason
 (``atom_kv_proxy_rejected_registrations``) and logged at a bounded rate.
 
 A ping that asks for it (``answers``, set by atom-kv's pinger) gets a
-:class:`~atom_kv.wire.RegisterAnswer`: registered, refused and why, or stale.
+:class:`~atom_kv.wire.RegisterAnswer`: registered (``unreachable`` while the
+proxy's probes or requests cannot reach the engine's URL), refused and why,
+or stale.
 ATOM's and MoRIIO's pings never do, and get nothing back.
 
 Before anything is decoded, the socket bounds what a stranger can make it
@@ -37,7 +39,7 @@ from atom_kv.proxy.pings import (  # noqa: F401 - re-exported: the names tests a
     MAX_PING_BYTES, REQUIRED_TRANSFER_MODE, DiscoveryMessage, MoriioDecodePing, MoriioPrefillPing,
     UnspecifiedAddress, decode_discovery, decode_discovery_map, decode_raw, to_message, to_registration,
 )
-from atom_kv.proxy.registry import Registry, RegistryFull
+from atom_kv.proxy.registry import UP, Registry, RegistryFull
 from atom_kv.proxy.settings import is_loopback
 from atom_kv.wire import (
     PROTOCOL_VERSION, REFUSED, REGISTERED, STALE, HelloPing, RegisterAnswer, RegisterPing, WireError, encode,
@@ -294,7 +296,14 @@ class DiscoveryListener:
             return self._refuse(wants, "capacity", who, str(exc), "limits")
         if self.guard is not None and peer:
             self.guard.trust(peer)
-        return RegisterAnswer(status=REGISTERED) if wants else None
+        if not wants:
+            return None
+        inst = self.registry.get(reg.role, reg.base_url)
+        if inst is not None and inst.state != UP and inst.down_reason:  # a probe or a request did not reach it
+            return RegisterAnswer(status=REGISTERED, reason="unreachable", detail=(
+                f"but the proxy cannot reach {reg.base_url} ({inst.down_reason}): it gets no requests until it "
+                "can; the engine must advertise the address the proxy's host reaches it at")[:512])
+        return RegisterAnswer(status=REGISTERED)
 
     def _auth_refusal(self, wants: bool, who: str, exc: AuthError) -> Optional[RegisterAnswer]:
         if exc.reason == "stale":

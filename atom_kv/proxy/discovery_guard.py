@@ -17,12 +17,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections import Counter, OrderedDict
 from typing import Optional
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ConnectionGuard"]
+
+_PRUNE_EVERY_S = 1.0  # the whole table is re-checked at most this often
 
 
 class ConnectionGuard:
@@ -37,6 +40,7 @@ class ConnectionGuard:
         self._per_source: Counter[str] = Counter()
         self._trusted: OrderedDict[str, None] = OrderedDict()  # bounded LRU of sources with a registration
         self._max_trusted = max_trusted
+        self._pruned_at = float("-inf")
 
     def __len__(self) -> int:
         return len(self._fds)
@@ -55,8 +59,12 @@ class ConnectionGuard:
             return None  # already gone
         self.disconnected(fd)  # a missed disconnect of an earlier connection on the same fd
         problem = self._over(host)
-        if problem is not None:
-            self._prune()  # drop entries whose connection ended without an event, then look again
+        if problem is not None:  # drop entries whose connection ended without an event, then look again
+            if self._per_source[host] >= self.per_source:
+                self._prune(host)  # at most per_source entries
+            elif time.monotonic() - self._pruned_at >= _PRUNE_EVERY_S:  # a flood must not make each refusal cost
+                self._pruned_at = time.monotonic()                     # a walk over the whole table
+                self._prune()
             problem = self._over(host)
         if problem is not None:
             self._shutdown(fd)
@@ -82,9 +90,9 @@ class ConnectionGuard:
                     f"{self.max_connections}, {self.reserved} of them kept for sources that registered before)")
         return None
 
-    def _prune(self) -> None:
+    def _prune(self, only: Optional[str] = None) -> None:
         for fd, host in list(self._fds.items()):
-            if self._peer(fd) != host:
+            if (only is None or host == only) and self._peer(fd) != host:
                 self.disconnected(fd)
 
     def _peer(self, fd: int) -> Optional[str]:

@@ -279,6 +279,10 @@ class Registry:
                 f"handshake_port={reg.handshake_port}, {reg.source} ping); probing it"))
         return new
 
+    def get(self, role: Role, base_url: str) -> Instance | None:
+        """The instance registered as ``role`` at ``base_url``, if any."""
+        return self._instances.get((role, base_url))
+
     def add_static(self, engine: StaticEngine) -> Instance:
         """Register an engine given by flag; it is probed, never evicted."""
         inst = self._new_instance(engine.role, engine.base_url, engine.host, engine.http_port,  # type: ignore[arg-type]

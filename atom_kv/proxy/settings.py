@@ -155,11 +155,6 @@ class ProxySettings:
         return self.discovery and self.registration_token is None and self.allow_open_registration
 
     @property
-    def registration_refused(self) -> bool:
-        """Whether discovery refuses every ping (no token, and open registration not allowed)."""
-        return self.discovery and self.registration_token is None and not self.allow_open_registration
-
-    @property
     def discovery_bind_host(self) -> str:
         """Where discovery listens: ``discovery_host``, else the HTTP ``host``."""
         return self.discovery_host if self.discovery_host is not None else self.host

@@ -1,3 +1,4 @@
+import logging
 import random
 import socket
 import time
@@ -9,6 +10,7 @@ import zmq
 from atom_kv import wire
 from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_fields
 from atom_kv.discovery import build_registration_pinger, parse_proxy_address
+from atom_kv.testing.polling import wait_until
 from tests.conftest import free_port
 from tests.connector.kvutil import config
 
@@ -163,3 +165,43 @@ def test_a_pinger_announces_its_kv_features_signed_with_the_rest():
     silent = build_registration_pinger(cfg, role="D", index="0", http_host="127.0.0.1", http_port=8200,
                                        tp_size=1, engine_id="D-1")
     assert msgspec.msgpack.decode(silent.payload())["kv_features"] is None
+
+
+def test_the_pinger_logs_the_first_success_once_then_each_change_and_ignores_answers_nobody_asked_for(caplog):
+    """A real ROUTER plays the proxy: it answers each ping from a script, and floods unasked answers once."""
+    caplog.set_level(logging.INFO, logger="atom_kv.discovery")
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    cfg = config("kv_producer", 6400, proxy_ip=f"127.0.0.1:{port}", ping_interval_s=0.05,
+                 registration_answer_timeout_s=30.0)
+    pinger = build_registration_pinger(cfg, role="P", index="0", http_host="127.0.0.1", http_port=8100,
+                                       tp_size=1, engine_id="P-1").start()
+    ok = wire.RegisterAnswer(status="registered")
+    refused = wire.RegisterAnswer(status="refused", reason="token", detail="wrong mac")
+    unreachable = wire.RegisterAnswer(status="registered", reason="unreachable", detail="but the proxy cannot reach")
+    script = [ok, ok, refused, refused, refused, ok, ok, unreachable, unreachable]
+    try:
+        for n, answer in enumerate(script):
+            assert router.poll(5000), "no ping"
+            frames = router.recv_multipart()
+            assert msgspec.msgpack.decode(frames[-1])["answers"] is True
+            router.send_multipart([frames[0], wire.encode(answer)])
+            if n == 0:  # answers nobody asked for: read at most as many as pings are outstanding, never logged
+                for _ in range(50):
+                    router.send_multipart([frames[0], wire.encode(refused)])
+        wait_until(lambda: pinger.answers >= len(script), 10, interval=0.02, what="the answers to be read")
+    finally:
+        pinger.close()
+        router.close(0)
+        ctx.destroy(linger=0)
+    lines = [r.getMessage() for r in caplog.records if "proxy 127.0.0.1" in r.getMessage()]
+    assert lines[0].startswith(f"registered with proxy 127.0.0.1:{port} as P engine P-1")
+    assert [line.split(" (")[0] for line in lines[1:]] == [
+        f"proxy 127.0.0.1:{port} refused registration of P engine P-1", f"registered with proxy 127.0.0.1:{port} again",
+        f"proxy 127.0.0.1:{port} registered P engine P-1"]
+    assert "(token): wrong mac" in lines[1] and lines[3].endswith("but the proxy cannot reach")
+    assert [r.levelname for r in caplog.records if "proxy 127.0.0.1" in r.getMessage()] == [
+        "INFO", "WARNING", "INFO", "WARNING"]
+    assert pinger.bad_answers >= 40

@@ -109,3 +109,17 @@ async def test_invalid_utf8_in_a_ping_is_counted_as_decode_not_internal(make_pro
     assert got[0].status == "registered"
     assert proxy.count("atom_kv_proxy_rejected_registrations_total", reason="decode") == 3
     assert proxy.count("atom_kv_proxy_rejected_registrations_total", reason="internal") == 0
+
+
+async def test_an_engine_the_proxy_cannot_reach_is_told_so_in_its_answer(make_proxy, make_engine):
+    """Registered, but its URL does not answer the proxy's probes: the next answer says so, with the reason."""
+    proxy = await make_proxy(probe_interval_s=0.1)
+    gone = await make_engine("D")
+    fields = gone.register_fields()
+    await gone.close()  # nothing listens at its URL any more
+    (first,) = await _answers(proxy, [_asking(fields)], 1)
+    assert (first.status, first.reason) == ("registered", "")
+    assert await proxy.registry.wait_for(lambda r: any(i.down_reason for i in r.known("D")), 5.0)
+    (later,) = await _answers(proxy, [_asking(fields)], 1)
+    assert (later.status, later.reason) == ("registered", "unreachable")
+    assert gone.base_url in later.detail and "cannot reach" in later.detail and "advertise" in later.detail
