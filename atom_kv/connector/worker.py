@@ -26,7 +26,7 @@ from atom_kv.connector.routes_view import RouteReport, RouteView
 from atom_kv.connector.stats import TransferStats
 from atom_kv.connector.types import KVConnectorOutput
 from atom_kv.transfer import TransferBackend, create_backend
-from atom_kv.wire import CompatInfo
+from atom_kv.wire import CompatInfo, prepare_decoders
 
 __all__ = ["ConnectorWorker"]
 
@@ -104,6 +104,7 @@ class ConnectorWorker(WorkerHooks):
             config.backend, config, host=host, bind_host=self.bind_host, key=f"{engine_id}-dp{dp_rank}-tp{tp_rank}"
         )
         self._ctx = zmq.Context()
+        prepare_decoders()  # not on the first handshake's path
         try:
             self._start()
         except BaseException:
