@@ -21,11 +21,13 @@ CMA_REASON = cma_unavailable_reason()
 EXPECTED = "tcp" if CMA_REASON else "cma"
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster([EngineSpec("P", backend="auto"), EngineSpec("D", backend="auto")],
-                log_dir=str(tmp_path_factory.mktemp("routes")))
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def cluster(request, tmp_path_factory):
+    tp = request.param  # at TP 2 each rank is its own process: routes travel back with its step results
+    c = Cluster([EngineSpec("P", tp=tp, backend="auto"), EngineSpec("D", tp=tp, backend="auto")],
+                log_dir=str(tmp_path_factory.mktemp(f"routes-tp{tp}")))
     c.start()
+    c.tp = tp
     try:
         yield c
     finally:
@@ -57,16 +59,19 @@ def test_decode_engine_shows_the_route_auto_chose(cluster):
     res = generate(cluster.proxy_url, PROMPTS[0], chat=False, stream=False, max_tokens=4)
     assert res.status == 200, res.error
 
-    route = {"dp_rank": "0", "rank": "0", "peer": prefill_id, "peer_dp_rank": "0", "peer_rank": "0",
-             "memory": "host", "backend": EXPECTED}
+    # decode rank r reads the prefill's rank r (equal TP: the same KV heads)
+    routes = [{"dp_rank": "0", "rank": str(r), "peer": prefill_id, "peer_dp_rank": "0", "peer_rank": str(r),
+               "memory": "host", "backend": EXPECTED} for r in range(cluster.tp)]
 
     def shown() -> str | None:
         text = _metrics_text(d_url)
-        return text if (route, 1.0) in _series(text, "atom_kv_route") else None
+        have = _series(text, "atom_kv_route")
+        return text if all((route, 1.0) in have for route in routes) else None
 
-    text = wait_until(shown, 20, what=f"atom_kv_route{route} in the decode engine's /metrics")
-    assert len(_series(text, "atom_kv_route")) == 1  # one prefill rank read, one route
-    assert _series(text, "atom_kv_routes_hidden") == [({"dp_rank": "0", "rank": "0"}, 0.0)]
+    text = wait_until(shown, 20, what=f"{routes} in the decode engine's /metrics")
+    assert len(_series(text, "atom_kv_route")) == cluster.tp  # one route per prefill rank read
+    assert sorted(_series(text, "atom_kv_routes_hidden"), key=lambda s: s[0]["rank"]) == [
+        ({"dp_rank": "0", "rank": str(r)}, 0.0) for r in range(cluster.tp)]
     fallbacks = _series(text, "atom_kv_route_fallbacks_total")
     if CMA_REASON:  # cma not usable here: each peer read over tcp counts as a fallback
         assert ({"dp_rank": "0", "rank": "0", "backend": "cma", "reason": "unavailable"}, 1.0) in fallbacks
@@ -74,10 +79,9 @@ def test_decode_engine_shows_the_route_auto_chose(cluster):
         assert fallbacks == []
 
     _, health = get_json(d_url + "/health")
-    (rank,) = [r for r in health["kv_routes"] if r["routes"]]
-    assert (rank["dp_rank"], rank["rank"], rank["hidden"]) == (0, 0, 0)
-    assert rank["routes"] == [{"peer": prefill_id, "peer_dp_rank": 0, "peer_rank": 0, "memory": "host",
-                               "backend": EXPECTED}]
+    assert [(r["dp_rank"], r["rank"], r["hidden"], r["routes"]) for r in health["kv_routes"]] == [
+        (0, r, 0, [{"peer": prefill_id, "peer_dp_rank": 0, "peer_rank": r, "memory": "host", "backend": EXPECTED}])
+        for r in range(cluster.tp)]
 
     # the prefill engine reads from no one: no routes, and its /metrics says so
     _, p_health = get_json(p_url + "/health")
