@@ -170,7 +170,8 @@ class OpenAIServer:
         }
         body["kv_routes"] = [
             {"dp_rank": dp_rank, "rank": rank, **report.as_dict()}
-            for dp_rank, core in enumerate(self.engine.cores) for rank, report in sorted(list(core.worker_routes.items()))
+            for dp_rank, core in enumerate(self.engine.cores)
+            for rank, report in sorted(list(core.worker_routes.items()))
         ]
         if self.engine.fatal:
             body["error"] = self.engine.fatal

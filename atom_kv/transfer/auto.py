@@ -204,7 +204,8 @@ class AutoBackend(TransferBackend):
             raise TransferError(f"auto: bad peer descriptor: {exc}") from None
         theirs = {"tcp": desc.tcp, **{name: getattr(desc, name) for name in _EXTRA}}
         offered = {name for name in ("tcp", *self._extra) if theirs.get(name)}
-        local, peer, same_host = frozenset(self._kinds or {"host"}), kinds_of(desc.memory), desc.host_id == self._host_id
+        local, peer = frozenset(self._kinds or {"host"}), kinds_of(desc.memory)
+        same_host = desc.host_id == self._host_id
         name = choose_route(local, peer, same_host=same_host, offered=offered)
         ideal = choose_route(local, peer, same_host=same_host, offered={"tcp", *_EXTRA})
         if ideal != name:
