@@ -335,3 +335,13 @@ def test_pending_params_need_no_block_ids():
     assert wire.KVTransferParams.from_dict(base).missing_for_load() == "remote_block_ids"
     assert wire.KVTransferParams.from_dict({**base, "remote_blocks_pending": True}).missing_for_load() is None
     assert "remote_blocks_pending" not in wire.KVTransferParams.from_dict(base).to_dict()
+
+
+def test_prepared_decoders_leave_nothing_to_build_on_the_first_handshake():
+    wire.prepare_decoders()
+    before = wire._decoder.cache_info()
+    for type_ in (wire.HandshakeMessage, wire.HandshakeReplyMessage, wire.AutoDescriptor, wire.CmaDescriptor,
+                  wire.TcpDescriptor, wire.NixlDescriptor):
+        wire._decoder(type_)
+    after = wire._decoder.cache_info()
+    assert after.misses == before.misses and after.hits == before.hits + 6

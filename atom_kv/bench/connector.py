@@ -30,6 +30,7 @@ from atom_kv.connector.scheduler import ConnectorScheduler
 from atom_kv.connector.consumer import ConsumerWorker
 from atom_kv.connector.producer import ProducerWorker
 from atom_kv.connector.types import ConnectorMetadata, SendSpec
+from atom_kv.gc_heap import FullCollections, freeze_startup_heap
 from atom_kv.testing.ports import free_plan_base
 from atom_kv.transfer import ChunkedRegion, chunk_sizes, create_backend
 from atom_kv.wire import CompatInfo, HandshakeRequest
@@ -37,7 +38,10 @@ from atom_kv.wire import CompatInfo, HandshakeRequest
 logger = logging.getLogger(__name__)
 
 TARGET_RATIO = 0.80
-TARGET_HANDSHAKE_MS = 20.0
+#: first contact with a producer rank (handshake request, proof, reply, the
+#: backend's add_peer) at every TP size; a full garbage collection of the
+#: bench's start-up heap once landed in it (73-80 ms at TP 1)
+TARGET_HANDSHAKE_MS = 15.0
 TARGET_OVERHEAD_US = 200.0
 
 
@@ -76,6 +80,7 @@ def _producer_main(conn: Any, cfg_dict: dict, compat_dict: dict, tp_rank: int, t
     except Exception as exc:
         conn.send(f"{type(exc).__name__}: {exc}")
         return
+    freeze_startup_heap()  # as an engine does once it has started
     conn.send("ready")
     while True:
         msg = conn.recv()
@@ -265,10 +270,14 @@ def _run_tp(args: argparse.Namespace, tp: int) -> dict[str, Any]:
         consumer = _Consumer(ccfg, compat, tp, num_blocks, [conn for _, conn in procs])
         block_bytes = 2 * args.layers * args.kv_heads * args.block_size * args.head_dim * 2  # all ranks
         result: dict[str, Any] = {"tp": tp, "rows": []}
+        freeze_startup_heap()  # as an engine does once it has started
         # first contact
-        consumer.run([(args.block_size, [0], [0])], port)
+        with FullCollections() as full_gc:
+            consumer.run([(args.block_size, [0], [0])], port)
         st = consumer.stats()
         result["handshake_ms"] = 1e3 * st["handshake_seconds"] / max(1.0, st["handshakes"])
+        result["handshake_met"] = handshake_met(result["handshake_ms"])
+        result["first_contact_full_gc_ms"] = 1e3 * full_gc.seconds
         bare = _BareReader(ccfg, compat, consumer, port)
         try:
             bare.time_once(1)  # warm the bare path's connections up
@@ -329,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     results = [_run_tp(args, tp) for tp in args.tp]
     ok = all(
         row["ratio"] >= TARGET_RATIO for r in results for row in r["rows"]
-    ) and all(r["handshake_ms"] < TARGET_HANDSHAKE_MS and r["overhead_us"] < TARGET_OVERHEAD_US for r in results)
+    ) and all(r["handshake_met"] and r["overhead_us"] < TARGET_OVERHEAD_US for r in results)
     doc = {"backend": args.backend, "shape": {"layers": args.layers, "kv_heads": args.kv_heads,
                                               "head_dim": args.head_dim, "block_size": args.block_size,
                                               "dtype": "float16"},
@@ -346,12 +355,27 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r['tp']:>3} {row['tokens']:>7} {row['mib']:>7.0f} {row['connector_gbps']:>15.2f} "
                   f"{row['bare_gbps']:>10.2f} {row['ratio']:>6.2f}")
     for r in results:
-        print(f"TP {r['tp']}: first-contact handshake {r['handshake_ms']:.2f} ms (target < {TARGET_HANDSHAKE_MS:g}); "
-              f"connector CPU {r['overhead_us']:.0f} us/request at {args.inflight} in flight "
+        print(handshake_line(r))
+    for r in results:
+        print(f"TP {r['tp']}: connector CPU {r['overhead_us']:.0f} us/request at {args.inflight} in flight "
               f"(hooks {r['overhead_hooks_us']:.0f} + read planning {r['overhead_plan_us']:.0f}; "
               f"target < {TARGET_OVERHEAD_US:g}); an empty engine step costs {r['idle_step_us']:.0f} us")
     print("meets targets" if ok else "MISSES a target")
     return 0
+
+
+def handshake_met(ms: float) -> bool:
+    return ms < TARGET_HANDSHAKE_MS
+
+
+def handshake_line(r: dict[str, Any]) -> str:
+    """One TP size's first-contact handshake against its target, and the
+    full garbage collections that ran meanwhile (they are not the handshake's)."""
+    gc_ms = r.get("first_contact_full_gc_ms", 0.0)
+    gc_note = f" (a full garbage collection took {gc_ms:.1f} ms of the first load)" if gc_ms > 0 else ""
+    verdict = "met" if handshake_met(r["handshake_ms"]) else "MISSED"
+    return (f"TP {r['tp']}: first-contact handshake {r['handshake_ms']:.2f} ms "
+            f"(target < {TARGET_HANDSHAKE_MS:g} ms: {verdict}){gc_note}")
 
 
 def main(argv: list[str] | None = None) -> int:

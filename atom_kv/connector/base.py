@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from atom_kv.connector.routes_view import RouteReport
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput, SchedulerEvents
 
 __all__ = ["SchedulerHooks", "WorkerHooks", "KVCacheLayer"]
@@ -154,6 +155,11 @@ class WorkerHooks(abc.ABC):
     def stats(self) -> dict[str, float]:
         """Cumulative transfer statistics for metrics (bytes, seconds, ranges, retries, failures)."""
         return {}
+
+    def routes(self) -> RouteReport:
+        """The backend each producer peer is read with (on a decode rank), and
+        the backend's fallbacks by reason, for metrics and health."""
+        return RouteReport()
 
     def set_waker(self, wake: Optional[Callable[[], None]]) -> None:
         """Call ``wake()`` (from a connector thread; it must not block) whenever

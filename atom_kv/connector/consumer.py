@@ -78,7 +78,7 @@ class ConsumerWorker(ConnectorWorker):
         request = HandshakeRequest(engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size,
                                    compat=self.compat, backend=self.backend.name, host=self.host)
         self._peers = PeerTable(self._ctx, self.backend, cfg, request, stats=self.stats_, stop=self._stop,
-                                name=self._name, thread_prefix=f"atom-kv-hs-client-tp{rank}")
+                                name=self._name, thread_prefix=f"atom-kv-hs-client-tp{rank}", routes=self.routes_)
         self._read_pool = cf.ThreadPoolExecutor(max(4, cfg.num_worker_threads),
                                                 thread_name_prefix=f"atom-kv-read-tp{rank}")
         # loads waiting for their prefill (the rendezvous) wait here, never on a read thread: a read

@@ -23,6 +23,7 @@ from atom_kv.config import KVTransferConfig
 from atom_kv.connector.handshake import HandshakeError, HandshakeRejected, compat_mismatch, handshake_port, request_handshake
 from atom_kv.connector.kv_caches import peer_layouts
 from atom_kv.connector.layout import HeadOverlap, ReadPlanner, TensorLayout
+from atom_kv.connector.routes_view import RouteView, backend_for_peer
 from atom_kv.connector.stats import TransferStats
 from atom_kv.connector.types import LoadSpec
 from atom_kv.transfer import TransferBackend
@@ -80,8 +81,10 @@ class PeerTable:
         stop: threading.Event,
         name: str,
         thread_prefix: str,
+        routes: Optional[RouteView] = None,
     ) -> None:
         self._ctx = ctx
+        self._routes = routes if routes is not None else RouteView()
         self._backend = backend
         self._config = config
         self._request = request
@@ -135,6 +138,7 @@ class PeerTable:
             if not fut.done():
                 return  # the handshake is still running; its own timeout ends it
             del self._peers[key]
+        self._routes.forget(key)
         self._stats.add(peers_dropped=1)
         logger.warning("%s: peer %s at %s:%d declared failed after %d consecutive failures; will re-handshake",
                        self._name, key[0], key[1], key[2], n)
@@ -188,6 +192,8 @@ class PeerTable:
             raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
         elapsed = time.perf_counter() - t0
         self._stats.add(handshakes=1, handshake_seconds=elapsed)
+        self._routes.record(key, peer=reply.engine_id or key[0], peer_dp_rank=reply.dp_rank, peer_rank=remote_rank,
+                            memory=reply.memory, backend=backend_for_peer(self._backend, peer_id))
         logger.info("%s: handshake with engine %s rank %d at %s:%d took %.1f ms",
                     self._name, reply.engine_id, reply.tp_rank, host, port, elapsed * 1e3)
         return Peer(key, peer_id, reply.tp_rank, peer_layouts(reply.regions))

@@ -23,11 +23,12 @@ from atom_kv.connector.base import KVCacheLayer, WorkerHooks
 from atom_kv.connector.kv_caches import RegisteredKV, describe_kv_caches, register_kv_tensors
 from atom_kv.connector.layout import head_range
 from atom_kv.connector.pipeline import stage_layers
+from atom_kv.connector.routes_view import RouteReport, RouteView
 from atom_kv.connector.stats import TransferStats
 from atom_kv.connector.types import KVConnectorOutput
 from atom_kv.ports import RankPorts, rank_ports
 from atom_kv.transfer import TransferBackend, create_backend
-from atom_kv.wire import CompatInfo
+from atom_kv.wire import CompatInfo, prepare_decoders
 
 __all__ = ["ConnectorWorker"]
 
@@ -98,6 +99,7 @@ class ConnectorWorker(WorkerHooks):
         self._stop = threading.Event()
         self._closed = False
         self.stats_ = TransferStats(f"atom-kv {self._name}")
+        self.routes_ = RouteView()  # each producer peer's backend, recorded at its handshake
         self._kv = RegisteredKV()
         # this step's results, handed out by get_finished()
         self._finished_send: list[str] = []
@@ -110,6 +112,7 @@ class ConnectorWorker(WorkerHooks):
             key=f"{engine_id}-dp{dp_rank}-tp{tp_rank}", ports=self.ports,
         )
         self._ctx = zmq.Context()
+        prepare_decoders()  # not on the first handshake's path
         try:
             self._start()
         except BaseException:
@@ -194,6 +197,9 @@ class ConnectorWorker(WorkerHooks):
 
     def stats(self) -> dict[str, float]:
         return self.stats_.snapshot()
+
+    def routes(self) -> RouteReport:
+        return self.routes_.report(self.backend)
 
     def close(self) -> None:
         if self._closed:

@@ -17,6 +17,7 @@ from typing import Optional
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector import ConnectorScheduler, KVOutputAggregator, create_worker
 from atom_kv.connector.base import KVCacheLayer, SchedulerHooks, WorkerHooks
+from atom_kv.connector.routes_view import PeerRoute, RouteReport
 from atom_kv.connector.types import (
     ConnectorMetadata,
     KVConnectorOutput,
@@ -34,6 +35,8 @@ __all__ = [
     "KVConnectorOutput",
     "KVOutputAggregator",
     "LoadSpec",
+    "PeerRoute",
+    "RouteReport",
     "SchedulerEvents",
     "SchedulerHooks",
     "SendSpec",

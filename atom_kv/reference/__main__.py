@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional
 
 from atom_kv._netaddr import is_unspecified
 from atom_kv.config import ConfigError, is_port, parse_kv_transfer_config
+from atom_kv.gc_heap import freeze_startup_heap
 
 log = logging.getLogger("atom_kv.reference")
 
@@ -215,6 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     try:
         engine.start()
+        freeze_startup_heap()  # full collections skip the start-up heap from here on
         return asyncio.run(_serve(args, engine, router, make_pinger))
     except KeyboardInterrupt:
         return 130

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from atom_kv.config import KVTransferConfig
 from atom_kv.reference.model_config import ModelConfig
@@ -23,6 +23,9 @@ from atom_kv.reference.rank_io import RankSpec
 from atom_kv.reference.sampling import Sampler
 from atom_kv.reference.scheduler import Scheduler
 from atom_kv.reference.tp import WorkerFailure, create_executor
+
+if TYPE_CHECKING:
+    from atom_kv.engine_hooks import RouteReport
 
 __all__ = ["EngineArgs", "EngineCore"]
 
@@ -91,6 +94,8 @@ class EngineCore:
         self._woken = False  # a rank's connector has news: step now (the loop thread's flag)
         self.fatal: Optional[str] = None
         self.worker_stats: list[dict[str, float]] = []
+        #: each TP rank's latest peer routes (a rank sends them only when they change)
+        self.worker_routes: dict[int, RouteReport] = {}
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_ok": 0,
                          "requests_failed": 0, "requests_aborted": 0, "steps": 0}
         self.scheduler = Scheduler(
@@ -287,6 +292,9 @@ class EngineCore:
             progressed = not (agg.is_empty() and events.is_empty())
             outputs += self.scheduler.apply_events(events)
         self.worker_stats = [r.stats for r in results]
+        for rank, r in enumerate(results):
+            if r.routes is not None:
+                self.worker_routes[rank] = r.routes
         for out in outputs:
             if out.finished:
                 self._requests.pop(out.request_id, None)

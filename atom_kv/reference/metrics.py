@@ -67,6 +67,29 @@ class _EngineCollector:
                             labels=["dp_rank", "rank"])
                     fam.add_metric([str(dp_rank), str(rank)], float(value))
         yield from per_key.values()
+        yield from _route_metrics(e)
+
+
+def _route_metrics(e: "DataParallelEngine") -> Iterator[Metric]:
+    """Each decode rank's chosen backend per producer rank (1 per route shown),
+    the routes it has but does not show, and the backends' fallbacks by reason."""
+    ranks = ["dp_rank", "rank"]
+    route = GaugeMetricFamily("atom_kv_route", "the transfer backend a rank reads a producer rank with "
+                              "(value 1; the most recent peers, see atom_kv_routes_hidden)",
+                              labels=[*ranks, "peer", "peer_dp_rank", "peer_rank", "memory", "backend"])
+    hidden = GaugeMetricFamily("atom_kv_routes_hidden", "peers of the rank beyond the routes shown", labels=ranks)
+    fallbacks = CounterMetricFamily("atom_kv_route_fallbacks", "peers not read over the route their memory and "
+                                    "hosts call for, and backends dropped, by backend and reason",
+                                    labels=[*ranks, "backend", "reason"])
+    for dp_rank, core in enumerate(e.cores):
+        for rank, report in sorted(list(core.worker_routes.items())):
+            at = [str(dp_rank), str(rank)]
+            for r in report.routes:
+                route.add_metric([*at, r.peer, str(r.peer_dp_rank), str(r.peer_rank), r.memory, r.backend], 1.0)
+            hidden.add_metric(at, float(report.hidden))
+            for backend, reason, count in report.fallbacks:
+                fallbacks.add_metric([*at, backend, reason], float(count))
+    yield from (route, hidden, fallbacks)
 
 
 class EngineMetrics:

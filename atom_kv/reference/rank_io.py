@@ -11,7 +11,7 @@ from typing import Optional
 
 import numpy as np
 
-from atom_kv.engine_hooks import KVConnectorOutput
+from atom_kv.engine_hooks import KVConnectorOutput, RouteReport
 from atom_kv.reference.model_config import ModelConfig
 
 __all__ = ["RankSpec", "StepResult", "ChunkTuple"]
@@ -46,3 +46,5 @@ class StepResult:
     logits: Optional[np.ndarray]
     kv_output: KVConnectorOutput
     stats: dict[str, float]
+    #: the rank's peer routes, only when they changed since its last step
+    routes: Optional[RouteReport] = None

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from atom_kv.engine_hooks import ConnectorMetadata, KVConnectorOutput
+from atom_kv.engine_hooks import ConnectorMetadata, KVConnectorOutput, RouteReport
 from atom_kv.reference.kv_cache import PagedKVCache
 from atom_kv.reference.model import SeqChunk, TinyLlama
 from atom_kv.reference.rank_io import ChunkTuple, RankSpec, StepResult
@@ -63,6 +63,7 @@ class ModelRunner:
             device=self.device,
         )
         self.hooks: Any = None
+        self._routes_sent: Optional[RouteReport] = None
         if spec.kv_config_json:
             from atom_kv import engine_hooks
             from atom_kv.config import KVTransferConfig
@@ -105,8 +106,16 @@ class ModelRunner:
             if self.spec.tp_rank == 0:
                 logits = out.cpu().numpy()
         if self.hooks is not None:
-            return StepResult(logits, self.hooks.get_finished(), dict(self.hooks.stats()))
+            return StepResult(logits, self.hooks.get_finished(), dict(self.hooks.stats()), self._changed_routes())
         return StepResult(logits, KVConnectorOutput(), {})
+
+    def _changed_routes(self) -> Optional[RouteReport]:
+        """The connector's routes when they changed since the last step (else None: nothing to send)."""
+        report = self.hooks.routes()
+        if report == self._routes_sent:
+            return None
+        self._routes_sent = report
+        return report
 
     def set_waker(self, wake: Optional[Callable[[], None]]) -> None:
         """``wake()`` runs (on a connector thread) whenever this rank's connector has news for the engine."""

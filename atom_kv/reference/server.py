@@ -168,6 +168,11 @@ class OpenAIServer:
                 "load": {"requests": s["load_requests"], "prompt_tokens": s["load_prompt_tokens"]},
             } for rank, s in enumerate(snaps)],
         }
+        body["kv_routes"] = [
+            {"dp_rank": dp_rank, "rank": rank, **report.as_dict()}
+            for dp_rank, core in enumerate(self.engine.cores)
+            for rank, report in sorted(list(core.worker_routes.items()))
+        ]
         if self.engine.fatal:
             body["error"] = self.engine.fatal
         return _json(body, status=503 if self.engine.fatal else 200)

@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Optional
 
 from atom_kv.engine_hooks import ConnectorMetadata
+from atom_kv.gc_heap import freeze_startup_heap
 from atom_kv.reference.rank_io import ChunkTuple, RankSpec, StepResult
 
 __all__ = ["WorkerFailure", "LocalExecutor", "ProcessExecutor", "WakePipes", "create_executor"]
@@ -210,6 +211,7 @@ def _worker_main(spec: RankSpec, conn: Connection, wake_conn: Connection, thread
         )
         runner = ModelRunner(spec, all_reduce=host_all_reduce(dist.all_reduce))
         runner.set_waker(_pipe_waker(wake_conn.fileno()))
+        freeze_startup_heap()  # full collections skip the rank's start-up heap from here on
         conn.send(("ready", None))
         while True:
             if not conn.poll(1.0):

@@ -122,7 +122,11 @@ class NixlBackend(TransferBackend):
         self._peers: dict[str, _Peer] = {}
         self._reads = itertools.count(1)
         self._counts: dict[str, int] = {}
-        self._tracker = XferTracker(f"atomkv-nixl-completion-{self.key}", self._agent)
+        try:
+            self._tracker = XferTracker(f"atomkv-nixl-completion-{self.key}", self._agent)
+        except BaseException:  # no thread to stop: release the agent in NIXL's order before the error goes on
+            self._agent.teardown()
+            raise
         # closes the agent even when the owner never calls close(): at garbage
         # collection, or at interpreter exit before modules are torn down
         self._finalizer = weakref.finalize(self, _teardown, self._tracker, self._agent)

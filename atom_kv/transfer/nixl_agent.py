@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from types import ModuleType
 from typing import Any, Optional
 
@@ -122,6 +123,8 @@ class NixlAgent:
             handle.release()
         except Exception as exc:
             logger.warning("nixl: releasing a prepared descriptor list failed: %s", nixl_error(exc))
+            return
+        _detach(handle)
 
     def start_prepped(self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray) -> tuple[Any, str]:
         """Make and post one READ from prepared lists; returns (xfer, state)."""
@@ -167,6 +170,7 @@ class NixlAgent:
             logger.debug("nixl: releasing a transfer failed: %s", nixl_error(exc))
             return False
         self._xfers.pop(id(xfer), None)
+        _detach(xfer)
         return True
 
     # -- teardown -------------------------------------------------------------------
@@ -194,7 +198,11 @@ class NixlAgent:
                 except Exception as exc:
                     logger.warning("nixl: deregistering memory failed: %s", nixl_error(exc))
             self._regs.clear()
+            native = _native_ref(agent)
         del agent  # the last reference: the native agent (UCX workers, progress thread) goes now
+        if native is not None and native() is not None:
+            logger.warning("nixl: the native agent outlived its teardown (something still holds it); "
+                           "it is destroyed when that goes")
 
 
 def _set_ucx_env(name: str, value: Optional[str], key: str) -> None:
@@ -238,6 +246,27 @@ def _create_agent(api: ModuleType, name: str, plugins: list[str], progress_threa
         init = {"num_threads": str(progress_threads)} if progress_threads > 0 and plugin in THREADED_PLUGINS else {}
         agent.create_backend(plugin, init)
     return agent
+
+
+def _detach(handle: Any) -> None:
+    """Drop a released handle's reference to the native agent.
+
+    NIXL's handle wrappers keep the native agent alive; a released one never
+    uses it again. Detached, a handle the caller still holds cannot keep the
+    agent (and UCX's threads) alive past :meth:`NixlAgent.teardown`, to be
+    destroyed at some later garbage collection or during interpreter exit."""
+    try:
+        if getattr(handle, "_released", False):
+            handle._agent = None
+    except (AttributeError, TypeError):  # another NIXL version's wrapper: left as it is
+        pass
+
+
+def _native_ref(agent: Any) -> Optional["weakref.ref[Any]"]:
+    try:
+        return weakref.ref(agent.agent)
+    except (AttributeError, TypeError):
+        return None
 
 
 def _reg_rows(rows: np.ndarray) -> list[tuple[int, int, int, str]]:

@@ -264,3 +264,24 @@ def test_ucx_listens_only_inside_the_planned_port_range(monkeypatch):
         assert all(first <= p <= first + 31 for p in opened), (span, opened)
     finally:
         backend.close()
+
+
+@needs_nixl
+def test_close_destroys_the_native_agent_even_while_a_handle_is_still_held():
+    # NIXL's handle wrappers reference the native agent: one kept past close (a traceback, a cache)
+    # must not keep the agent and UCX's threads alive until some later collection or interpreter exit
+    import weakref
+
+    server, reader, peer, src, dst, local, remote = _pair()
+    try:
+        ops = [op for b in range(0, NBLOCKS, 2) for op in split_pair(local, b * BLOCK, remote, b * BLOCK, BLOCK)]
+        h = reader.read(peer, ops, timeout_s=5)
+        assert h.wait(10) and h.error is None, h.error
+        held = list(reader._peers[peer].dlists.values())  # a scattered read prepared this peer's list
+        assert held
+        native = weakref.ref(reader._agent.native.agent)
+        reader.close()
+        assert native() is None and all(d._agent is None for d in held)
+    finally:
+        reader.close()
+        server.close()
