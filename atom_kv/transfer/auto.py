@@ -229,6 +229,11 @@ class AutoBackend(TransferBackend):
         log.info("auto: peer %s uses %s", peer_id, chosen.name)
         return peer_id
 
+    def kv_written(self) -> None:
+        """Every inner backend records that the engine's KV writes so far count as written."""
+        for be in self._inner():
+            be.kv_written()
+
     def backend_for(self, peer_id: str) -> str:
         """Name of the inner backend serving ``peer_id`` ("gpu_ipc", "cma", "nixl" or "tcp")."""
         return self._routes[peer_id][0].name
