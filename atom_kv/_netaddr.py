@@ -1,11 +1,11 @@
-"""Two checks on addresses and ports that the config and the port plan share
-(no atom_kv imports: the config module validates with them)."""
+"""Checks on addresses and ports that the config, the port plan and the
+connector share (no atom_kv imports: the config module validates with them)."""
 
 from __future__ import annotations
 
 import ipaddress
 
-__all__ = ["is_unspecified", "parse_port_range"]
+__all__ = ["is_loopback", "is_unspecified", "parse_port_range"]
 
 _MAX_PORT = 65535
 
@@ -19,6 +19,17 @@ def is_unspecified(host: str) -> bool:
         return ipaddress.ip_address(text).is_unspecified
     except ValueError:
         return False  # a host name: peers resolve it
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (all of 127.0.0.0/8, ``::1``); names are not."""
+    text = host.strip().strip("[]")
+    if text == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(text).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_port_range(text: str, key: str) -> tuple[int, int]:

@@ -1,20 +1,23 @@
 """An engine's two addresses: the one its listeners bind and the one it
 advertises (what peers dial: ``remote_host``, descriptors, the registration
 ping). An unspecified address (``0.0.0.0``, ``::``) may be bound, never
-advertised: it is refused in one line saying which setting to give.
+advertised: it is refused in one line saying which setting to give. A
+listener beyond loopback needs the cluster token (``auth_token``), unless the
+operator says ``allow_open_listeners``: without it, whoever reaches the port
+may read the engine's KV cache.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from atom_kv._netaddr import is_unspecified
+from atom_kv._netaddr import is_loopback, is_unspecified
 from atom_kv.config import ConfigError
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
 
-__all__ = ["check_advertisable", "is_unspecified", "kv_addresses"]
+__all__ = ["check_advertisable", "check_listeners_secured", "is_unspecified", "kv_addresses"]
 
 
 def check_advertisable(host: str, what: str, *, fix: str = "set `advertise_host` to this host's reachable address") -> None:
@@ -36,3 +39,14 @@ def kv_addresses(config: "KVTransferConfig", host: str, bind_host: Optional[str]
                            "ATOM_HOST_IP, the reference engine's --advertise-host) to this host's reachable address; "
                            "the listeners may still bind it (`bind_host`)")
     return advertise, bind
+
+
+def check_listeners_secured(config: "KVTransferConfig", bind: str) -> None:
+    """Refuse listeners on ``bind`` beyond loopback without ``auth_token`` (one line naming both keys),
+    unless the config says ``allow_open_listeners``."""
+    if config.auth_token is not None or config.allow_open_listeners or is_loopback(bind):
+        return
+    raise ConfigError(f"kv-transfer-config: the KV listeners would bind {bind!r}, beyond loopback, with no "
+                      "`auth_token`: anyone who reaches them could read this engine's KV cache; set `auth_token` "
+                      "(the same on every engine and as the proxy's --registration-token), or "
+                      "`allow_open_listeners: true` on a network only the cluster can reach")

@@ -286,6 +286,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # --- listeners and addresses (the port plan: atom_kv.ports) -------------
     advertise_host: Optional[NonEmptyStr] = None
     bind_host: Optional[NonEmptyStr] = None
+    allow_open_listeners: bool = False
     tcp_port: Optional[Port] = None
     cma_grant_port: Optional[Port] = None
     gpu_ipc_grant_port: Optional[Port] = None

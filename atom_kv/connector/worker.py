@@ -17,7 +17,7 @@ from typing import Callable, ClassVar, Optional, Sequence
 
 import zmq
 
-from atom_kv.addresses import kv_addresses
+from atom_kv.addresses import check_listeners_secured, kv_addresses
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.base import KVCacheLayer, WorkerHooks
 from atom_kv.connector.kv_caches import RegisteredKV, describe_kv_caches, register_kv_tensors
@@ -83,6 +83,7 @@ class ConnectorWorker(WorkerHooks):
         self.config = config
         self.engine_id = engine_id
         self.host, self.bind_host = kv_addresses(config, host, bind_host)
+        check_listeners_secured(config, self.bind_host)
         #: the ports this rank's listeners bind
         self.ports: RankPorts = rank_ports(config, pp_rank=pp_rank, dp_rank=dp_rank, tp_rank=tp_rank,
                                            pp_size=pp_size, dp_size=dp_size, tp_size=tp_size)

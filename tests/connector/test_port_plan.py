@@ -150,3 +150,22 @@ def test_an_unspecified_engine_address_is_refused_unless_advertise_host_is_set(h
         assert w.host == "127.0.0.1"
     finally:
         w.close()
+
+
+def test_listeners_beyond_loopback_need_the_token_or_the_operators_word():
+    base = free_plan_base(1, blocks=2)
+    open_cfg = config("kv_producer", base, backend="tcp", advertise_host="127.0.0.1", bind_host="0.0.0.0")
+    with pytest.raises(ConfigError) as err:
+        worker(open_cfg, 0, 1, host="127.0.0.1")
+    message = str(err.value)
+    assert "\n" not in message and "'0.0.0.0'" in message
+    assert "`auth_token`" in message and "`allow_open_listeners: true`" in message
+    for allowed in (dict(auth_token="listeners-secret"), dict(allow_open_listeners=True)):
+        cfg = config("kv_producer", base, backend="tcp", advertise_host="127.0.0.1", bind_host="0.0.0.0", **allowed)
+        w = worker(cfg, 0, 1, host="127.0.0.1")
+        try:
+            assert w.bind_host == "0.0.0.0"
+        finally:
+            w.close()
+    w = worker(config("kv_producer", base, backend="tcp", bind_host="127.0.0.2"), 0, 1, host="127.0.0.1")
+    w.close()  # all of 127.0.0.0/8 is loopback: no token needed there
