@@ -13,7 +13,7 @@ from datetime import datetime
 import pytest
 
 from atom_kv.testing.polling import wait_until
-from atom_kv.testing.ports import free_port_range
+from atom_kv.testing.ports import free_plan_base
 from atom_kv.testing.processes import ManagedProcess
 from atom_kv.testing.web import http_json
 from tests.connector.test_discovery import non_ephemeral_port
@@ -23,7 +23,7 @@ FIRST_PING = re.compile(r"registering P engine \S+ with ")
 
 
 def _engine(log_dir: str, discovery_port: int, token: str) -> ManagedProcess:
-    cfg = {"kv_role": "kv_producer", "backend": "tcp", "handshake_port": free_port_range(1),
+    cfg = {"kv_role": "kv_producer", "backend": "tcp", "handshake_port": free_plan_base(1),
            "proxy_ip": f"127.0.0.1:{discovery_port}", "auth_token": token}  # default ping and answer timings
     return ManagedProcess("engine", [
         sys.executable, "-m", "atom_kv.reference", "--host", "127.0.0.1", "--port", "0",

@@ -43,6 +43,7 @@ from atom.sampling_params import SamplingParams
 
 from atom_kv.integrations.atom import register
 from atom_kv.integrations.atom.worker import AtomKVWorker
+from tests.connector.kvutil import OS_ASSIGNED
 
 LAYERS = 2
 HEADS = 4          # KV heads of the model, split over TP ranks
@@ -60,7 +61,8 @@ def atom_config(role: str, *, tp: int, block_size: int, num_blocks: int, port: i
                 **kv: Any) -> SimpleNamespace:
     """What ATOM's Scheduler and our connector read from ATOM's ``Config`` (ATOM's tests' MockConfig fields)."""
     kv_cfg = dict(kv_connector="atom_kv", kv_role=role, handshake_port=port, backend=backend,
-                  handshake_timeout_s=2.0, transfer_timeout_s=2.0, abort_timeout_s=30.0, transfer_retries=0)
+                  handshake_timeout_s=2.0, transfer_timeout_s=2.0, abort_timeout_s=30.0, transfer_retries=0,
+                  **OS_ASSIGNED)  # only the handshake ports were found free
     kv_cfg.update(kv)
     return SimpleNamespace(
         kv_cache_block_size=block_size, num_kvcache_blocks=num_blocks, enable_prefix_caching=prefix_caching,
