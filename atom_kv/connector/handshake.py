@@ -216,6 +216,7 @@ class HandshakeServer:
             self._sock.bind(endpoint)
             if port == 0:  # the OS picked it (a port plan with handshake_port 0)
                 self.port = int(self._sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+            self.guard.port = self.port
         except (zmq.ZMQError, ValueError) as exc:
             self._close_fds()
             raise HandshakeError(

@@ -28,8 +28,6 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-import os
-import socket
 import struct
 from typing import Any, Callable, Optional
 
@@ -37,6 +35,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from atom_kv import wire
+from atom_kv._sockfd import peer_of, shutdown
 
 __all__ = ["ConnectionGuard", "PortLimits", "RECEIVE_HWM", "largest_message_bytes"]
 
@@ -115,6 +114,9 @@ class ConnectionGuard:
         self._unproven: dict[str, dict[int, None]] = {}  # source -> its unproven connections' fds, oldest first
         self._closing: set[int] = set()  # shut down, until ZeroMQ reports them disconnected
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        #: the port the socket listens on, once bound: a descriptor from an event is acted on only while it
+        #: is still a connection on it (:mod:`atom_kv._sockfd`)
+        self.port: Optional[int] = None
 
     def __len__(self) -> int:
         return len(self._conns) - len(self._closing)
@@ -156,7 +158,7 @@ class ConnectionGuard:
         self._forget_unproven(conn.source, fd)  # type: ignore[arg-type]
 
     def _accepted(self, fd: int) -> None:
-        source = _peer_of(fd)
+        source = peer_of(fd, self.port) or ""
         self._closing.discard(fd)
         old = self._conns.pop(fd, None)  # a reused descriptor whose disconnect we missed
         if old is not None and not old.proven:
@@ -200,39 +202,8 @@ class ConnectionGuard:
             self._forget_unproven(conn.source, fd)
         if conn is not None:
             self._closing.add(fd)
-        s = _socket_of(fd)
-        if s is not None:
-            with s:
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        shutdown(fd, self.port)
         self._on_refuse(reason, why)
 
     def close(self) -> None:
         self.monitor.close(0)
-
-
-def _peer_of(fd: int) -> str:
-    """The peer address of a connected socket descriptor, or "" when it is gone."""
-    s = _socket_of(fd)
-    if s is None:
-        return ""
-    with s:
-        try:
-            return str(s.getpeername()[0])
-        except OSError:
-            return ""
-
-
-def _socket_of(fd: int) -> Optional[socket.socket]:
-    """A socket object on a duplicate of ``fd`` (closing it leaves ``fd`` open), or None."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        return socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
-        return None

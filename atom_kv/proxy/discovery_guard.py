@@ -15,11 +15,11 @@ connection's end).
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from collections import Counter, OrderedDict
 from typing import Optional
+
+from atom_kv._sockfd import peer_of, shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -97,38 +97,7 @@ class ConnectionGuard:
 
     def _peer(self, fd: int) -> Optional[str]:
         """The source address of ``fd`` if it is a connected socket on the discovery port, else None."""
-        sock = self._open(fd)
-        if sock is None:
-            return None
-        try:
-            if sock.getsockname()[1] != self.port:
-                return None
-            return str(sock.getpeername()[0])
-        except (OSError, IndexError):
-            return None
-        finally:
-            sock.close()  # a duplicate: the connection stays ZeroMQ's
+        return peer_of(fd, self.port)
 
     def _shutdown(self, fd: int) -> None:
-        sock = self._open(fd)
-        if sock is None:
-            return
-        try:
-            if sock.getsockname()[1] == self.port:
-                sock.shutdown(socket.SHUT_RDWR)  # ZeroMQ sees the end and closes its side
-        except OSError:
-            pass
-        finally:
-            sock.close()
-
-    @staticmethod
-    def _open(fd: int) -> Optional[socket.socket]:
-        try:
-            dup = os.dup(fd)
-        except OSError:
-            return None
-        try:
-            return socket.socket(fileno=dup)
-        except OSError:
-            os.close(dup)
-            return None
+        shutdown(fd, self.port)  # ZeroMQ sees the end and closes its side

@@ -4,11 +4,11 @@ the key, ``handshake_port`` 0 for OS-assigned ports, a decode rank listening on 
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest
 
+from atom_kv.testing.listeners import listeners
 from atom_kv import engine_hooks, wire
 from atom_kv.config import ConfigError
 from atom_kv.ports import PortInUse, planned_ports
@@ -28,23 +28,7 @@ def config(role: str, port: int, **keys):
 
 def listening() -> set[tuple[str, int]]:
     """(address, port) of every socket this process listens on (IPv4, from /proc)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = set()
-    with open("/proc/self/net/tcp", encoding="ascii") as f:
-        next(f)
-        for line in f:
-            cols = line.split()
-            addr, port = cols[1].split(":")
-            if cols[3] == "0A" and cols[9] in inodes:
-                out.add((socket.inet_ntoa(bytes.fromhex(addr)[::-1]), int(port, 16)))
-    return out
+    return listeners(v6=False)
 
 
 def worker(cfg, tp_rank: int, tp_size: int, *, host: str = "127.0.0.1", **kw):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import signal
 import time
 import urllib.error
@@ -22,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from atom_kv.testing.listeners import listeners
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.processes import ManagedProcess
@@ -288,28 +288,4 @@ def test_every_listener_of_an_engine_binds_its_host(cluster):
 
 def _listeners_of(pid: int) -> set[tuple[str, int]]:
     """(address, port) of every listening TCP socket the process holds."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = set()
-    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
-        try:
-            lines = open(table).readlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # LISTEN, ours
-                continue
-            hexaddr, hexport = fields[1].split(":")
-            if v6:
-                addr = "::" if int(hexaddr, 16) == 0 else hexaddr
-            else:
-                addr = ".".join(str(int(hexaddr[i:i + 2], 16)) for i in (6, 4, 2, 0))
-            out.add((addr, int(hexport, 16)))
-    return out
+    return listeners([pid])

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 
+from atom_kv.testing.listeners import listeners
 from atom_kv.config import KVTransferConfig
 from atom_kv.ports import planned_ports
 from atom_kv.testing.cluster import Cluster, EngineSpec
@@ -46,28 +47,7 @@ def process_tree(pid: int) -> list[int]:
 
 def listening_ports(pids: list[int], host: str) -> set[int]:
     """Ports the processes ``pids`` listen on at ``host`` (IPv4)."""
-    inodes = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(link[8:-1])
-    out = set()
-    with open("/proc/net/tcp", encoding="ascii") as f:
-        next(f)
-        for line in f:
-            cols = line.split()
-            addr, port = cols[1].split(":")
-            if cols[3] == "0A" and cols[9] in inodes and socket.inet_ntoa(bytes.fromhex(addr)[::-1]) == host:
-                out.add(int(port, 16))
-    return out
+    return {port for addr, port in listeners(pids, v6=False) if addr == host}
 
 
 def test_a_pd_pair_listens_on_exactly_its_planned_ports():

@@ -3,12 +3,12 @@ never all interfaces unless asked; descriptors advertise ``host``."""
 
 from __future__ import annotations
 
-import os
 import socket
 
 import numpy as np
 import pytest
 
+from atom_kv.testing.listeners import listeners
 from atom_kv import wire
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import create_backend
@@ -30,23 +30,7 @@ def _reachable(host: str, port: int) -> bool:
 def _bound_addresses(port: int) -> set[str]:
     """Local addresses of this process's listening IPv4 sockets on ``port``
     (from /proc: exact, whatever else listens on the machine)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = set()
-    with open("/proc/self/net/tcp", encoding="ascii") as f:
-        next(f)
-        for line in f:
-            cols = line.split()
-            addr, hexport = cols[1].split(":")
-            if cols[3] == "0A" and int(hexport, 16) == port and cols[9] in inodes:
-                out.add(socket.inet_ntoa(bytes.fromhex(addr)[::-1]))
-    return out
+    return {addr for addr, p in listeners(v6=False) if p == port}
 
 
 def _listeners(name: str, blob: bytes) -> list[tuple[str, int]]:

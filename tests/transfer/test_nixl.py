@@ -14,6 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from atom_kv.testing.listeners import listeners
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import BackendUnavailable, ChunkedRegion, create_backend, split_pair
 from atom_kv.transfer import nixl_probe
@@ -130,23 +131,8 @@ def test_a_process_that_used_nixl_exits_with_status_0(how):
 
 
 def _listening_tcp_addresses() -> set[str]:
-    """Local addresses (hex, as /proc/net/tcp shows them) this process listens on."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = set()
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(path) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[9] in inodes and cols[3] == "0A":  # LISTEN
-                    out.add(cols[1].split(":")[0])
-    return out
+    """Local addresses this process listens on, IPv4 and IPv6."""
+    return {addr for addr, _ in listeners()}
 
 
 @needs_nixl
@@ -157,7 +143,7 @@ def test_a_loopback_backend_listens_on_loopback_only(monkeypatch):
     try:
         opened = _listening_tcp_addresses() - before
         assert os.environ.get("UCX_NET_DEVICES") == "lo"
-        assert opened <= {"0100007F", "00000000000000000000000001000000"}, opened  # 127.0.0.1, ::1
+        assert opened <= {"127.0.0.1", "::1"}, opened
     finally:
         backend.close()
 
@@ -203,22 +189,7 @@ def test_plan_sends_long_merged_ranges_as_explicit_rows():
 
 def _listening_tcp_ports() -> set[int]:
     """Ports this process listens on (IPv4 and IPv6)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    out = set()
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(path) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[9] in inodes and cols[3] == "0A":
-                    out.add(int(cols[1].split(":")[1], 16))
-    return out
+    return {port for _, port in listeners()}
 
 
 def _free_window(n: int) -> int:
