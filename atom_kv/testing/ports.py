@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import socket
 
-__all__ = ["free_plan_base", "free_port", "free_port_range"]
+__all__ = ["free_ephemeral_window", "free_plan_base", "free_port", "free_port_range"]
 
 
 def free_port() -> int:
@@ -49,6 +49,17 @@ def free_plan_base(n: int, blocks: int = 4, attempts: int = 200) -> int:
     return _free_blocks(n, tuple(k * STRIDE for k in range(blocks)), attempts)
 
 
+def free_ephemeral_window(n: int, attempts: int = 200) -> int:
+    """The first of ``n`` consecutive free ports *inside* the kernel's ephemeral range (UCX takes its
+    TCP port range only there)."""
+    low, high = _ephemeral_range()
+    for _ in range(attempts):
+        first = random.randint(low, high - n)
+        if _all_free(range(first, first + n)):
+            return first
+    raise RuntimeError(f"no {n} free ports in a row in the ephemeral range {low}-{high}")
+
+
 def _free_blocks(n: int, offsets: tuple[int, ...], attempts: int) -> int:
     span = max(offsets) + n
     low, high = _ephemeral_range()
@@ -58,17 +69,22 @@ def _free_blocks(n: int, offsets: tuple[int, ...], attempts: int) -> int:
         first, last = (high + 1, 65535 - span) if high + span < 65000 else (1024, 65535 - span)
     for _ in range(attempts):
         base = random.randint(first, last)
-        socks = []
-        try:
-            for off in offsets:
-                for p in range(base + off, base + off + n):
-                    s = socket.socket()
-                    socks.append(s)
-                    s.bind(("127.0.0.1", p))
+        if _all_free(p for off in offsets for p in range(base + off, base + off + n)):
             return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
     raise RuntimeError(f"no free ports found for {len(offsets)} blocks of {n}")
+
+
+def _all_free(ports) -> bool:
+    """Whether every port in ``ports`` can be bound on 127.0.0.1 right now."""
+    socks = []
+    try:
+        for p in ports:
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", p))
+        return True
+    except OSError:
+        return False
+    finally:
+        for s in socks:
+            s.close()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from atom_kv.testing.listeners import listeners
+from atom_kv.testing.ports import free_ephemeral_window
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import BackendUnavailable, ChunkedRegion, create_backend, split_pair
 from atom_kv.transfer import nixl_probe
@@ -192,38 +193,13 @@ def _listening_tcp_ports() -> set[int]:
     return {port for _, port in listeners()}
 
 
-def _free_window(n: int) -> int:
-    """The first port of ``n`` free ports inside the kernel's ephemeral range (UCX takes its
-    port range only there)."""
-    import random
-    import socket
-
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        low, high = (int(x) for x in f.read().split())
-    for _ in range(200):
-        first = random.randint(low, high - n)
-        socks = []
-        try:
-            for p in range(first, first + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free window in the ephemeral range")
-
-
 @needs_nixl
 def test_ucx_listens_only_inside_the_planned_port_range(monkeypatch):
     from atom_kv.ports import rank_ports
 
     monkeypatch.delenv("UCX_TCP_PORT_RANGE", raising=False)  # both restored when the test ends
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
-    first = _free_window(32)
+    first = free_ephemeral_window(32)
     span = f"{first}-{first + 31}"
     cfg = KVTransferConfig.from_dict({"kv_role": "kv_producer", "backend": "nixl", "nixl_ucx_tcp_port_range": span})
     before = _listening_tcp_ports()
