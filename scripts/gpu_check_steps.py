@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 #: pytest-timeout's limit per gpu test
-TEST_TIMEOUT_S = 150
+TEST_TIMEOUT_S = 120
 #: a line a step prints to hand its result to gpu-check (the CUDA probe)
 RESULT_PREFIX = "GPU_CHECK_RESULT "
 #: the transfer bench's reads: 128 MiB in 64 KiB blocks (where the targets start) and 1 MiB blocks
@@ -188,6 +188,17 @@ def preflight_script(files: list[str]) -> str:
             f"'{TEST_TIMEOUT_S}', *{files!r}]))\n")
 
 
+def parallel_args(ctx: Context) -> list[str]:
+    """pytest-xdist's flags where the machine has it (one worker per test file, at most 6): the gpu tests
+    start engines and take minutes one after another; without xdist they run in turn."""
+    import subprocess
+
+    if subprocess.call([ctx.python, "-c", "import xdist"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL) != 0:
+        return []
+    return ["-n", str(max(1, min(6, (os.cpu_count() or 2) // 2))), "--dist", "loadfile"]
+
+
 def no_nixl(ctx: Context) -> Optional[str]:
     """Skipped for a kit without NIXL; with NIXL in the kit, the bench runs (and fails if NIXL does not load)."""
     if ctx.manifest.get("nixl", "none") == "none":
@@ -208,9 +219,10 @@ def steps() -> list[Step]:
         Step("preflight", 90, False, lambda ctx: [ctx.python, "-c", preflight_script(gpu_test_files(ctx.root))],
              figures=pytest_counts),
         Step("probe", 60, False, lambda ctx: [ctx.python, "-c", PROBE]),
-        Step("gpu-tests", 200, True, lambda ctx: [
-            ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-m", "gpu",
-            "--timeout", str(TEST_TIMEOUT_S), *gpu_test_files(ctx.root)], figures=pytest_counts),
+        Step("gpu-tests", 300, True, lambda ctx: [
+            ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "--tb=short", "-m", "gpu",
+            "--timeout", str(TEST_TIMEOUT_S), *parallel_args(ctx), *gpu_test_files(ctx.root)],
+             figures=pytest_counts),
         Step("bench-gpu-ipc", 60, True, bench("--backend", "gpu_ipc"), figures=transfer_figures),
         Step("bench-gpu-ipc-scattered", 60, True, bench("--backend", "gpu_ipc", "--scattered"),
              figures=transfer_figures),

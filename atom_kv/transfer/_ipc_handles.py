@@ -45,6 +45,21 @@ def alias(ptr: int, size: int, device: int) -> Any:
     return torch.as_tensor(_CudaArray(ptr, size), device=torch.device("cuda", device))
 
 
+def _unowned_storage(ptr: int, size: int, device: int) -> Any:
+    """A storage over ``size`` bytes of GPU ``device`` at ``ptr`` that owns
+    nothing and whose release calls no Python. ``_share_cuda_`` hands the
+    storage's memory to torch's IPC limbo until every reader let go, and the
+    limbo may free it at exit, after the interpreter is gone: a storage made
+    by :func:`alias` (``__cuda_array_interface__``) would then drop a Python
+    reference without the GIL and abort the process."""
+    import torch
+
+    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+    if make is None:  # an older torch: the alias, released before exit by close()
+        return alias(ptr, size, device).untyped_storage()
+    return make(ptr, torch.device("cuda", device), size)
+
+
 def _block_start(ptr: int, device: int) -> int:
     """The start of the caching allocator's allocated block that holds ``ptr``."""
     import torch
@@ -79,8 +94,7 @@ class CudaExport:
                                 f"(PYTORCH_CUDA_ALLOC_CONF backend) cannot be shared through CUDA IPC; {_STAGED}")
         try:
             start = _block_start(ptr, device)
-            self._storage = alias(ptr, size, device).untyped_storage() if start == ptr else \
-                alias(start, 1, device).untyped_storage()
+            self._storage = _unowned_storage(start, size if start == ptr else 1, device)
         except TransferError:
             raise
         except Exception as exc:
@@ -106,8 +120,18 @@ class CudaExport:
         )
 
     def close(self) -> None:
-        """Drop the storage: torch keeps each send's memory in its limbo until its reader let go."""
+        """Drop the storage: torch keeps each send's memory in its limbo until
+        its reader let go; what the readers already let go is collected now,
+        so a process that exits after close() leaves torch nothing to warn of."""
+        if self._storage is None:
+            return
         self._storage = None
+        try:
+            import torch
+
+            torch.cuda.ipc_collect()
+        except Exception:  # nothing to collect through: the memory stays in torch's limbo until exit
+            pass
 
 
 class CudaWritten:
@@ -165,8 +189,10 @@ class CudaPeerMap:
         try:
             torch.cuda._lazy_init()
             storage = torch.UntypedStorage._new_shared_cuda(
-                local_device(r), r.handle, r.size, r.offset, r.ref_counter_handle, r.ref_counter_offset,
-                None, False,  # the producer's order comes from the written event (written()), not torch's
+                local_device(r), r.handle, r.size, r.offset, r.ref_counter_handle or b"", r.ref_counter_offset,
+                # the producer's order comes from the written event (written()), not torch's; torch >= 2.11
+                # takes bytes here even when no event is required (None is refused)
+                b"", False,
             )
             typed = torch.storage.TypedStorage(wrap_storage=storage, dtype=torch.uint8, _internal=True)
             return torch._utils._rebuild_tensor(typed, 0, (r.size,), (1,))

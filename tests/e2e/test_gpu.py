@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_NO_GPU is not None, reason=_N
 
 CUDA = ["--device", "cuda"]
 ABORT_TIMEOUT_S = 1.5
+#: room for the long prompt of the kill test (PROMPTS[2] * 8: 3,529 tokens, 221 blocks of 16)
+NUM_BLOCKS = 320
 
 COMBOS = [
     pytest.param((tp_p, tp_d, backend, route), id=f"P{tp_p}-D{tp_d}-{backend}")
@@ -54,9 +56,9 @@ def colocated_gpu(tmp_path_factory):
 def gpu_cluster(request, tmp_path_factory):
     tp_p, tp_d, backend, route = request.param
     c = Cluster([
-        EngineSpec("P", tp=tp_p, backend=backend, num_blocks=128, extra_args=CUDA,
+        EngineSpec("P", tp=tp_p, backend=backend, num_blocks=NUM_BLOCKS, extra_args=CUDA,
                    extra_config={"abort_timeout_s": ABORT_TIMEOUT_S}),
-        EngineSpec("D", tp=tp_d, backend=backend, num_blocks=128, extra_args=CUDA,
+        EngineSpec("D", tp=tp_d, backend=backend, num_blocks=NUM_BLOCKS, extra_args=CUDA,
                    extra_config={"handshake_timeout_s": 5.0, "transfer_timeout_s": 5.0}),
     ], log_dir=str(tmp_path_factory.mktemp(f"gpu-{tp_p}-{tp_d}-{backend}")))
     c.start()

@@ -64,6 +64,11 @@ def test_opening_a_region_never_opens_torch_s_ipc_event_and_refusals_are_transfe
     seen: list[tuple] = []
 
     def fake_new_shared_cuda(*args: Any) -> Any:
+        # torch 2.11's typed signature (seen on an H200): (int device, bytes handle, int size, int offset,
+        # bytes ref_counter, int ref_counter_offset, bytes event_handle, bool event_sync_required); None refused
+        kinds = (int, bytes, int, int, bytes, int, bytes, bool)
+        if len(args) != len(kinds) or not all(isinstance(a, k) for a, k in zip(args, kinds)):
+            raise TypeError(f"_new_shared_cuda received an invalid combination of arguments: {args!r}")
         seen.append(args)
         raise RuntimeError("CUDA error: invalid resource handle")
 
@@ -72,7 +77,34 @@ def test_opening_a_region_never_opens_torch_s_ipc_event_and_refusals_are_transfe
     with pytest.raises(TransferError, match="peer pid 42: .*invalid resource handle"):
         CudaPeerMap(42).region(_region())
     # torch's own event would be opened with cudaIpcOpenEventHandle and never destroyed: not asked for
-    assert seen == [(0, b"h" * 64, 65536, 4096, b"/rc", 3, None, False)]
+    assert seen == [(0, b"h" * 64, 65536, 4096, b"/rc", 3, b"", False)]
+
+
+def test_the_exported_storage_owns_nothing_so_torch_can_free_it_after_python_is_gone(monkeypatch) -> None:
+    """``_share_cuda_`` parks the storage's memory in torch's IPC limbo, which may free it at exit after the
+    interpreter: a storage whose release drops a Python object (an ``__cuda_array_interface__`` alias)
+    aborted the process there ("gilstate_tss_set", seen on an H200)."""
+    made: list[tuple] = []
+
+    def fake_construct(ptr: int, device: Any, size: int) -> str:  # FAKE: torch's non-owning storage
+        made.append((ptr, str(device), size))
+        return "unowned-storage"
+
+    def no_alias(*args: Any) -> Any:
+        raise AssertionError("exported through a Python-owned alias")
+
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    monkeypatch.setattr("atom_kv.transfer._ipc_handles._block_start", lambda ptr, device: 0x7000)
+    monkeypatch.setattr("atom_kv.transfer._ipc_handles.alias", no_alias)
+    monkeypatch.setattr(torch._C, "_construct_storage_from_data_pointer", fake_construct, raising=False)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: made.append(("collected",)))
+    whole, inside = CudaExport(0x7000, 65536, 0), CudaExport(0x7100, 4096, 0)
+    assert made == [(0x7000, "cuda:0", 65536), (0x7000, "cuda:0", 1)]  # a region inside a block: via the block
+    assert whole._storage == "unowned-storage"
+    whole.close()
+    whole.close()
+    assert made[2:] == [("collected",)]  # what readers let go is collected at close, once
+    inside.close()
 
 
 def test_the_peer_written_event_is_opened_once_per_gpu_and_let_go_at_close(monkeypatch) -> None:
