@@ -41,6 +41,7 @@ __all__ = [
     "describe_type",
     "is_port",
     "parse_kv_transfer_config",
+    "validate_fields",
 ]
 
 # --------------------------------------------------------------------------
@@ -182,21 +183,38 @@ def convert_fields(data: Mapping[str, Any], cls: type) -> dict[str, Any]:
     the first one out of range ("`key` must be a TCP port in 0..65535, got 70000",
     showing the value as converted).
     """
+    out, errors = validate_fields(data, cls)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def validate_fields(data: Mapping[str, Any], cls: type) -> tuple[dict[str, Any], list[FieldError]]:
+    """Each of ``data``'s values for the fields of Struct ``cls`` checked on its
+    own: the converted values of the keys that validate (other keys are left
+    out), and one :class:`FieldError` per key that does not, those of the wrong
+    type first, then those out of range, each group in ``data``'s order (so
+    the first is what :func:`convert_fields` raises)."""
     fields = _fields_of(cls)
-    known = [(key, value, fields[key]) for key, value in data.items() if key in fields]
-    for key, value, field in known:
-        try:
-            msgspec.convert(value, field.bare)
-        except msgspec.ValidationError:
-            raise FieldError(key, f"`{key}` must be {field.type_words}, got {value!r}") from None
     out: dict[str, Any] = {}
-    for key, value, field in known:
+    wrong_type: list[FieldError] = []
+    out_of_range: list[FieldError] = []
+    for key, value in data.items():
+        field = fields.get(key)
+        if field is None:
+            continue
         try:
             out[key] = msgspec.convert(value, field.type)
+            continue
         except msgspec.ValidationError:
+            pass
+        try:
             shown = msgspec.convert(value, field.bare)
-            raise FieldError(key, f"`{key}` must be {field.range_words}, got {shown!r}") from None
-    return out
+        except msgspec.ValidationError:
+            wrong_type.append(FieldError(key, f"`{key}` must be {field.type_words}, got {value!r}"))
+        else:
+            out_of_range.append(FieldError(key, f"`{key}` must be {field.range_words}, got {shown!r}"))
+    return out, wrong_type + out_of_range
 
 
 # --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal, Mapping, Optional, TypeVar, Union, g
 
 import msgspec
 
-from atom_kv.config import FieldError, NonEmptyStr, NonNegativeInt, PeerPort, PositiveInt, convert_fields
+from atom_kv.config import FieldError, NonEmptyStr, NonNegativeInt, PeerPort, PositiveInt, validate_fields
 
 __all__ = [
     "MAX_TRANSFER_ID_CHARS",
@@ -761,16 +761,28 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
         Raises :class:`~atom_kv.config.FieldError` with one line naming the
         key and what it allows.
         """
+        params, errors = cls.parse(data)
+        if errors:
+            raise errors[0]
+        return params
+
+    @classmethod
+    def parse(cls, data: Any) -> tuple["KVTransferParams", list[FieldError]]:
+        """Validate ``data`` (``None`` means none) in one pass, leniently: the
+        params of every key that validates, and one :class:`~atom_kv.config.FieldError`
+        per key that does not (none when all do; the first is what
+        :meth:`from_dict` raises). A request refused for one key can still name
+        its producer by the others."""
         if data is None:
-            return cls()
+            return cls(), []
         if not isinstance(data, Mapping):
-            raise FieldError("kv_transfer_params",
-                             f"`kv_transfer_params` must be an object, got {type(data).__name__}")
+            return cls(), [FieldError("kv_transfer_params",
+                                      f"`kv_transfer_params` must be an object, got {type(data).__name__}")]
         try:
-            return msgspec.convert(data, cls)
+            return msgspec.convert(data, cls), []
         except msgspec.ValidationError as exc:
-            convert_fields(data, cls)  # raises FieldError naming the key
-            raise FieldError("kv_transfer_params", f"`kv_transfer_params`: {exc}") from None
+            valid, errors = validate_fields(data, cls)
+            return cls(**valid), errors or [FieldError("kv_transfer_params", f"`kv_transfer_params`: {exc}")]
 
     def to_dict(self) -> dict[str, Any]:
         """The params as a JSON-ready dict, without the keys that are unset (None)."""

@@ -1,10 +1,9 @@
 """Telling a producer that nobody will read a transfer: the decode engine's releases
 (and the producer engine's own issue notices to its ranks).
 
-:class:`ReleaseSpec` names a transfer and the producer ranks holding it;
-:func:`release_spec_from_params` gets one from a request's
-``kv_transfer_params`` (leniently: a request whose params fail validation
-elsewhere can still be released). :class:`NoticeSender` owns the thread and
+:class:`ReleaseSpec` names a transfer and the producer ranks holding it (a
+request's parsed params give one: :attr:`~atom_kv.connector.params.RequestParams.release_spec`,
+also for params refused for another key). :class:`NoticeSender` owns the thread and
 the DEALER sockets that deliver :class:`~atom_kv.wire.Release` (and
 :class:`~atom_kv.wire.Issued`) messages to every producer rank of a transfer;
 its methods never block.
@@ -25,16 +24,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-import msgspec
 import zmq
 
 from atom_kv import wire
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.auth import PURPOSE_ISSUED, PURPOSE_RELEASE, new_nonce, same_mac, sign_struct
-from atom_kv.config import NonEmptyStr, NonNegativeInt, PeerPort, PositiveInt
 from atom_kv.connector.confirm import DealerCache
 from atom_kv.connector.handshake_auth import peer_proof
 from atom_kv.connector.types import LoadSpec
@@ -48,7 +45,7 @@ from atom_kv.wire import (
     handshake_port,
 )
 
-__all__ = ["MAX_RELEASE_RANKS", "NoticeSender", "ReleaseSpec", "engine_sender", "release_spec_from_params"]
+__all__ = ["MAX_RELEASE_RANKS", "NoticeSender", "ReleaseSpec", "engine_sender"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,40 +80,6 @@ class ReleaseSpec:
     def from_load(cls, spec: LoadSpec) -> "ReleaseSpec":
         return cls(spec.transfer_id, spec.remote_host, spec.remote_handshake_port, spec.remote_tp_size,
                    spec.remote_dp_rank, spec.remote_pp_size, spec.remote_dp_size)
-
-
-def _field(raw: Mapping[str, Any], keys: tuple[str, ...], type_: Any, default: Any = None) -> Any:
-    for key in keys:
-        if raw.get(key) is not None:
-            try:
-                return msgspec.convert(raw[key], type_)
-            except msgspec.ValidationError:
-                return None
-    return default
-
-
-def release_spec_from_params(raw: Any) -> Optional[ReleaseSpec]:
-    """The producer a decode request's ``kv_transfer_params`` name, or None when
-    they do not name a remote prefill (``do_remote_prefill``, ``transfer_id``,
-    ``remote_host``, a handshake port) or name more than :data:`MAX_RELEASE_RANKS`
-    ranks or ports beyond 65535. Each key is checked on its own, so params that
-    fail validation for another key still say whom to release."""
-    if not isinstance(raw, Mapping) or raw.get("do_remote_prefill") is not True:
-        return None
-    tid = _field(raw, ("transfer_id",), NonEmptyStr)
-    host = _field(raw, ("remote_host",), NonEmptyStr)
-    port = _field(raw, ("remote_handshake_port", "remote_port"), PeerPort)
-    tp = _field(raw, ("remote_tp_size", "tp_size"), PositiveInt, 1)
-    dp = _field(raw, ("remote_dp_rank", "dp_rank"), NonNegativeInt, 0)
-    # the pipeline/DP sizes only add ports: when unreadable, release at least the first stage
-    pp = _field(raw, ("remote_pp_size",), PositiveInt, 1) or 1
-    dp_size = _field(raw, ("remote_dp_size",), PositiveInt, 1) or 1
-    if None in (tid, host, port, tp, dp) or tp * pp > MAX_RELEASE_RANKS:
-        return None
-    dp_size = max(dp_size, dp + 1)
-    if handshake_port(port, dp, tp, tp - 1, pp_rank=pp - 1, dp_size=dp_size) > 65535:
-        return None
-    return ReleaseSpec(tid, host, port, tp, dp, pp, dp_size)
 
 
 #: a notice and the purpose its signature is made for

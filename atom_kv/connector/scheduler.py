@@ -46,21 +46,16 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from atom_kv._lru import BoundedDict, BoundedSet
 from atom_kv.addresses import kv_addresses
-from atom_kv.config import FieldError, KVTransferConfig
+from atom_kv.config import KVTransferConfig
 from atom_kv.connector.base import SchedulerHooks
-from atom_kv.connector.release import NoticeSender, ReleaseSpec, engine_sender, release_spec_from_params
-from atom_kv.connector.types import (
-    ConnectorMetadata,
-    KVConnectorOutput,
-    LoadSpec,
-    SchedulerEvents,
-    SendSpec,
-)
-from atom_kv.wire import MAX_TRANSFER_ID_CHARS, KVTransferParams, adoptable_transfer_id
+from atom_kv.connector.params import ParamsIn, RequestParams
+from atom_kv.connector.release import NoticeSender, ReleaseSpec, engine_sender
+from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput, LoadSpec, SchedulerEvents, SendSpec
+from atom_kv.wire import MAX_TRANSFER_ID_CHARS, KVTransferParams
 
 __all__ = ["ConnectorScheduler", "load_backstop_s", "load_budget_s", "rendezvous_wait_s"]
 
@@ -112,9 +107,9 @@ class _Lease:
 
 @dataclass
 class _Match:
-    """A consumer request whose remote KV will be read once blocks are allocated."""
+    """A consumer request whose remote KV will be read once blocks are allocated (its params parsed once)."""
 
-    params: KVTransferParams
+    params: RequestParams
     num_prompt_tokens: int
     num_computed_tokens: int
 
@@ -146,6 +141,11 @@ class _Timer:
 class ConnectorScheduler(SchedulerHooks):
     """Owns per-request transfer state, producer leases and load timeouts for one
     engine, and (consumer) the sender of its releases.
+
+    A request's ``kv_transfer_params`` enter at ``get_num_new_matched_tokens``
+    (or ``request_rejected``) and are parsed there once into a
+    :class:`~atom_kv.connector.params.RequestParams`, which every later step
+    takes (an engine may pass one it parsed itself).
 
     ``release_sender(spec, reason)`` replaces the built-in
     :class:`~atom_kv.connector.release.NoticeSender` (started on the first
@@ -214,62 +214,66 @@ class ConnectorScheduler(SchedulerHooks):
         self,
         request_id: str,
         num_prompt_tokens: int,
-        kv_transfer_params: Optional[dict],
+        kv_transfer_params: ParamsIn,
         num_computed_tokens: int = 0,
     ) -> tuple[int, bool]:
+        # The one entry of a request's kv_transfer_params: parsed here, once (asked again about a
+        # matched request, as ATOM does after its allocation, the match's params are used)
         if num_computed_tokens < 0:
             raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
         if self.config.is_producer:
             if kv_transfer_params and request_id not in self._decode_tids:
-                self._register_send(request_id, kv_transfer_params)
+                self._register_send(request_id, RequestParams.of(kv_transfer_params))
             return 0, False
         load = self._loads.get(request_id)
         if load is not None:
             return load.remote_tokens, True
         if not kv_transfer_params or num_prompt_tokens <= 0:
             return 0, False
-        params = self._parse_params(request_id, kv_transfer_params, "prefilling locally")
+        known = self._matched.get(request_id)
+        params = known.params if known is not None else self._loadable(request_id, RequestParams.of(kv_transfer_params))
         if params is None:
-            self._release_params(kv_transfer_params, "the decode engine refused its kv_transfer_params")
-            return 0, False
-        if not params.do_remote_prefill:
-            return 0, False
-        missing = params.missing_for_load()
-        if missing is not None:
-            logger.warning("request %s: ignoring kv_transfer_params (missing `%s`); prefilling locally",
-                           request_id, missing)
-            self._release_params(kv_transfer_params, f"kv_transfer_params lack `{missing}`")
             return 0, False
         match = self._matched[request_id] = _Match(params, num_prompt_tokens, num_computed_tokens)
         if match.remote_tokens == 0:
             return 0, False  # all cached here; update_state_after_alloc or request_finished lets the producer go
         return match.remote_tokens, True
 
-    @staticmethod
-    def _parse_params(request_id: str, raw: dict, fallback: str) -> Optional[KVTransferParams]:
-        try:
-            return KVTransferParams.from_dict(raw)
-        except FieldError as exc:
-            logger.warning("request %s: ignoring kv_transfer_params (%s); %s", request_id, exc, fallback)
+    def _loadable(self, request_id: str, params: RequestParams) -> Optional[RequestParams]:
+        """``params`` when they ask for a remote prefill this engine can load, else None (and the
+        producer they name, if any, is released)."""
+        if params.refusal is not None:
+            logger.warning("request %s: ignoring kv_transfer_params (%s); prefilling locally", request_id,
+                           params.refusal)
+            self._release_params(params, "the decode engine refused its kv_transfer_params")
             return None
+        if not params.wire.do_remote_prefill:
+            return None
+        missing = params.wire.missing_for_load()
+        if missing is not None:
+            logger.warning("request %s: ignoring kv_transfer_params (missing `%s`); prefilling locally",
+                           request_id, missing)
+            self._release_params(params, f"kv_transfer_params lack `{missing}`")
+            return None
+        return params
 
-    def _register_send(self, request_id: str, raw: dict) -> None:
-        offered = raw.get("transfer_id") if isinstance(raw, dict) else None
-        if offered is not None and adoptable_transfer_id(offered) is None:
-            # an unusable id never costs the request its remote decode: we mint one instead
-            raw = {k: v for k, v in raw.items() if k != "transfer_id"}
-        params = self._parse_params(request_id, raw, "its KV will not be kept for a remote decode")
-        if params is None or not params.do_remote_decode:
+    def _register_send(self, request_id: str, params: RequestParams) -> None:
+        if params.send_refusal is not None:
+            logger.warning("request %s: ignoring kv_transfer_params (%s); its KV will not be kept for a remote "
+                           "decode", request_id, params.send_refusal)
             return
-        tid = self._transfer_id(request_id, offered)
+        if not params.wire.do_remote_decode:
+            return
+        tid = self._transfer_id(request_id, params)
         self._decode_tids[request_id] = tid
         self._tid_owner[tid] = request_id
         self._coming.append(tid)
 
-    def _transfer_id(self, request_id: str, offered: Any) -> str:
+    def _transfer_id(self, request_id: str, params: RequestParams) -> str:
         """The request's own transfer id when it is usable here, else one minted from ours."""
+        offered = params.offered_transfer_id
         if offered is not None:
-            tid = adoptable_transfer_id(offered)
+            tid = params.adoptable_transfer_id
             if tid is not None and not self._transfer_id_taken(tid):
                 return tid
             why = ("in use by another transfer" if tid is not None
@@ -289,13 +293,13 @@ class ConnectorScheduler(SchedulerHooks):
             return
         if num_external_tokens <= 0:
             # the engine computes the prompt itself (vLLM does for prompt-logprobs requests)
-            self._release(self._release_of(match), "the decode engine loads none of the remote tokens")
+            self._release_params(match.params, "the decode engine loads none of the remote tokens")
             return
         cached = match.num_computed_tokens // self.block_size
-        if match.params.remote_blocks_pending and not match.params.remote_block_ids:
+        if match.params.wire.remote_blocks_pending and not match.params.wire.remote_block_ids:
             self._queue_rendezvous(request_id, match, block_ids, cached)
             return
-        remote_blocks = match.params.remote_block_ids or []
+        remote_blocks = match.params.wire.remote_block_ids or []
         spec = self._load_spec(request_id, match, [int(b) for b in block_ids[cached: len(remote_blocks)]],
                                remote_blocks[cached:])
         self._loads[request_id] = _Load(request_id, spec, match.remote_tokens)
@@ -319,14 +323,14 @@ class ConnectorScheduler(SchedulerHooks):
         spec = self._load_spec(request_id, match, [int(b) for b in block_ids[cached:needed]], [])
         spec.await_blocks = True
         self._loads[request_id] = _Load(request_id, spec, match.remote_tokens,
-                                        wants_first_token=bool(match.params.first_token_pending))
+                                        wants_first_token=bool(match.params.wire.first_token_pending))
         if len(block_ids) < needed:
             self._failed_now[request_id] = f"allocated {len(block_ids)} blocks for a prompt of {needed}"
             return
         self._pending_loads[request_id] = spec
 
     def _load_spec(self, request_id: str, match: _Match, block_ids: list[int], remote_block_ids: list[int]) -> LoadSpec:
-        p = match.params
+        p = match.params.wire
         return LoadSpec(
             request_id=request_id,
             transfer_id=p.transfer_id or "",
@@ -346,21 +350,14 @@ class ConnectorScheduler(SchedulerHooks):
     def _skip_load(self, request_id: str, match: _Match) -> None:
         """Nothing to read (the whole prompt is cached here): the producer may free the blocks now."""
         logger.debug("request %s: all %d prompt tokens cached locally; releasing transfer %s",
-                     request_id, match.num_prompt_tokens, match.params.transfer_id)
-        self._release(self._release_of(match), "the whole prompt was cached on the decode engine")
+                     request_id, match.num_prompt_tokens, match.params.wire.transfer_id)
+        self._release_params(match.params, "the whole prompt was cached on the decode engine")
 
     # ------------------------------------------------------------------
     # releases (consumer)
     # ------------------------------------------------------------------
-    @staticmethod
-    def _release_of(match: _Match) -> ReleaseSpec:
-        p = match.params
-        return ReleaseSpec(p.transfer_id or "", p.remote_host or "", p.producer_handshake_port or 0,
-                           p.producer_tp_size, p.producer_dp_rank, p.remote_pp_size or 1,
-                           max(p.remote_dp_size or 1, p.producer_dp_rank + 1))
-
-    def _release_params(self, raw: Any, reason: str) -> None:
-        spec = release_spec_from_params(raw)
+    def _release_params(self, params: RequestParams, reason: str) -> None:
+        spec = params.release_spec
         if spec is not None:
             self._release(spec, reason)
 
@@ -382,8 +379,8 @@ class ConnectorScheduler(SchedulerHooks):
                                         proof_timeout_s=self.config.handshake_timeout_s)
         return self._sender
 
-    def request_rejected(self, kv_transfer_params: Optional[dict]) -> None:
-        self._release_params(kv_transfer_params, "the decode engine rejected the request")
+    def request_rejected(self, kv_transfer_params: ParamsIn) -> None:
+        self._release_params(RequestParams.of(kv_transfer_params), "the decode engine rejected the request")
 
     # ------------------------------------------------------------------
     # per step
@@ -433,26 +430,14 @@ class ConnectorScheduler(SchedulerHooks):
                 load.wants_first_token = False  # once
                 events.first_tokens[rid] = list(tokens)
         for rid in output.finished_recving:
-            load = self._loads.get(rid)
-            if load is None or load.state == _QUEUED:
-                continue
-            del self._loads[rid]
-            if load.state == _CANCELLED:
-                events.free.append(rid)
-                logger.info("request %s: aborted load drained; freeing its blocks", rid)
-            else:
+            load = self._ended_load(rid, events, None)
+            if load is not None:
                 events.ready.append(rid)
                 logger.debug("request %s: remote KV loaded in %.3f s", rid, now - load.started)
                 self._release(ReleaseSpec.from_load(load.spec), "read")
         for rid, reason in output.failed_recving.items():
-            load = self._loads.get(rid)
-            if load is None or load.state == _QUEUED:
-                continue
-            del self._loads[rid]
-            if load.state == _CANCELLED:
-                events.free.append(rid)
-                logger.info("request %s: aborted load drained (%s); freeing its blocks", rid, reason)
-            else:
+            load = self._ended_load(rid, events, reason)
+            if load is not None:
                 self._apply_policy(rid, reason, events, load)
         for rid, reason in self._failed_now.items():
             load = self._loads.pop(rid, None)
@@ -461,6 +446,20 @@ class ConnectorScheduler(SchedulerHooks):
         self._failed_now.clear()
         self._expire(now, events)
         return events
+
+    def _ended_load(self, rid: str, events: SchedulerEvents, failure: Optional[str]) -> Optional[_Load]:
+        """The ranks reported the request's load ended (``failure``: why it failed): the load is
+        forgotten, and an aborted one's blocks freed. Returns it when the request still waits for it."""
+        load = self._loads.get(rid)
+        if load is None or load.state == _QUEUED:
+            return None
+        del self._loads[rid]
+        if load.state != _CANCELLED:
+            return load
+        events.free.append(rid)
+        why = f" ({failure})" if failure is not None else ""
+        logger.info("request %s: aborted load drained%s; freeing its blocks", rid, why)
+        return None
 
     def _expire(self, now: float, events: SchedulerEvents) -> None:
         early = []
@@ -586,7 +585,7 @@ class ConnectorScheduler(SchedulerHooks):
             if match.remote_tokens == 0:
                 self._skip_load(rid, match)  # served from the local cache; the engine never allocated through us
             else:
-                self._release(self._release_of(match), "the request ended before its blocks were allocated")
+                self._release_params(match.params, "the request ended before its blocks were allocated")
         load = self._loads.get(rid)
         if load is None:
             return False, None

@@ -11,7 +11,8 @@ import pytest
 import zmq
 
 from atom_kv.connector.peers import producer_port
-from atom_kv.connector.release import ReleaseSpec, release_spec_from_params
+from atom_kv.connector.params import RequestParams
+from atom_kv.connector.release import ReleaseSpec
 from atom_kv.connector.types import LoadSpec
 from atom_kv.testing.ports import free_plan_base
 from atom_kv.wire import handshake_port
@@ -51,8 +52,8 @@ def test_consumers_and_releases_dial_the_named_dp_rank_only():
                     remote_tp_size=4, remote_dp_rank=3)
     assert [producer_port(spec, r) for r in range(4)] == [9012, 9013, 9014, 9015]
     assert ReleaseSpec.from_load(spec).targets() == [("127.0.0.1", p) for p in (9012, 9013, 9014, 9015)]
-    rel = release_spec_from_params({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h",
-                                    "remote_handshake_port": 9000, "remote_tp_size": 2, "remote_dp_rank": 5})
+    rel = RequestParams.parse({"do_remote_prefill": True, "transfer_id": "t", "remote_host": "h",
+                               "remote_handshake_port": 9000, "remote_tp_size": 2, "remote_dp_rank": 5}).release_spec
     assert rel is not None and rel.targets() == [("h", 9010), ("h", 9011)]
 
 

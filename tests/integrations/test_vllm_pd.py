@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import msgspec
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not importable here; `make test-engines` runs these tests "
@@ -17,7 +19,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from atom_kv.connector import ConnectorScheduler, create_worker  # noqa: E402
 from atom_kv.transfer import BackendUnavailable, create_backend  # noqa: E402
-from atom_kv.wire import CompatInfo  # noqa: E402
+from atom_kv.wire import CompatInfo, KVTransferParams  # noqa: E402
 from tests.connector.engines import Engine, LocalRank  # noqa: E402
 from tests.connector.engines import run_until as connector_run_until  # noqa: E402
 from tests.connector.kvutil import config as kv_config  # noqa: E402
@@ -66,7 +68,7 @@ class Pair:
 
     def __init__(self, model_dir, backend: str = "tcp", *, p_tp: int = 1, d_tp: int = 1,
                  policy: str = "fail", p_overrides: dict | None = None, d_overrides: dict | None = None,
-                 async_scheduling: bool = True,
+                 async_scheduling: bool = True, d_blocks: int = NUM_BLOCKS,
                  p_attention: str = "CPU_ATTN", d_attention: str = "CPU_ATTN") -> None:
         self.P = VllmEngine(make_vllm_config(model_dir, "kv_producer",
                                              extra(backend, port_range(p_tp), **(p_overrides or {})),
@@ -77,7 +79,7 @@ class Pair:
                                                  extra(backend, port_range(d_tp), **(d_overrides or {})),
                                                  tp_size=d_tp, failure_policy=policy,
                                                  async_scheduling=async_scheduling, attention_backend=d_attention),
-                                NUM_BLOCKS)
+                                d_blocks)
         except BaseException:
             self.P.close()
             raise
@@ -356,6 +358,57 @@ def test_a_transfer_id_minted_by_the_router_names_both_legs(pair_factory):
     seen = decode(pair, "d-12", prompt, params)
     assert seen["bytes_equal"] and seen["finish"] == 1
     run_until([pair.P, pair.D], lambda: empty(pair.P) and empty(pair.D))
+
+
+def test_a_decode_requests_params_are_parsed_once_while_it_waits_for_blocks(pair_factory, monkeypatch):
+    """vLLM asks the connector again at every step a remote-prefill request waits for free blocks:
+    its kv_transfer_params are parsed at the first ask only, and the load, the transfer id and the
+    producer's release all come from that one parse."""
+    pair = pair_factory("tcp", d_blocks=8)  # 7 usable blocks
+    P, D = pair.P, pair.D
+    prompt = prompt_of(13, 40)  # 3 blocks
+    params = pair.prefill("p-13", prompt)
+    hog = prompt_of(14, 76)  # 5 blocks, then one more while it decodes
+    D.add(make_request("hog", hog, max_tokens=100, kv_transfer_params=None))
+    run_until([D], lambda: D.scheduler.requests["hog"].num_computed_tokens >= len(hog))
+
+    parsed: list = []
+    real_convert = msgspec.convert
+
+    def convert(obj, type_, *args, **kwargs):
+        if type_ is KVTransferParams:
+            parsed.append(obj)
+        return real_convert(obj, type_, *args, **kwargs)
+
+    monkeypatch.setattr(msgspec, "convert", convert)
+    hooks = D.connector.scheduler_side.hooks
+    asked: list[str] = []
+    real_ask = hooks.get_num_new_matched_tokens
+
+    def ask(request_id, *args, **kwargs):
+        asked.append(request_id)
+        return real_ask(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(hooks, "get_num_new_matched_tokens", ask)
+    D.add(make_request("d-13", prompt, max_tokens=3, kv_transfer_params=params))
+    for _ in range(3):
+        D.step()
+    assert asked.count("d-13") >= 2, "vLLM did not ask again while the request waited for blocks"
+    assert not D.blocks_of("d-13")
+    D.abort("hog")
+    seen: dict = {"tokens": []}
+
+    def on_step(engine, result):
+        for out in result.outputs:
+            if engine is D and out.request_id == "d-13":
+                seen["tokens"].extend(out.new_token_ids)
+                seen["finish"] = out.finish_reason
+
+    run_until([P, D], lambda: seen.get("finish") is not None, on_step=on_step)
+    assert seen["tokens"] == [7, 7, 7]
+    assert D.computed["d-13"][0] == (39, 1)  # loaded: only the last prompt token was computed here
+    run_until([P, D], lambda: empty(P))  # the producer was told the transfer was read
+    assert len(parsed) == 1 and parsed[0] == params
 
 
 class LogLines(logging.Handler):
