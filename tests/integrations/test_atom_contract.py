@@ -14,6 +14,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 
 from tests.integrations.atom_env import use_fake_atom
@@ -32,6 +33,7 @@ from atom_kv.connector.cache_layouts import LayoutMismatch  # noqa: E402
 from atom_kv.integrations.atom.scheduler import AtomKVScheduler  # noqa: E402
 from atom_kv.integrations.atom.settings import require_completion_contract  # noqa: E402
 from atom_kv.integrations.atom.worker import AtomKVWorker  # noqa: E402
+from atom_kv.wire import KVTransferParams  # noqa: E402
 from tests.integrations.atom_pd import atom_config  # noqa: E402
 from tests.integrations.atom_scenario_tests import *  # noqa: E402,F401,F403  (the shared P/D scenarios)
 
@@ -99,6 +101,35 @@ def test_producer_answers_for_every_finished_request():
         assert out.finished_sending == {plain.id}
         out = sched.process_completions(KVConnectorOutput(finished_sending={params["transfer_id"]}))
         assert out.finished_sending == {lent.id} and not sched.has_pending_work()
+    finally:
+        sched.close()
+
+
+def test_a_decode_requests_params_are_parsed_once(monkeypatch):
+    """ATOM asks the connector at admission and again after its allocation (with its prefix-cache hit):
+    the request's kv_transfer_params are parsed at the first ask only, and its load comes from that parse."""
+    cfg = atom_config("kv_consumer", tp=1, block_size=4, num_blocks=8, port=1, backend="tcp")
+    sched = AtomKVScheduler(cfg, host="127.0.0.1", block_manager=object())
+    parsed: list = []
+    real_convert = msgspec.convert
+
+    def convert(obj, type_, *args, **kwargs):
+        if type_ is KVTransferParams:
+            parsed.append(obj)
+        return real_convert(obj, type_, *args, **kwargs)
+
+    monkeypatch.setattr(msgspec, "convert", convert)
+    try:
+        params = {"do_remote_prefill": True, "remote_block_ids": [5, 6, 7], "remote_engine_id": "P",
+                  "remote_host": "127.0.0.1", "remote_handshake_port": 7000, "transfer_id": "t-1"}
+        seq = Sequence(list(range(12)), 4, kv_transfer_params=params)
+        assert sched.get_num_new_matched_tokens(seq) == (12, True)
+        seq.block_table, seq.num_cached_tokens = [1, 2, 3], 4  # ATOM found the first block in its cache
+        sched.update_state_after_alloc(seq)
+        assert sched.should_park_for_load_after_alloc(seq)
+        (load,) = sched.build_connector_meta().step.loads
+        assert (load.block_ids, load.remote_block_ids, load.transfer_id) == ([2, 3], [6, 7], "t-1")
+        assert parsed == [params]
     finally:
         sched.close()
 
