@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from atom_kv.proxy.spans import SPANS
+from atom_kv.proxy.observability.spans import SPANS
 from atom_kv.server_timing import parse_server_timing
 from atom_kv.testing.web import scrape_metrics
 
@@ -233,6 +233,6 @@ def run_breakdown(args: argparse.Namespace) -> int:
     print(f"e2e breakdown: backend={args.backend} P TP={args.tp_prefill} D TP={args.tp_decode}, "
           f"{args.max_tokens} tokens, {args.rounds} rounds, each P/D mode's and colocated rounds interleaved")
     _print(results)
-    print("\nspans: see atom_kv.proxy.spans; handshake and kv_read from the decode engine's transfer stats "
+    print("\nspans: see atom_kv.proxy.observability.spans; handshake and kv_read from the decode engine's transfer stats "
           "(per read, per rank); colocated http = TTFT - queue - compute")
     return 0

@@ -44,7 +44,7 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from atom_kv.bench.breakdown import p50, span_totals
-from atom_kv.proxy.spans import SPANS
+from atom_kv.proxy.observability.spans import SPANS
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json
 
@@ -436,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print()
         print("\n".join(format_result(r)))
-    print("\nspans: see atom_kv.proxy.spans (vLLM sends no Server-Timing: prefill_response is the whole prefill "
+    print("\nspans: see atom_kv.proxy.observability.spans (vLLM sends no Server-Timing: prefill_response is the whole prefill "
           "leg, proxy_write runs from the decode answer's head to the first token out); engines: vLLM's own "
           "histograms (ttft from its API server's arrival; queue includes the decode's wait for the KV)")
     return 0

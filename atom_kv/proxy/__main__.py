@@ -6,7 +6,7 @@ vLLM MoRIIO's format), from ``--prefill URL[,HANDSHAKE_PORT]`` /
 Clients use the HTTP port like any OpenAI-compatible server
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), and
 operators use ``/health``, ``/instances`` and ``/metrics``. Served by the
-proxy's own HTTP/1.1 server (:mod:`atom_kv.proxy.httpserver`, on uvloop when
+proxy's own HTTP/1.1 server (:mod:`atom_kv.proxy.http.httpserver`, on uvloop when
 installed); SIGINT or SIGTERM shuts it down gracefully (in-flight requests
 get ``--shutdown-timeout`` seconds).
 
@@ -30,10 +30,10 @@ from typing import Any, Callable, Coroutine
 
 from atom_kv.config import is_port
 from atom_kv.proxy.app import create_app
-from atom_kv.proxy.discovery import DiscoveryError
+from atom_kv.proxy.fleet.discovery import DiscoveryError
 from atom_kv.proxy.server import listen_socket, serve_until_signalled
 from atom_kv.proxy.settings import POLICIES, ProxySettings
-from atom_kv.proxy.static import parse_engine_spec
+from atom_kv.proxy.fleet.static import parse_engine_spec
 
 logger = logging.getLogger("atom_kv.proxy")
 
@@ -306,7 +306,7 @@ def tracing_problem(settings: ProxySettings) -> str | None:
         return (f"--otlp-traces-endpoint: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is {protocol!r}; the proxy exports "
                 "OTLP over HTTP only (http/protobuf)")
     try:
-        import atom_kv.proxy.otel  # noqa: F401
+        import atom_kv.proxy.observability.otel  # noqa: F401
     except ImportError as exc:
         if not (exc.name or "").startswith("opentelemetry"):
             raise

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from atom_kv.proxy.registry import CircuitBreaker, Registration, Registry, RegistryFull
-from atom_kv.proxy.static import parse_engine_spec
+from atom_kv.proxy.fleet.registry import CircuitBreaker, Registration, Registry, RegistryFull
+from atom_kv.proxy.fleet.static import parse_engine_spec
 
 
 def test_breaker_open_half_open_closed():

@@ -7,7 +7,7 @@ engines abort. Whenever a prefill was sent but no decode leg took it over
 (a retry onto another pair, the client gone, the decode engine unreachable
 or refusing before its first byte, the proxy shutting down), the prefill is
 abandoned from one place (:meth:`Relay._run_pair`): its producer ranks get a
-release (:mod:`atom_kv.proxy.release`), so its blocks are free at once.
+release (:mod:`atom_kv.proxy.relay.release`), so its blocks are free at once.
 
 A decode engine that answers an error with ``X-KV-Transfer-Failure: prefill``
 could not read the prefill's KV (handshake refused, read failed, lease
@@ -28,35 +28,35 @@ from typing import TYPE_CHECKING, Any, Callable
 import msgspec
 
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
-from atom_kv.proxy.breaker import RequestOutcomes
-from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
-from atom_kv.proxy.first_token import (
+from atom_kv.proxy.fleet.breaker import RequestOutcomes
+from atom_kv.proxy.relay.errors import ProxyError, UpstreamResponseError
+from atom_kv.proxy.relay.first_token import (
     FirstTokenStream, bounded_first_token, first_token_events, forwardable, forwardable_request,
     promised_first_events,
 )
-from atom_kv.proxy.health import UpstreamHealth
-from atom_kv.proxy.legs import decode_request, prefill_request, wants_stream_usage
-from atom_kv.proxy.metrics import ProxyMetrics
-from atom_kv.proxy.pick import Pick
-from atom_kv.proxy.policies import (
+from atom_kv.proxy.fleet.health import UpstreamHealth
+from atom_kv.proxy.relay.legs import decode_request, prefill_request, wants_stream_usage
+from atom_kv.proxy.observability.metrics import ProxyMetrics
+from atom_kv.proxy.routing.pick import Pick
+from atom_kv.proxy.routing.policies import (
     Policy, RouteContext, estimate_prompt_tokens, prompt_text, token_id_prompt_lengths,
 )
-from atom_kv.proxy.registry import ROLE_NAMES, Instance, Registry, Role
-from atom_kv.proxy.release import ProducerAddress, Releaser
+from atom_kv.proxy.fleet.registry import ROLE_NAMES, Instance, Registry, Role
+from atom_kv.proxy.relay.release import ProducerAddress, Releaser
 from atom_kv.proxy.settings import ProxySettings
-from atom_kv.proxy.spans import RequestSpans
-from atom_kv.proxy.sse import EventFramer, patch_usage
-from atom_kv.proxy.stream import DecodeStream, ResponseStream
-from atom_kv.proxy.upstream import (
+from atom_kv.proxy.observability.spans import RequestSpans
+from atom_kv.proxy.http.sse import EventFramer, patch_usage
+from atom_kv.proxy.relay.stream import DecodeStream, ResponseStream
+from atom_kv.proxy.http.upstream import (
     AnswerLimits, UpstreamConnectTimeout, UpstreamError, UpstreamPool, UpstreamResponse, UpstreamTimeout,
     UpstreamTooLarge,
 )
-from atom_kv.proxy.validation import context_length_error, could_overflow, requested_max_tokens
+from atom_kv.proxy.relay.validation import context_length_error, could_overflow, requested_max_tokens
 from atom_kv.server_timing import HEADER as SERVER_TIMING
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN, KV_FEATURE_RENDEZVOUS
 
 if TYPE_CHECKING:
-    from atom_kv.proxy.otel import RequestTrace
+    from atom_kv.proxy.observability.otel import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class _Request:
     max_tokens: int | None
     spans: RequestSpans
     # what the breaker learns from this request: its key (counted once per instance streak), its suspect
-    # failures and the instances that served it, judged when it ends (atom_kv.proxy.breaker)
+    # failures and the instances that served it, judged when it ends (atom_kv.proxy.fleet.breaker)
     outcomes: RequestOutcomes
 
 
@@ -131,7 +131,7 @@ class Relay:
     """Owns the upstream connections and runs requests through P then D.
 
     Everything it sends upstream (the two legs, ``/v1/models``, ``/tokenize``)
-    goes through one :class:`~atom_kv.proxy.upstream.UpstreamPool` (a lean
+    goes through one :class:`~atom_kv.proxy.http.upstream.UpstreamPool` (a lean
     pooled HTTP/1.1 client)."""
 
     def __init__(self, settings: ProxySettings, registry: Registry, policies: dict[str, Policy],

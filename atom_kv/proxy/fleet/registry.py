@@ -23,8 +23,8 @@ from typing import Callable, Literal
 from yarl import URL
 
 from atom_kv._ratelimit import RateLimitedLog
-from atom_kv.proxy.breaker import CircuitBreaker
-from atom_kv.proxy.static import StaticEngine
+from atom_kv.proxy.fleet.breaker import CircuitBreaker
+from atom_kv.proxy.fleet.static import StaticEngine
 
 logger = logging.getLogger(__name__)
 

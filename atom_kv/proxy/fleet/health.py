@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from atom_kv.proxy.breaker import RequestOutcomes
-from atom_kv.proxy.metrics import ProxyMetrics
-from atom_kv.proxy.registry import DOWN, PENDING, ROLE_NAMES, Instance, Registry
-from atom_kv.proxy.upstream import UpstreamConnectionError, UpstreamError, UpstreamPool
+from atom_kv.proxy.fleet.breaker import RequestOutcomes
+from atom_kv.proxy.observability.metrics import ProxyMetrics
+from atom_kv.proxy.fleet.registry import DOWN, PENDING, ROLE_NAMES, Instance, Registry
+from atom_kv.proxy.http.upstream import UpstreamConnectionError, UpstreamError, UpstreamPool
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class UpstreamHealth:
 
     Suspect failures (a 500 and the like, an answer over the size bounds: what one request's
     content can cause) of a request that reports with a :class:`RequestOutcomes` wait in it until
-    :meth:`settle` judges them (see :mod:`atom_kv.proxy.breaker`)."""
+    :meth:`settle` judges them (see :mod:`atom_kv.proxy.fleet.breaker`)."""
 
     def __init__(self, registry: Registry, metrics: ProxyMetrics) -> None:
         self.registry = registry
