@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("engines")
     g.add_argument("--prefill", action="append", type=_engine("P"), default=[], metavar="URL[,HANDSHAKE_PORT]",
                    help="a prefill engine (repeatable); optional key=value after the port: tp, dp, engine_id, "
-                        "notify_port (else learnt from the engine's /health)")
+                        "notify_port, dp_rank_field (else learnt from the engine's /health; its dp_size wins "
+                        "over dp=)")
     g.add_argument("--decode", action="append", type=_engine("D"), default=[], metavar="URL",
                    help="a decode engine (repeatable); optional ,key=value as for --prefill")
     g.add_argument("--probe-interval", type=_positive, default=d.probe_interval_s,
@@ -192,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tp-size", type=_pos_int, default=d.max_tp_size,
                    help="refuse pings announcing a larger tp_size (default %(default)s)")
     g.add_argument("--max-dp-size", type=_pos_int, default=d.max_dp_size,
-                   help="refuse pings announcing a larger dp_size (default %(default)s)")
+                   help="refuse pings (and static engines' /health) announcing a larger dp_size "
+                        "(default %(default)s)")
 
     g = p.add_argument_group("routing")
     g.add_argument("--policy", choices=POLICIES, default=d.policy,

@@ -61,7 +61,7 @@ class ProxyState:
         self.monitor = HealthMonitor(
             self.registry, self.health, interval_s=settings.probe_interval_s,
             timeout_s=settings.probe_timeout, connect_timeout=settings.connect_timeout,
-            tick_s=min(settings.probe_interval_s, settings.heartbeat_timeout / 4),
+            tick_s=min(settings.probe_interval_s, settings.heartbeat_timeout / 4), max_dp_size=settings.max_dp_size,
         )
         self.discovery: DiscoveryListener | None = None
         if settings.discovery:

@@ -135,7 +135,7 @@ class ProxySettings:
         for engine in (*self.static_prefill, *self.static_decode):
             if engine.tp_size is not None and engine.tp_size > self.max_tp_size:
                 raise ValueError(f"{engine.url}: tp={engine.tp_size} exceeds max_tp_size {self.max_tp_size}")
-            if engine.dp_size > self.max_dp_size:
+            if engine.dp_size is not None and engine.dp_size > self.max_dp_size:
                 raise ValueError(f"{engine.url}: dp={engine.dp_size} exceeds max_dp_size {self.max_dp_size}")
 
         if self.reuse_port and self.port == 0:
