@@ -136,13 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graceful shutdown grace period (s)")
 
     g = p.add_argument_group("engines")
-    g.add_argument("--prefill", action="append", type=_engine("P"), default=[], metavar="URL[,HANDSHAKE_PORT]",
+    g.add_argument("--prefill", dest="static_prefill", action="append", type=_engine("P"), default=[],
+                   metavar="URL[,HANDSHAKE_PORT]",
                    help="a prefill engine (repeatable); optional key=value after the port: tp, dp, engine_id, "
                         "notify_port, dp_rank_field (else learnt from the engine's /health; its dp_size wins "
                         "over dp=)")
-    g.add_argument("--decode", action="append", type=_engine("D"), default=[], metavar="URL",
+    g.add_argument("--decode", dest="static_decode", action="append", type=_engine("D"), default=[], metavar="URL",
                    help="a decode engine (repeatable); optional ,key=value as for --prefill")
-    g.add_argument("--probe-interval", type=_positive, default=d.probe_interval_s,
+    g.add_argument("--probe-interval", dest="probe_interval_s", type=_positive, default=d.probe_interval_s,
                    help="seconds between /health probes of flagged, new and down engines (default %(default)s)")
     g.add_argument("--probe-timeout", type=_positive, default=d.probe_timeout,
                    help="timeout of one /health probe (default %(default)s)")
@@ -185,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrent dispatch: send the legs at once only while the chosen prefill rank has at most "
                         "this many prompt tokens of this proxy's requests ahead of the new one; past it the legs "
                         "go in turn, so decode blocks are not held while the prefill queues (default %(default)s)")
-    g.add_argument("--registration-window", type=_positive, default=d.registration_window_s,
+    g.add_argument("--registration-window", dest="registration_window_s", type=_positive,
+                   default=d.registration_window_s,
                    help="seconds a signed ping's timestamp may differ from now; nonces are remembered this long "
                         "(default %(default)s)")
     g.add_argument("--max-instances", type=_pos_int, default=d.max_instances,
@@ -216,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("upstream requests")
     g.add_argument("--max-retries", type=_nonneg_int, default=d.max_retries,
                    help="re-planned pairs after an upstream failure (default %(default)s)")
-    g.add_argument("--retry-backoff", type=float, default=d.retry_backoff_s,
+    g.add_argument("--retry-backoff", dest="retry_backoff_s", type=float, default=d.retry_backoff_s,
                    help="first retry backoff in seconds, doubled each retry (default %(default)s)")
     g.add_argument("--connect-timeout", type=_positive, default=d.connect_timeout, help="upstream connect timeout (s)")
     g.add_argument("--prefill-timeout", type=_positive, default=d.prefill_timeout, help="whole prefill leg timeout (s)")
@@ -227,14 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--circuit-failures", type=_pos_int, default=d.circuit_failures,
                    help="consecutive instance failures (of different requests) that open an instance's circuit; "
                         "a 500 counts only once another instance served the same request (default %(default)s)")
-    g.add_argument("--circuit-cooldown", type=_positive, default=d.circuit_cooldown_s,
+    g.add_argument("--circuit-cooldown", dest="circuit_cooldown_s", type=_positive, default=d.circuit_cooldown_s,
                    help="seconds before an open circuit lets a trial request through (default %(default)s)")
     g.add_argument("--circuit-min-requests", type=_pos_int, default=d.circuit_min_requests,
                    help="outcomes an instance needs within --circuit-window before its failure ratio can open "
                         "its circuit (default %(default)s)")
     g.add_argument("--circuit-failure-ratio", type=_ratio, default=d.circuit_failure_ratio,
                    help="share of failed outcomes within --circuit-window that opens a circuit (default %(default)s)")
-    g.add_argument("--circuit-window", type=_positive, default=d.circuit_window_s,
+    g.add_argument("--circuit-window", dest="circuit_window_s", type=_positive, default=d.circuit_window_s,
                    help="seconds of outcomes the failure ratio looks at (default %(default)s)")
     g.add_argument("--max-upstream-head-bytes", type=_pos_int, default=d.max_upstream_head_bytes,
                    help="largest status line plus headers of an engine's answer, else 502 (default %(default)s)")
@@ -257,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "/metrics, with real start and end times) over OTLP/HTTP (protobuf) to this URL, e.g. "
                         "http://collector:4318/v1/traces; a client's traceparent is honoured and both legs carry "
                         "one to the engines (default: off, nothing imported)")
-    g.add_argument("--otlp-timeout", type=_positive, default=d.otlp_timeout_s,
+    g.add_argument("--otlp-timeout", dest="otlp_timeout_s", type=_positive, default=d.otlp_timeout_s,
                    help="seconds one export to --otlp-traces-endpoint may take, retries included "
                         "(default %(default)s)")
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
@@ -266,36 +268,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: the parser's options that are not proxy settings (every other one is a ProxySettings field of its name)
+_NOT_SETTINGS = frozenset({"loop", "log_level"})
+
+
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
-    return ProxySettings(
-        host=args.host, port=args.port, discovery=args.discovery, discovery_host=args.discovery_host,
-        discovery_port=args.discovery_port, heartbeat_timeout=args.heartbeat_timeout, policy=args.policy,
-        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
-        registration_token=args.registration_token, registration_window_s=args.registration_window,
-        allow_open_registration=args.allow_open_registration,
-        discovery_max_connections=args.discovery_max_connections,
-        discovery_max_connections_per_source=args.discovery_max_connections_per_source,
-        release_prefills=args.release_prefills, first_token_forwarding=args.first_token_forwarding,
-        concurrent_dispatch=args.concurrent_dispatch, concurrent_max_queued_tokens=args.concurrent_max_queued_tokens,
-        max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
-        static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
-        probe_interval_s=args.probe_interval, probe_timeout=args.probe_timeout,
-        prefix_chars=args.prefix_chars, cache_threshold=args.cache_threshold,
-        balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
-        cache_max_chars=args.cache_max_chars, max_retries=args.max_retries, retry_backoff_s=args.retry_backoff,
-        connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
-        decode_timeout=args.decode_timeout, tokenize_timeout=args.tokenize_timeout,
-        circuit_failures=args.circuit_failures, circuit_cooldown_s=args.circuit_cooldown,
-        circuit_min_requests=args.circuit_min_requests, circuit_failure_ratio=args.circuit_failure_ratio,
-        circuit_window_s=args.circuit_window, max_upstream_head_bytes=args.max_upstream_head_bytes,
-        max_upstream_body_bytes=args.max_upstream_body_bytes, max_server_timing_bytes=args.max_server_timing_bytes,
-        max_first_token_text_bytes=args.max_first_token_text_bytes,
-        max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
-        sse_split_max=args.sse_split_max, max_inflight_body_bytes=args.max_inflight_body_bytes,
-        header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
-        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, reuse_port=args.reuse_port, admin_token=args.admin_token,
-        otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_timeout_s=args.otlp_timeout,
-    )
+    """The settings the parsed flags give: each flag's ``dest`` is the :class:`ProxySettings` field it sets."""
+    values = {name: value for name, value in vars(args).items() if name not in _NOT_SETTINGS}
+    values["static_prefill"] = tuple(values["static_prefill"])
+    values["static_decode"] = tuple(values["static_decode"])
+    return ProxySettings(**values)
 
 
 def tracing_problem(settings: ProxySettings) -> str | None:
