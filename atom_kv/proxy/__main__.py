@@ -38,44 +38,23 @@ from atom_kv.proxy.fleet.static import parse_engine_spec
 logger = logging.getLogger("atom_kv.proxy")
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def _checked(kind: Callable[[str], Any], not_one: str, ok: Callable[[Any], bool], bad: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind(text)`` (else "not <not_one>") that ``ok`` accepts (else ``bad``, with the text)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {not_one}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(bad.format(text))
+        return value
+    return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not is_port(value):
-        raise argparse.ArgumentTypeError(f"port out of range: {value}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive = _checked(float, "a number", lambda v: v > 0, "must be > 0, got {}")
+_fraction = _checked(float, "a number", lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1, got {}")
+_port = _checked(int, "a port number", is_port, "port out of range: {}")
+_nonneg_int = _checked(int, "an integer", lambda v: v >= 0, "must be >= 0, got {}")
 
 
 def _pos_int(text: str) -> int:
