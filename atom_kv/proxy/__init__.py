@@ -5,7 +5,7 @@ can live in one process) or run ``python -m atom_kv.proxy``.
 """
 
 from atom_kv.proxy.app import create_app
-from atom_kv.proxy.settings import POLICIES, ProxySettings
 from atom_kv.proxy.fleet.static import StaticEngine, parse_engine_spec
+from atom_kv.proxy.settings import POLICIES, ProxySettings
 
 __all__ = ["create_app", "ProxySettings", "POLICIES", "StaticEngine", "parse_engine_spec"]

@@ -31,9 +31,9 @@ from typing import Any, Callable, Coroutine
 from atom_kv.config import is_port
 from atom_kv.proxy.app import create_app
 from atom_kv.proxy.fleet.discovery import DiscoveryError
+from atom_kv.proxy.fleet.static import parse_engine_spec
 from atom_kv.proxy.server import listen_socket, serve_until_signalled
 from atom_kv.proxy.settings import POLICIES, ProxySettings
-from atom_kv.proxy.fleet.static import parse_engine_spec
 
 logger = logging.getLogger("atom_kv.proxy")
 

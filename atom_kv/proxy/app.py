@@ -15,13 +15,13 @@ from quart import Quart, Response, request
 
 from atom_kv.auth import same_mac
 from atom_kv.proxy.fleet.discovery import DiscoveryError, DiscoveryListener
+from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
+from atom_kv.proxy.fleet.registry import Instance, Registry
+from atom_kv.proxy.observability.metrics import ProxyMetrics, RequestRecord
 from atom_kv.proxy.relay.errors import ProxyError
 from atom_kv.proxy.relay.fastpath import CompletionsHandler, valid_request_id
-from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
-from atom_kv.proxy.observability.metrics import ProxyMetrics, RequestRecord
-from atom_kv.proxy.routing.policies import Policy, make_policy
-from atom_kv.proxy.fleet.registry import Instance, Registry
 from atom_kv.proxy.relay.relay import Relay
+from atom_kv.proxy.routing.policies import Policy, make_policy
 from atom_kv.proxy.settings import ProxySettings
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ class ProxyState:
     async def start(self) -> None:
         try:
             if self.tracer is None and self.settings.otlp_traces_endpoint is not None:
-                from atom_kv.proxy.observability.otel import ProxyTracer  # only with the flag: the OpenTelemetry SDK is optional
+                from atom_kv.proxy.observability.otel import ProxyTracer  # only with the flag: the SDK is optional
                 self.tracer = ProxyTracer(self.settings.otlp_traces_endpoint, timeout_s=self.settings.otlp_timeout_s,
                                           log_interval_s=self.settings.log_summary_interval_s)
             self.completions.tracer = self.tracer

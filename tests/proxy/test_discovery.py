@@ -13,9 +13,9 @@ import pytest
 from atom_kv.auth import PURPOSE_REGISTER, sign_fields
 from atom_kv.discovery import build_registration_pinger
 from atom_kv.proxy.fleet.discovery import decode_discovery, to_registration
+from atom_kv.testing.fake_engine import FakeEngine
 from atom_kv.wire import HelloPing, RegisterPing, WireError, encode
 from tests.connector.kvutil import config
-from atom_kv.testing.fake_engine import FakeEngine
 from tests.proxy.fake_engine import get, post, register, send_pings
 
 

@@ -9,9 +9,9 @@ import random
 import aiohttp
 import pytest
 
-from atom_kv.proxy.routing.policies import LeastLoaded, RouteContext
 from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance
 from atom_kv.proxy.fleet.static import parse_engine_spec
+from atom_kv.proxy.routing.policies import LeastLoaded, RouteContext
 from tests.proxy.fake_engine import register
 
 

@@ -31,16 +31,16 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from atom_kv._netaddr import is_loopback
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_fields
 from atom_kv.proxy.fleet.discovery_guard import ConnectionGuard
-from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.proxy.fleet.pings import (  # noqa: F401 - re-exported: the names tests and tools import from here
     MAX_PING_BYTES, REQUIRED_TRANSFER_MODE, DiscoveryMessage, MoriioDecodePing, MoriioPrefillPing,
     UnspecifiedAddress, decode_discovery, decode_discovery_map, decode_raw, to_message, to_registration,
 )
 from atom_kv.proxy.fleet.registry import UP, Registry, RegistryFull
-from atom_kv._netaddr import is_loopback
+from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.wire import (
     PROTOCOL_VERSION, REFUSED, REGISTERED, STALE, HelloPing, RegisterAnswer, RegisterPing, WireError, encode,
 )

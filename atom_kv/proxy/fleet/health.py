@@ -17,9 +17,9 @@ from typing import Any
 import msgspec
 
 from atom_kv.proxy.fleet.breaker import RequestOutcomes
-from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.proxy.fleet.registry import DOWN, PENDING, ROLE_NAMES, Instance, Registry
 from atom_kv.proxy.http.upstream import UpstreamConnectionError, UpstreamError, UpstreamPool
+from atom_kv.proxy.observability.metrics import ProxyMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from atom_kv.proxy.relay.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.http.httpserver import Exchange
 from atom_kv.proxy.observability.metrics import CLIENT_CLOSED, ProxyMetrics, RequestRecord
-from atom_kv.proxy.relay.relay import Relay, RelayResult
 from atom_kv.proxy.observability.spans import RequestSpans
+from atom_kv.proxy.relay.errors import ProxyError, UpstreamResponseError
+from atom_kv.proxy.relay.relay import Relay, RelayResult
 
 if TYPE_CHECKING:
     from atom_kv.proxy.observability.otel import ProxyTracer
