@@ -165,7 +165,7 @@ def _print(results: list[dict[str, Any]]) -> None:
             print(f"  P/D {name:12s} TTFT mean {m['pd_ttft_ms']:8.1f} ms  p50 {m['pd_ttft_p50_ms']:8.1f} ms"
                   f"  2nd token {m['pd_second_token_ms']:8.1f} ms   x{ratio:.2f} / p50 x{ratio_p50:.2f} / "
                   f"2nd x{ratio2:.2f}   TTFT - compute {other - co_other:+.1f} ms vs colocated")
-            print(f"      spans (mean ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m["pd_spans_ms"].items()))
+            print("      spans (mean ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m["pd_spans_ms"].items()))
         print("  colocated spans (mean ms): " + ", ".join(f"{k} {v:.1f}" for k, v in r["colocated_spans_ms"].items()))
 
 
