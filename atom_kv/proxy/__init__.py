@@ -1,5 +1,10 @@
 """The P/D proxy: service discovery, static engines, prefill/decode pairing and the HTTP relay.
 
+One sub-package per concern: ``http/`` (HTTP/1.1 server and upstream client, no P/D), ``fleet/`` (the
+engines it knows and their health), ``routing/`` (which instance and DP rank serves a leg), ``relay/``
+(one request through a P/D pair) and ``observability/`` (metrics, spans, traces); the app, its settings,
+its serving and the command line stay here.
+
 Build an app with :func:`create_app` (one per :class:`ProxySettings`; several
 can live in one process) or run ``python -m atom_kv.proxy``.
 """
