@@ -1,4 +1,4 @@
-"""Serving a proxy app: the app's lifespan around :class:`~atom_kv.proxy.http.httpserver.HTTPServer`, with graceful shutdown.
+"""Serving a proxy app: its lifespan around :class:`~atom_kv.proxy.http.httpserver.HTTPServer`, graceful shutdown.
 
 The HTTP socket is bound by :func:`listen_socket` before serving starts (so
 "address in use" is one clear line, and port 0 gives a port we can read

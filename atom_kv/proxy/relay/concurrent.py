@@ -105,7 +105,7 @@ class ConcurrentPairs:
                 if early is None:
                     self.health.failed(p.inst, "bad_response", request=req.outcomes)
                     raise Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} answered without a "
-                                                     "usable choice"), p.inst, "bad_response")
+                                                    "usable choice"), p.inst, "bad_response")
                 stage = "handed_off"  # the decode leg's own task abandons the prefill if it fails
                 result = RelayResult(200, "text/event-stream", spans=req.spans, stream=FirstTokenStream(
                     early, self._decode_after_prefill(req, p, d, decode_leg, prefill_kv, transfer_id,
@@ -162,8 +162,8 @@ class ConcurrentPairs:
         used = prefill_kv.get("transfer_id")
         if used != transfer_id:  # the decode waits on ours: it would never learn the blocks
             raise Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} did not adopt transfer id "
-                                             f"{transfer_id} (answered {str(used)[:160]!r})"),
-                             p.inst, "bad_response")
+                                            f"{transfer_id} (answered {str(used)[:160]!r})"),
+                            p.inst, "bad_response")
 
     async def _decode_after_prefill(
         self, req: PairRequest, p: Pick, d: Pick, decode_leg: "asyncio.Future[UpstreamResponse]",

@@ -205,7 +205,7 @@ class PairLegs:
         self.health.failed(pick.inst, "5xx", request=req.outcomes, suspect=resp.status not in (502, 503, 504))
         text = body[:300].decode("utf-8", "replace")
         raise Retryable(ProxyError(502, f"{leg} instance {pick.inst.base_url} answered {resp.status}: {text}"),
-                         pick.inst, "rejected", resp.status)
+                        pick.inst, "rejected", resp.status)
 
     def _transport_error(self, exc: UpstreamError, pick: Pick, leg: str, req: PairRequest) -> Exception:
         base = pick.inst.base_url
@@ -216,7 +216,7 @@ class PairLegs:
             self.health.failed(pick.inst, "connect", request=req.outcomes)
             self.health.mark_down(pick.inst, "connect timed out")
             return Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {exc}"),
-                              pick.inst, "unreachable")
+                             pick.inst, "unreachable")
         if isinstance(exc, UpstreamTimeout):
             self.health.failed(pick.inst, "timeout", request=req.outcomes)
             return ProxyError(504, f"{leg} instance {base} timed out")
@@ -245,12 +245,12 @@ class PairLegs:
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             self.health.failed(p.inst, "bad_response", request=req.outcomes)
             raise Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} returned invalid JSON"),
-                             p.inst, "bad_response") from None
+                            p.inst, "bad_response") from None
         kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(kv, dict):
             self.health.failed(p.inst, "bad_response", request=req.outcomes)
             raise Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} returned no kv_transfer_params"),
-                             p.inst, "bad_response")
+                            p.inst, "bad_response")
         self.health.succeeded(p.inst, req.outcomes)
         if not bounded_first_token(kv, self.settings.max_first_token_text_bytes):
             self.metrics.first_tokens_dropped.inc()
@@ -301,7 +301,7 @@ class PairLegs:
         self.health.failed(p.inst, "kv_transfer", request=req.outcomes)
         text = body[:300].decode("utf-8", "replace")
         raise Retryable(ProxyError(502, f"decode instance {d.inst.base_url} could not read the KV of prefill "
-                                         f"instance {p.inst.base_url}: {text}"), p.inst, "kv_transfer")
+                                        f"instance {p.inst.base_url}: {text}"), p.inst, "kv_transfer")
 
     async def respond(self, resp: UpstreamResponse, req: PairRequest, d: Pick,
                        prompt_tokens: int | None, on_release: Callable[[], None] | None = None) -> RelayResult:

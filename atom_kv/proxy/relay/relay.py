@@ -122,7 +122,7 @@ class Relay:
         text = prompt_text(body)
         tokens = estimate_prompt_tokens(body, text)
         req = PairRequest(path, body, request_id, auth, RouteContext(text, tokens), max_tokens,
-                       RequestSpans(self.metrics, received, trace), RequestOutcomes(next(self._request_keys)))
+                            RequestSpans(self.metrics, received, trace), RequestOutcomes(next(self._request_keys)))
         try:
             return await self._attempts(req, tokens)
         finally:
