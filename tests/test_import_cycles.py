@@ -77,6 +77,61 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_imports_itself_through_others():
     graph = _graph()
-    assert "atom_kv.proxy.pick" in graph["atom_kv.proxy.stream"]  # the graph sees what a module imports
+    assert "atom_kv.proxy.routing.pick" in graph["atom_kv.proxy.relay.stream"]  # the graph sees what a module imports
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles(graph) == []
+
+
+# The proxy's rooms: each sub-package of atom_kv.proxy is one concern. The HTTP layer knows nothing
+# of P/D; between the rooms (and the top-level modules: app, settings, server, __main__) no circle.
+PROXY = "atom_kv.proxy"
+PROXY_ROOMS = ("http", "fleet", "routing", "relay", "observability")
+
+
+def _proxy_node(module: str) -> str | None:
+    """The room a proxy module lives in (``atom_kv.proxy.relay``), or the module itself at the top; None outside."""
+    if not module.startswith(PROXY + "."):
+        return None
+    first = module[len(PROXY) + 1:].split(".")[0]
+    return f"{PROXY}.{first}" if first in PROXY_ROOMS else module
+
+
+def _room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph collapsed onto the proxy's rooms (imports inside one room drop out)."""
+    rooms: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        node = _proxy_node(module)
+        if node is None:
+            continue
+        targets = rooms.setdefault(node, set())
+        for dep in deps:
+            other = _proxy_node(dep)
+            if other is not None and other != node:
+                targets.add(other)
+                rooms.setdefault(other, set())
+    return rooms
+
+
+def _http_imports_beyond_http(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Every (module, import) where a module of ``proxy/http/`` imports a proxy module outside it."""
+    http = f"{PROXY}.http"
+    return sorted((module, dep) for module, deps in graph.items() if _proxy_node(module) == http
+                  for dep in deps if _proxy_node(dep) not in (None, http))
+
+
+def test_proxy_http_layer_imports_nothing_of_the_relay_routing_or_fleet():
+    graph = _graph()
+    assert {f"{PROXY}.http.{m}" for m in ("httpserver", "upstream", "sse", "asgi_bridge")} <= set(graph)
+    bad = {f"{PROXY}.http.sse": {f"{PROXY}.relay.legs", f"{PROXY}.http.upstream", "atom_kv.wire"}}
+    assert _http_imports_beyond_http(bad) == [(f"{PROXY}.http.sse", f"{PROXY}.relay.legs")]
+    assert _http_imports_beyond_http(graph) == []
+
+
+def test_no_circle_among_the_proxy_rooms():
+    graph = _graph()
+    rooms = _room_graph(graph)
+    assert f"{PROXY}.fleet" in rooms[f"{PROXY}.relay"]  # the collapsed graph sees the rooms' imports
+    assert set(rooms) >= {f"{PROXY}.{r}" for r in PROXY_ROOMS}
+    loop = {f"{PROXY}.fleet.health": {f"{PROXY}.routing.pick"}, f"{PROXY}.routing.pick": {f"{PROXY}.fleet.registry"}}
+    assert _cycles(_room_graph(loop)) == [[f"{PROXY}.fleet", f"{PROXY}.routing"]]
+    assert _cycles(rooms) == []

@@ -290,7 +290,7 @@ def test_adoptable_transfer_ids():
 
 
 def test_fields_a_stranger_sends_are_bounded_while_decoding():
-    from atom_kv.proxy.discovery import decode_discovery
+    from atom_kv.proxy.fleet.discovery import decode_discovery
 
     ping = {"type": "register", "role": "D", "index": "0", "request_address": "http://h:1/v1/completions",
             "handshake_port": 1}

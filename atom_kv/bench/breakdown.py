@@ -13,17 +13,13 @@ colocated, the engine's own ``Server-Timing`` header (queue, compute).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import statistics
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
-from atom_kv.proxy.spans import SPANS
-from atom_kv.server_timing import parse_server_timing
+from atom_kv.bench.client import in_threads, stream_completion
+from atom_kv.proxy.observability.spans import SPANS
 from atom_kv.testing.web import scrape_metrics
 
 __all__ = ["MODES", "p50", "run_breakdown", "span_totals"]
@@ -47,46 +43,21 @@ def _prompt(tokens: int, salt: str) -> str:
 
 def stream_once(base_url: str, prompt: str, max_tokens: int, timeout: float = 300.0) -> Sample:
     """One streamed greedy completion; TTFT and time to the second token from the client."""
-    url = urlsplit(base_url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
-    body = json.dumps({"model": "atom-kv-tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True})
-    try:
-        start = time.perf_counter()
-        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{base_url} answered {resp.status}: {resp.read()[:300]!r}")
-        spans = parse_server_timing(resp.getheader("Server-Timing") or "")
-        ttft = second = 0.0
-        n = 0
-        for line in resp:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            text = "".join(c.get("text") or "" for c in event.get("choices", []))
-            if not text:
-                continue
-            now = time.perf_counter() - start
-            if n == 0:
-                ttft = now
-            if n < 2 <= n + len(text):
-                second = now
-            n += len(text)
-        if n == 0:
-            raise RuntimeError("no tokens streamed")
-        return Sample(ttft, second, spans)
-    finally:
-        conn.close()
+    got = stream_completion(base_url, {"model": "atom-kv-tiny", "prompt": prompt, "max_tokens": max_tokens,
+                                       "temperature": 0}, timeout)
+    if not got.texts:
+        raise RuntimeError("no tokens streamed")
+    second = 0.0
+    n = 0
+    for when, chars in got.texts:  # the reference engine's tokenizer is one token per byte
+        if n < 2 <= n + chars:
+            second = when
+        n += chars
+    return Sample(got.texts[0][0], second, got.server_timing)
 
 
 def _batch(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> list[Sample]:
-    if concurrency == 1:
-        return [stream_once(url, p, max_tokens) for p in prompts]
-    with ThreadPoolExecutor(concurrency, thread_name_prefix="bench-client") as pool:
-        return list(pool.map(lambda p: stream_once(url, p, max_tokens), prompts))
+    return in_threads(lambda p: stream_once(url, p, max_tokens), prompts, concurrency, "bench-client")
 
 
 def span_totals(proxy_url: str) -> dict[str, tuple[float, float]]:
@@ -194,7 +165,7 @@ def _print(results: list[dict[str, Any]]) -> None:
             print(f"  P/D {name:12s} TTFT mean {m['pd_ttft_ms']:8.1f} ms  p50 {m['pd_ttft_p50_ms']:8.1f} ms"
                   f"  2nd token {m['pd_second_token_ms']:8.1f} ms   x{ratio:.2f} / p50 x{ratio_p50:.2f} / "
                   f"2nd x{ratio2:.2f}   TTFT - compute {other - co_other:+.1f} ms vs colocated")
-            print(f"      spans (mean ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m["pd_spans_ms"].items()))
+            print("      spans (mean ms): " + ", ".join(f"{k} {v:.1f}" for k, v in m["pd_spans_ms"].items()))
         print("  colocated spans (mean ms): " + ", ".join(f"{k} {v:.1f}" for k, v in r["colocated_spans_ms"].items()))
 
 

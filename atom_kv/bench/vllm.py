@@ -29,7 +29,6 @@ whose decode recomputed the prompt cannot pass as P/D), the targets, and:
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import secrets
@@ -38,13 +37,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
-from urllib.parse import urlsplit
 
 from atom_kv.bench.breakdown import p50, span_totals
-from atom_kv.proxy.spans import SPANS
+from atom_kv.bench.client import in_threads, stream_completion
+from atom_kv.proxy.observability.spans import SPANS
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json
 
@@ -258,37 +255,15 @@ def _stats(values: list[float]) -> dict[str, float]:
 def stream_ttft(base_url: str, model: str, prompt: str, max_tokens: int, timeout: float = 120.0) -> float:
     """One streamed greedy completion; seconds until the first event that carries a choice (vLLM sends one per
     token, with or without text: a byte-level token may end no character yet)."""
-    url = urlsplit(base_url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True, "stream": True})
-    try:
-        start = time.perf_counter()
-        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{base_url} answered {resp.status}: {resp.read()[:300]!r}")
-        ttft = 0.0
-        for line in resp:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"{base_url}: {event['error']}")
-            if not ttft and event.get("choices"):
-                ttft = time.perf_counter() - start
-        if not ttft:
-            raise RuntimeError(f"{base_url} streamed no token")
-        return ttft
-    finally:
-        conn.close()
+    got = stream_completion(base_url, {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                       "ignore_eos": True}, timeout)
+    if not got.first_choice:
+        raise RuntimeError(f"{base_url} streamed no token")
+    return got.first_choice
 
 
 def _batch(url: str, model: str, prompts: list[str], max_tokens: int) -> list[float]:
-    if len(prompts) == 1:
-        return [stream_ttft(url, model, prompts[0], max_tokens)]
-    with ThreadPoolExecutor(len(prompts), thread_name_prefix="bench-vllm-client") as pool:
-        return list(pool.map(lambda p: stream_ttft(url, model, p, max_tokens), prompts))
+    return in_threads(lambda p: stream_ttft(url, model, p, max_tokens), prompts, len(prompts), "bench-vllm-client")
 
 
 def _base_prompt(servers: Any, model: str, tokens: int) -> str:
@@ -436,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         print()
         print("\n".join(format_result(r)))
-    print("\nspans: see atom_kv.proxy.spans (vLLM sends no Server-Timing: prefill_response is the whole prefill "
+    print("\nspans: see atom_kv.proxy.observability.spans (vLLM sends no Server-Timing: prefill_response is the whole prefill "
           "leg, proxy_write runs from the decode answer's head to the first token out); engines: vLLM's own "
           "histograms (ttft from its API server's arrival; queue includes the decode's wait for the KV)")
     return 0

@@ -6,7 +6,7 @@ vLLM MoRIIO's format), from ``--prefill URL[,HANDSHAKE_PORT]`` /
 Clients use the HTTP port like any OpenAI-compatible server
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), and
 operators use ``/health``, ``/instances`` and ``/metrics``. Served by the
-proxy's own HTTP/1.1 server (:mod:`atom_kv.proxy.httpserver`, on uvloop when
+proxy's own HTTP/1.1 server (:mod:`atom_kv.proxy.http.httpserver`, on uvloop when
 installed); SIGINT or SIGTERM shuts it down gracefully (in-flight requests
 get ``--shutdown-timeout`` seconds).
 
@@ -30,52 +30,31 @@ from typing import Any, Callable, Coroutine
 
 from atom_kv.config import is_port
 from atom_kv.proxy.app import create_app
-from atom_kv.proxy.discovery import DiscoveryError
+from atom_kv.proxy.fleet.discovery import DiscoveryError
+from atom_kv.proxy.fleet.static import parse_engine_spec
 from atom_kv.proxy.server import listen_socket, serve_until_signalled
 from atom_kv.proxy.settings import POLICIES, ProxySettings
-from atom_kv.proxy.static import parse_engine_spec
 
 logger = logging.getLogger("atom_kv.proxy")
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+def _checked(kind: Callable[[str], Any], not_one: str, ok: Callable[[Any], bool], bad: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``kind(text)`` (else "not <not_one>") that ``ok`` accepts (else ``bad``, with the text)."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {not_one}: {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(bad.format(text))
+        return value
+    return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not is_port(value):
-        raise argparse.ArgumentTypeError(f"port out of range: {value}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive = _checked(float, "a number", lambda v: v > 0, "must be > 0, got {}")
+_fraction = _checked(float, "a number", lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1, got {}")
+_port = _checked(int, "a port number", is_port, "port out of range: {}")
+_nonneg_int = _checked(int, "an integer", lambda v: v >= 0, "must be >= 0, got {}")
 
 
 def _pos_int(text: str) -> int:
@@ -136,12 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graceful shutdown grace period (s)")
 
     g = p.add_argument_group("engines")
-    g.add_argument("--prefill", action="append", type=_engine("P"), default=[], metavar="URL[,HANDSHAKE_PORT]",
+    g.add_argument("--prefill", dest="static_prefill", action="append", type=_engine("P"), default=[],
+                   metavar="URL[,HANDSHAKE_PORT]",
                    help="a prefill engine (repeatable); optional key=value after the port: tp, dp, engine_id, "
-                        "notify_port (else learnt from the engine's /health)")
-    g.add_argument("--decode", action="append", type=_engine("D"), default=[], metavar="URL",
+                        "notify_port, dp_rank_field (else learnt from the engine's /health; its dp_size wins "
+                        "over dp=)")
+    g.add_argument("--decode", dest="static_decode", action="append", type=_engine("D"), default=[], metavar="URL",
                    help="a decode engine (repeatable); optional ,key=value as for --prefill")
-    g.add_argument("--probe-interval", type=_positive, default=d.probe_interval_s,
+    g.add_argument("--probe-interval", dest="probe_interval_s", type=_positive, default=d.probe_interval_s,
                    help="seconds between /health probes of flagged, new and down engines (default %(default)s)")
     g.add_argument("--probe-timeout", type=_positive, default=d.probe_timeout,
                    help="timeout of one /health probe (default %(default)s)")
@@ -184,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="concurrent dispatch: send the legs at once only while the chosen prefill rank has at most "
                         "this many prompt tokens of this proxy's requests ahead of the new one; past it the legs "
                         "go in turn, so decode blocks are not held while the prefill queues (default %(default)s)")
-    g.add_argument("--registration-window", type=_positive, default=d.registration_window_s,
+    g.add_argument("--registration-window", dest="registration_window_s", type=_positive,
+                   default=d.registration_window_s,
                    help="seconds a signed ping's timestamp may differ from now; nonces are remembered this long "
                         "(default %(default)s)")
     g.add_argument("--max-instances", type=_pos_int, default=d.max_instances,
@@ -192,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tp-size", type=_pos_int, default=d.max_tp_size,
                    help="refuse pings announcing a larger tp_size (default %(default)s)")
     g.add_argument("--max-dp-size", type=_pos_int, default=d.max_dp_size,
-                   help="refuse pings announcing a larger dp_size (default %(default)s)")
+                   help="refuse pings (and static engines' /health) announcing a larger dp_size "
+                        "(default %(default)s)")
 
     g = p.add_argument_group("routing")
     g.add_argument("--policy", choices=POLICIES, default=d.policy,
@@ -214,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("upstream requests")
     g.add_argument("--max-retries", type=_nonneg_int, default=d.max_retries,
                    help="re-planned pairs after an upstream failure (default %(default)s)")
-    g.add_argument("--retry-backoff", type=float, default=d.retry_backoff_s,
+    g.add_argument("--retry-backoff", dest="retry_backoff_s", type=float, default=d.retry_backoff_s,
                    help="first retry backoff in seconds, doubled each retry (default %(default)s)")
     g.add_argument("--connect-timeout", type=_positive, default=d.connect_timeout, help="upstream connect timeout (s)")
     g.add_argument("--prefill-timeout", type=_positive, default=d.prefill_timeout, help="whole prefill leg timeout (s)")
@@ -225,14 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--circuit-failures", type=_pos_int, default=d.circuit_failures,
                    help="consecutive instance failures (of different requests) that open an instance's circuit; "
                         "a 500 counts only once another instance served the same request (default %(default)s)")
-    g.add_argument("--circuit-cooldown", type=_positive, default=d.circuit_cooldown_s,
+    g.add_argument("--circuit-cooldown", dest="circuit_cooldown_s", type=_positive, default=d.circuit_cooldown_s,
                    help="seconds before an open circuit lets a trial request through (default %(default)s)")
     g.add_argument("--circuit-min-requests", type=_pos_int, default=d.circuit_min_requests,
                    help="outcomes an instance needs within --circuit-window before its failure ratio can open "
                         "its circuit (default %(default)s)")
     g.add_argument("--circuit-failure-ratio", type=_ratio, default=d.circuit_failure_ratio,
                    help="share of failed outcomes within --circuit-window that opens a circuit (default %(default)s)")
-    g.add_argument("--circuit-window", type=_positive, default=d.circuit_window_s,
+    g.add_argument("--circuit-window", dest="circuit_window_s", type=_positive, default=d.circuit_window_s,
                    help="seconds of outcomes the failure ratio looks at (default %(default)s)")
     g.add_argument("--max-upstream-head-bytes", type=_pos_int, default=d.max_upstream_head_bytes,
                    help="largest status line plus headers of an engine's answer, else 502 (default %(default)s)")
@@ -255,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "/metrics, with real start and end times) over OTLP/HTTP (protobuf) to this URL, e.g. "
                         "http://collector:4318/v1/traces; a client's traceparent is honoured and both legs carry "
                         "one to the engines (default: off, nothing imported)")
-    g.add_argument("--otlp-timeout", type=_positive, default=d.otlp_timeout_s,
+    g.add_argument("--otlp-timeout", dest="otlp_timeout_s", type=_positive, default=d.otlp_timeout_s,
                    help="seconds one export to --otlp-traces-endpoint may take, retries included "
                         "(default %(default)s)")
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
@@ -264,36 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: the parser's options that are not proxy settings (every other one is a ProxySettings field of its name)
+_NOT_SETTINGS = frozenset({"loop", "log_level"})
+
+
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
-    return ProxySettings(
-        host=args.host, port=args.port, discovery=args.discovery, discovery_host=args.discovery_host,
-        discovery_port=args.discovery_port, heartbeat_timeout=args.heartbeat_timeout, policy=args.policy,
-        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
-        registration_token=args.registration_token, registration_window_s=args.registration_window,
-        allow_open_registration=args.allow_open_registration,
-        discovery_max_connections=args.discovery_max_connections,
-        discovery_max_connections_per_source=args.discovery_max_connections_per_source,
-        release_prefills=args.release_prefills, first_token_forwarding=args.first_token_forwarding,
-        concurrent_dispatch=args.concurrent_dispatch, concurrent_max_queued_tokens=args.concurrent_max_queued_tokens,
-        max_instances=args.max_instances, max_tp_size=args.max_tp_size, max_dp_size=args.max_dp_size,
-        static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
-        probe_interval_s=args.probe_interval, probe_timeout=args.probe_timeout,
-        prefix_chars=args.prefix_chars, cache_threshold=args.cache_threshold,
-        balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
-        cache_max_chars=args.cache_max_chars, max_retries=args.max_retries, retry_backoff_s=args.retry_backoff,
-        connect_timeout=args.connect_timeout, prefill_timeout=args.prefill_timeout,
-        decode_timeout=args.decode_timeout, tokenize_timeout=args.tokenize_timeout,
-        circuit_failures=args.circuit_failures, circuit_cooldown_s=args.circuit_cooldown,
-        circuit_min_requests=args.circuit_min_requests, circuit_failure_ratio=args.circuit_failure_ratio,
-        circuit_window_s=args.circuit_window, max_upstream_head_bytes=args.max_upstream_head_bytes,
-        max_upstream_body_bytes=args.max_upstream_body_bytes, max_server_timing_bytes=args.max_server_timing_bytes,
-        max_first_token_text_bytes=args.max_first_token_text_bytes,
-        max_upstream_connections=args.max_upstream_connections, max_request_bytes=args.max_request_bytes,
-        sse_split_max=args.sse_split_max, max_inflight_body_bytes=args.max_inflight_body_bytes,
-        header_timeout=args.header_timeout, body_timeout=args.body_timeout, stall_timeout=args.stall_timeout,
-        shutdown_timeout=args.shutdown_timeout, backlog=args.backlog, reuse_port=args.reuse_port, admin_token=args.admin_token,
-        otlp_traces_endpoint=args.otlp_traces_endpoint, otlp_timeout_s=args.otlp_timeout,
-    )
+    """The settings the parsed flags give: each flag's ``dest`` is the :class:`ProxySettings` field it sets."""
+    values = {name: value for name, value in vars(args).items() if name not in _NOT_SETTINGS}
+    values["static_prefill"] = tuple(values["static_prefill"])
+    values["static_decode"] = tuple(values["static_decode"])
+    return ProxySettings(**values)
 
 
 def tracing_problem(settings: ProxySettings) -> str | None:
@@ -306,7 +269,7 @@ def tracing_problem(settings: ProxySettings) -> str | None:
         return (f"--otlp-traces-endpoint: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL is {protocol!r}; the proxy exports "
                 "OTLP over HTTP only (http/protobuf)")
     try:
-        import atom_kv.proxy.otel  # noqa: F401
+        import atom_kv.proxy.observability.otel  # noqa: F401
     except ImportError as exc:
         if not (exc.name or "").startswith("opentelemetry"):
             raise

@@ -2,7 +2,7 @@
 
 The two completion routes are not Quart's: the proxy's HTTP server
 (:mod:`atom_kv.proxy.server`) hands them to ``ProxyState.completions``
-(:mod:`atom_kv.proxy.fastpath`) and every other route to this app."""
+(:mod:`atom_kv.proxy.relay.fastpath`) and every other route to this app."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ import msgspec
 from quart import Quart, Response, request
 
 from atom_kv.auth import same_mac
-from atom_kv.proxy.discovery import DiscoveryError, DiscoveryListener
-from atom_kv.proxy.errors import ProxyError
-from atom_kv.proxy.fastpath import CompletionsHandler, valid_request_id
-from atom_kv.proxy.health import HealthMonitor, UpstreamHealth
-from atom_kv.proxy.metrics import ProxyMetrics, RequestRecord
-from atom_kv.proxy.policies import Policy, make_policy
-from atom_kv.proxy.registry import Instance, Registry
-from atom_kv.proxy.relay import Relay
+from atom_kv.proxy.fleet.discovery import DiscoveryError, DiscoveryListener
+from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
+from atom_kv.proxy.fleet.registry import Instance, Registry
+from atom_kv.proxy.observability.metrics import ProxyMetrics, RequestRecord
+from atom_kv.proxy.relay.errors import ProxyError
+from atom_kv.proxy.relay.fastpath import CompletionsHandler, valid_request_id
+from atom_kv.proxy.relay.relay import Relay
+from atom_kv.proxy.routing.policies import Policy, make_policy
 from atom_kv.proxy.settings import ProxySettings
 
 if TYPE_CHECKING:
-    from atom_kv.proxy.otel import ProxyTracer
+    from atom_kv.proxy.observability.otel import ProxyTracer
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class ProxyState:
         self.monitor = HealthMonitor(
             self.registry, self.health, interval_s=settings.probe_interval_s,
             timeout_s=settings.probe_timeout, connect_timeout=settings.connect_timeout,
-            tick_s=min(settings.probe_interval_s, settings.heartbeat_timeout / 4),
+            tick_s=min(settings.probe_interval_s, settings.heartbeat_timeout / 4), max_dp_size=settings.max_dp_size,
         )
         self.discovery: DiscoveryListener | None = None
         if settings.discovery:
@@ -92,7 +92,7 @@ class ProxyState:
     async def start(self) -> None:
         try:
             if self.tracer is None and self.settings.otlp_traces_endpoint is not None:
-                from atom_kv.proxy.otel import ProxyTracer  # only with the flag: the OpenTelemetry SDK is optional
+                from atom_kv.proxy.observability.otel import ProxyTracer  # only with the flag: the SDK is optional
                 self.tracer = ProxyTracer(self.settings.otlp_traces_endpoint, timeout_s=self.settings.otlp_timeout_s,
                                           log_interval_s=self.settings.log_summary_interval_s)
             self.completions.tracer = self.tracer

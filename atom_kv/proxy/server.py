@@ -1,4 +1,4 @@
-"""Serving a proxy app: the app's lifespan around :class:`~atom_kv.proxy.httpserver.HTTPServer`, with graceful shutdown.
+"""Serving a proxy app: its lifespan around :class:`~atom_kv.proxy.http.httpserver.HTTPServer`, graceful shutdown.
 
 The HTTP socket is bound by :func:`listen_socket` before serving starts (so
 "address in use" is one clear line, and port 0 gives a port we can read
@@ -7,8 +7,8 @@ back) and handed to the server, which listens with ``backlog``.
 The app's own start (Quart's ``before_serving``: the proxy's state) runs
 before the first connection is accepted, and its stop (``after_serving``)
 after the last connection is closed. The two completion routes are served by
-the state's :class:`~atom_kv.proxy.fastpath.CompletionsHandler`, every other
-route by the Quart app through :class:`~atom_kv.proxy.asgi_bridge.ASGIBridge`.
+the state's :class:`~atom_kv.proxy.relay.fastpath.CompletionsHandler`, every other
+route by the Quart app through :class:`~atom_kv.proxy.http.asgi_bridge.ASGIBridge`.
 
 Slow clients are bounded twice: a connection whose request head has not fully
 arrived within ``header_timeout`` (from the connection's start, or the
@@ -25,8 +25,8 @@ import socket
 from quart import Quart
 
 from atom_kv.proxy.app import STATE_KEY, ProxyState
-from atom_kv.proxy.asgi_bridge import ASGIBridge
-from atom_kv.proxy.httpserver import HTTPServer
+from atom_kv.proxy.http.asgi_bridge import ASGIBridge
+from atom_kv.proxy.http.httpserver import HTTPServer
 from atom_kv.proxy.settings import ProxySettings
 
 __all__ = ["listen_socket", "serve_app", "serve_until_signalled"]

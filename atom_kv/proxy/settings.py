@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from atom_kv.proxy.static import StaticEngine
+from atom_kv._netaddr import is_loopback
+from atom_kv.proxy.fleet.static import StaticEngine
 
 POLICIES = ("round_robin", "random", "power_of_two", "least_loaded", "prefix_hash", "cache_aware")
 
@@ -64,7 +64,7 @@ class ProxySettings:
     decode_timeout: float = 300.0
     models_timeout: float = 10.0
     tokenize_timeout: float = 5.0
-    # the breaker counts instance failures, not one request's (atom_kv.proxy.breaker): it opens after
+    # the breaker counts instance failures, not one request's (atom_kv.proxy.fleet.breaker): it opens after
     # ``circuit_failures`` consecutive ones of different requests, or once the last ``circuit_window_s`` held at
     # least ``circuit_min_requests`` outcomes with ``circuit_failure_ratio`` of them failures
     circuit_failures: int = 3
@@ -135,7 +135,7 @@ class ProxySettings:
         for engine in (*self.static_prefill, *self.static_decode):
             if engine.tp_size is not None and engine.tp_size > self.max_tp_size:
                 raise ValueError(f"{engine.url}: tp={engine.tp_size} exceeds max_tp_size {self.max_tp_size}")
-            if engine.dp_size > self.max_dp_size:
+            if engine.dp_size is not None and engine.dp_size > self.max_dp_size:
                 raise ValueError(f"{engine.url}: dp={engine.dp_size} exceeds max_dp_size {self.max_dp_size}")
 
         if self.reuse_port and self.port == 0:
@@ -176,13 +176,3 @@ def endpoint_problem(url: str) -> str | None:
         return ("must be an http:// or https:// URL of an OTLP/HTTP traces endpoint, "
                 "e.g. http://collector:4318/v1/traces")
     return None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) is a loopback address; names and ``""`` are not."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -1,8 +1,8 @@
-"""The breaker's rules on its own clock (atom_kv.proxy.breaker): volume, ratio, window, verdicts."""
+"""The breaker's rules on its own clock (atom_kv.proxy.fleet.breaker): volume, ratio, window, verdicts."""
 
 from __future__ import annotations
 
-from atom_kv.proxy.breaker import CircuitBreaker, OutcomeWindow, RequestOutcomes
+from atom_kv.proxy.fleet.breaker import CircuitBreaker, OutcomeWindow, RequestOutcomes
 
 
 def test_a_failure_ratio_opens_only_past_the_minimum_volume():

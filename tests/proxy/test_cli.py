@@ -168,3 +168,21 @@ def test_ports_in_use_are_one_clear_line():
         assert res.returncode == 1 and "Traceback" not in res.stderr
         last = res.stderr.strip().splitlines()[-1]
         assert last.startswith(f"atom-kv-proxy: cannot listen for discovery on 127.0.0.1:{port}:"), res.stderr
+
+
+def test_every_flag_sets_the_setting_it_names():
+    """Each option's dest is a ProxySettings field: a flag that maps to nothing fails here, not at start-up."""
+    from atom_kv.proxy.__main__ import build_parser, settings_from_args
+    from atom_kv.proxy.settings import ProxySettings
+
+    parser = build_parser()
+    assert settings_from_args(parser.parse_args([])) == ProxySettings()
+    s = settings_from_args(parser.parse_args([
+        "--retry-backoff", "0.25", "--circuit-window", "7", "--probe-interval", "0.5", "--registration-window", "9",
+        "--circuit-cooldown", "4", "--otlp-timeout", "3", "--max-retries", "5", "--no-release",
+        "--prefill", "http://h:1,6301", "--decode", "http://h:2,dp=2", "--decode", "http://h:3"]))
+    assert (s.retry_backoff_s, s.circuit_window_s, s.probe_interval_s, s.registration_window_s,
+            s.circuit_cooldown_s, s.otlp_timeout_s, s.max_retries, s.release_prefills) == (
+        0.25, 7.0, 0.5, 9.0, 4.0, 3.0, 5, False)
+    assert [(e.base_url, e.handshake_port) for e in s.static_prefill] == [("http://h:1", 6301)]
+    assert [(e.base_url, e.dp_size) for e in s.static_decode] == [("http://h:2", 2), ("http://h:3", None)]

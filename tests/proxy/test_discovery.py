@@ -12,10 +12,10 @@ import pytest
 
 from atom_kv.auth import PURPOSE_REGISTER, sign_fields
 from atom_kv.discovery import build_registration_pinger
-from atom_kv.proxy.discovery import decode_discovery, to_registration
+from atom_kv.proxy.fleet.discovery import decode_discovery, to_registration
+from atom_kv.testing.fake_engine import FakeEngine
 from atom_kv.wire import HelloPing, RegisterPing, WireError, encode
 from tests.connector.kvutil import config
-from atom_kv.testing.fake_engine import FakeEngine
 from tests.proxy.fake_engine import get, post, register, send_pings
 
 
@@ -67,7 +67,7 @@ async def test_registered_but_unreachable_engine_gets_no_traffic(make_proxy, mak
 async def test_an_engine_that_registers_before_it_serves_is_starting_never_down(make_proxy, make_engine, caplog):
     """Engines may ping before their HTTP server listens: the proxy says "starting" once, no "down", no
     "up again", and routes to it once a probe reaches it."""
-    caplog.set_level(logging.INFO, logger="atom_kv.proxy.registry")
+    caplog.set_level(logging.INFO, logger="atom_kv.proxy.fleet.registry")
     proxy = await make_proxy(probe_interval_s=0.1)
     d = await make_engine("D")
     early = await make_engine("P")
@@ -229,7 +229,7 @@ async def test_refused_pings_are_counted_every_time_but_logged_at_a_bounded_rate
     proxy = await make_proxy(registration_token="s3cret")
     p = await make_engine("P")
     d = await make_engine("D")
-    caplog.set_level(logging.WARNING, logger="atom_kv.proxy.discovery")
+    caplog.set_level(logging.WARNING, logger="atom_kv.proxy.fleet.discovery")
     await _sent(proxy, [p.register_ping(token="wrong") for _ in range(500)])
     await register(proxy, d, token="s3cret")
     # the discovery socket queues only a couple of pings per connection: the rest wait in TCP, then arrive
@@ -252,7 +252,7 @@ async def test_ping_limits_are_refused_without_allocating(make_proxy, make_engin
 async def test_a_ping_of_another_protocol_version_is_refused_naming_both(make_proxy, make_engine, caplog):
     proxy = await make_proxy()
     d = await make_engine("D")
-    caplog.set_level(logging.WARNING, logger="atom_kv.proxy.discovery")
+    caplog.set_level(logging.WARNING, logger="atom_kv.proxy.fleet.discovery")
     await _sent(proxy, [msgspec.msgpack.encode(dict(d.register_fields(), v=999))])
     await register(proxy, d)  # the same engine at our version is accepted
     assert await _counted(proxy, "atom_kv_proxy_rejected_registrations_total", 1, reason="version")

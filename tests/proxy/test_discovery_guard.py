@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from atom_kv.proxy.discovery_guard import ConnectionGuard
+from atom_kv.proxy.fleet.discovery_guard import ConnectionGuard
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import msgspec
 import zmq
 
 from atom_kv.auth import PURPOSE_REGISTER, sign_fields
-from atom_kv.proxy.pings import MAX_PING_BYTES, decode_discovery, largest_ping_bytes
+from atom_kv.proxy.fleet.pings import MAX_PING_BYTES, decode_discovery, largest_ping_bytes
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.procfs import rss_bytes
 from atom_kv.testing.web import http_json as http

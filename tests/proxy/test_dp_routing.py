@@ -9,9 +9,9 @@ import random
 import aiohttp
 import pytest
 
-from atom_kv.proxy.policies import LeastLoaded, RouteContext
-from atom_kv.proxy.registry import CircuitBreaker, Instance
-from atom_kv.proxy.static import parse_engine_spec
+from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance
+from atom_kv.proxy.fleet.static import parse_engine_spec
+from atom_kv.proxy.routing.policies import LeastLoaded, RouteContext
 from tests.proxy.fake_engine import register
 
 
@@ -100,3 +100,40 @@ def test_least_loaded_balances_outstanding_tokens_per_rank():
     mean = sum(loads) / len(loads)
     assert all(abs(x - mean) <= 0.25 * mean for x in loads), loads
     assert sum(r for inst in insts for r in inst.outstanding_requests) == len(live)
+
+
+async def test_static_dp_size_from_health_wins_with_one_line_per_value(caplog):
+    """What a static engine's /health says about its DP size, probe after probe: the spec's ``dp=`` gives
+    way to it, a disagreement or an out-of-bounds value is one warning, repeated answers say nothing."""
+    from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
+    from atom_kv.proxy.fleet.registry import Registry
+    from atom_kv.proxy.observability.metrics import ProxyMetrics
+
+    registry = Registry(heartbeat_timeout=5.0, circuit_failures=3, circuit_cooldown_s=1.0)
+    monitor = HealthMonitor(registry, UpstreamHealth(registry, ProxyMetrics()), interval_s=1.0, timeout_s=1.0,
+                            connect_timeout=1.0, tick_s=1.0, max_dp_size=8)
+    given = registry.add_static(parse_engine_spec("D", "http://h:2,dp=4"))
+    learnt = registry.add_static(parse_engine_spec("P", "http://h:1"))
+    assert (given.dp_size, learnt.dp_size) == (4, 1)
+    caplog.set_level("INFO", logger="atom_kv.proxy.fleet.health")
+    for _ in range(3):
+        assert monitor._apply(given, {"role": "decode", "dp_size": 2})
+        assert monitor._apply(learnt, {"role": "prefill", "dp_size": 2})
+    assert (given.dp_size, len(given.outstanding_tokens), learnt.dp_size) == (2, 2, 2)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["static decode engine http://h:2: its /health reports dp_size=2 but its --decode spec "
+                        "says dp=4; using dp_size=2 from /health (correct or drop dp= in the spec)"]
+    assert [r.getMessage() for r in caplog.records if r.levelname == "INFO"] == [
+        "static prefill engine http://h:1: dp_size=2 from its /health"]
+    caplog.clear()
+    for bad in (9, 0, True, "3"):  # beyond --max-dp-size, not a size, not an int: the size stays
+        assert monitor._apply(learnt, {"dp_size": bad})
+        assert monitor._apply(learnt, {"dp_size": bad})
+    assert learnt.dp_size == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "static prefill engine http://h:1: its /health reports dp_size=9, outside 1..8 (--max-dp-size); keeping "
+        "dp_size=2",
+        "static prefill engine http://h:1: its /health reports dp_size=0, outside 1..8 (--max-dp-size); keeping "
+        "dp_size=2"]
+    assert monitor._apply(given, {"dp_size": 4}) and given.dp_size == 4  # the engine came back with 4: no line
+    assert [r.levelname for r in caplog.records].count("WARNING") == 2

@@ -18,7 +18,7 @@ import time
 import aiohttp
 import pytest
 
-from atom_kv.proxy.static import parse_engine_spec
+from atom_kv.proxy.fleet.static import parse_engine_spec
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json as http
 from atom_kv.testing.web import scrape_metrics

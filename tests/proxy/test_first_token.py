@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from atom_kv.proxy.errors import ProxyError
-from atom_kv.proxy.first_token import (
+from atom_kv.proxy.relay.errors import ProxyError
+from atom_kv.proxy.relay.first_token import (
     FirstTokenStream, first_token_events, forwardable, forwardable_request, promised_first_events,
 )
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN

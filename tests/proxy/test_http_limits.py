@@ -8,7 +8,7 @@ import socket
 
 import msgspec
 
-from atom_kv.proxy.httpserver import Exchange, HTTPServer
+from atom_kv.proxy.http.httpserver import Exchange, HTTPServer
 from atom_kv.proxy.server import listen_socket
 from tests.proxy.test_http_server import read_response
 
@@ -173,7 +173,7 @@ async def test_a_large_body_is_held_once_not_three_times():
     """Today's reproduction: a 60 MB body took 180 MB of proxy memory (its pieces, their join, the parse)."""
     import tracemalloc
 
-    from atom_kv.proxy.fastpath import parse_body
+    from atom_kv.proxy.relay.fastpath import parse_body
 
     size = 16 << 20
     parsed = {}

@@ -9,7 +9,7 @@ import socket
 
 import msgspec
 
-from atom_kv.proxy.httpserver import Exchange, HTTPServer
+from atom_kv.proxy.http.httpserver import Exchange, HTTPServer
 from atom_kv.proxy.server import listen_socket
 
 

@@ -18,9 +18,9 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="the otel e
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 from atom_kv.proxy import __main__ as cli  # noqa: E402
-from atom_kv.proxy.metrics import ProxyMetrics  # noqa: E402
-from atom_kv.proxy.otel import ProxyTracer  # noqa: E402
-from atom_kv.proxy.spans import RequestSpans  # noqa: E402
+from atom_kv.proxy.observability.metrics import ProxyMetrics  # noqa: E402
+from atom_kv.proxy.observability.otel import ProxyTracer  # noqa: E402
+from atom_kv.proxy.observability.spans import RequestSpans  # noqa: E402
 from atom_kv.testing.ports import free_port  # noqa: E402
 from tests.proxy.conftest import FAST, RunningProxy  # noqa: E402
 from tests.proxy.fake_engine import post, register  # noqa: E402
@@ -46,7 +46,7 @@ class _Clock:
 @pytest.fixture
 def clock(monkeypatch):
     c = _Clock(1000.0)
-    monkeypatch.setattr("atom_kv.proxy.spans.time.perf_counter", c)
+    monkeypatch.setattr("atom_kv.proxy.observability.spans.time.perf_counter", c)
     return c
 
 
@@ -170,7 +170,7 @@ def test_export_failures_are_logged_rate_limited_and_never_raised(clock, caplog)
     finally:
         tracer.close()
     assert tracer.exporter.failures == 3
-    failed = [r for r in caplog.records if "failed" in r.getMessage() and r.name == "atom_kv.proxy.otel"]
+    failed = [r for r in caplog.records if "failed" in r.getMessage() and r.name == "atom_kv.proxy.observability.otel"]
     assert 1 <= len(failed) <= 3, [r.getMessage() for r in caplog.records]
     assert not [r for r in caplog.records if r.name.startswith("opentelemetry") and r.levelno >= logging.WARNING]
 
@@ -221,7 +221,7 @@ def test_without_the_flag_the_proxy_imports_no_opentelemetry():
 
 def test_without_the_packages_one_line_and_exit_2(monkeypatch, capsys):
     for name in [m for m in sys.modules if m == "opentelemetry" or m.startswith(("opentelemetry.",
-                                                                                  "atom_kv.proxy.otel"))]:
+                                                                                  "atom_kv.proxy.observability.otel"))]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "opentelemetry", None)  # what an environment without the extra gives
     rc = cli.main(["--port", "0", "--no-discovery", "--prefill", "http://127.0.0.1:1", "--decode",

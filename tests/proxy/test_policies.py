@@ -8,12 +8,12 @@ import collections
 import aiohttp
 import pytest
 
-from atom_kv.proxy.policies import (
+from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance
+from atom_kv.proxy.routing.policies import (
     CacheAware, LeastLoaded, PowerOfTwo, PrefixHash, RandomChoice, RouteContext, RoundRobin, estimate_prompt_tokens,
     make_policy, prompt_text,
 )
-from atom_kv.proxy.prefix_tree import PrefixTree
-from atom_kv.proxy.registry import CircuitBreaker, Instance
+from atom_kv.proxy.routing.prefix_tree import PrefixTree
 from atom_kv.proxy.settings import POLICIES, ProxySettings
 from atom_kv.testing.fake_engine import wait_engines
 from tests.proxy.fake_engine import post, register

@@ -82,7 +82,7 @@ async def test_pings_that_do_not_ask_get_no_answer(make_proxy, make_engine):
 
 async def test_an_engine_url_on_an_unspecified_host_is_refused_and_the_log_says_why(make_proxy, make_engine,
                                                                                       caplog):
-    caplog.set_level(logging.WARNING, logger="atom_kv.proxy.discovery")
+    caplog.set_level(logging.WARNING, logger="atom_kv.proxy.fleet.discovery")
     proxy = await make_proxy()
     d = await make_engine("D")
     moriio = msgspec.msgpack.encode({

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from atom_kv.proxy.registry import CircuitBreaker, Registration, Registry, RegistryFull
-from atom_kv.proxy.static import parse_engine_spec
+from atom_kv.proxy.fleet.registry import CircuitBreaker, Registration, Registry, RegistryFull
+from atom_kv.proxy.fleet.static import parse_engine_spec
 
 
 def test_breaker_open_half_open_closed():
@@ -105,7 +105,7 @@ def test_engine_spec_parsing():
     assert (e.base_url, e.host, e.http_port, e.handshake_port, e.tp_size, e.dp_size, e.engine_id, e.notify_port) == (
         "http://10.0.0.5:8100", "10.0.0.5", 8100, 6301, 4, 2, "p0", 61005)
     e = parse_engine_spec("D", "http://h:9000/v1/completions")
-    assert (e.base_url, e.handshake_port, e.tp_size, e.dp_size) == ("http://h:9000", None, None, 1)
+    assert (e.base_url, e.handshake_port, e.tp_size, e.dp_size) == ("http://h:9000", None, None, None)  # dp: /health
     assert parse_engine_spec("P", "http://h:1,none").handshake_port is None
     for bad, match in (("10.0.0.5:8100", "http URL"), ("http://h:1,99999", "HANDSHAKE_PORT"),
                        ("http://h:1,1,colour=red", "unknown key"), ("http://h:1,1,tp=0", "tp must be >= 1"),

@@ -134,7 +134,7 @@ async def test_openai_client_all_modes(pd):
 
 
 def test_event_framer_handles_events_split_across_chunks():
-    from atom_kv.proxy.sse import EventFramer
+    from atom_kv.proxy.http.sse import EventFramer
 
     events = [b'data: {"choices":[{"text":"a"}]}\n\n',
               b'data: {"choices":[],"usage":{"prompt_tokens":0,"completion_tokens":2,"total_tokens":2}}\n\n',
@@ -181,7 +181,7 @@ async def test_streams_complete_cleanly_over_pooled_connections(pd):
 
 
 def test_request_id_validation():
-    from atom_kv.proxy.fastpath import valid_request_id
+    from atom_kv.proxy.relay.fastpath import valid_request_id
 
     assert valid_request_id("abc-123") == "abc-123"
     for bad in (None, "", "x" * 200, "bad\nid", "caf\u00e9"):

@@ -14,7 +14,7 @@ import zmq.asyncio
 from atom_kv import wire
 from atom_kv.auth import PURPOSE_RELEASE, ReplayWindow, verify_struct
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER
-from atom_kv.proxy.release import ProducerAddress
+from atom_kv.proxy.relay.release import ProducerAddress
 from tests.proxy.fake_engine import post, register
 
 TOKEN = "cluster-secret-0123456789abcdef"
@@ -194,7 +194,7 @@ async def test_graceful_shutdown_with_a_prefill_outstanding_still_releases_it(ma
 
 
 def test_producer_address_from_the_answer_else_the_registration():
-    from atom_kv.proxy.registry import CircuitBreaker, Instance
+    from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance
 
     inst = Instance(role="P", base_url="http://10.0.0.5:8000", host="10.0.0.5", http_port=8000, handshake_port=7000,
                     dp_size=4, tp_size=2, breaker=CircuitBreaker(3, 1.0))
@@ -210,7 +210,7 @@ def test_producer_address_from_the_answer_else_the_registration():
 
 def test_producer_address_of_a_dp_rank_with_pipeline_stages():
     """An abandoned prefill is released on every stage of the DP rank that ran it, and on no other rank."""
-    from atom_kv.proxy.registry import CircuitBreaker, Instance
+    from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance
 
     inst = Instance(role="P", base_url="http://10.0.0.5:8000", host="10.0.0.5", http_port=8000, handshake_port=7000,
                     dp_size=4, tp_size=2, breaker=CircuitBreaker(3, 1.0))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from atom_kv.proxy.metrics import ProxyMetrics
-from atom_kv.proxy.spans import RequestSpans
+from atom_kv.proxy.observability.metrics import ProxyMetrics
+from atom_kv.proxy.observability.spans import RequestSpans
 
 
 def test_spans_are_observed_once_per_request_from_engine_headers():

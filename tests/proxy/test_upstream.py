@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from atom_kv.proxy.upstream import (
+from atom_kv.proxy.http.upstream import (
     UpstreamConnectionError, UpstreamConnectTimeout, UpstreamPool, UpstreamTimeout,
 )
 from atom_kv.testing.ports import free_port

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from atom_kv.proxy.upstream import AnswerLimits, UpstreamTooLarge
+from atom_kv.proxy.http.upstream import AnswerLimits, UpstreamTooLarge
 from tests.proxy.test_upstream import RawPeer, _head, pool  # noqa: F401 - pool is a fixture
 
 MiB = 1024 * 1024
@@ -125,7 +125,7 @@ async def test_a_streamed_body_is_not_held_so_not_bounded_in_total(pool):  # noq
 
 # ------------------------------------------------------------------ the streamed decode leg's events
 def test_a_partial_event_is_held_without_quadratic_copies_and_bounded():
-    from atom_kv.proxy.sse import EventFramer, EventTooLarge
+    from atom_kv.proxy.http.sse import EventFramer, EventTooLarge
 
     framer = EventFramer(max_event_bytes=128 * MiB)
     piece = b"x" * (64 * 1024)
@@ -149,7 +149,7 @@ def test_a_partial_event_is_held_without_quadratic_copies_and_bounded():
     [b"data: a", b"\n", b"\n", b"data: b\n\n"],
 ])
 def test_an_event_end_split_across_reads_is_found(pieces):
-    from atom_kv.proxy.sse import EventFramer
+    from atom_kv.proxy.http.sse import EventFramer
 
     framer = EventFramer(max_event_bytes=1024)
     events = [e for p in pieces for e, _ in framer.feed_writes(p, 4)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from atom_kv.proxy.errors import ProxyError
+from atom_kv.proxy.relay.errors import ProxyError
 
 __all__ = ["requested_max_tokens", "context_length_error", "could_overflow"]
 

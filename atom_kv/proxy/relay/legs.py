@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from atom_kv.proxy.registry import Instance
+from atom_kv.proxy.fleet.registry import Instance
 
 #: the body field ATOM's routers inject to name the DP rank (``_get_data_parallel_rank``)
 DP_RANK_FIELD = "data_parallel_rank"

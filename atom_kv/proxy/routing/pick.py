@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atom_kv.proxy.registry import Instance
+from atom_kv.proxy.fleet.registry import Instance
 
 __all__ = ["Pick"]
 

@@ -23,8 +23,8 @@ from typing import Callable, Literal
 from yarl import URL
 
 from atom_kv._ratelimit import RateLimitedLog
-from atom_kv.proxy.breaker import CircuitBreaker
-from atom_kv.proxy.static import StaticEngine
+from atom_kv.proxy.fleet.breaker import CircuitBreaker
+from atom_kv.proxy.fleet.static import StaticEngine
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class Instance:
     outstanding_tokens: list[int] = field(default_factory=list)
     outstanding_requests: list[int] = field(default_factory=list)  # per DP rank
     dp_rank_field: bool = False  # static only: the engine takes the `data_parallel_rank` body field
+    spec_dp_size: int | None = None  # static only: ``dp=`` from its spec (None: not given)
+    health_dp_size: int | None = None  # static only: the dp_size its /health last reported
     dp_counter: int = 0
     pinned: frozenset[str] = frozenset()  # fields given by flag: never overwritten by what the engine reports
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
@@ -286,12 +288,13 @@ class Registry:
     def add_static(self, engine: StaticEngine) -> Instance:
         """Register an engine given by flag; it is probed, never evicted."""
         inst = self._new_instance(engine.role, engine.base_url, engine.host, engine.http_port,  # type: ignore[arg-type]
-                                  engine.handshake_port, engine.dp_size, engine.tp_size or 1)
+                                  engine.handshake_port, engine.dp_size or 1, engine.tp_size or 1)
         inst.static = True
         inst.source = "static"
         inst.engine_id = engine.engine_id
         inst.notify_port = engine.notify_port
         inst.dp_rank_field = engine.dp_rank_field
+        inst.spec_dp_size = engine.dp_size
         inst.pinned = frozenset(k for k, v in (("tp_size", engine.tp_size), ("engine_id", engine.engine_id)) if v)
         self._instances[inst.key] = inst
         self._changed()

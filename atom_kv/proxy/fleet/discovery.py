@@ -1,6 +1,6 @@
 """ZeroMQ ROUTER listener for engine registration pings (ATOM's and vLLM MoRIIO's), on the event loop.
 
-What a ping may be is :mod:`atom_kv.proxy.pings`. Registration needs a
+What a ping may be is :mod:`atom_kv.proxy.fleet.pings`. Registration needs a
 registration token (a ping is accepted only if it is signed, see
 :mod:`atom_kv.auth`: ``ts``, ``nonce``, ``mac`` over the rest of the map,
 within the replay window), or the operator's ``--allow-open-registration``;
@@ -15,9 +15,9 @@ or stale.
 ATOM's and MoRIIO's pings never do, and get nothing back.
 
 Before anything is decoded, the socket bounds what a stranger can make it
-hold: one message of at most :data:`~atom_kv.proxy.pings.MAX_PING_BYTES`
+hold: one message of at most :data:`~atom_kv.proxy.fleet.pings.MAX_PING_BYTES`
 (larger: the connection is dropped), :data:`RCV_HWM` queued messages per
-connection, and a :class:`~atom_kv.proxy.discovery_guard.ConnectionGuard` on
+connection, and a :class:`~atom_kv.proxy.fleet.discovery_guard.ConnectionGuard` on
 the number of connections.
 """
 
@@ -31,16 +31,16 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from atom_kv._netaddr import is_loopback
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_fields
-from atom_kv.proxy.discovery_guard import ConnectionGuard
-from atom_kv.proxy.metrics import ProxyMetrics
-from atom_kv.proxy.pings import (  # noqa: F401 - re-exported: the names tests and tools import from here
+from atom_kv.proxy.fleet.discovery_guard import ConnectionGuard
+from atom_kv.proxy.fleet.pings import (  # noqa: F401 - re-exported: the names tests and tools import from here
     MAX_PING_BYTES, REQUIRED_TRANSFER_MODE, DiscoveryMessage, MoriioDecodePing, MoriioPrefillPing,
     UnspecifiedAddress, decode_discovery, decode_discovery_map, decode_raw, to_message, to_registration,
 )
-from atom_kv.proxy.registry import UP, Registry, RegistryFull
-from atom_kv.proxy.settings import is_loopback
+from atom_kv.proxy.fleet.registry import UP, Registry, RegistryFull
+from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.wire import (
     PROTOCOL_VERSION, REFUSED, REGISTERED, STALE, HelloPing, RegisterAnswer, RegisterPing, WireError, encode,
 )

@@ -12,8 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from atom_kv.proxy.prefix_tree import PrefixTree
-from atom_kv.proxy.registry import Instance
+from atom_kv.proxy.fleet.registry import Instance
+from atom_kv.proxy.routing.prefix_tree import PrefixTree
 
 _MASK64 = (1 << 64) - 1
 MAX_MATCH_CHARS = 65536  # cache_aware looks at most at this many leading prompt characters

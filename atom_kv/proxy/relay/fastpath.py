@@ -1,14 +1,14 @@
 """The hot path: ``POST /v1/completions`` and ``/v1/chat/completions``, served natively.
 
-The proxy's HTTP server (:mod:`atom_kv.proxy.httpserver`) calls
+The proxy's HTTP server (:mod:`atom_kv.proxy.http.httpserver`) calls
 :class:`CompletionsHandler` for the two relay routes with a whole request
 (its size and arrival time already bounded: a refused one only needs its
 answer); every other route is Quart's. Serving the relay routes without
 Quart's per-request context machinery and without ASGI message dicts is
 measured with ``python -m atom_kv.bench proxy``. This module owns the client
 side of a request: parsing the body, the answer (one write per SSE event,
-see :class:`~atom_kv.proxy.stream.DecodeStream`), and the request's metrics
-(:class:`~atom_kv.proxy.metrics.RequestRecord`, including client
+see :class:`~atom_kv.proxy.relay.stream.DecodeStream`), and the request's metrics
+(:class:`~atom_kv.proxy.observability.metrics.RequestRecord`, including client
 disconnects). A client disconnect cancels the request's task, which cancels
 whichever upstream leg is running (or closes the decode stream).
 """
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
-from atom_kv.proxy.httpserver import Exchange
-from atom_kv.proxy.metrics import CLIENT_CLOSED, ProxyMetrics, RequestRecord
-from atom_kv.proxy.relay import Relay, RelayResult
-from atom_kv.proxy.spans import RequestSpans
+from atom_kv.proxy.http.httpserver import Exchange
+from atom_kv.proxy.observability.metrics import CLIENT_CLOSED, ProxyMetrics, RequestRecord
+from atom_kv.proxy.observability.spans import RequestSpans
+from atom_kv.proxy.relay.errors import ProxyError, UpstreamResponseError
+from atom_kv.proxy.relay.relay import Relay, RelayResult
 
 if TYPE_CHECKING:
-    from atom_kv.proxy.otel import ProxyTracer
+    from atom_kv.proxy.observability.otel import ProxyTracer
 
 logger = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from typing import Any, Awaitable
 import msgspec
 
 from atom_kv.openai_errors import sse_error_event
-from atom_kv.proxy.errors import ProxyError, UpstreamResponseError
-from atom_kv.proxy.stream import ResponseStream, StreamSink
+from atom_kv.proxy.relay.errors import ProxyError, UpstreamResponseError
+from atom_kv.proxy.relay.stream import ResponseStream, StreamSink
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN, MAX_FIRST_TOKENS
 
 __all__ = ["first_token_events", "forwardable", "forwardable_request", "promised_first_events", "FirstTokenStream",

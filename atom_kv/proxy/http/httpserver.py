@@ -5,8 +5,8 @@ pure Python and runs every request through ASGI message dicts and extra
 tasks; with its h11 parsing that was over a third of the proxy's CPU per
 request (``python -m atom_kv.bench proxy``, py-spy). This server hands each
 request to a handler as an :class:`Exchange`: the two completion routes are
-served natively (:mod:`atom_kv.proxy.fastpath`), every other route goes to the
-Quart app through a minimal ASGI bridge (:mod:`atom_kv.proxy.asgi_bridge`).
+served natively (:mod:`atom_kv.proxy.relay.fastpath`), every other route goes to the
+Quart app through a minimal ASGI bridge (:mod:`atom_kv.proxy.http.asgi_bridge`).
 
 :class:`HTTPServer` owns the listening server and its connections;
 :class:`_ServerConnection` owns one client's connection:

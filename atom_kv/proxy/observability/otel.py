@@ -9,7 +9,7 @@ its own thread (the event loop only appends finished spans to its queue):
   to its last byte, with the request id, the path, the status, the prefill and
   decode instances with their DP ranks, and whether the first token came from
   the prefill and whether the legs went out together;
-- one child per breakdown span of :mod:`atom_kv.proxy.spans`
+- one child per breakdown span of :mod:`atom_kv.proxy.observability.spans`
   (``proxy_admission``, ``prefill_queue``, ``prefill_compute``, ...), with
   real start and end times: the proxy's ``perf_counter`` marks turned into
   epoch nanoseconds with one offset per request. An engine reports durations

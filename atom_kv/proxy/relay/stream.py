@@ -7,10 +7,10 @@ import logging
 from typing import Callable, Protocol
 
 from atom_kv.openai_errors import sse_error_event
-from atom_kv.proxy.health import UpstreamHealth
-from atom_kv.proxy.pick import Pick
-from atom_kv.proxy.sse import DONE_EVENT, EventFramer, EventTooLarge
-from atom_kv.proxy.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
+from atom_kv.proxy.fleet.health import UpstreamHealth
+from atom_kv.proxy.http.sse import DONE_EVENT, EventFramer, EventTooLarge
+from atom_kv.proxy.http.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
+from atom_kv.proxy.routing.pick import Pick
 
 logger = logging.getLogger(__name__)
 

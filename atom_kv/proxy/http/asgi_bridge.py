@@ -1,4 +1,4 @@
-"""A minimal ASGI bridge: serves an :class:`~atom_kv.proxy.httpserver.Exchange` with an ASGI app.
+"""A minimal ASGI bridge: serves an :class:`~atom_kv.proxy.http.httpserver.Exchange` with an ASGI app.
 
 The proxy's management routes (``/health``, ``/instances``, ``/metrics``,
 ``/v1/models``, and every 404/405) are Quart's; the server reads the whole
@@ -14,7 +14,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from atom_kv.openai_errors import error_bytes
-from atom_kv.proxy.httpserver import Exchange
+from atom_kv.proxy.http.httpserver import Exchange
 
 __all__ = ["ASGIBridge"]
 

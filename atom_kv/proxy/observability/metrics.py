@@ -40,7 +40,7 @@ class ProxyMetrics:
             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.spans = Histogram(
-            "atom_kv_proxy_span_seconds", "Time to first token, span by span (see atom_kv.proxy.spans)",
+            "atom_kv_proxy_span_seconds", "Time to first token, span by span (see atom_kv.proxy.observability.spans)",
             ["span"], buckets=_SPAN_BUCKETS, registry=r,
         )
         self.instances = Gauge("atom_kv_proxy_instances", "Usable instances by role", ["role"], registry=r)

@@ -5,8 +5,10 @@ An engine spec is ``URL[,HANDSHAKE_PORT][,key=value...]`` with keys ``tp``,
 carry; and ``dp_rank_field`` (``1``: the engine reads the ``data_parallel_rank``
 body field, as ATOM and atom-kv's reference engine do; ``0``, the default:
 it gets the rank only in the ``X-data-parallel-rank`` header). Whatever is not given is learnt from the engine (``/health`` reports
-``engine_id`` and ``tp_size`` on atom-kv's reference engine, ``/v1/models``
-reports ``max_model_len``) or left unset.
+``engine_id``, ``tp_size`` and ``dp_size`` on atom-kv's reference engine, ``/v1/models``
+reports ``max_model_len``) or left unset. The DP size the engine reports wins over ``dp=``
+(a rank the engine lacks would fail every request sent to it); a ``dp=`` that disagrees
+is logged once, in one line.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class StaticEngine:
     http_port: int
     handshake_port: int | None = None
     tp_size: int | None = None  # None: from the engine's /health, else 1
-    dp_size: int = 1
+    dp_size: int | None = None  # None: from the engine's /health, else 1
     engine_id: str | None = None
     notify_port: int | None = None
     dp_rank_field: bool = False
@@ -97,7 +99,7 @@ def parse_engine_spec(role: str, spec: str) -> StaticEngine:
         role=role, url=url, base_url=f"{split.scheme}://{split.netloc}", host=split.hostname, http_port=port,
         handshake_port=handshake,
         tp_size=_positive(fields["tp"], "tp", spec) if "tp" in fields else None,
-        dp_size=_positive(fields["dp"], "dp", spec) if "dp" in fields else 1,
+        dp_size=_positive(fields["dp"], "dp", spec) if "dp" in fields else None,
         engine_id=fields.get("engine_id") or None,
         notify_port=_port(fields["notify_port"], "notify_port", spec) if "notify_port" in fields else None,
         dp_rank_field=_flag(fields["dp_rank_field"], "dp_rank_field", spec) if "dp_rank_field" in fields else False,

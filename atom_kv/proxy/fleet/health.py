@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from atom_kv.proxy.breaker import RequestOutcomes
-from atom_kv.proxy.metrics import ProxyMetrics
-from atom_kv.proxy.registry import DOWN, PENDING, ROLE_NAMES, Instance, Registry
-from atom_kv.proxy.upstream import UpstreamConnectionError, UpstreamError, UpstreamPool
+from atom_kv.proxy.fleet.breaker import RequestOutcomes
+from atom_kv.proxy.fleet.registry import DOWN, PENDING, ROLE_NAMES, Instance, Registry
+from atom_kv.proxy.http.upstream import UpstreamConnectionError, UpstreamError, UpstreamPool
+from atom_kv.proxy.observability.metrics import ProxyMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class UpstreamHealth:
 
     Suspect failures (a 500 and the like, an answer over the size bounds: what one request's
     content can cause) of a request that reports with a :class:`RequestOutcomes` wait in it until
-    :meth:`settle` judges them (see :mod:`atom_kv.proxy.breaker`)."""
+    :meth:`settle` judges them (see :mod:`atom_kv.proxy.fleet.breaker`)."""
 
     def __init__(self, registry: Registry, metrics: ProxyMetrics) -> None:
         self.registry = registry
@@ -114,14 +114,16 @@ class HealthMonitor:
     instance down, except one never reached yet, which is still *starting*
     (it may register before its server listens: no "down" for that); any other answer (a 404 too: the server is there) marks it
     up, and fills in what the engine reports (``engine_id``, ``tp_size``,
-    ``role``); ``GET /v1/models`` is asked once for ``max_model_len``.
+    ``dp_size``, ``role``); ``GET /v1/models`` is asked once for ``max_model_len``.
     A probe that times out changes nothing (a static engine then goes silent
     and is evicted after the heartbeat timeout, like a discovered one).
     """
 
     def __init__(self, registry: Registry, health: UpstreamHealth, *,
-                 interval_s: float, timeout_s: float, connect_timeout: float, tick_s: float) -> None:
+                 interval_s: float, timeout_s: float, connect_timeout: float, tick_s: float,
+                 max_dp_size: int = 512) -> None:
         self.registry = registry
+        self.max_dp_size = max_dp_size  # bound on a dp_size a static engine's /health reports
         self.health = health
         self.interval_s = interval_s
         self.tick_s = tick_s
@@ -248,7 +250,29 @@ class HealthMonitor:
         tp = info.get("tp_size")
         if "tp_size" not in inst.pinned and isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 4096:
             inst.tp_size = tp
+        dp = info.get("dp_size")
+        if isinstance(dp, int) and not isinstance(dp, bool) and dp != inst.health_dp_size:
+            inst.health_dp_size = dp  # acted on (and logged) once per value it reports
+            self._take_dp_size(inst, dp)
         return True
+
+    def _take_dp_size(self, inst: Instance, dp: int) -> None:
+        """A static engine's ``/health`` names its DP size: it wins over the spec's ``dp=`` (routing to a
+        rank the engine lacks fails every request sent there). One line per value reported: a warning
+        when the spec disagrees or the value is out of bounds."""
+        role = ROLE_NAMES[inst.role]
+        if not 1 <= dp <= self.max_dp_size:
+            logger.warning("static %s engine %s: its /health reports dp_size=%d, outside 1..%d (--max-dp-size); "
+                           "keeping dp_size=%d", role, inst.base_url, dp, self.max_dp_size, inst.dp_size)
+            return
+        given = inst.spec_dp_size
+        if given is not None and given != dp:
+            logger.warning("static %s engine %s: its /health reports dp_size=%d but its --%s spec says dp=%d; "
+                           "using dp_size=%d from /health (correct or drop dp= in the spec)",
+                           role, inst.base_url, dp, role, given, dp)
+        elif dp != inst.dp_size:
+            logger.info("static %s engine %s: dp_size=%d from its /health", role, inst.base_url, dp)
+        inst.resize_dp(dp)
 
     async def _learn_model(self, inst: Instance) -> None:
         assert self._pool is not None

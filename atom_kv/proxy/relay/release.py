@@ -28,8 +28,8 @@ from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.auth import PURPOSE_RELEASE, sign_struct
 from atom_kv.config import NonEmptyStr, NonNegativeInt, PeerPort, PositiveInt
-from atom_kv.proxy.metrics import ProxyMetrics
-from atom_kv.proxy.registry import Instance
+from atom_kv.proxy.fleet.registry import Instance
+from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.wire import Release, handshake_port
 
 __all__ = ["ProducerAddress", "Releaser"]

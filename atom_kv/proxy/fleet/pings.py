@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from atom_kv.config import is_port
-from atom_kv.proxy.registry import Registration
+from atom_kv.proxy.fleet.registry import Registration
 from atom_kv.wire import MAX_KV_FEATURES, HelloPing, Name, RegisterPing, UrlText, WireError, encode
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""What the proxy tells operators: Prometheus metrics, per-request spans and their OpenTelemetry export."""

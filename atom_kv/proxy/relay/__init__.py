@@ -1,0 +1,1 @@
+"""One request through a P/D pair: checks, leg rewrites, the pair paths, decode streaming, first token and releases."""

@@ -1,0 +1,276 @@
+"""The relay: checks a request, plans a P/D pair, runs the prefill leg, then hands back the decode leg.
+
+Failures before the client has seen a byte re-plan the whole pair (a fresh
+prefill on a different instance; stale ``kv_transfer_params`` are never
+reused). A client disconnect cancels whichever leg is running, so the
+engines abort. Whenever a prefill was sent but no decode leg took it over
+(a retry onto another pair, the client gone, the decode engine unreachable
+or refusing before its first byte, the proxy shutting down), the prefill is
+abandoned (:meth:`~atom_kv.proxy.relay.pair_legs.PairLegs.abandon_prefill`): its
+producer ranks get a release (:mod:`atom_kv.proxy.relay.release`), so its blocks are free at once.
+
+A decode engine that answers an error with ``X-KV-Transfer-Failure: prefill``
+could not read the prefill's KV (handshake refused, read failed, lease
+expired): the failure is charged to the prefill instance, not to the decode
+engine, and the pair is re-planned with a different prefill.
+
+Three pair paths: sequential (prefill, then decode) and first-token (the
+prefill's token goes to the client while the decode leg is on its way) live
+here; the concurrent path (both legs at once) in :mod:`atom_kv.proxy.relay.concurrent`.
+The legs themselves go out through :class:`~atom_kv.proxy.relay.pair_legs.PairLegs`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from atom_kv.proxy.fleet.breaker import RequestOutcomes
+from atom_kv.proxy.fleet.health import UpstreamHealth
+from atom_kv.proxy.fleet.registry import ROLE_NAMES, Instance, Registry, Role
+from atom_kv.proxy.http.upstream import UpstreamConnectTimeout, UpstreamError, UpstreamTimeout
+from atom_kv.proxy.observability.metrics import ProxyMetrics
+from atom_kv.proxy.observability.spans import RequestSpans
+from atom_kv.proxy.relay.attempt import PairRequest, RelayResult, Retryable, abandon_reason
+from atom_kv.proxy.relay.concurrent import ConcurrentPairs
+from atom_kv.proxy.relay.errors import ProxyError
+from atom_kv.proxy.relay.first_token import FirstTokenStream, first_token_events, forwardable
+from atom_kv.proxy.relay.pair_legs import PairLegs
+from atom_kv.proxy.relay.stream import ResponseStream
+from atom_kv.proxy.relay.validation import requested_max_tokens
+from atom_kv.proxy.routing.pick import Pick
+from atom_kv.proxy.routing.policies import Policy, RouteContext, estimate_prompt_tokens, prompt_text
+from atom_kv.proxy.settings import ProxySettings
+
+if TYPE_CHECKING:
+    from atom_kv.proxy.observability.otel import RequestTrace
+
+__all__ = ["Relay", "RelayResult"]
+
+logger = logging.getLogger(__name__)
+
+
+class Relay:
+    """Runs requests through P then D: picks the pair, re-plans it after a retryable failure and
+    chooses its path. Owns the :class:`~atom_kv.proxy.relay.pair_legs.PairLegs` (the upstream pool,
+    the releaser) and the :class:`~atom_kv.proxy.relay.concurrent.ConcurrentPairs` (its background tasks)."""
+
+    def __init__(self, settings: ProxySettings, registry: Registry, policies: dict[str, Policy],
+                 health: UpstreamHealth, metrics: ProxyMetrics) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.policies = policies
+        self.health = health
+        self.metrics = metrics
+        self.legs = PairLegs(settings, health, metrics)
+        self.concurrent = ConcurrentPairs(self.legs, settings, health, metrics)
+        self._models_rr = 0
+        self._request_keys = itertools.count(1)
+
+    async def start(self) -> None:
+        await self.legs.start()
+
+    async def close(self) -> None:
+        await self.concurrent.close()
+        await self.legs.close()
+
+    # ------------------------------------------------------------------ routing
+    def _pick(self, role: Role, exclude: set[tuple[str, str]], ctx: RouteContext, tokens: int) -> Pick | None:
+        now = time.monotonic()
+        live = self.registry.live(role, now)
+        healthy = [i for i in live if i.breaker.allows(now)]
+        if not healthy:
+            if not live:
+                return None
+            healthy = [self._least_recently_failed(role, live, exclude)]
+        fresh = [i for i in healthy if i.key not in exclude] if exclude else healthy
+        inst, rank = self.policies[role].choose(fresh or healthy, ctx)
+        inst.breaker.on_dispatch(now)
+        inst.charge(rank, tokens)
+        self.metrics.routed(role, inst.base_url, rank)
+        return Pick(inst, rank, tokens)
+
+    def _least_recently_failed(self, role: Role, live: list[Instance], exclude: set[tuple[str, str]]) -> Instance:
+        """Every circuit of ``role`` is open: refusing every client helps nobody, so the leg goes to
+        the instance that failed least recently (one this request has not failed on, if any)."""
+        fresh = [i for i in live if i.key not in exclude] or live
+        self.metrics.circuit_fallbacks.labels(ROLE_NAMES[role]).inc()
+        return min(fresh, key=lambda i: i.breaker.last_failure)
+
+    def _no_instance(self, role: Role) -> ProxyError:
+        name = ROLE_NAMES[role]
+        known = self.registry.known(role)
+        live = self.registry.live(role)
+        if not known:
+            return ProxyError(503, f"no {name} instance is registered")
+        if not live:
+            return ProxyError(503, f"none of the {len(known)} {name} instance(s) is reachable (down, silent or "
+                                   "not yet probed); see /instances")
+        return ProxyError(503, f"all {len(live)} {name} instance(s) are unhealthy (circuit open)")
+
+    # ------------------------------------------------------------------ relay
+    async def relay(self, path: str, body: dict[str, Any], request_id: str, auth: str | None,
+                    received: float | None = None, trace: RequestTrace | None = None) -> RelayResult:
+        """Run one completion request; raises ProxyError / UpstreamResponseError for error replies.
+        ``received``: when the request arrived (``time.perf_counter()``), where its spans start;
+        ``trace``: its OpenTelemetry trace (``--otlp-traces-endpoint``), which the caller finishes."""
+        max_tokens = requested_max_tokens(body)  # before anything is spent
+        text = prompt_text(body)
+        tokens = estimate_prompt_tokens(body, text)
+        req = PairRequest(path, body, request_id, auth, RouteContext(text, tokens), max_tokens,
+                            RequestSpans(self.metrics, received, trace), RequestOutcomes(next(self._request_keys)))
+        try:
+            return await self._attempts(req, tokens)
+        finally:
+            self.health.settle(req.outcomes)  # its suspect failures: the instance's, or the request's
+
+    async def _attempts(self, req: PairRequest, tokens: int) -> RelayResult:
+        """Plan a pair and run it, re-planning after a retryable failure (``max_retries``)."""
+        request_id = req.request_id
+        exclude: dict[str, set[tuple[str, str]]] = {"P": set(), "D": set()}
+        last_error: ProxyError | None = None
+        rejected: list[Retryable] = []
+        for attempt in range(self.settings.max_retries + 1):
+            if attempt:
+                self.metrics.retries.inc()
+                await asyncio.sleep(self.settings.retry_backoff_s * (2 ** (attempt - 1)))
+            d = self._pick("D", exclude["D"], req.ctx, tokens)
+            if d is None:
+                raise last_error or self._no_instance("D")
+            p = self._pick("P", exclude["P"], req.ctx, tokens)
+            if p is None:
+                d.credit()
+                raise last_error or self._no_instance("P")
+            try:
+                return await self._run_pair(req, p, d)
+            except Retryable as exc:
+                exclude[exc.inst.role].add(exc.inst.key)
+                last_error = exc.error
+                logger.warning("[%s] attempt %d failed: %s", request_id, attempt + 1, exc.error.message)
+                if exc.kind in ("rejected", "too_large") and self._request_failure(exc, rejected):
+                    break
+        assert last_error is not None
+        raise last_error
+
+    @staticmethod
+    def _request_failure(exc: Retryable, rejected: list[Retryable]) -> bool:
+        """Whether this failure is the request's own: it failed the same way on another instance
+        of the same pool. Then it is not retried (and the breakers, told when the request ends,
+        charge no instance for it)."""
+        same = [e for e in rejected if e.inst.role == exc.inst.role and e.kind == exc.kind and e.status == exc.status
+                and e.inst.key != exc.inst.key]
+        rejected.append(exc)
+        return bool(same)
+
+    async def _run_pair(self, req: PairRequest, p: Pick, d: Pick) -> RelayResult:
+        """One attempt on one pair. Owns both picks' credits and the abandon hook."""
+        if self.concurrent.applies(p, d):
+            return await self.concurrent.run(req, p, d)
+        transfer_id = os.urandom(16).hex()  # one id for both legs, known before the prefill answers
+        stage = "check"
+        result: RelayResult | None = None
+        prefill_kv: dict[str, Any] | None = None
+        try:
+            await self.legs.check_context(req, p, d)
+            stage = "prefill"
+            try:
+                prefill_kv, prompt_tokens, answer = await self.legs.prefill(req, p, d, transfer_id)
+            finally:
+                p.credit()
+            used = prefill_kv.get("transfer_id")
+            if isinstance(used, str) and used:
+                transfer_id = used  # the producer's own id if it did not adopt ours
+            stage = "decode"
+            early = self._first_token_events(req, d, prefill_kv, answer)
+            if early is not None:
+                stage = "handed_off"  # the decode leg's own task abandons the prefill if it fails
+                result = RelayResult(200, "text/event-stream", spans=req.spans, stream=FirstTokenStream(
+                    early, self._decode_after_first_token(req, p, d, prefill_kv, transfer_id, prompt_tokens),
+                    req.request_id))
+                req.spans.ready()
+                self.metrics.first_tokens_forwarded.inc()
+                return result
+            resp = await self.legs.open_decode(req, p, d, prefill_kv, transfer_id)
+            stage = "handed_off"  # the decode engine owns the prefill's KV from here on
+            result = await self.legs.respond(resp, req, d, prompt_tokens, lambda: self.legs.abandon_prefill(
+                transfer_id, p, "client_stalled", prefill_kv))
+            return result
+        except BaseException as exc:
+            if stage in ("prefill", "decode"):
+                self.legs.abandon_prefill(transfer_id, p, abandon_reason(stage, exc), prefill_kv)
+            raise
+        finally:
+            p.credit()
+            if result is None or result.stream is None:
+                d.credit()
+
+    # ------------------------------------------------------------------ first-token forwarding
+    def _first_token_events(self, req: PairRequest, d: Pick, prefill_kv: dict[str, Any],
+                            answer: dict[str, Any]) -> bytes | None:
+        """The client's first event(s) when this pair and request forward the prefill's token, else None."""
+        if not self.settings.first_token_forwarding or not forwardable(req.body, d.inst.features, prefill_kv):
+            return None
+        return first_token_events(answer, chat=req.path.endswith("/chat/completions"), prefill_kv=prefill_kv,
+                                  max_text_bytes=self.settings.max_first_token_text_bytes)
+
+    async def _decode_after_first_token(self, req: PairRequest, p: Pick, d: Pick, prefill_kv: dict[str, Any],
+                                        transfer_id: str, prompt_tokens: int | None) -> ResponseStream:
+        """The decode leg of a request whose first token is out: owns the abandon and the decode
+        pick's credit until its stream takes them over. The client has seen a byte, so the pair
+        is not re-planned; a decode engine that cannot be reached is replaced by another one
+        reading the same prefill (it never saw the request, so the blocks are still held), up to
+        ``max_retries``. Any other failure abandons the prefill and ends the stream with an error."""
+        exclude: set[tuple[str, str]] = set()
+        for attempt in range(self.settings.max_retries + 1):
+            try:
+                resp = await self.legs.open_decode(req, p, d, prefill_kv, transfer_id, first_token_sent=True)
+                break
+            except Retryable as exc:
+                d.credit()
+                exclude.add(d.inst.key)
+                nxt = (self._pick("D", exclude, req.ctx, d.tokens)
+                       if exc.kind == "unreachable" and attempt < self.settings.max_retries else None)
+                if nxt is None or nxt.inst.key in exclude:
+                    if nxt is not None:
+                        nxt.credit()
+                    self.legs.abandon_prefill(transfer_id, p, abandon_reason("decode", exc), prefill_kv)
+                    raise
+                self.metrics.retries.inc()
+                logger.warning("[%s] decode leg failed after the first token (%s); trying %s", req.request_id,
+                               exc.error.message, nxt.inst.base_url)
+                d = nxt
+            except BaseException as exc:
+                self.legs.abandon_prefill(transfer_id, p, abandon_reason("decode", exc), prefill_kv)
+                d.credit()
+                raise
+        return await self.legs.forwarded_decode_stream(resp, req, p, d, prefill_kv, transfer_id, prompt_tokens)
+
+    # ------------------------------------------------------------------ /v1/models
+    async def models(self, request_id: str, auth: str | None) -> RelayResult:
+        now = time.monotonic()
+        known = self.registry.live("D", now)
+        live = [i for i in known if i.breaker.allows(now)] or (
+            [self._least_recently_failed("D", known, set())] if known else [])
+        if not live:
+            raise self._no_instance("D")
+        inst = live[self._models_rr % len(live)]
+        self._models_rr += 1
+        headers = {"x-request-id": request_id}
+        if auth:
+            headers["authorization"] = auth
+        try:
+            status, answer_headers, data = await self.legs.pool.fetch(inst.host, inst.http_port, b"GET", b"/v1/models",
+                                                                 headers=headers,
+                                                                 total_timeout=self.settings.models_timeout)
+        except UpstreamConnectTimeout:
+            raise ProxyError(502, f"decode instance {inst.base_url} unreachable: connect timed out") from None
+        except UpstreamTimeout:
+            raise ProxyError(504, f"decode instance {inst.base_url} timed out") from None
+        except UpstreamError as exc:
+            self.health.failed(inst, "connection", exc)
+            raise ProxyError(502, f"decode instance {inst.base_url} unreachable: {exc}") from None
+        return RelayResult(status, answer_headers.get("content-type", "application/json"), body=data)
