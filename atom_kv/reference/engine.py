@@ -149,7 +149,8 @@ class EngineCore:
                  self.dp_size, a.tp, a.device)
 
     def close(self) -> None:
-        """Stop the loop, the hooks and the workers. Idempotent."""
+        """Stop the loop (a decode engine once its ended loads stopped, within ``drain_timeout_s``),
+        the hooks and the workers; after :meth:`hurry` every wait is ``hurry_timeout_s``. Idempotent."""
         if self._closed:
             return
         self._closed = True

@@ -22,8 +22,8 @@ from atom.kv_transfer.disaggregation.base import KVConnectorBase
 from atom.kv_transfer.disaggregation.types import KVConnectorOutput as AtomKVConnectorOutput
 
 from atom_kv import engine_hooks
-from atom_kv.engine_hooks import WorkerHooks
 from atom_kv.connector.cache_layouts import LayoutMismatch
+from atom_kv.engine_hooks import WorkerHooks
 from atom_kv.integrations.atom.caches import AtomCaches, describe_atom_caches
 from atom_kv.integrations.atom.settings import AtomEngine, advertised_host, require_completion_contract
 
