@@ -9,6 +9,9 @@ listeners bind; ``--advertise-host`` (default ``--host``) is what the engine
 tells others: the registration ping's address and ``remote_host`` for KV
 reads. An unspecified address (``0.0.0.0``, ``::``) is never advertised:
 ``--host 0.0.0.0`` without ``--advertise-host`` is refused in one line.
+
+SIGINT/SIGTERM: the first shuts down in order, a second hurries it (exit
+status still 0), a third exits at once (:mod:`atom_kv.reference.shutdown`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from typing import Any, Callable, Optional
 
 from atom_kv._netaddr import is_unspecified
 from atom_kv.config import ConfigError, is_port, parse_kv_transfer_config
 from atom_kv.gc_heap import freeze_startup_heap
+from atom_kv.reference.shutdown import SIGNALS, ShutdownSignals
 
 log = logging.getLogger("atom_kv.reference")
 
@@ -64,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a TP rank may take for one step before the engine gives up on it")
     p.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds in-flight HTTP requests get to finish on shutdown")
+    p.add_argument("--drain-timeout", type=float, default=2.0,
+                   help="seconds a decode engine waits on shutdown, after the HTTP requests, for its TP ranks to "
+                        "stop the KV loads of requests that ended")
+    p.add_argument("--hurry-timeout", type=float, default=1.0,
+                   help="after a second SIGINT/SIGTERM: in-flight requests end at once and every remaining "
+                        "shutdown wait (the drain, the engine loop, the TP workers) gets at most this many seconds")
     p.add_argument("--instance-index", default=None,
                    help="index to register with the proxy (default: the bound HTTP port)")
     p.add_argument("--log-level", default="INFO")
@@ -78,7 +87,8 @@ def _write_port_file(path: str, port: int) -> None:
     os.replace(tmp, path)
 
 
-async def _serve(args: argparse.Namespace, engine, router, make_pinger: Callable[[int], Any]) -> int:
+async def _serve(args: argparse.Namespace, engine, router, make_pinger: Callable[[int], Any],
+                 signals: ShutdownSignals) -> int:
     from aiohttp import web
 
     from atom_kv.reference.server import OpenAIServer
@@ -87,8 +97,9 @@ async def _serve(args: argparse.Namespace, engine, router, make_pinger: Callable
     stop = asyncio.Event()
     exit_code = 0
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals.bind(on_stop=stop.set, on_hurry=engine.hurry)
+    for sig in SIGNALS:
+        loop.add_signal_handler(sig, signals.received, sig)
 
     def on_fatal(message: str) -> None:
         nonlocal exit_code
@@ -146,7 +157,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for flag in ("startup_timeout", "step_timeout", "shutdown_timeout"):
+    for flag in ("startup_timeout", "step_timeout", "shutdown_timeout", "drain_timeout", "hurry_timeout"):
         if not getattr(args, flag) > 0:
             print(f"error: --{flag.replace('_', '-')} must be > 0", file=sys.stderr)
             return 2
@@ -194,7 +205,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                    max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                    host=advertise, bind_host=args.host, threads=args.threads, device=args.device, startup_timeout_s=args.startup_timeout,
-                   step_timeout_s=args.step_timeout),
+                   step_timeout_s=args.step_timeout, drain_timeout_s=args.drain_timeout,
+                   hurry_timeout_s=args.hurry_timeout),
         kv_config, router.deliver, dp_size=args.dp,
     )
 
@@ -214,16 +226,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as exc:
         print(f"error: kv-transfer-config: `proxy_ip`: {exc}", file=sys.stderr)
         return 2
+    signals = ShutdownSignals(shutdown_timeout_s=args.shutdown_timeout, hurry_timeout_s=args.hurry_timeout)
     try:
         engine.start()
         freeze_startup_heap()  # full collections skip the start-up heap from here on
-        return asyncio.run(_serve(args, engine, router, make_pinger))
+        return asyncio.run(_serve(args, engine, router, make_pinger, signals))
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # startup failures (ports in use, worker crash) in one line
         log.error("engine failed: %s", exc)
         return 1
     finally:
+        # asyncio gave both signals their default action back: a signal during close() hurries it
+        signals.bind(on_stop=lambda: None, on_hurry=lambda: engine.hurry(end_requests=False))
+        signals.install()
         engine.close()
 
 

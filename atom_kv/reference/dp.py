@@ -88,6 +88,11 @@ class DataParallelEngine:
         for core in self.cores:
             core.close()
 
+    def hurry(self, end_requests: bool = True) -> None:
+        """Hurry every rank's shutdown (:meth:`EngineCore.hurry`)."""
+        for core in self.cores:
+            core.hurry(end_requests)
+
     # ------------------------------------------------------------------ routing
     def rank_for(self, body: Any, headers: Mapping[str, str]) -> int:
         """The DP rank a request names (body field first, then header), else the least-loaded.

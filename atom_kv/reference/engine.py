@@ -53,6 +53,8 @@ class EngineArgs:
     fast_tick_s: float = 0.002    # first poll after a load starts or a transfer event arrives
     step_timeout_s: float = 300.0
     startup_timeout_s: float = 120.0
+    drain_timeout_s: float = 2.0  # close(): a decode engine's wait for its ended loads to stop
+    hurry_timeout_s: float = 1.0  # every close() wait once the shutdown is hurried (hurry())
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(seed=self.seed, num_layers=self.num_layers)
@@ -92,6 +94,9 @@ class EngineCore:
         self._sampler = Sampler()
         self._requests: dict[str, Request] = {}
         self._woken = False  # a rank's connector has news: step now (the loop thread's flag)
+        self.hurried = False  # hurry() was called: every close() wait is cut to hurry_timeout_s
+        self._settling = False  # close() waits for the connector to settle (the loop thread's flag)
+        self._settled = threading.Event()
         self.fatal: Optional[str] = None
         self.worker_stats: list[dict[str, float]] = []
         #: each TP rank's latest peer routes (a rank sends them only when they change)
@@ -144,18 +149,34 @@ class EngineCore:
                  self.dp_size, a.tp, a.device)
 
     def close(self) -> None:
-        """Stop the loop, the hooks and the workers. Idempotent."""
+        """Stop the loop (a decode engine once its ended loads stopped, within ``drain_timeout_s``),
+        the hooks and the workers; after :meth:`hurry` every wait is ``hurry_timeout_s``. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self._hooks is not None and self._thread is not None and self._thread.is_alive():
+            # the loop keeps running while the ranks stop the loads of ended requests (releases go out meanwhile)
+            wait_s = self.args.hurry_timeout_s if self.hurried else self.args.drain_timeout_s
+            self._commands.put(("settle", None))
+            if not self._settled.wait(wait_s):
+                log.warning("engine %s: KV loads still running after %g s; closing anyway", self.engine_id, wait_s)
         self._stop.set()
         self._commands.put(("wake", None))
         if self._thread is not None:
-            self._thread.join(10.0)
+            self._thread.join(self.args.hurry_timeout_s if self.hurried else 10.0)
         if self._hooks is not None:
-            self._hooks.close()
+            self._hooks.close()  # sends the releases still queued
         if self._executor is not None:
-            self._executor.close()
+            self._executor.close(self.args.hurry_timeout_s if self.hurried else 5.0)
+
+    def hurry(self, end_requests: bool = True) -> None:
+        """Hurry the shutdown: end every request now (the HTTP side answers 503 at once instead
+        of waiting for them), releasing the producers' KV they name, and cut close()'s waits to
+        ``hurry_timeout_s``. ``end_requests=False`` only cuts the waits (no lock is taken: safe
+        in a signal handler). Any thread."""
+        self.hurried = True
+        if end_requests:
+            self._commands.put(("hurry", None))
 
     # ------------------------------------------------------------------ API (any thread)
     def submit(self, req: Request) -> None:
@@ -196,6 +217,13 @@ class EngineCore:
     def _connector_pending(self) -> bool:
         return self._hooks is not None and (self._hooks.has_pending() or bool(self.scheduler.waiting_remote))
 
+    def _settled_now(self) -> bool:
+        """Nothing left that close() waits for: no request, and (a decode engine) no load whose ranks
+        may still be writing. A prefill engine's lent blocks are not waited for: its readers' loads fail."""
+        if self.scheduler.has_work():
+            return False
+        return self.kv_config is None or self.kv_config.is_producer or not self._connector_pending()
+
     def _urgent(self) -> bool:
         """The connector has news for the ranks (a lent transfer their peers ask about) or from them."""
         return self._woken or (self._hooks is not None and self._hooks.has_metadata())
@@ -221,6 +249,8 @@ class EngineCore:
                 self._drain_commands(timeout)
                 if self._stop.is_set():
                     break
+                if self._settling and self._settled_now():
+                    self._settled.set()
                 busy = self.scheduler.has_work()
                 due = time.monotonic() - last_tick >= tick
                 if busy or self._urgent() or (due and self._connector_pending()):
@@ -260,6 +290,17 @@ class EngineCore:
             self._hooks.request_rejected(payload)
         elif kind == "wake":
             self._woken = True
+        elif kind == "settle":
+            self._settling = True
+        elif kind == "hurry":
+            ended = [rid for rid in list(self._requests) if self.scheduler.abort(rid)]  # releases their KV
+            for rid in ended:
+                self._requests.pop(rid, None)
+                self._sampler.forget(rid)
+                self.counters["requests_failed"] += 1
+                self._on_output(RequestOutput(rid, finished=True, error="the engine is shutting down",
+                                              error_status=503))
+            log.info("engine %s: shutdown hurried: %d requests ended", self.engine_id, len(ended))
         elif kind == "abort":
             if self._requests.pop(payload, None) is not None and self.scheduler.abort(payload):
                 self.counters["requests_aborted"] += 1

@@ -65,7 +65,7 @@ class LocalExecutor:
         if self._runner is not None:
             self._runner.set_waker(wake)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
         if self._runner is not None:
             self._runner.close()
             self._runner = None
@@ -333,7 +333,8 @@ class ProcessExecutor:
         """``wake()`` runs on the waker thread whenever any rank's connector has news."""
         self._wakes.start(wake)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Ask every worker to stop; one still running after ``timeout_s`` is killed."""
         if self._closed:
             return
         self._closed = True
@@ -342,7 +343,7 @@ class ProcessExecutor:
                 conn.send(("stop",))
             except OSError:
                 pass
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + timeout_s
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self._procs:

@@ -16,6 +16,14 @@ the parts ATOM cannot run without a GPU, mirroring ATOM main (ffdf3bb5d):
   as ATOM allocates them (AITER K ``[P, h, d/x, p, x]``, shuffled V ``[P, h,
   p/x, d, x]``, or ATOM's MLA ``[P*p, 1, L]``), registered as ATOM's
   ``{"layer_<n>": KVCacheTensor}``.
+- A prefill engine with ``pp`` pipeline stages runs like ATOM's
+  ``PPEngineCoreProc``: every stage's ranks get a copy of the ``Config`` with
+  its ``pipeline_parallel_rank`` and hold their stage's layers (keyed by the
+  global layer, ``layer_num`` counting from 0 on each stage, as ATOM's model
+  runner binds them); the head stage's scheduler sends every batch's
+  metadata to every stage, and only the head stage's ranks' output reaches
+  the scheduler (ATOM's head routes the later stages' reports through its
+  offload aggregator, which drops ``finished_sending``).
 - The "model" writes KV that is a pure function of (engine seed, token,
   position, layer, kind, head) for every token it computes, and samples a
   token that depends only on the prompt and the step. Before a request's
@@ -28,6 +36,7 @@ the parts ATOM cannot run without a GPU, mirroring ATOM main (ffdf3bb5d):
 
 from __future__ import annotations
 
+import copy
 import queue
 import time
 from types import SimpleNamespace
@@ -58,7 +67,7 @@ register()  # what atom_kv_atom.pth does at start-up (test_atom_hook.py proves t
 
 def atom_config(role: str, *, tp: int, block_size: int, num_blocks: int, port: int, backend: str,
                 max_num_seqs: int = 8, prefix_caching: bool = False, dp_rank: int = 0, dp_size: int = 1,
-                **kv: Any) -> SimpleNamespace:
+                pp_size: int = 1, layers: int = LAYERS, **kv: Any) -> SimpleNamespace:
     """What ATOM's Scheduler and our connector read from ATOM's ``Config`` (ATOM's tests' MockConfig fields)."""
     kv_cfg = dict(kv_connector="atom_kv", kv_role=role, handshake_port=port, backend=backend,
                   handshake_timeout_s=2.0, transfer_timeout_s=2.0, abort_timeout_s=30.0, transfer_retries=0,
@@ -69,9 +78,10 @@ def atom_config(role: str, *, tp: int, block_size: int, num_blocks: int, port: i
         enable_chunked_prefill=True, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
         long_prefill_token_threshold=0, decode_context_parallel_size=1, max_model_len=2048, bos_token_id=1,
         eos_token_id=EOS, stop_token_ids=[], scheduler_delay_factor=0.0, speculative_config=None,
-        hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"], sliding_window=128),
-        kv_transfer_config=kv_cfg, tensor_parallel_size=tp,
-        parallel_config=SimpleNamespace(data_parallel_rank=dp_rank, data_parallel_size=dp_size),
+        hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"], sliding_window=128, num_hidden_layers=layers),
+        kv_transfer_config=kv_cfg, tensor_parallel_size=tp, pipeline_parallel_size=pp_size,
+        parallel_config=SimpleNamespace(data_parallel_rank=dp_rank, data_parallel_size=dp_size,
+                                        pipeline_parallel_rank=0),
         model="/models/tiny-llama",
     )
 
@@ -96,8 +106,9 @@ class Rank:
     """One TP rank's model runner: its KV tensors as ATOM allocates them and its worker connector."""
 
     def __init__(self, config: Any, tp_rank: int, tp: int, *, mla: bool, dtype: torch.dtype,
-                 shuffled_v: bool = True, dp_rank: int = 0) -> None:
+                 shuffled_v: bool = True, dp_rank: int = 0, layers: Optional[range] = None) -> None:
         self.tp_rank, self.tp, self.mla, self.dtype, self.shuffled_v = tp_rank, tp, mla, dtype, shuffled_v
+        self.global_layers = layers if layers is not None else range(LAYERS)  # the model layers this rank holds
         self.block_size = config.kv_cache_block_size
         nb = config.num_kvcache_blocks
         self.heads = 1 if mla else HEADS // tp
@@ -108,18 +119,18 @@ class Rank:
         P, x = nb * self.ratio, self.x
         self.layers: list[dict[str, torch.Tensor]] = []
         caches = {}
-        for layer in range(LAYERS):
+        for layer, global_layer in enumerate(self.global_layers):  # ATOM: keyed by the global layer
             if mla:
                 t = {"latent": _empty((P * self.p, 1, LATENT), dtype)}
-                caches[f"layer_{layer}"] = KVCacheTensor(layer_num=layer, k_cache=t["latent"], v_cache=None)
+                caches[f"layer_{global_layer}"] = KVCacheTensor(layer_num=layer, k_cache=t["latent"], v_cache=None)
             else:
                 v_shape = (P, self.heads, self.p // x, HEAD_DIM, x) if shuffled_v else (P, self.heads, HEAD_DIM, self.p)
                 t = {"k": _empty((P, self.heads, HEAD_DIM // x, self.p, x), dtype), "v": _empty(v_shape, dtype)}
                 if dtype == FP8:  # ATOM's per-token fp8 scales, [P, h, p] float32
                     t["k_scale"] = _empty((P, self.heads, self.p), torch.float32)
                     t["v_scale"] = _empty((P, self.heads, self.p), torch.float32)
-                caches[f"layer_{layer}"] = KVCacheTensor(layer_num=layer, k_cache=t["k"], v_cache=t["v"],
-                                                         k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
+                caches[f"layer_{global_layer}"] = KVCacheTensor(layer_num=layer, k_cache=t["k"], v_cache=t["v"],
+                                                                k_scale=t.get("k_scale"), v_scale=t.get("v_scale"))
             self.layers.append(t)
         self.worker = AtomKVWorker(config, tp_rank=tp_rank, tp_size=tp, dp_rank=dp_rank, host="127.0.0.1")
         self.worker.register_kv_caches(caches, None, num_blocks=nb)
@@ -141,7 +152,7 @@ class Rank:
     def _cells(self, seq: Sequence, positions: Iterable[int], seed: Callable[[int], int]):
         for pos in positions:
             block, slot = seq.block_table[pos // self.block_size], pos % self.block_size
-            for layer, tensors in enumerate(self.layers):
+            for layer, tensors in zip(self.global_layers, self.layers):
                 for kind, t in tensors.items():
                     for h in range(self.heads):
                         head = 0 if self.mla else self.tp_rank * self.heads + h
@@ -170,23 +181,31 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 class AtomEngine:
     """ATOM's scheduler plus TP model runners in this process, stepped like ATOM's EngineCore
-    (one DP rank of an engine: ``dp_rank`` of ``dp_size``, as ATOM's DP-attention engine cores)."""
+    (one DP rank of an engine: ``dp_rank`` of ``dp_size``, as ATOM's DP-attention engine cores;
+    with ``pp`` stages, like its ``PPEngineCoreProc``: the head stage's scheduler, every stage's ranks)."""
 
     def __init__(self, name: str, role: str, *, tp: int, port: int, seed: int, backend: str = "tcp",
                  block_size: int = 16, num_blocks: int = 64, mla: bool = False, fp8: bool = False,
                  shuffled_v: bool = True, prefix_caching: bool = False, dp_rank: int = 0, dp_size: int = 1,
-                 upstream: bool = False, **kv: Any) -> None:
+                 upstream: bool = False, pp: int = 1, layers: int = LAYERS, **kv: Any) -> None:
         self.name = name
         self.seed = seed
         self.remote_seed: Optional[int] = None  # the producer's, for KV read from it
         self.remote_seed_of: dict[int, int] = {}  # per request, where producers differ (DP ranks)
         self.config = atom_config(role, tp=tp, block_size=block_size, num_blocks=num_blocks, port=port,
                                   backend=backend, prefix_caching=prefix_caching, dp_rank=dp_rank, dp_size=dp_size,
-                                  **kv)
+                                  pp_size=pp, layers=layers, **kv)
         self.config.upstream_connector_contract = upstream  # the fake ATOM with docs/atom-upstream.md
         self.num_blocks = num_blocks
-        self.ranks = [Rank(self.config, r, tp, mla=mla, dtype=FP8 if fp8 else torch.bfloat16, shuffled_v=shuffled_v,
-                           dp_rank=dp_rank) for r in range(tp)]
+        self.stages: list[list[Rank]] = []  # each pipeline stage's TP ranks; the head stage first
+        per_stage = layers // pp
+        for stage in range(pp):
+            stage_config = copy.deepcopy(self.config)  # what ATOM's CoreManager gives each stage's engine core
+            stage_config.parallel_config.pipeline_parallel_rank = stage
+            held = range(stage * per_stage, layers if stage == pp - 1 else (stage + 1) * per_stage)
+            self.stages.append([Rank(stage_config, r, tp, mla=mla, dtype=FP8 if fp8 else torch.bfloat16,
+                                     shuffled_v=shuffled_v, dp_rank=dp_rank, layers=held) for r in range(tp)])
+        self.ranks = [rank for stage in self.stages for rank in stage]
         self.sched = Scheduler(self.config)  # ATOM builds the connector here, through its factory
         self.connector = self.sched.kv_connector
         assert type(self.connector).__name__ == "AtomKVScheduler", type(self.connector)
@@ -239,7 +258,7 @@ class AtomEngine:
         if batch is None:
             self._poll()
             return
-        if batch.connector_meta_output is not None:
+        if batch.connector_meta_output is not None:  # the head sends every batch to every stage
             for rank in self.ranks:
                 rank.worker.start_load_kv(batch.connector_meta_output)
         fwd = self._forward(batch, seqs) if seqs else None
@@ -250,7 +269,11 @@ class AtomEngine:
             self.finished[seq.id] = seq
 
     def _poll(self) -> None:
-        self.sched._update_from_kv_xfer_finished(self.aggregator.aggregate([r.worker.get_finished() for r in self.ranks]))
+        for stage in self.stages[1:]:  # ATOM's later stages report to the head; P/D fields go no further
+            for rank in stage:
+                rank.worker.get_finished()
+        head = self.stages[0]
+        self.sched._update_from_kv_xfer_finished(self.aggregator.aggregate([r.worker.get_finished() for r in head]))
 
     def _forward(self, batch: Any, seqs: dict[int, Sequence]) -> Any:
         tokens = []

@@ -16,7 +16,7 @@ __all__ = [
     "test_pd_exchange_block_of_two_physical_blocks_heterogeneous_tp", "test_pd_exchange_fp8_with_scales",
     "test_engines_with_different_kv_layouts_refuse_each_other_in_one_line", "test_failed_load",
     "test_abort_while_loading", "test_abort_while_queued_releases_the_prefill_at_once", "test_lease_expiry",
-    "test_dp_ranks_on_both_sides",
+    "test_dp_ranks_on_both_sides", "test_prefill_in_pipeline_stages", "test_pipeline_set_ups_refused_in_one_line",
 ]
 
 
@@ -67,3 +67,25 @@ def test_lease_expiry():
                          ids=["P-dp2-D-dp2", "P-dp2-D-dp1tp2", "P-dp1tp2-D-dp2"])
 def test_dp_ranks_on_both_sides(p_dp, d_dp, p_tp, d_tp):
     sc.dp_exchange(p_dp, d_dp, p_tp, d_tp)
+
+
+@pytest.mark.parametrize("p_tp,d_tp,backend,layout", [(1, 1, "tcp", {}), (2, 1, "tcp", {}), (1, 2, "tcp", {}),
+                                                      (2, 2, "tcp", {"mla": True}),
+                                                      pytest.param(2, 1, "cma", {}, marks=_NO_CMA)],
+                         ids=["P-pp2tp1-D-tp1", "P-pp2tp2-D-tp1", "P-pp2tp1-D-tp2", "mla-P-pp2tp2-D-tp2",
+                              "cma-P-pp2tp2-D-tp1"])
+def test_prefill_in_pipeline_stages(p_tp, d_tp, backend, layout):
+    sc.pp_exchange(p_tp, d_tp, backend, **layout)
+
+
+def test_pipeline_set_ups_refused_in_one_line():
+    lines = sc.pp_refusals()
+    assert all("\n" not in line for line in lines)
+    assert lines == [
+        "kv-transfer-config: kv_role 'kv_consumer' with pipeline_parallel_size 2: atom-kv splits only a prefill "
+        "engine (kv_producer) into pipeline stages; run the decode engine with pipeline_parallel_size 1",
+        "pipeline stage: ATOM's KV caches name layers 2..4 (2 caches), not consecutive layers of the model's 4",
+        "pipeline stage: ATOM's KV cache 'attn.0' is not named layer_<n>, so the model layers this stage holds "
+        "are unknown",
+        "pipeline stage: ATOM's KV caches name layers 3..4 (2 caches), not consecutive layers of the model's 4",
+    ]

@@ -65,6 +65,61 @@ def exchange(p_tp: int, d_tp: int, backend: str, **layout) -> None:
         D.close()
 
 
+def pp_exchange(p_tp: int, d_tp: int, backend: str = "tcp", pp: int = 2, layers: int = 4, **layout) -> None:
+    """A prefill engine in ``pp`` pipeline stages (ATOM's ``-pp``), a decode engine in one: every stage's
+    ranks listen on their stage's ports and lend their own layers, the decode ranks read each layer from
+    the stage that holds it; outputs as if colocated (and as with one stage), every block freed on both."""
+    P = AtomEngine("P", "kv_producer", tp=p_tp, port=port_range(pp * p_tp), seed=1, backend=backend, pp=pp,
+                   layers=layers, **layout)
+    try:
+        D = AtomEngine("D", "kv_consumer", tp=d_tp, port=port_range(d_tp), seed=2, backend=backend, layers=layers,
+                       **layout)
+    except BaseException:
+        P.close()
+        raise
+    D.remote_seed = P.seed
+    try:
+        per = layers // pp
+        for s, stage in enumerate(P.stages):  # each stage holds its slice of the model, keyed as ATOM keys it
+            assert [r.global_layers for r in stage] == [range(s * per, layers if s == pp - 1 else (s + 1) * per)] * p_tp
+        prefilled = prefill_on(P, PROMPTS)
+        assert all(s.kv_transfer_params_output["remote_pp_size"] == pp for s in prefilled)
+        assert P.blocks_in_use() > 0  # held for the readers
+        dseqs = [D.add(p, 4, decode_params(s)) for p, s in zip(PROMPTS, prefilled)]
+        run_until([P, D], lambda: all(s.id in D.finished for s in dseqs) and P.idle() and D.idle())
+        assert D.errors == [], D.errors  # every layer's KV is the producer's, on every decode rank
+        for prompt, seq in zip(PROMPTS, dseqs):
+            assert seq.leave_reason == "max_tokens" and seq.output_tokens == expected_output(prompt, 4)
+            assert seq.id not in D.prefilled  # its prompt KV was read, not recomputed
+        for s, stage in enumerate(P.stages):  # every stage was read from and told so
+            assert sum(r.worker.stats().get("done_received", 0) for r in stage) >= len(PROMPTS), s
+        assert P.blocks_in_use() == 0 and D.blocks_in_use() == 0
+    finally:
+        P.close()
+        D.close()
+
+
+def pp_refusals() -> list[str]:
+    """What a pipeline set-up atom-kv cannot serve is told, one line each: a decode engine in stages, a stage
+    whose caches are not named by their model layer."""
+    from atom_kv.config import ConfigError
+    from atom_kv.connector.cache_layouts import LayoutMismatch
+
+    lines = []
+    try:
+        AtomEngine("D", "kv_consumer", tp=1, port=port_range(2), seed=2, pp=2)
+    except ConfigError as exc:
+        lines.append(str(exc))
+    from atom_kv.integrations.atom.caches import stage_first_layer
+
+    for names in (["layer_2", "layer_4"], ["attn.0", "attn.1"], ["layer_3", "layer_4"]):
+        try:
+            stage_first_layer(names, 4)
+        except LayoutMismatch as exc:
+            lines.append(str(exc))
+    return lines
+
+
 def _dead_params(prompt_len: int, block_size: int = 16) -> dict:
     port = free_port()  # nothing listens: the handshake cannot complete
     blocks = -(-prompt_len // block_size)

@@ -6,6 +6,12 @@ plus, on ATOM main, its own region map (``KVTransferTensors``) and the
 scheduler's block count. :func:`describe_atom_caches` recognises the layout
 (:mod:`atom_kv.connector.cache_layouts`), checks every tensor against it and
 derives the :class:`~atom_kv.wire.CompatInfo` two engines must share.
+
+Under pipeline parallelism a stage holds a slice of the model's layers. ATOM
+keys each cache by its module's global layer (``layer_<n>``; ``layer_num``
+counts from 0 on every stage), so the keys say where the stage starts
+(:attr:`AtomCaches.first_layer`); the compat info then names the whole
+model's layers, which the decode engine has.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any, Mapping, Optional
 from atom_kv.connector.cache_layouts import KVLayout, LayoutMismatch, TensorGeometry, describe_tensor, detect_layout
 from atom_kv.wire import CompatInfo
 
-__all__ = ["AtomCaches", "describe_atom_caches"]
+__all__ = ["AtomCaches", "describe_atom_caches", "stage_first_layer"]
 
 
 @dataclass
@@ -28,6 +34,8 @@ class AtomCaches:
     compat: CompatInfo
     layers: list[dict[str, Any]]
     geometry: list[dict[str, TensorGeometry]]
+    #: the model layer of the first cache (ATOM's key ``layer_<n>``); 0 without pipeline stages
+    first_layer: int = 0
 
 
 def describe_atom_caches(
@@ -38,12 +46,17 @@ def describe_atom_caches(
     model_id: str,
     num_blocks: Optional[int] = None,
     transfer_tensors: Any = None,
+    model_layers: Optional[int] = None,
 ) -> AtomCaches:
-    """Check ATOM's caches and describe them; raises :class:`LayoutMismatch` (one line) for what atom-kv cannot move."""
+    """Check ATOM's caches and describe them; raises :class:`LayoutMismatch` (one line) for what atom-kv cannot move.
+
+    ``model_layers``: a pipeline stage's model has this many layers, of which ``kv_caches`` are a
+    consecutive slice (found from ATOM's keys)."""
     _refuse_per_request_state(transfer_tensors)
     if not kv_caches:
         raise LayoutMismatch("ATOM registered no KV cache tensors")
     entries = sorted(kv_caches.items(), key=lambda kv: (getattr(kv[1], "layer_num", 0), kv[0]))
+    first_layer = 0 if model_layers is None else stage_first_layer([name for name, _ in entries], model_layers)
     first = entries[0][1]
     v0 = _tensor(first, "v_cache")
     layout = detect_layout(first.k_cache.shape, None if v0 is None else v0.shape, block_size)
@@ -70,10 +83,28 @@ def describe_atom_caches(
         layers.append(named)
         geometry.append(shapes)
     dtype = str(first.k_cache.dtype).removeprefix("torch.")
-    compat = CompatInfo(model_id=model_id, dtype=dtype, num_layers=len(entries),
+    compat = CompatInfo(model_id=model_id, dtype=dtype, num_layers=model_layers or len(entries),
                         num_kv_heads=heads if layout.is_mla else heads * tp_size, head_dim=head_dim,
                         block_size=block_size, is_mla=layout.is_mla, layout=layout.label)
-    return AtomCaches(layout, compat, layers, geometry)
+    return AtomCaches(layout, compat, layers, geometry, first_layer)
+
+
+def stage_first_layer(names: list[str], model_layers: int) -> int:
+    """The model layer of a pipeline stage's first cache, from ATOM's keys (``layer_<n>``, in
+    ``layer_num`` order); raises :class:`LayoutMismatch` (one line) unless they name consecutive
+    layers of a model of ``model_layers``."""
+    numbers = []
+    for name in names:
+        prefix, _, index = name.rpartition("_")
+        if prefix != "layer" or not index.isdigit():
+            raise LayoutMismatch(f"pipeline stage: ATOM's KV cache {name!r} is not named layer_<n>, so the model "
+                                 "layers this stage holds are unknown")
+        numbers.append(int(index))
+    first, last = numbers[0], numbers[-1]
+    if numbers != list(range(first, first + len(numbers))) or last >= model_layers:
+        raise LayoutMismatch(f"pipeline stage: ATOM's KV caches name layers {numbers[0]}..{numbers[-1]} "
+                             f"({len(numbers)} caches), not consecutive layers of the model's {model_layers}")
+    return first
 
 
 def _tensor(entry: Any, attr: str) -> Any:

@@ -104,7 +104,8 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         # a finished prefill's transfer directly, so they can confirm its read in time
         self._hooks = engine_hooks.build_scheduler_hooks(
             kv, engine_id=self.engine_id, host=self.host, tp_size=engine.tp_size, dp_rank=engine.dp_rank,
-            dp_size=engine.dp_size, block_size=engine.block_size, announce_sends=kv.is_producer,
+            dp_size=engine.dp_size, pp_size=engine.pp_size, block_size=engine.block_size,
+            announce_sends=kv.is_producer,
         )
         # producer: finished sequences seen (ATOM reports some twice), and ids whose blocks ATOM may free now
         self._finished: BoundedSet[int] = BoundedSet(_REMEMBERED)
@@ -119,7 +120,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         self._local: BoundedSet[int] = BoundedSet(_REMEMBERED)
         self._held: Optional[ConnectorMetadata] = None  # metadata built while idle, sent with the next batch
         self._announcer: Optional[_Announcer] = None
-        if kv.proxy_addresses and engine.dp_rank == 0:
+        if kv.proxy_addresses and engine.dp_rank == 0 and engine.pp_rank == 0:  # ATOM's head stage schedules
             self._announcer = _Announcer(self, engine)
         logger.info("atom_kv %s connector for engine %s (TP %d, DP rank %d, block %d) advertises %s",
                     kv.kv_role, self.engine_id, engine.tp_size, engine.dp_rank, engine.block_size, self.host)

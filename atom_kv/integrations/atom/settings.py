@@ -2,8 +2,13 @@
 
 ATOM passes its whole engine ``Config`` to a connector's constructor; the
 connector needs only ``kv_transfer_config`` (our :class:`KVTransferConfig`)
-and the engine's shape: TP size, data-parallel rank and size, block size and
-model. Read here once, for both sides.
+and the engine's shape: TP size, data-parallel rank and size, pipeline stage
+and stages, block size and model. Read here once, for both sides.
+
+ATOM runs each pipeline stage as its own engine core, with a copy of the
+``Config`` whose ``parallel_config.pipeline_parallel_rank`` names the stage;
+``pipeline_parallel_size`` is the number of stages and
+``hf_config.num_hidden_layers`` the model's layers (a stage holds a slice).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from atom_kv.config import ConfigError, KVTransferConfig
 
@@ -33,6 +38,10 @@ class AtomEngine:
     dp_size: int
     block_size: int
     model: str
+    pp_rank: int = 0
+    pp_size: int = 1
+    #: the model's layers (``hf_config.num_hidden_layers``); None where ATOM's config does not say
+    num_layers: Optional[int] = None
 
     @classmethod
     def from_config(cls, config: Any) -> "AtomEngine":
@@ -48,6 +57,10 @@ class AtomEngine:
         kv = KVTransferConfig.from_dict(dict(raw), default_role=ATOM_DEFAULT_ROLE)
         parallel = getattr(config, "parallel_config", None)
         model = str(getattr(config, "model", "") or "")
+        pp_rank = int(getattr(parallel, "pipeline_parallel_rank", 0) or 0)
+        pp_size = int(getattr(config, "pipeline_parallel_size", 1) or 1)
+        _check_stages(kv, pp_rank, pp_size)
+        layers = getattr(getattr(config, "hf_config", None), "num_hidden_layers", None)
         return cls(
             kv=kv,
             tp_size=int(getattr(config, "tensor_parallel_size", 1) or 1),
@@ -55,7 +68,20 @@ class AtomEngine:
             dp_size=int(getattr(parallel, "data_parallel_size", 1) or 1),
             block_size=int(config.kv_cache_block_size),
             model=os.path.basename(model.rstrip("/")) or "unknown",
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            num_layers=int(layers) if isinstance(layers, int) and layers > 0 else None,
         )
+
+
+def _check_stages(kv: KVTransferConfig, pp_rank: int, pp_size: int) -> None:
+    """Refuse, in one line, a pipeline set-up atom-kv cannot serve."""
+    if pp_size < 1 or not 0 <= pp_rank < pp_size:
+        raise ConfigError(f"ATOM's pipeline_parallel_rank {pp_rank} is outside pipeline_parallel_size {pp_size}")
+    if pp_size > 1 and not kv.is_producer:
+        raise ConfigError(f"kv-transfer-config: kv_role {kv.kv_role!r} with pipeline_parallel_size {pp_size}: "
+                          "atom-kv splits only a prefill engine (kv_producer) into pipeline stages; run the "
+                          "decode engine with pipeline_parallel_size 1")
 
 
 def advertised_host() -> str:

@@ -1,5 +1,9 @@
 """ATOM's worker-side connector (one per TP rank, in ATOM's model-runner process).
 
+Under pipeline parallelism (a prefill engine only) every stage's model
+runners build one: each rank registers its stage's layers, listens on its
+stage's ports and names those layers in its handshake.
+
 ATOM's ``get_kvconnector("worker")`` builds it with the engine ``Config``;
 its model runner then calls :meth:`~AtomKVWorker.register_kv_caches` once with
 the KV cache dict, :meth:`~AtomKVWorker.start_load_kv` with every step's
@@ -18,6 +22,7 @@ from atom.kv_transfer.disaggregation.base import KVConnectorBase
 from atom.kv_transfer.disaggregation.types import KVConnectorOutput as AtomKVConnectorOutput
 
 from atom_kv import engine_hooks
+from atom_kv.connector.cache_layouts import LayoutMismatch
 from atom_kv.engine_hooks import WorkerHooks
 from atom_kv.integrations.atom.caches import AtomCaches, describe_atom_caches
 from atom_kv.integrations.atom.settings import AtomEngine, advertised_host, require_completion_contract
@@ -58,9 +63,14 @@ class AtomKVWorker(KVConnectorBase):
         a model atom-kv cannot move. Called again (ATOM reallocated its cache),
         it starts over with the new tensors."""
         engine = self._engine
+        staged = engine.pp_size > 1
+        if staged and engine.num_layers is None:
+            raise LayoutMismatch(f"pipeline stage {engine.pp_rank} of {engine.pp_size}: ATOM's config has no "
+                                 "hf_config.num_hidden_layers, so the model's layers are unknown")
         caches = describe_atom_caches(kv_caches, block_size=engine.block_size, tp_size=self.tp_size,
                                       model_id=engine.model, num_blocks=num_blocks,
-                                      transfer_tensors=transfer_tensors)
+                                      transfer_tensors=transfer_tensors,
+                                      model_layers=engine.num_layers if staged else None)
         if self._hooks is not None:
             self._hooks.close()  # its ports and registrations are the new hooks' to take
             self._hooks, self._engine_id = None, None
@@ -70,7 +80,7 @@ class AtomKVWorker(KVConnectorBase):
         hooks = engine_hooks.build_worker_hooks(
             engine.kv, engine_id=f"starting-{uuid.uuid4().hex[:12]}", host=self.host, tp_rank=self.tp_rank,
             tp_size=self.tp_size, dp_rank=self.dp_rank, dp_size=max(engine.dp_size, self.dp_rank + 1),
-            compat=caches.compat,
+            pp_rank=engine.pp_rank, pp_size=engine.pp_size, start_layer=caches.first_layer, compat=caches.compat,
         )
         try:
             hooks.register_kv_caches(caches.layers)
@@ -78,8 +88,9 @@ class AtomKVWorker(KVConnectorBase):
             hooks.close()
             raise
         self._caches, self._hooks = caches, hooks
-        logger.info("atom_kv rank %d/%d: %s KV cache, %d layers, %s", self.tp_rank, self.tp_size,
-                    caches.layout.label, caches.compat.num_layers, caches.compat)
+        stage = f", pipeline stage {engine.pp_rank}/{engine.pp_size} from layer {caches.first_layer}" if staged else ""
+        logger.info("atom_kv rank %d/%d: %s KV cache, %d layers%s, %s", self.tp_rank, self.tp_size,
+                    caches.layout.label, len(caches.layers), stage, caches.compat)
 
     def start_load_kv(self, metadata: Any) -> None:
         """Start this step's reads, note released and cancelled transfers; never blocks on the network."""
