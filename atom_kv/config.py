@@ -270,6 +270,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     handshake_timeout_s: PositiveSeconds = 10.0
     transfer_timeout_s: PositiveSeconds = 30.0
     abort_timeout_s: PositiveSeconds = 120.0
+    release_close_wait_s: NonNegativeFloat = 2.0
     prefill_wait_timeout_s: PositiveSeconds = 30.0
     prefill_queue_timeout_s: PositiveSeconds = 300.0
     load_failure_policy: LoadFailurePolicy = "fail"

@@ -110,10 +110,11 @@ class NoticeSender:
     the producer's lease frees the blocks later)."""
 
     def __init__(self, *, auth_token: Optional[str], sender: str, proof_timeout_s: float,
-                 name: str = "atom-kv-release", max_sockets: int = 256) -> None:
+                 close_wait_s: float = 2.0, name: str = "atom-kv-release", max_sockets: int = 256) -> None:
         self._token = auth_token
         self._sender = sender
         self._proof_timeout_s = proof_timeout_s
+        self._close_wait_s = close_wait_s
         self._max_sockets = max_sockets
         self._name = name
         self._queue: "queue.SimpleQueue[tuple[list[tuple[str, int]], _Notice]]" = queue.SimpleQueue()
@@ -162,7 +163,10 @@ class NoticeSender:
             pass
 
     def close(self) -> None:
-        """Send what is queued to producer ranks already proven (briefly), drop the rest, stop."""
+        """Send what is queued, stop. Notices to a producer rank not yet proven
+        wait for its proof, at most ``close_wait_s`` more (a release queued
+        just before an engine closes still frees the producer's blocks at
+        once); what is unproven then is dropped and left to the lease."""
         with self._lock:
             if self._closed:
                 return
@@ -172,7 +176,7 @@ class NoticeSender:
             return
         self._wake()
         if thread is not threading.current_thread():
-            thread.join(timeout=5)
+            thread.join(timeout=min(self._proof_timeout_s, self._close_wait_s) + 5)
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -186,11 +190,16 @@ class NoticeSender:
         proven: BoundedDict[tuple[str, int], float] = BoundedDict(_MAX_PROVEN)
         waiting: BoundedDict[tuple[str, int], _Waiting] = BoundedDict(_MAX_TARGETS, on_evict=self._evicted)
         try:
+            cut = False
             while True:
                 closing = self._closed
                 self._take_queue(socks, proven, waiting)
-                if closing:
+                if closing and not waiting:
                     break
+                if closing and not cut:  # the proofs still awaited get close_wait_s at most
+                    cut, last = True, time.monotonic() + self._close_wait_s
+                    for w in waiting.values():
+                        w.deadline = min(w.deadline, last)
                 self._poll(socks, proven, waiting)
         except Exception:
             logger.exception("%s: release sender crashed; releases fall back to the producers' leases", self._name)

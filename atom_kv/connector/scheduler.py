@@ -376,7 +376,8 @@ class ConnectorScheduler(SchedulerHooks):
         if self._sender is None:
             role = "prefill" if self.config.is_producer else "decode"
             self._sender = NoticeSender(auth_token=self.config.auth_token, sender=engine_sender(role, self.engine_id),
-                                        proof_timeout_s=self.config.handshake_timeout_s)
+                                        proof_timeout_s=self.config.handshake_timeout_s,
+                                        close_wait_s=self.config.release_close_wait_s)
         return self._sender
 
     def request_rejected(self, kv_transfer_params: ParamsIn) -> None:

@@ -347,6 +347,32 @@ def test_release_frees_the_producer_at_once_and_is_idempotent():
         pw.close()
 
 
+def test_a_release_queued_just_before_close_waits_for_the_proof_and_frees_at_once():
+    port = free_port()
+    P, pw, _ = producer_engine(port, auth_token=TOKEN)
+    sender = NoticeSender(auth_token=TOKEN, sender="test", proof_timeout_s=2.0)
+    try:
+        P.prefill("r1", 40)
+        sender.release(ReleaseSpec("P-r1", "127.0.0.1", port), "the engine is shutting down")
+        sender.close()  # at once: the producer rank has not proved the token yet
+        assert sender.counts == {"sent": 1, "dropped": 0, "unproven": 0}
+        run_until([P], lambda: "r1" in P.freed)
+    finally:
+        sender.close()
+        pw.close()
+
+
+@pytest.mark.parametrize("proof_timeout_s, close_wait_s", [(0.5, 60.0), (60.0, 0.5)])
+def test_close_waits_for_a_proof_that_never_comes_no_longer_than_either_bound(proof_timeout_s, close_wait_s):
+    silent = free_port()  # nothing listens: the proof request is never answered
+    sender = NoticeSender(auth_token=TOKEN, sender="test", proof_timeout_s=proof_timeout_s, close_wait_s=close_wait_s)
+    sender.release(ReleaseSpec("P-r1", "127.0.0.1", silent), "the engine is shutting down")
+    t0 = time.monotonic()
+    sender.close()
+    assert time.monotonic() - t0 < 0.5 + 2.0
+    assert sender.counts["dropped"] == 1 and sender.counts["sent"] == 0
+
+
 def test_an_early_release_is_forgotten_after_one_lease_time():
     port = free_port()
     P, pw, _ = producer_engine(port, abort_timeout_s=0.5)

@@ -43,9 +43,8 @@ def cluster(tmp_path):
                        extra_args=["--max-num-seqs", "1", "--shutdown-timeout", str(ORDERLY_WAIT_S)]),
         ],
         with_proxy=False,
-        # without a token a release goes out at once; with one it first waits for the producer to prove the
-        # token, and the release sender drops what still waits when the engine closes (its lease frees it)
-        token=None,
+        # with the cluster's token: a release first waits for the producer to prove it, and the release
+        # sender waits for that proof when the engine closes
         log_dir=str(tmp_path),
     )
     c.start()
