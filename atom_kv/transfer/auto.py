@@ -28,7 +28,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from atom_kv import wire
-from atom_kv.transfer._cma_sys import cma_unavailable_reason
+from atom_kv.transfer.cma.syscalls import cma_unavailable_reason
 from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
@@ -140,7 +140,7 @@ class AutoBackend(TransferBackend):
     def _try_build_nixl(self) -> None:
         """Build ``nixl`` for GPU memory across hosts when NIXL loads here
         (without it, staged tcp serves those peers)."""
-        from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+        from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
 
         reason = nixl_unavailable_reason()
         if reason is None:

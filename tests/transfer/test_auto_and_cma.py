@@ -15,7 +15,7 @@ import pytest
 from atom_kv import wire
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import ReadOp, TransferBackend, TransferError, create_backend
-from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason, refusal_message
+from atom_kv.transfer.cma.syscalls import CmaSys, PeerGone, cma_unavailable_reason, refusal_message
 from atom_kv.transfer._hostid import host_identity
 
 CMA_REASON = cma_unavailable_reason()
@@ -75,7 +75,7 @@ def test_cma_refuses_peer_on_other_host() -> None:
 @needs_cma
 @pytest.mark.parametrize("region", [-1, 1, 10**12])
 def test_cma_rejects_a_malformed_grant(monkeypatch: pytest.MonkeyPatch, region: int) -> None:
-    import atom_kv.transfer.cma as cma
+    import atom_kv.transfer.cma.backend as cma
 
     with create_backend("cma", _cfg()) as a, create_backend("cma", _cfg()) as b:
         buf = np.zeros(4096, dtype=np.uint8)

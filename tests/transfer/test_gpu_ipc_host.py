@@ -1,5 +1,5 @@
 """gpu_ipc's logic between real processes, over the host stand-in of its
-device seam (``atom_kv.transfer._host_seam``): the findings of the GPU review
+device seam (``atom_kv.transfer.gpu_ipc.host_seam``): the findings of the GPU review
 that can be tested without a GPU. The contract suite (test_contract.py, spec
 ``gpu_ipc-hostseam-standin``) covers the rest of the backend the same way."""
 
@@ -14,8 +14,9 @@ import pytest
 
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import ReadOp, TransferError
-from atom_kv.transfer import _batched_copy, _host_seam, gpu_ipc
-from atom_kv.transfer._host_seam import HostSeam, shared_buffer
+from atom_kv.transfer import _batched_copy
+from atom_kv.transfer.gpu_ipc import backend as gpu_ipc, host_seam as _host_seam
+from atom_kv.transfer.gpu_ipc.host_seam import HostSeam, shared_buffer
 from atom_kv.transfer.gpu_ipc import GpuIpcBackend, pid_exited
 from tests.transfer._serve import ServerProc, pattern
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from atom_kv.transfer.base import ReadHandle
-from atom_kv.transfer.nixl_agent import NixlAgent, nixl_error
+from atom_kv.transfer.nixl.agent import NixlAgent, nixl_error
 
 __all__ = ["Launch", "Pending", "XferTracker"]
 

@@ -41,7 +41,7 @@ from atom_kv.transfer._trust import (
 )
 from atom_kv.transfer.base import TransferError
 
-__all__ = ["CmaControlServer", "request_grant"]
+__all__ = ["GrantServer", "request_grant"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ GRANT_RESERVED_FRACTION = 4
 MAX_GRANT_REPLY = 4 << 20
 
 
-class CmaControlServer:
+class GrantServer:
     """Owns the grant endpoint of one cma backend: its :class:`FrameServer`
     (socket, threads, connections) and the grant protocol. ``host`` is the
     address written into descriptors; the socket listens on ``bind_host``."""

@@ -2,7 +2,7 @@
 RDMA over InfiniBand/RoCE, GPUDirect, ``cuda_ipc``, shared memory, TCP).
 
 One :class:`NixlBackend` per TP rank owns one NIXL agent (see
-:mod:`atom_kv.transfer.nixl_agent`), its registered memory (host memory as
+:mod:`atom_kv.transfer.nixl.agent`), its registered memory (host memory as
 NIXL ``DRAM``, GPU memory as ``VRAM`` on the tensor's own device), the remote
 agents it imported, their prepared descriptor lists and a completion thread.
 
@@ -43,10 +43,10 @@ from atom_kv.config import KVTransferConfig
 from atom_kv.transfer._regions import begin_read, resolve_config
 from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError, chunk_sizes
 from atom_kv.transfer.memory import HOST, MemoryKind
-from atom_kv.transfer.nixl_agent import LOCAL_SIDE, NixlAgent, nixl_error
-from atom_kv.transfer.nixl_completion import Pending, XferTracker
-from atom_kv.transfer.nixl_plan import Regions, Transfer, UnitLayout, check_remote, plan_read, segment_of
-from atom_kv.transfer.nixl_probe import load_nixl
+from atom_kv.transfer.nixl.agent import LOCAL_SIDE, NixlAgent, nixl_error
+from atom_kv.transfer.nixl.completion import Pending, XferTracker
+from atom_kv.transfer.nixl.plan import Regions, Transfer, UnitLayout, check_remote, plan_read, segment_of
+from atom_kv.transfer.nixl.probe import load_nixl
 
 __all__ = ["NixlBackend"]
 

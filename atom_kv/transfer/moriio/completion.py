@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atom_kv.transfer.base import ReadHandle
-from atom_kv.transfer.moriio_plan import Batch, status_error
+from atom_kv.transfer.moriio.plan import Batch, status_error
 
 __all__ = ["Pending", "CompletionTracker"]
 

@@ -7,7 +7,7 @@ the sessions it opened and a completion thread.
 
 ``mori`` is imported only when this class is constructed; if it cannot be
 used, construction raises :class:`BackendUnavailable` with one line saying
-what is missing (see :mod:`atom_kv.transfer.moriio_probe`).
+what is missing (see :mod:`atom_kv.transfer.moriio.probe`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from atom_kv.transfer.base import (
     TransferError,
     chunk_sizes,
 )
-from atom_kv.transfer.moriio_completion import CompletionTracker, Pending
-from atom_kv.transfer.moriio_plan import SessionCache, build_rdma_config, plan_reads
-from atom_kv.transfer.moriio_probe import (
+from atom_kv.transfer.moriio.completion import CompletionTracker, Pending
+from atom_kv.transfer.moriio.plan import SessionCache, build_rdma_config, plan_reads
+from atom_kv.transfer.moriio.probe import (
     DEFAULT_SYSFS_INFINIBAND,
     UNAVAILABLE_PREFIX,
     ImportFn,

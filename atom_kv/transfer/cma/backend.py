@@ -22,8 +22,8 @@ import numpy as np
 
 from atom_kv import wire
 from atom_kv.ports import RankPorts, listening
-from atom_kv.transfer._cma_control import CmaControlServer, request_grant
-from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
+from atom_kv.transfer._grant import GrantServer, request_grant
+from atom_kv.transfer.cma.syscalls import CmaSys, PeerGone, cma_unavailable_reason
 from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents, endpoint_stats
 from atom_kv.transfer._hostid import host_identity
@@ -93,7 +93,7 @@ class CmaBackend(TransferBackend):
         self._regions = RegionTable()
         self._lock = threading.Lock()
         self._life = Lifecycle("cma", self._lock, key=self._key)
-        self._ctl: Optional[CmaControlServer] = None
+        self._ctl: Optional[GrantServer] = None
         self._peers: dict[str, _CmaPeer] = {}
         self._peer_seq = itertools.count(1)
         self._read_seq = itertools.count(1)
@@ -102,11 +102,11 @@ class CmaBackend(TransferBackend):
         self._nthreads = max(1, min(2, os.cpu_count() or 1))
 
     # -- serving side ---------------------------------------------------
-    def _control(self) -> CmaControlServer:
+    def _control(self) -> GrantServer:
         with self._lock:
             self._life.check_open()
             if self._ctl is None:
-                self._ctl = listening(self._ports, "cma", self._bind_host, lambda port: CmaControlServer(
+                self._ctl = listening(self._ports, "cma", self._bind_host, lambda port: GrantServer(
                     bind_host=self._bind_host, host=self._host, auth_token=self._token,
                     timeout_s=self._grant_timeout, max_connections=self._grant_max_connections,
                     spans=self._regions.spans, label=f"cma grant endpoint {self._key}", port=port,

@@ -2,11 +2,11 @@
 node, through CUDA IPC memory handles (HIP IPC on ROCm builds of torch).
 
 - Serving: each registered GPU region gets an exporter
-  (:mod:`atom_kv.transfer._ipc_handles`); every grant is one send of each
+  (:mod:`atom_kv.transfer.gpu_ipc.handles`); every grant is one send of each
   region, with its own reference counter. Handles are capabilities: whoever
   holds one can read and write that GPU memory. So they never travel in the
   descriptor; a reader gets them from the grant endpoint
-  (:mod:`atom_kv.transfer._cma_control`), and only after proving the
+  (:mod:`atom_kv.transfer._grant`), and only after proving the
   ``auth_token`` there (challenge-response, purpose ``gpu-ipc-grant``).
   Memory that cannot be shared refuses the grant, so ``auto`` falls back.
 - Producer order: :meth:`GpuIpcBackend.kv_written` records this process's
@@ -30,9 +30,9 @@ node, through CUDA IPC memory handles (HIP IPC on ROCm builds of torch).
 - A peer that exited is noticed through its pidfd (``poll``, any fd
   number): reads from it fail.
 
-Every device call goes through a seam (:mod:`atom_kv.transfer._gpu_seam`);
+Every device call goes through a seam (:mod:`atom_kv.transfer.gpu_ipc.cuda_seam`);
 the CPU suite runs this whole module between real processes over a host
-stand-in of it (:mod:`atom_kv.transfer._host_seam`, tests only).
+stand-in of it (:mod:`atom_kv.transfer.gpu_ipc.host_seam`, tests only).
 
 Two processes on one GPU and two GPUs of one node with peer access both work.
 torch is imported lazily; without a GPU the constructor raises
@@ -54,7 +54,7 @@ import numpy as np
 
 from atom_kv import wire
 from atom_kv.ports import RankPorts, listening
-from atom_kv.transfer._cma_control import CmaControlServer, request_grant
+from atom_kv.transfer._grant import GrantServer, request_grant
 from atom_kv.transfer._events import EndpointEvents, endpoint_stats
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._lifecycle import Lifecycle
@@ -126,13 +126,13 @@ class GpuIpcBackend(TransferBackend):
         ports: Optional[RankPorts] = None,
         _seam: Any = None,
     ) -> None:
-        if _seam is None:  # ``_seam``: tests pass the host stand-in (atom_kv.transfer._host_seam)
+        if _seam is None:  # ``_seam``: tests pass the host stand-in (atom_kv.transfer.gpu_ipc.host_seam)
             from atom_kv.transfer.memory import gpu_unavailable_reason
 
             reason = gpu_unavailable_reason()
             if reason is not None:
                 raise BackendUnavailable(f"gpu_ipc: {reason}; use backend 'auto', 'tcp' or 'cma' for host memory")
-            from atom_kv.transfer._gpu_seam import CudaSeam
+            from atom_kv.transfer.gpu_ipc.cuda_seam import CudaSeam
 
             _seam = CudaSeam()
         self._seam = _seam
@@ -154,7 +154,7 @@ class GpuIpcBackend(TransferBackend):
         self._written: dict[int, Any] = {}  # device -> this process's written event
         self._local: list[Any] = []  # our regions as uint8 tensors
         self._local_sizes = np.zeros(0, dtype=np.uint64)
-        self._ctl: Optional[CmaControlServer] = None
+        self._ctl: Optional[GrantServer] = None
         self._peers: dict[str, _Peer] = {}
         self._streams: dict[int, Any] = {}
         self._peer_seq = itertools.count(1)
@@ -170,11 +170,11 @@ class GpuIpcBackend(TransferBackend):
                      instead="" if memory.is_gpu else "use backend 'auto', 'cma' or 'tcp' for host memory")
 
     # -- serving side ---------------------------------------------------
-    def _control(self) -> CmaControlServer:
+    def _control(self) -> GrantServer:
         with self._lock:
             self._life.check_open()
             if self._ctl is None:
-                self._ctl = listening(self._ports, "gpu_ipc", self._bind_host, lambda port: CmaControlServer(
+                self._ctl = listening(self._ports, "gpu_ipc", self._bind_host, lambda port: GrantServer(
                     bind_host=self._bind_host, host=self._host, auth_token=self._token,
                     timeout_s=self._grant_timeout, max_connections=self._grant_max_connections,
                     spans=lambda: [], label=f"gpu_ipc grant endpoint {self._key}", name="gpu_ipc",

@@ -1,8 +1,8 @@
 """``tcp`` backend: one-sided reads of registered memory over plain sockets.
 
-The serving side (:class:`~atom_kv.transfer._tcp_server.TcpReadServer`) sends
+The serving side (:class:`~atom_kv.transfer.tcp.server.TcpReadServer`) sends
 straight from registered memory with ``sendmsg``; the reading side
-(:class:`~atom_kv.transfer._tcp_peer.TcpPeer`) receives straight into the
+(:class:`~atom_kv.transfer.tcp.peer.TcpPeer`) receives straight into the
 destination with ``recvmsg_into``, over ``tcp_streams`` parallel connections.
 Works between any two hosts.
 
@@ -30,8 +30,8 @@ from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._jobs import ReadState
 from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer._regions import RegionTable, begin_read, resolve_config, split_large
-from atom_kv.transfer._tcp_peer import Job, TcpPeer
-from atom_kv.transfer._tcp_server import TcpReadServer, TcpServerSettings
+from atom_kv.transfer.tcp.peer import Job, TcpPeer
+from atom_kv.transfer.tcp.server import TcpReadServer, TcpServerSettings
 from atom_kv.transfer.memory import HOST, MemoryKind
 from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
 
