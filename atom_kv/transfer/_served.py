@@ -83,8 +83,9 @@ class ServingEndpoint:
             if theirs is not None and theirs != version:
                 return None, ("version", version_refusal(self._name, "reader", theirs, version))
             return None, ("decode", f"{self._name}: bad {what}: {exc}")
-        if msg.v != version:  # type: ignore[attr-defined]
-            return None, ("version", version_refusal(self._name, "reader", msg.v, version))  # type: ignore[attr-defined]
+        theirs = msg.v  # type: ignore[attr-defined]  # every opening frame carries its version
+        if theirs != version:
+            return None, ("version", version_refusal(self._name, "reader", theirs, version))
         return msg, None
 
     def _proof(self, conn: Conn, purpose: str, nonce: bytes, proof: bytes) -> Optional[str]:

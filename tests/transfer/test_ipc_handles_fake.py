@@ -1,4 +1,4 @@
-"""The CUDA side of gpu_ipc's seam (``_ipc_handles``) with torch's CUDA
+"""The CUDA side of gpu_ipc's seam (``gpu_ipc.handles``) with torch's CUDA
 calls replaced by FAKES (there is no GPU here): what it asks of torch, and
 that every refusal is a ``TransferError`` (``auto`` falls back on it, and on
 nothing else). The real calls run in the ``gpu`` tests."""

@@ -1,4 +1,6 @@
-"""``cma`` backend: same-host reads of host memory with ``process_vm_readv`` (``auto``'s route for host memory on one host).
+"""``cma`` backend: reads of host memory on one host with ``process_vm_readv``.
+
+``auto`` picks it for host memory on one host, when the kernel allows it.
 
 - :mod:`~atom_kv.transfer.cma.backend`: :class:`CmaBackend` (regions, grant endpoint, reader threads).
 - :mod:`~atom_kv.transfer.cma.syscalls`: the ``process_vm_readv`` / ``prctl`` calls and why they may be refused.

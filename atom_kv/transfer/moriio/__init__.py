@@ -1,4 +1,6 @@
-"""``moriio`` backend: one-sided reads over AMD MORI-IO (RDMA or XGMI), picked by name, never by ``auto``.
+"""``moriio`` backend: one-sided reads over AMD MORI-IO (RDMA or XGMI).
+
+Picked by name (``backend: "moriio"``, or ATOM's ``protocol: "rdma"``).
 
 - :mod:`~atom_kv.transfer.moriio.backend`: :class:`MoriIOBackend` (IO engine, registered memory, peers, sessions).
 - :mod:`~atom_kv.transfer.moriio.plan`: sessions and batched reads per peer.

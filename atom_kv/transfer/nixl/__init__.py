@@ -1,4 +1,7 @@
-"""``nixl`` backend: one-sided reads through NVIDIA's NIXL (UCX: RDMA, GPUDirect, cuda_ipc, shm), picked by name, never by ``auto``.
+"""``nixl`` backend: one-sided reads through NVIDIA's NIXL (UCX: RDMA, GPUDirect, shm).
+
+``auto`` picks it for GPU memory across hosts where NIXL loads; else by name
+(``backend: "nixl"``).
 
 - :mod:`~atom_kv.transfer.nixl.backend`: :class:`NixlBackend` (agent, registered memory, peers).
 - :mod:`~atom_kv.transfer.nixl.agent`: the native agent and every native object made from it.

@@ -1,4 +1,7 @@
-"""``tcp`` backend: one-sided reads over plain sockets, between any two hosts (``auto``'s route across hosts, staged for GPU memory).
+"""``tcp`` backend: one-sided reads over plain sockets, between any two hosts.
+
+``auto`` picks it across hosts (GPU memory staged through host buffers) and
+wherever cma or gpu_ipc cannot serve.
 
 - :mod:`~atom_kv.transfer.tcp.backend`: :class:`TcpBackend` (regions, read server, peers).
 - :mod:`~atom_kv.transfer.tcp.server`: the read server that sends straight from registered memory.
