@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import logging
 import sys
 import types
 from typing import Annotated, Any, Literal, Mapping, Optional, Union, get_args, get_origin
@@ -65,6 +66,12 @@ MAX_RANGES_PER_REQUEST = 1 << 20
 RangesPerRequest = Annotated[
     int, msgspec.Meta(ge=1, le=MAX_RANGES_PER_REQUEST, description=f"an integer in 1..{MAX_RANGES_PER_REQUEST}")
 ]
+
+#: bytes per staging buffer (one piece of a staged tcp request)
+MIN_STAGING_PIECE_BYTES, MAX_STAGING_PIECE_BYTES = 64 << 10, 1 << 30
+StagingPieceBytes = Annotated[int, msgspec.Meta(
+    ge=MIN_STAGING_PIECE_BYTES, le=MAX_STAGING_PIECE_BYTES,
+    description=f"a number of bytes in {MIN_STAGING_PIECE_BYTES}..{MAX_STAGING_PIECE_BYTES}")]
 
 _POST_BATCH_DEFAULT = -1
 _POST_BATCH_SIZE = f"{_POST_BATCH_DEFAULT} (library default) or >= 1"
@@ -228,6 +235,17 @@ class ConfigError(ValueError):
     """A ``--kv-transfer-config`` problem, phrased for the operator in one line."""
 
 
+log = logging.getLogger(__name__)
+
+_GRANT_TIMEOUT_S = 3.0
+_GRANT_MAX_CONNECTIONS = 64
+#: gpu_ipc's grant keys, each with the cma key it took its value from before it had its own, and the default
+_GPU_IPC_GRANT_ALIASES = (
+    ("gpu_ipc_grant_timeout_s", "cma_grant_timeout_s", _GRANT_TIMEOUT_S),
+    ("gpu_ipc_grant_max_connections", "cma_grant_max_connections", _GRANT_MAX_CONNECTIONS),
+)
+
+
 class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything ``--kv-transfer-config`` can set; owns the defaults.
 
@@ -288,8 +306,13 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     tcp_hello_timeout_s: PositiveSeconds = 2.0
     tcp_max_unauthenticated_per_source: PositiveInt = 64
     tcp_idle_timeout_s: PositiveSeconds = 300.0
-    cma_grant_timeout_s: PositiveSeconds = 3.0
-    cma_grant_max_connections: PositiveInt = 64
+    cma_grant_timeout_s: PositiveSeconds = _GRANT_TIMEOUT_S
+    cma_grant_max_connections: PositiveInt = _GRANT_MAX_CONNECTIONS
+    # None: the default above, or (deprecated) the cma_grant_* value when that was changed
+    gpu_ipc_grant_timeout_s: Optional[PositiveSeconds] = None
+    gpu_ipc_grant_max_connections: Optional[PositiveInt] = None
+    staging_piece_bytes: StagingPieceBytes = 4 << 20
+    staging_pool_pairs: Optional[PositiveInt] = None  # None: tcp_server_threads + tcp_streams
     # --- pre-authentication fair shares (docs/security.md) ---
     handshake_max_connections: PositiveInt = 1024
     handshake_max_unproven_connections_per_source: PositiveInt = 64
@@ -324,6 +347,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             raise ConfigError(f"`post_batch_size` must be {_POST_BATCH_SIZE}, got 0")
         self._check_shares()
         _check_listener_keys(self)
+        _resolve_gpu_ipc_grant_keys(self)
         if self.protocol is not None:
             wanted = _PROTOCOL_BACKEND[self.protocol]
             if self.backend == "auto":
@@ -407,6 +431,25 @@ def _check_listener_keys(cfg: "KVTransferConfig") -> None:
             parse_port_range(cfg.nixl_ucx_tcp_port_range, "nixl_ucx_tcp_port_range")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def _resolve_gpu_ipc_grant_keys(cfg: "KVTransferConfig") -> None:
+    """Fill the unset ``gpu_ipc_grant_*`` keys: from the ``cma_grant_*`` key that
+    was changed (the old way to set them: one deprecation line per config,
+    when gpu_ipc may run), else from the default."""
+    borrowed = []
+    for new, old, default in _GPU_IPC_GRANT_ALIASES:
+        if getattr(cfg, new) is not None:
+            continue
+        value = getattr(cfg, old)
+        if value != default:
+            borrowed.append((new, old))
+        setattr(cfg, new, value)
+    if borrowed and cfg.backend in ("auto", "gpu_ipc"):
+        old = ", ".join(f"`{o}` ({getattr(cfg, o)})" for _, o in borrowed)
+        new = ", ".join(f"`{n}`" for n, _ in borrowed)
+        log.warning("kv-transfer-config: gpu_ipc's grant endpoint takes %s because %s is unset; the cma keys "
+                    "are deprecated for gpu_ipc: set %s", old, new, new)
 
 
 _EXTRA = "kv_connector_extra_config"

@@ -26,7 +26,7 @@ except Exception as exc:
     out["reason"] = f"torch does not import here ({type(exc).__name__}: {exc}); gpu-check uses the machine's own torch"
 else:
     from atom_kv.transfer.memory import gpu_unavailable_reason
-    from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+    from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
     out["torch"] = torch.__version__
     out["build"] = "ROCm " + str(torch.version.hip) if getattr(torch.version, "hip", None) else (
         "CUDA " + str(torch.version.cuda) if torch.version.cuda else "CPU-only")

@@ -223,7 +223,7 @@ def test_summary_reads_the_targets_and_bases_the_bench_prints():
     from gpu_check import _figure_lines
     from gpu_check_steps import transfer_figures
 
-    from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+    from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
 
     if nixl_unavailable_reason():  # `make test` installs NIXL: its host-memory rows carry a target
         pytest.skip(nixl_unavailable_reason())

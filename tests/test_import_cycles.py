@@ -135,3 +135,51 @@ def test_no_circle_among_the_proxy_rooms():
     loop = {f"{PROXY}.fleet.health": {f"{PROXY}.routing.pick"}, f"{PROXY}.routing.pick": {f"{PROXY}.fleet.registry"}}
     assert _cycles(_room_graph(loop)) == [[f"{PROXY}.fleet", f"{PROXY}.routing"]]
     assert _cycles(rooms) == []
+
+
+TRANSFER = "atom_kv.transfer"
+#: top-level transfer modules that may know the backends: auto routes over them, the old probe paths name theirs
+KNOWS_BACKENDS = {f"{TRANSFER}.auto", f"{TRANSFER}.nixl_probe", f"{TRANSFER}.moriio_probe"}
+
+
+def _backend_of(module: str, backends: set[str]) -> str | None:
+    """The backend sub-package ``module`` belongs to (``atom_kv.transfer.tcp``), or None."""
+    parts = module.split(".")
+    if len(parts) >= 3 and ".".join(parts[:3]) in backends:
+        return ".".join(parts[:3])
+    return None
+
+
+def _transfer_layering(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs that break the transfer layering: a backend
+    sub-package imports only the shared top level and its own modules, never
+    another backend; the shared top level imports no backend (but auto)."""
+    backends = {m for m in graph if m.count(".") == 2 and m.startswith(f"{TRANSFER}.")
+                and any(o.startswith(f"{m}.") for o in graph)}
+    bad = []
+    for importer, imported in sorted((a, b) for a, deps in graph.items() for b in deps):
+        if not (importer.startswith(f"{TRANSFER}.") and imported.startswith(f"{TRANSFER}.")):
+            continue
+        theirs = _backend_of(imported, backends)
+        if theirs is None:
+            continue  # the shared top level: anyone in transfer may use it
+        mine = _backend_of(importer, backends)
+        if mine != theirs and importer not in KNOWS_BACKENDS:
+            bad.append((importer, imported))
+    return bad
+
+
+def test_transfer_backends_import_only_the_shared_top_level_and_themselves():
+    graph = _graph()
+    assert {"atom_kv.transfer.tcp.server", "atom_kv.transfer._served"} <= graph["atom_kv.transfer.tcp.backend"]
+    fake = {
+        "atom_kv.transfer._regions": set(), "atom_kv.transfer.auto": {"atom_kv.transfer.tcp"},
+        "atom_kv.transfer.tcp": {"atom_kv.transfer.tcp.backend"},
+        "atom_kv.transfer.tcp.backend": {"atom_kv.transfer.nixl.plan", "atom_kv.transfer._regions"},
+        "atom_kv.transfer.nixl": set(), "atom_kv.transfer.nixl.plan": {"atom_kv.transfer.tcp"},
+        "atom_kv.transfer._jobs": {"atom_kv.transfer.nixl.plan"},
+    }
+    assert _transfer_layering(fake) == [("atom_kv.transfer._jobs", "atom_kv.transfer.nixl.plan"),
+                                        ("atom_kv.transfer.nixl.plan", "atom_kv.transfer.tcp"),
+                                        ("atom_kv.transfer.tcp.backend", "atom_kv.transfer.nixl.plan")]
+    assert _transfer_layering(graph) == []

@@ -501,7 +501,7 @@ class RawNixl:
     def __init__(self, backend: Any, desc: bytes, local_ptr: int, local_device: int, local_offsets: np.ndarray,
                  remote_offsets: np.ndarray, block: int) -> None:
         from atom_kv import wire
-        from atom_kv.transfer.nixl_plan import DRAM, VRAM
+        from atom_kv.transfer.nixl.plan import DRAM, VRAM
 
         remote = wire.decode(desc, wire.NixlDescriptor)
         self.agent, self.lock = backend.native_agent()

@@ -1,5 +1,14 @@
 """Transfer backends: one-sided reads of registered memory from a peer.
 
+One sub-package per backend: ``tcp/``, ``cma/``, ``gpu_ipc/``, ``nixl/`` and
+``moriio/``; each imports only the shared top level and its own modules.
+The top level is what they share: the protocol (``base``), memory kinds,
+routes and ``auto`` (the one module that knows every backend), regions,
+jobs, lifecycle, trust, the frame server and socket I/O, staging, the
+serving-plus-reader set-up of tcp, cma and gpu_ipc (``_served``), the grant
+endpoint of cma and gpu_ipc (``_grant``) and the RDMA skeleton of nixl and
+moriio (``_rdma``).
+
 Backends are imported lazily by :func:`create_backend`, so ``import atom_kv``
 never fails because an optional backend (MORI-IO, NIXL) cannot load here.
 """

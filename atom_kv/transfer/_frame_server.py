@@ -1,4 +1,4 @@
-"""The serving loop shared by the tcp read server and the cma grant endpoint:
+"""The serving loop shared by the tcp read server and the grant endpoint:
 one selector thread multiplexes every connection, a fixed pool of handler
 threads answers complete frames.
 

@@ -43,9 +43,11 @@ class RegionTable:
     writable memoryview per host region and, for *staged* regions (GPU
     memory, or host memory when staging is forced for tests), a tensor alias,
     a copier and the staging pool (``atom_kv.transfer.staging``). Ids are
-    dense, starting at 0. ``staging_pairs`` bounds the pool."""
+    dense, starting at 0. ``staging_pairs`` bounds the pool, ``staging_bytes``
+    is the size of each of its buffers (``staging_pool_pairs``,
+    ``staging_piece_bytes``)."""
 
-    def __init__(self, staging_pairs: int = 2) -> None:
+    def __init__(self, staging_pairs: int = 2, staging_bytes: Optional[int] = None) -> None:
         self._lock = threading.Lock()
         self.addrs = np.zeros(0, dtype=np.uint64)
         self.sizes = np.zeros(0, dtype=np.uint64)
@@ -55,6 +57,7 @@ class RegionTable:
         self._tensors: dict[int, Any] = {}
         self._copiers: dict[int, Any] = {}
         self._staging_pairs = staging_pairs
+        self._staging_bytes = staging_bytes
         self.pool: Any = None
 
     def __len__(self) -> int:
@@ -75,7 +78,8 @@ class RegionTable:
 
             copier = copier_for(memory, self._copiers)
             if self.pool is None:
-                self.pool = StagingPool(copier, self._staging_pairs)
+                sized = {} if self._staging_bytes is None else {"nbytes": self._staging_bytes}
+                self.pool = StagingPool(copier, self._staging_pairs, **sized)
         with self._lock:
             first = len(self._views)
             addrs = []

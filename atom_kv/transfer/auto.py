@@ -28,7 +28,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from atom_kv import wire
-from atom_kv.transfer._cma_sys import cma_unavailable_reason
+from atom_kv.transfer.cma.syscalls import cma_unavailable_reason
 from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
@@ -40,7 +40,6 @@ from atom_kv.transfer.tcp import TcpBackend
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
-    from atom_kv.ports import RankPorts
 
 __all__ = ["AutoBackend", "FALLBACK_REASONS"]
 
@@ -68,17 +67,11 @@ class AutoBackend(TransferBackend):
     accepts_op_arrays = True
     memory_kinds = frozenset({"host", "gpu"})
 
-    def __init__(
-        self,
-        config: Optional["KVTransferConfig"] = None,
-        *,
-        host: str = "127.0.0.1",
-        bind_host: Optional[str] = None,
-        key: Optional[str] = None,
-        ports: Optional["RankPorts"] = None,
-    ) -> None:
-        self._args = (config, host, bind_host, key, ports)
-        self._tcp = TcpBackend(config, host=host, bind_host=bind_host, key=key, ports=ports)
+    def __init__(self, config: Optional["KVTransferConfig"] = None, **where: Any) -> None:
+        """``where``: the keywords every inner backend takes (``host``, ``bind_host``, ``key``,
+        ``ports``: see :class:`~atom_kv.transfer._served.ServedBackend`)."""
+        self._config, self._where = config, where
+        self._tcp = TcpBackend(config, **where)
         self._extra: dict[str, TransferBackend] = {}
         self.unavailable: dict[str, str] = {}
         reason = cma_unavailable_reason()
@@ -104,9 +97,8 @@ class AutoBackend(TransferBackend):
     def _try_build(self, name: str) -> None:
         from atom_kv.transfer import create_backend
 
-        config, host, bind_host, key, ports = self._args
         try:
-            self._extra[name] = create_backend(name, config, host=host, bind_host=bind_host, key=key, ports=ports)
+            self._extra[name] = create_backend(name, self._config, **self._where)
         except BackendUnavailable as exc:
             self.unavailable[name] = str(exc)
         except Exception as exc:  # a native library's own error: this backend is not offered, tcp serves
@@ -140,7 +132,7 @@ class AutoBackend(TransferBackend):
     def _try_build_nixl(self) -> None:
         """Build ``nixl`` for GPU memory across hosts when NIXL loads here
         (without it, staged tcp serves those peers)."""
-        from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+        from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
 
         reason = nixl_unavailable_reason()
         if reason is None:

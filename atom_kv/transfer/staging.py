@@ -40,7 +40,7 @@ from atom_kv.transfer.memory import MemoryKind
 
 __all__ = ["DeviceCopier", "HostCopier", "STAGE_BYTES", "StagingPool", "copier_for", "recv_staged", "send_staged"]
 
-#: bytes per staging buffer (one piece of a request)
+#: bytes per staging buffer (one piece of a request) without a config (``staging_piece_bytes``)
 STAGE_BYTES = 4 << 20
 
 

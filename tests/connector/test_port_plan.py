@@ -13,7 +13,7 @@ from atom_kv import engine_hooks, wire
 from atom_kv.config import ConfigError
 from atom_kv.ports import PortInUse, planned_ports
 from atom_kv.testing.ports import free_plan_base
-from atom_kv.transfer._cma_sys import cma_unavailable_reason
+from atom_kv.transfer.cma.syscalls import cma_unavailable_reason
 
 from .kvutil import OS_ASSIGNED, compat, make_caches
 from .kvutil import config as _config

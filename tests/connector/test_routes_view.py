@@ -11,7 +11,7 @@ from atom_kv import wire
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.routes_view import MAX_ROUTES_SHOWN, RouteView, backend_for_peer
 from atom_kv.transfer import create_backend
-from atom_kv.transfer._cma_sys import cma_unavailable_reason
+from atom_kv.transfer.cma.syscalls import cma_unavailable_reason
 
 
 def _record(view: RouteView, i: int, backend: str = "tcp") -> None:

@@ -36,7 +36,7 @@ from atom_kv.config import KVTransferConfig
 from atom_kv.ports import planned_ports
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json, scrape_metrics
-from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
 from tests.e2e.helpers import PROMPTS, Result, generate
 from tests.e2e.netns import NIC, Hosts, NsProcess, stop_all, unavailable_reason
 

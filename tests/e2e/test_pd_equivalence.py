@@ -19,7 +19,7 @@ import pytest
 
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.web import scrape_metrics
-from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
 from tests.e2e.helpers import PROMPTS, generate, get_json
 
 COMBOS = [

@@ -17,7 +17,7 @@ from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.ports import free_plan_base
 from atom_kv.testing.processes import REPO_ROOT
 from atom_kv.testing.web import http_json
-from atom_kv.transfer._cma_sys import cma_unavailable_reason
+from atom_kv.transfer.cma.syscalls import cma_unavailable_reason
 
 from .helpers import PROMPTS, generate
 

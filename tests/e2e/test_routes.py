@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.polling import wait_until
-from atom_kv.transfer._cma_sys import cma_unavailable_reason
+from atom_kv.transfer.cma.syscalls import cma_unavailable_reason
 from tests.e2e.helpers import PROMPTS, generate, get_json
 
 CMA_REASON = cma_unavailable_reason()

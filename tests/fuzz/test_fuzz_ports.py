@@ -28,7 +28,7 @@ from atom_kv.connector.handshake import request_handshake
 from atom_kv.connector.handshake_auth import peer_proof
 from atom_kv.testing.procfs import rss_bytes
 from atom_kv.transfer import ReadOp
-from atom_kv.transfer._cma_control import CmaControlServer, request_grant
+from atom_kv.transfer._grant import GrantServer, request_grant
 from atom_kv.transfer._sockio import frame, recv_frame
 from atom_kv.transfer.tcp import TcpBackend
 from tests.conftest import free_port
@@ -284,7 +284,7 @@ def test_zz_the_rendezvous_survived(rendezvous, traces):
 # ---------------------------------------------------------------------------- grant endpoints (cma, gpu_ipc)
 class _GrantTarget:
     def __init__(self) -> None:
-        self.server = CmaControlServer(bind_host="127.0.0.1", host="127.0.0.1", auth_token=TOKEN, timeout_s=1.0,
+        self.server = GrantServer(bind_host="127.0.0.1", host="127.0.0.1", auth_token=TOKEN, timeout_s=1.0,
                                        max_connections=64, spans=lambda: [(0, 4096, 4096)], label="fuzzed grants")
         self.addr = ("127.0.0.1", self.server.port)
         self.rss_start = rss_bytes()

@@ -30,7 +30,7 @@ from atom_kv import wire
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import ChunkedRegion, create_backend, split_pair
 from atom_kv.transfer.memory import gpu
-from atom_kv.transfer.nixl_probe import load_nixl
+from atom_kv.transfer.nixl.probe import load_nixl
 
 POINTS = ("agent", "register", "export", "add_peer", "plan", "read", "none", "cuda-refusal")
 BLOCK = 4096
@@ -54,7 +54,8 @@ def _inject(point: str) -> None:
 
 
 def _gpu_stand_ins() -> None:
-    from atom_kv.transfer import nixl, staging
+    from atom_kv.transfer import staging
+    from atom_kv.transfer.nixl import backend as nixl
 
     class HostStandInCopier(staging.HostCopier):
         """Stand-in for the CUDA copier: the 'GPU' bytes are host bytes."""

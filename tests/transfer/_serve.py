@@ -34,7 +34,7 @@ def place_owned(data: np.ndarray, device: str) -> tuple[Any, int, Any, Any]:
     if device == "cpu":
         return data, data.ctypes.data, memory_of(data), None
     if device == "memfd":
-        from atom_kv.transfer._host_seam import shared_buffer
+        from atom_kv.transfer.gpu_ipc.host_seam import shared_buffer
 
         owner = shared_buffer(data.nbytes)
         owner.array[:] = data

@@ -89,7 +89,7 @@ def cma_skip_reason() -> Optional[str]:
 
 def nixl_skip_reason() -> Optional[str]:
     """None when NIXL's Python API loads here, else its one-line install hint."""
-    from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+    from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
 
     return nixl_unavailable_reason()
 
@@ -103,7 +103,7 @@ def gpu_skip_reason() -> Optional[str]:
 
 def host_seam_skip_reason() -> Optional[str]:
     """None when the gpu_ipc host stand-in (memfd + pidfd_getfd) works here."""
-    from atom_kv.transfer._host_seam import HostSeam
+    from atom_kv.transfer.gpu_ipc.host_seam import HostSeam
 
     return HostSeam.unavailable_reason()
 
@@ -111,7 +111,7 @@ def host_seam_skip_reason() -> Optional[str]:
 def gpu_ipc_on_host_seam(config: Any, host: str, key: Optional[str]) -> Any:
     """gpu_ipc over the host STAND-IN of its device seam: the whole backend
     (grant, mapping, bounds, batched copies, completion, close) on host memory."""
-    from atom_kv.transfer._host_seam import HostSeam
+    from atom_kv.transfer.gpu_ipc.host_seam import HostSeam
     from atom_kv.transfer.gpu_ipc import GpuIpcBackend
 
     return GpuIpcBackend(config, host=host, key=key, _seam=HostSeam())

@@ -15,7 +15,7 @@ import pytest
 from atom_kv import wire
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import ReadOp, TransferBackend, TransferError, create_backend
-from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason, refusal_message
+from atom_kv.transfer.cma.syscalls import CmaSys, PeerGone, cma_unavailable_reason, refusal_message
 from atom_kv.transfer._hostid import host_identity
 
 CMA_REASON = cma_unavailable_reason()
@@ -75,13 +75,13 @@ def test_cma_refuses_peer_on_other_host() -> None:
 @needs_cma
 @pytest.mark.parametrize("region", [-1, 1, 10**12])
 def test_cma_rejects_a_malformed_grant(monkeypatch: pytest.MonkeyPatch, region: int) -> None:
-    import atom_kv.transfer.cma as cma
+    from atom_kv.transfer import _grant
 
     with create_backend("cma", _cfg()) as a, create_backend("cma", _cfg()) as b:
         buf = np.zeros(4096, dtype=np.uint8)
         a.register_memory(buf.ctypes.data, 4096)
         bad = wire.CmaGrantReply(ok=True, pid=os.getpid(), regions=[wire.RegionSpan(region, buf.ctypes.data, 4096)])
-        monkeypatch.setattr(cma, "request_grant", lambda *args: bad)
+        monkeypatch.setattr(_grant, "request_grant", lambda *args, **kwargs: bad)
         with pytest.raises(TransferError, match="invalid region table"):
             b.add_peer(a.export_descriptor())
 
@@ -212,7 +212,7 @@ def test_auto_falls_back_to_tcp_when_the_grant_is_refused(monkeypatch) -> None:
     a, b = _auto_pair(_grant_cfg(cma_grant_max_connections=1, cma_grant_timeout_s=5), src, dst)
     try:
         blob = a.export_descriptor()
-        endpoint = next(be for be in a._inner() if isinstance(be, CmaBackend))._control()._server
+        endpoint = next(be for be in a._inner() if isinstance(be, CmaBackend))._serving()._server
 
         def every_slot_answered(source, peer):
             why = "1 connections already open (cma_grant_max_connections); try again later"

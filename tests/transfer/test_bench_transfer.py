@@ -105,7 +105,7 @@ def test_bad_kv_transfer_config_is_one_line_exit_2(text: str, words: list[str],
 
 
 def test_moriio_backend_with_mori_keys_is_accepted_and_unavailable_here(capsys: pytest.CaptureFixture[str]) -> None:
-    from atom_kv.transfer.moriio_probe import unavailable_reason
+    from atom_kv.transfer.moriio.probe import unavailable_reason
 
     if unavailable_reason() is None:
         pytest.skip("MORI-IO is usable on this machine; the unavailable path cannot be exercised")
@@ -132,7 +132,7 @@ def test_bench_device_cuda_without_a_gpu_exits_2_in_one_line(capsys: pytest.Capt
 
 
 def test_bench_nixl_rows_carry_raw_nixl_next_to_ours() -> None:
-    from atom_kv.transfer.nixl_probe import nixl_unavailable_reason
+    from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
 
     if nixl_unavailable_reason():
         pytest.skip(nixl_unavailable_reason())

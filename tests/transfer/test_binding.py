@@ -12,7 +12,7 @@ from atom_kv.testing.listeners import listeners
 from atom_kv import wire
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import create_backend
-from atom_kv.transfer._cma_sys import cma_unavailable_reason
+from atom_kv.transfer.cma.syscalls import cma_unavailable_reason
 
 CMA_REASON = cma_unavailable_reason()
 BACKENDS = ["tcp", "auto", pytest.param("cma", marks=pytest.mark.skipif(CMA_REASON is not None,

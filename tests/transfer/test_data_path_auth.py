@@ -19,7 +19,7 @@ import pytest
 from atom_kv import wire
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import ReadOp, TransferError, create_backend
-from atom_kv.transfer._cma_sys import cma_unavailable_reason
+from atom_kv.transfer.cma.syscalls import cma_unavailable_reason
 from atom_kv.transfer._sockio import FRAME_HEADER, frame, recv_frame
 from tests.transfer._raw import Recorder, record_until_closed, tcp_open
 

@@ -1,5 +1,5 @@
 """gpu_ipc's logic between real processes, over the host stand-in of its
-device seam (``atom_kv.transfer._host_seam``): the findings of the GPU review
+device seam (``atom_kv.transfer.gpu_ipc.host_seam``): the findings of the GPU review
 that can be tested without a GPU. The contract suite (test_contract.py, spec
 ``gpu_ipc-hostseam-standin``) covers the rest of the backend the same way."""
 
@@ -14,8 +14,9 @@ import pytest
 
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import ReadOp, TransferError
-from atom_kv.transfer import _batched_copy, _host_seam, gpu_ipc
-from atom_kv.transfer._host_seam import HostSeam, shared_buffer
+from atom_kv.transfer import _batched_copy, _grant
+from atom_kv.transfer.gpu_ipc import host_seam as _host_seam
+from atom_kv.transfer.gpu_ipc.host_seam import HostSeam, shared_buffer
 from atom_kv.transfer.gpu_ipc import GpuIpcBackend, pid_exited
 from tests.transfer._serve import ServerProc, pattern
 
@@ -325,14 +326,14 @@ def test_memory_that_cannot_be_shared_refuses_the_grant_with_a_transfer_error() 
 
 def test_a_peer_gone_between_its_grant_and_pidfd_open_is_a_transfer_error(monkeypatch, reader: _Reader) -> None:
     srv = _serve()
-    real = gpu_ipc.request_grant
+    real = _grant.request_grant
 
     def grant_then_die(*args: Any, **kwargs: Any) -> Any:
         grant = real(*args, **kwargs)
         srv.kill()  # SIGKILL and reaped: its pid names nobody now
         return grant
 
-    monkeypatch.setattr(gpu_ipc, "request_grant", grant_then_die)
+    monkeypatch.setattr(_grant, "request_grant", grant_then_die)
     try:
         with pytest.raises(TransferError, match="gone since its grant|exited"):
             reader.backend.add_peer(srv.descriptor)

@@ -1,4 +1,4 @@
-"""The CUDA side of gpu_ipc's seam (``_ipc_handles``) with torch's CUDA
+"""The CUDA side of gpu_ipc's seam (``gpu_ipc.handles``) with torch's CUDA
 calls replaced by FAKES (there is no GPU here): what it asks of torch, and
 that every refusal is a ``TransferError`` (``auto`` falls back on it, and on
 nothing else). The real calls run in the ``gpu`` tests."""
@@ -14,7 +14,7 @@ import torch
 
 from atom_kv import wire
 from atom_kv.transfer import TransferError
-from atom_kv.transfer._ipc_handles import CudaExport, CudaPeerMap
+from atom_kv.transfer.gpu_ipc.handles import CudaExport, CudaPeerMap
 
 
 def _region(**kw: Any) -> wire.GpuIpcRegion:
@@ -51,7 +51,7 @@ def test_each_share_is_a_new_send_carrying_the_written_event(monkeypatch) -> Non
             n = next(sends)
             return (0, b"H" * 64, 1 << 20, 512, b"/torch_rc", n, b"torch-event", True)
 
-    monkeypatch.setattr("atom_kv.transfer._ipc_handles._uuid", lambda device: "GPU-fake")
+    monkeypatch.setattr("atom_kv.transfer.gpu_ipc.handles._uuid", lambda device: "GPU-fake")
     exp = CudaExport.__new__(CudaExport)
     exp._storage, exp._ptr, exp._start, exp._size, exp._device = _Storage(), 0x7100, 0x7000, 4096, 0
     a, b = exp.share(2, b"written"), exp.share(2, b"written")
@@ -94,8 +94,8 @@ def test_the_exported_storage_owns_nothing_so_torch_can_free_it_after_python_is_
         raise AssertionError("exported through a Python-owned alias")
 
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
-    monkeypatch.setattr("atom_kv.transfer._ipc_handles._block_start", lambda ptr, device: 0x7000)
-    monkeypatch.setattr("atom_kv.transfer._ipc_handles.alias", no_alias)
+    monkeypatch.setattr("atom_kv.transfer.gpu_ipc.handles._block_start", lambda ptr, device: 0x7000)
+    monkeypatch.setattr("atom_kv.transfer.gpu_ipc.handles.alias", no_alias)
     monkeypatch.setattr(torch._C, "_construct_storage_from_data_pointer", fake_construct, raising=False)
     monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: made.append(("collected",)))
     whole, inside = CudaExport(0x7000, 65536, 0), CudaExport(0x7100, 4096, 0)

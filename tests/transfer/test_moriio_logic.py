@@ -11,7 +11,7 @@ import pytest
 
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import BackendUnavailable, ReadOp, TransferError, create_backend
-from atom_kv.transfer.moriio_plan import (
+from atom_kv.transfer.moriio.plan import (
     SessionCache,
     build_rdma_config,
     code_name,
@@ -19,7 +19,7 @@ from atom_kv.transfer.moriio_plan import (
     rdma_config_attrs,
     status_error,
 )
-from atom_kv.transfer.moriio_probe import (
+from atom_kv.transfer.moriio.probe import (
     describe_import_error,
     load_mori,
     rdma_device_problem,

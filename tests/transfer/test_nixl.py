@@ -18,8 +18,8 @@ from atom_kv.testing.listeners import listeners
 from atom_kv.testing.ports import free_ephemeral_window
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import BackendUnavailable, ChunkedRegion, create_backend, split_pair
-from atom_kv.transfer import nixl_probe
-from atom_kv.transfer.nixl_plan import Regions, UnitLayout, plan_read
+from atom_kv.transfer.nixl import probe as nixl_probe
+from atom_kv.transfer.nixl.plan import Regions, UnitLayout, plan_read
 
 BLOCK = 4096
 NBLOCKS = 64

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from atom_kv.transfer import nixl_probe
+from atom_kv.transfer.nixl import probe as nixl_probe
 from tests.transfer._nixl_faults import POINTS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

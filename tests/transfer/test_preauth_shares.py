@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import pytest
 
 from atom_kv import wire
-from atom_kv.transfer._cma_control import CmaControlServer, request_grant
+from atom_kv.transfer._grant import GrantServer, request_grant
 from atom_kv.transfer._sockio import frame, recv_frame
 from atom_kv.transfer._trust import PURPOSE_CMA_GRANT
 from atom_kv.transfer.base import TransferError
@@ -163,13 +163,13 @@ def test_tcp_refusals_name_the_real_cause(served, caplog):
 # -- cma / gpu_ipc grants --------------------------------------------------------------
 @pytest.fixture
 def grant_endpoint():
-    server = CmaControlServer(bind_host="127.0.0.1", host="127.0.0.1", auth_token=TOKEN, timeout_s=30.0,
+    server = GrantServer(bind_host="127.0.0.1", host="127.0.0.1", auth_token=TOKEN, timeout_s=30.0,
                               max_connections=64, spans=lambda: [(0, 4096, 4096)], label="test grant endpoint")
     yield server
     server.close()
 
 
-def _grant(server: CmaControlServer) -> Optional[str]:
+def _grant(server: GrantServer) -> Optional[str]:
     desc = wire.CmaDescriptor(pid=os.getpid(), host_id="h", ctl_host="127.0.0.1", ctl_port=server.port)
     try:
         reply = request_grant(desc, "reader", TOKEN, 5.0, purpose=PURPOSE_CMA_GRANT)

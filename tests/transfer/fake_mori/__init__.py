@@ -41,7 +41,7 @@ def use_fake() -> None:
 def use_real() -> None:
     """Undo :func:`use_fake`: ``import mori.io`` finds only a real installation."""
     from atom_kv.transfer.moriio import MoriIOBackend
-    from atom_kv.transfer.moriio_probe import DEFAULT_SYSFS_INFINIBAND
+    from atom_kv.transfer.moriio.probe import DEFAULT_SYSFS_INFINIBAND
 
     while FAKE_ROOT in sys.path:
         sys.path.remove(FAKE_ROOT)
@@ -52,7 +52,7 @@ def use_real() -> None:
 
 def real_moriio_skip_reason() -> Optional[str]:
     """None when the real MORI-IO can run here, else its one-line reason."""
-    from atom_kv.transfer.moriio_probe import unavailable_reason
+    from atom_kv.transfer.moriio.probe import unavailable_reason
 
     use_real()
     return unavailable_reason()

@@ -2,11 +2,11 @@
 node, through CUDA IPC memory handles (HIP IPC on ROCm builds of torch).
 
 - Serving: each registered GPU region gets an exporter
-  (:mod:`atom_kv.transfer._ipc_handles`); every grant is one send of each
+  (:mod:`atom_kv.transfer.gpu_ipc.handles`); every grant is one send of each
   region, with its own reference counter. Handles are capabilities: whoever
   holds one can read and write that GPU memory. So they never travel in the
   descriptor; a reader gets them from the grant endpoint
-  (:mod:`atom_kv.transfer._cma_control`), and only after proving the
+  (:mod:`atom_kv.transfer._grant`), and only after proving the
   ``auth_token`` there (challenge-response, purpose ``gpu-ipc-grant``).
   Memory that cannot be shared refuses the grant, so ``auto`` falls back.
 - Producer order: :meth:`GpuIpcBackend.kv_written` records this process's
@@ -30,9 +30,9 @@ node, through CUDA IPC memory handles (HIP IPC on ROCm builds of torch).
 - A peer that exited is noticed through its pidfd (``poll``, any fd
   number): reads from it fail.
 
-Every device call goes through a seam (:mod:`atom_kv.transfer._gpu_seam`);
+Every device call goes through a seam (:mod:`atom_kv.transfer.gpu_ipc.cuda_seam`);
 the CPU suite runs this whole module between real processes over a host
-stand-in of it (:mod:`atom_kv.transfer._host_seam`, tests only).
+stand-in of it (:mod:`atom_kv.transfer.gpu_ipc.host_seam`, tests only).
 
 Two processes on one GPU and two GPUs of one node with peer access both work.
 torch is imported lazily; without a GPU the constructor raises
@@ -41,7 +41,6 @@ torch is imported lazily; without a GPU the constructor raises
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import queue
@@ -53,16 +52,11 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 
 from atom_kv import wire
-from atom_kv.ports import RankPorts, listening
-from atom_kv.transfer._cma_control import CmaControlServer, request_grant
-from atom_kv.transfer._events import EndpointEvents, endpoint_stats
-from atom_kv.transfer._hostid import host_identity
-from atom_kv.transfer._lifecycle import Lifecycle
-from atom_kv.transfer._regions import begin_read, out_of_bounds, resolve_config
+from atom_kv.transfer._grant import GrantedBackend, GrantServer
+from atom_kv.transfer._regions import begin_read, out_of_bounds
 from atom_kv.transfer._trust import PURPOSE_GPU_IPC_GRANT
-from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError, chunk_sizes
+from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferError, chunk_sizes
 from atom_kv.transfer.memory import HOST, MemoryKind, check_memory
-from atom_kv.wire import decode
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
@@ -105,84 +99,61 @@ class _Peer:
             self.pidfd = None
 
 
-class GpuIpcBackend(TransferBackend):
+class GpuIpcBackend(GrantedBackend):
     """Owns this process's exporters and written events, the grant endpoint,
-    the mapped peers, one copy stream per GPU and the completion thread."""
+    the mapped peers, one copy stream per GPU and the completion thread (see
+    :class:`ServedBackend` for the addresses it listens on and advertises).
+
+    ``_seam``: every device call (tests pass the host stand-in,
+    :mod:`atom_kv.transfer.gpu_ipc.host_seam`); the other keywords are
+    :class:`ServedBackend`'s."""
 
     name = "gpu_ipc"
     accepts_op_arrays = True
     memory_kinds = frozenset({"gpu"})
+    purpose = PURPOSE_GPU_IPC_GRANT
     #: how scattered reads copy (:data:`~atom_kv.transfer._batched_copy.COPY_MODES`):
     #: "direct" (each byte read once) or "gather" (the older gather + scatter, to measure against)
     copy_mode = "direct"
 
-    def __init__(
-        self,
-        config: Optional["KVTransferConfig"] = None,
-        *,
-        host: str = "127.0.0.1",
-        bind_host: Optional[str] = None,
-        key: Optional[str] = None,
-        ports: Optional[RankPorts] = None,
-        _seam: Any = None,
-    ) -> None:
-        if _seam is None:  # ``_seam``: tests pass the host stand-in (atom_kv.transfer._host_seam)
+    def __init__(self, config: Optional["KVTransferConfig"] = None, *, _seam: Any = None, **where: Any) -> None:
+        if _seam is None:
             from atom_kv.transfer.memory import gpu_unavailable_reason
 
             reason = gpu_unavailable_reason()
             if reason is not None:
                 raise BackendUnavailable(f"gpu_ipc: {reason}; use backend 'auto', 'tcp' or 'cma' for host memory")
-            from atom_kv.transfer._gpu_seam import CudaSeam
+            from atom_kv.transfer.gpu_ipc.cuda_seam import CudaSeam
 
             _seam = CudaSeam()
         self._seam = _seam
         self.memory_kinds = _seam.memory_kinds
-        cfg = resolve_config(config)
-        self._ports = ports
-        self._host = host
-        self._bind_host = bind_host or host
-        self._key = key or f"gpu_ipc-{os.getpid()}-{id(self):x}"
-        self._token = cfg.auth_token
-        self._grant_timeout = cfg.cma_grant_timeout_s
-        self._grant_max_connections = cfg.cma_grant_max_connections
-        self.reader_events = EndpointEvents(log, f"gpu_ipc {self._key} reader events")
-        self._lock = threading.Lock()
+        super().__init__(config, **where)
+
+    def _setup(self, cfg: "KVTransferConfig") -> None:
+        super()._setup(cfg)
         self._share_lock = threading.Lock()
-        self._life = Lifecycle("gpu_ipc", self._lock, key=self._key)
         self._exports: list[tuple[Any, int]] = []  # (exporter, device) per region
         self._export_error: Optional[str] = None  # why this memory cannot be shared: grants are refused
         self._written: dict[int, Any] = {}  # device -> this process's written event
         self._local: list[Any] = []  # our regions as uint8 tensors
         self._local_sizes = np.zeros(0, dtype=np.uint64)
-        self._ctl: Optional[CmaControlServer] = None
-        self._peers: dict[str, _Peer] = {}
         self._streams: dict[int, Any] = {}
-        self._peer_seq = itertools.count(1)
-        self._read_seq = itertools.count(1)
         self._done: "queue.SimpleQueue[Optional[tuple[ReadHandle, list[Any], Optional[str], Any]]]" = \
             queue.SimpleQueue()
         self._completer = threading.Thread(target=self._complete, name=f"atomkv-gpu_ipc-done-{self._key}",
                                            daemon=True)
         self._completer.start()
 
+    def _grant_keys(self, cfg: "KVTransferConfig") -> tuple[float, int]:
+        return cfg.gpu_ipc_grant_timeout_s, cfg.gpu_ipc_grant_max_connections
+
     def check_memory(self, memory: MemoryKind) -> None:
         check_memory(self.name, self.memory_kinds, memory,
                      instead="" if memory.is_gpu else "use backend 'auto', 'cma' or 'tcp' for host memory")
 
     # -- serving side ---------------------------------------------------
-    def _control(self) -> CmaControlServer:
-        with self._lock:
-            self._life.check_open()
-            if self._ctl is None:
-                self._ctl = listening(self._ports, "gpu_ipc", self._bind_host, lambda port: CmaControlServer(
-                    bind_host=self._bind_host, host=self._host, auth_token=self._token,
-                    timeout_s=self._grant_timeout, max_connections=self._grant_max_connections,
-                    spans=lambda: [], label=f"gpu_ipc grant endpoint {self._key}", name="gpu_ipc",
-                    purpose=PURPOSE_GPU_IPC_GRANT, handles=self._share, port=port,
-                ))
-            return self._ctl
-
-    def _share(self) -> list[wire.GpuIpcRegion]:
+    def _handles(self) -> list[wire.GpuIpcRegion]:
         """One grant's handles: a fresh send of every region (one ref counter each).
         Raises :class:`TransferError` (the grant is refused) when they cannot be shared."""
         with self._lock:
@@ -228,37 +199,17 @@ class GpuIpcBackend(TransferBackend):
         for event in written:
             event.record()
 
-    def export_descriptor(self) -> bytes:
-        ctl = self._control()
-        return wire.encode(wire.CmaDescriptor(pid=os.getpid(), host_id=host_identity(), ctl_host=ctl.host,
-                                              ctl_port=ctl.port, key=self._key))
-
     # -- reading side ---------------------------------------------------
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()
-        try:
-            desc = decode(descriptor, wire.CmaDescriptor)
-        except wire.WireError as exc:
-            raise TransferError(f"gpu_ipc: bad peer descriptor: {exc}") from None
-        if desc.host_id != host_identity():
-            raise TransferError(f"gpu_ipc: peer {desc.ctl_host} (pid {desc.pid}) is on another host; GPU IPC "
-                                "works within one node: use backend 'auto' (staged tcp across nodes)")
-        grant = request_grant(desc, self._key, self._token, self._grant_timeout, self.reader_events,
-                              name="gpu_ipc", purpose=PURPOSE_GPU_IPC_GRANT)
-        if not grant.ok:
-            raise TransferError(grant.error)
+        desc, grant = self._granted(descriptor, "GPU IPC works within one node: use backend 'auto' "
+                                                "(staged tcp across nodes)")
         regions = sorted(grant.ipc, key=lambda r: r.region)
         if [r.region for r in regions] != list(range(len(regions))):
             raise TransferError(f"gpu_ipc: peer pid {desc.pid} granted regions that are not numbered 0..n-1")
         peer = self._map(grant.pid, regions)
         peer_id = f"gpu_ipc:{desc.key or desc.pid}#{next(self._peer_seq)}"
-        with self._lock:
-            closed = self._life.closed
-            if not closed:
-                self._peers[peer_id] = peer
-        if closed:
-            peer.close()
-            self._life.check_open()
+        self._keep_peer(peer_id, peer, _Peer.close)
         log.info("gpu_ipc %s: mapped %d regions of peer %s", self._key, len(peer.tensors), peer_id)
         return peer_id
 
@@ -287,8 +238,7 @@ class GpuIpcBackend(TransferBackend):
         return peer
 
     def remove_peer(self, peer_id: str) -> None:
-        with self._lock:
-            peer = self._peers.pop(peer_id, None)
+        peer = self._pop_peer(peer_id)
         if peer is not None:  # reads in flight keep their own references to the mapped tensors
             peer.close()
 
@@ -372,21 +322,10 @@ class GpuIpcBackend(TransferBackend):
             handle._settle()
             del item, _keep  # the read's mapped memory is not held while waiting for the next one
 
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            ctl = self._ctl
-        return endpoint_stats(ctl, self.reader_events)
-
     # -- lifecycle ------------------------------------------------------
-    def close(self) -> None:
-        with self._lock:
-            if not self._life.mark_closed():
-                return
-            peers = list(self._peers.values())
-            self._peers.clear()
-            ctl, self._ctl = self._ctl, None
-        if ctl is not None:
-            ctl.close()
+    def _shut(self, peers: list[_Peer], endpoint: Optional[GrantServer]) -> None:
+        if endpoint is not None:
+            endpoint.close()
         self._done.put(None)  # after every queued read: each settles first
         if self._completer is not threading.current_thread():
             self._completer.join(timeout=30)
@@ -398,5 +337,3 @@ class GpuIpcBackend(TransferBackend):
         for exporter, _ in exports:
             if exporter is not None:
                 exporter.close()
-        self.reader_events.flush()
-        log.info("gpu_ipc %s: closed", self._key)

@@ -19,10 +19,10 @@ What a seam does (both implementations have exactly these methods):
   that sleeps instead of spinning a core.
 
 :class:`CudaSeam` is the real one (CUDA, and HIP through ROCm builds of
-torch). :mod:`atom_kv.transfer._host_seam` holds a stand-in over host
+torch). :mod:`atom_kv.transfer.gpu_ipc.host_seam` holds a stand-in over host
 shared memory that only tests use, so the whole backend runs in the CPU
 suite between real processes; only this module and the torch calls in
-:mod:`atom_kv.transfer._ipc_handles` are left for the GPU.
+:mod:`atom_kv.transfer.gpu_ipc.handles` are left for the GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Optional
 
-from atom_kv.transfer._ipc_handles import CudaExport, CudaPeerMap, CudaWritten, alias
+from atom_kv.transfer.gpu_ipc.handles import CudaExport, CudaPeerMap, CudaWritten, alias
 
 __all__ = ["CudaSeam"]
 

@@ -1,4 +1,4 @@
-"""A TEST STAND-IN for gpu_ipc's device seam (:mod:`atom_kv.transfer._gpu_seam`)
+"""A TEST STAND-IN for gpu_ipc's device seam (:mod:`atom_kv.transfer.gpu_ipc.cuda_seam`)
 over host shared memory. Tests only: nothing selects it but a test passing
 ``GpuIpcBackend(..., _seam=HostSeam())``; engines always get the CUDA seam.
 
@@ -90,7 +90,7 @@ def _mapping_of(ptr: int, size: int) -> tuple[int, int, int]:
                     break
                 return lo, int(parts[2], 16), int(parts[4])
     raise TransferError(f"gpu_ipc (host stand-in): memory at 0x{ptr:x} is not in a memfd mapping; "
-                        "allocate it with atom_kv.transfer._host_seam.shared_buffer")
+                        "allocate it with atom_kv.transfer.gpu_ipc.host_seam.shared_buffer")
 
 
 def _fd_of_inode(inode: int) -> int:
@@ -211,7 +211,7 @@ class _HostFence:
 
 
 class HostSeam:
-    """The host-memory stand-in of :class:`~atom_kv.transfer._gpu_seam.CudaSeam` (tests only)."""
+    """The host-memory stand-in of :class:`~atom_kv.transfer.gpu_ipc.cuda_seam.CudaSeam` (tests only)."""
 
     name = "host stand-in"
     memory_kinds = frozenset({"host"})

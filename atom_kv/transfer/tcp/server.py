@@ -22,19 +22,11 @@ import numpy as np
 
 from atom_kv import wire
 from atom_kv.wire import decode
-from atom_kv.transfer._events import EndpointEvents
-from atom_kv.transfer._frame_server import Conn, FrameServer, ServerLimits
+from atom_kv.transfer._frame_server import Conn, ServerLimits
 from atom_kv.transfer._regions import RegionTable, out_of_bounds
+from atom_kv.transfer._served import ServingEndpoint
 from atom_kv.transfer._sockio import frame, request_frame_limit, send_views
-from atom_kv.transfer._trust import (
-    AUTH_HINT,
-    PURPOSE_TCP_READ,
-    new_nonce,
-    peek_version,
-    reader_proof_ok,
-    server_proof,
-    version_refusal,
-)
+from atom_kv.transfer._trust import AUTH_HINT, PURPOSE_TCP_READ
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
@@ -77,10 +69,10 @@ class TcpServerSettings:
         )
 
 
-class TcpReadServer:
-    """Owns one tcp backend's serving side: the :class:`FrameServer` (socket,
-    threads, connections) and the read protocol on top of it. ``host`` is
-    the address written into descriptors; the socket listens on ``bind_host``."""
+class TcpReadServer(ServingEndpoint):
+    """Owns one tcp backend's serving side: the read protocol on top of its
+    :class:`ServingEndpoint`. Event keys: auth, version, decode, ranges,
+    malformed, busy, oversized, timeout, idle, accept."""
 
     def __init__(
         self,
@@ -94,11 +86,7 @@ class TcpReadServer:
         port: int = 0,
     ) -> None:
         self._regions = regions
-        self._token = auth_token.encode("utf-8") if auth_token else None
         self._settings = settings
-        self._label = label
-        self.host = host
-        self.events = EndpointEvents(log, f"{label} events")
         limits = ServerLimits(
             max_connections=settings.max_connections,
             max_frame=request_frame_limit(settings.max_ranges),
@@ -110,40 +98,20 @@ class TcpReadServer:
             reserved=min(settings.reserved_connections, settings.max_connections - 1),
             keys=("tcp_max_connections", "tcp_max_unauthenticated_per_source", "tcp_reserved_connections"),
         )
-        self._server = FrameServer(
-            "atomkv-tcp", label, bind_host, limits, self.events,
-            greet=self._greet, refuse_busy=self._busy, handle=self._handle, port=port,
-        )
-        self.port = self._server.port
-        self.bind_address = self._server.bind_address
-
-    # -- counters (tests, metrics) -----------------------------------------
-    @property
-    def decode_errors(self) -> int:
-        return self.events["decode"]
+        self._serve(log, "tcp", label, bind_host=bind_host, host=host, auth_token=auth_token,
+                    limits=limits, handle=self._handle, port=port)
 
     @property
     def rejected_ranges(self) -> int:
         return self.events["ranges"]
 
     @property
-    def auth_failures(self) -> int:
-        return self.events["auth"]
-
-    @property
     def connections(self) -> int:
         return self._server.connections
 
-    def stats(self) -> dict[str, int]:
-        """Event counts by key: auth, version, decode, ranges, malformed,
-        busy, oversized, timeout, idle, accept."""
-        return self.events.snapshot()
-
     # -- handshake ---------------------------------------------------------
     def _greet(self, conn: Conn) -> bytes:
-        if self._token is not None:
-            conn.nonce = new_nonce()
-        return wire.encode(wire.TcpServerHello(nonce=conn.nonce))
+        return wire.encode(wire.TcpServerHello(nonce=self._nonce(conn)))
 
     def _busy(self, why: str) -> bytes:
         return wire.encode(wire.TcpServerHello(ok=False, error=f"tcp: the read server refused the connection: {why}"))
@@ -156,32 +124,20 @@ class TcpReadServer:
 
     def _hello(self, conn: Conn, payload: bytearray) -> bool:
         who = f"{self._label}: reader at {conn.peer}"
-        try:
-            hello = decode(payload, wire.TcpHello)
-        except wire.WireError as exc:
-            theirs = peek_version(payload)
-            if theirs is not None and theirs != wire.TCP_PROTOCOL_VERSION:
-                return self._refuse_hello(conn, "version", who, version_refusal("tcp", "reader", theirs,
-                                                                                wire.TCP_PROTOCOL_VERSION))
-            return self._refuse_hello(conn, "decode", who, f"tcp: bad hello: {exc}")
-        if hello.v != wire.TCP_PROTOCOL_VERSION:
-            return self._refuse_hello(conn, "version", who, version_refusal("tcp", "reader", hello.v,
-                                                                            wire.TCP_PROTOCOL_VERSION))
-        proof = ""
-        if self._token is not None:
-            if not reader_proof_ok(self._token, PURPOSE_TCP_READ, conn.nonce, hello.nonce, hello.proof):
-                return self._refuse_hello(
-                    conn, "auth", f"{who} ({hello.key!r})",
-                    f"tcp: the read server refused this reader: wrong or missing auth_token proof; {AUTH_HINT}",
-                )
-            proof = server_proof(self._token, PURPOSE_TCP_READ, conn.nonce, hello.nonce)
+        hello, refusal = self._opening(payload, wire.TcpHello, wire.TCP_PROTOCOL_VERSION, "hello")
+        if hello is None:
+            return self._refuse_hello(conn, *refusal, who=who)
+        proof = self._proof(conn, PURPOSE_TCP_READ, hello.nonce, hello.proof)
+        if proof is None:
+            return self._refuse_hello(conn, "auth", f"tcp: the read server refused this reader: wrong or missing "
+                                                    f"auth_token proof; {AUTH_HINT}", who=f"{who} ({hello.key!r})")
         conn.authenticated = True
         self._send(conn, wire.TcpHelloReply(ok=True, proof=proof, max_ranges=self._settings.max_ranges),
                    self._settings.read_timeout_s)
         log.debug("%s (%r): accepted", who, hello.key)
         return True
 
-    def _refuse_hello(self, conn: Conn, key: str, who: str, why: str) -> bool:
+    def _refuse_hello(self, conn: Conn, key: str, why: str, *, who: str) -> bool:
         self.events.warn(key, f"{who}: refused: {why}")
         self._send(conn, wire.TcpHelloReply(ok=False, error=why[:_MAX_ERROR_CHARS]), self._settings.read_timeout_s)
         return False
@@ -247,7 +203,3 @@ class TcpReadServer:
         self.events.warn(key, f"{who}: request {rid} refused: {why}")
         self._send(conn, wire.ReadReply(req_id=rid, ok=False, error=f"tcp: {why}"[:_MAX_ERROR_CHARS]),
                    self._settings.read_timeout_s)
-
-    # ------------------------------------------------------------------
-    def close(self) -> None:
-        self._server.close()

@@ -1,8 +1,8 @@
 """``tcp`` backend: one-sided reads of registered memory over plain sockets.
 
-The serving side (:class:`~atom_kv.transfer._tcp_server.TcpReadServer`) sends
+The serving side (:class:`~atom_kv.transfer.tcp.server.TcpReadServer`) sends
 straight from registered memory with ``sendmsg``; the reading side
-(:class:`~atom_kv.transfer._tcp_peer.TcpPeer`) receives straight into the
+(:class:`~atom_kv.transfer.tcp.peer.TcpPeer`) receives straight into the
 destination with ``recvmsg_into``, over ``tcp_streams`` parallel connections.
 Works between any two hosts.
 
@@ -14,26 +14,20 @@ The wire protocol is the same, so either side may be staged or not.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
-import threading
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
 from atom_kv import wire
-from atom_kv.ports import RankPorts, listening
-from atom_kv.wire import decode
-from atom_kv.transfer._events import EndpointEvents, endpoint_stats
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._jobs import ReadState
-from atom_kv.transfer._lifecycle import Lifecycle
-from atom_kv.transfer._regions import RegionTable, begin_read, resolve_config, split_large
-from atom_kv.transfer._tcp_peer import Job, TcpPeer
-from atom_kv.transfer._tcp_server import TcpReadServer, TcpServerSettings
+from atom_kv.transfer._regions import RegionTable, begin_read, split_large
+from atom_kv.transfer._served import ServedBackend
+from atom_kv.transfer.tcp.peer import Job, TcpPeer
+from atom_kv.transfer.tcp.server import TcpReadServer, TcpServerSettings
 from atom_kv.transfer.memory import HOST, MemoryKind
-from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
+from atom_kv.transfer.base import ReadHandle, ReadOp
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
@@ -66,14 +60,10 @@ def plan_jobs(table: np.ndarray, streams: int, max_ranges: int = MAX_JOB_RANGES)
     return jobs
 
 
-class TcpBackend(TransferBackend):
-    """Owns this process's registered regions, its read server (started on
-    the first export: only a rank that serves reads listens) and one
-    :class:`TcpPeer` per added peer.
-
-    ``host`` is the address peers are told to connect to; the read server
-    listens on ``bind_host`` (``host`` when not given: never all interfaces
-    unless asked with ``"0.0.0.0"``)."""
+class TcpBackend(ServedBackend):
+    """Owns this process's registered regions, its read server (see
+    :class:`ServedBackend` for the addresses it listens on and advertises)
+    and one :class:`TcpPeer` per added peer."""
 
     name = "tcp"
     accepts_op_arrays = True
@@ -83,45 +73,22 @@ class TcpBackend(TransferBackend):
     #: the staging code GPU memory uses this way. Set before registering.
     stage_host_memory: bool = False
 
-    def __init__(
-        self,
-        config: Optional["KVTransferConfig"] = None,
-        *,
-        host: str = "127.0.0.1",
-        bind_host: Optional[str] = None,
-        key: Optional[str] = None,
-        ports: Optional[RankPorts] = None,
-    ) -> None:
-        cfg = resolve_config(config)
-        self._ports = ports
-        self._host = host
-        self._bind_host = bind_host or host
-        self._key = key or f"tcp-{os.getpid()}-{id(self):x}"
-        self._token = cfg.auth_token
+    def _setup(self, cfg: "KVTransferConfig") -> None:
         self._settings = TcpServerSettings.from_config(cfg)
-        self.reader_events = EndpointEvents(log, f"tcp {self._key} reader events")
         self._streams = cfg.tcp_streams
         self._connect_timeout = cfg.handshake_timeout_s
         self._io_timeout = cfg.transfer_timeout_s
-        self._regions = RegionTable(staging_pairs=cfg.tcp_server_threads + cfg.tcp_streams)
-        self._lock = threading.Lock()
-        self._life = Lifecycle("tcp", self._lock, key=self._key)
-        self._server: Optional[TcpReadServer] = None
-        self._peers: dict[str, TcpPeer] = {}
-        self._peer_seq = itertools.count(1)
-        self._read_seq = itertools.count(1)
+        pairs = cfg.staging_pool_pairs or cfg.tcp_server_threads + cfg.tcp_streams
+        self._regions = RegionTable(staging_pairs=pairs, staging_bytes=cfg.staging_piece_bytes)
 
     # -- serving side ---------------------------------------------------
     @property
     def server(self) -> TcpReadServer:
-        with self._lock:
-            self._life.check_open()
-            if self._server is None:
-                self._server = listening(self._ports, "tcp", self._bind_host, lambda port: TcpReadServer(
-                    self._regions, bind_host=self._bind_host, host=self._host, auth_token=self._token,
-                    settings=self._settings, label=f"tcp server {self._key}", port=port,
-                ))
-            return self._server
+        return self._serving()
+
+    def _start_endpoint(self, port: int) -> TcpReadServer:
+        return TcpReadServer(self._regions, bind_host=self._bind_host, host=self._host, auth_token=self._token,
+                             settings=self._settings, label=f"tcp server {self._key}", port=port)
 
     def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
         self._life.check_open()
@@ -139,29 +106,18 @@ class TcpBackend(TransferBackend):
     # -- reading side ---------------------------------------------------
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()
-        try:
-            desc = decode(descriptor, wire.TcpDescriptor)
-        except wire.WireError as exc:
-            log.warning("tcp %s: bad peer descriptor: %s", self._key, exc)
-            raise TransferError(f"tcp: bad peer descriptor: {exc}") from None
+        desc = self._descriptor(descriptor, wire.TcpDescriptor)
         peer_id = f"tcp:{desc.key or desc.host}:{desc.port}#{next(self._peer_seq)}"
         peer = TcpPeer(
             peer_id, desc, self._regions, key=self._key, auth_token=self._token, streams=self._streams,
             connect_timeout_s=self._connect_timeout, io_timeout_s=self._io_timeout, events=self.reader_events,
         )
-        with self._lock:
-            closed = self._life.closed
-            if not closed:
-                self._peers[peer_id] = peer
-        if closed:
-            peer.close()
-            self._life.check_open()
+        self._keep_peer(peer_id, peer, TcpPeer.close)
         log.info("tcp %s: added peer %s", self._key, peer_id)
         return peer_id
 
     def remove_peer(self, peer_id: str) -> None:
-        with self._lock:
-            peer = self._peers.pop(peer_id, None)
+        peer = self._pop_peer(peer_id)
         if peer is not None:
             peer.close()
 
@@ -187,26 +143,16 @@ class TcpBackend(TransferBackend):
         """Event counts: the read server's ("auth", "decode", "busy",
         "oversized", "timeout", "idle", ...) and, prefixed "reader_", this
         side's ("reader_bad_reply", "reader_stale")."""
-        with self._lock:
-            server = self._server
-        return endpoint_stats(server, self.reader_events)
+        return super().stats()
 
     # -- lifecycle ------------------------------------------------------
     def kv_written(self) -> None:
         self._regions.kv_written()
 
-    def close(self) -> None:
-        with self._lock:
-            if not self._life.mark_closed():
-                return
-            peers = list(self._peers.values())
-            self._peers.clear()
-            server, self._server = self._server, None
+    def _shut(self, peers: list[TcpPeer], endpoint: Optional[TcpReadServer]) -> None:
         for peer in peers:
             peer.close()
-        if server is not None:
-            server.close()
+        if endpoint is not None:
+            endpoint.close()
         self._life.stop_deadlines()
         self._regions.clear()
-        self.reader_events.flush()
-        log.info("tcp %s: closed", self._key)

@@ -2,7 +2,7 @@
 RDMA over InfiniBand/RoCE, GPUDirect, ``cuda_ipc``, shared memory, TCP).
 
 One :class:`NixlBackend` per TP rank owns one NIXL agent (see
-:mod:`atom_kv.transfer.nixl_agent`), its registered memory (host memory as
+:mod:`atom_kv.transfer.nixl.agent`), its registered memory (host memory as
 NIXL ``DRAM``, GPU memory as ``VRAM`` on the tensor's own device), the remote
 agents it imported, their prepared descriptor lists and a completion thread.
 
@@ -40,13 +40,14 @@ import numpy as np
 from atom_kv import wire
 from atom_kv.ports import RankPorts
 from atom_kv.config import KVTransferConfig
+from atom_kv.transfer._rdma import RdmaPeers, teardown
 from atom_kv.transfer._regions import begin_read, resolve_config
 from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError, chunk_sizes
 from atom_kv.transfer.memory import HOST, MemoryKind
-from atom_kv.transfer.nixl_agent import LOCAL_SIDE, NixlAgent, nixl_error
-from atom_kv.transfer.nixl_completion import Pending, XferTracker
-from atom_kv.transfer.nixl_plan import Regions, Transfer, UnitLayout, check_remote, plan_read, segment_of
-from atom_kv.transfer.nixl_probe import load_nixl
+from atom_kv.transfer.nixl.agent import LOCAL_SIDE, NixlAgent, nixl_error
+from atom_kv.transfer.nixl.completion import Pending, XferTracker
+from atom_kv.transfer.nixl.plan import Regions, Transfer, UnitLayout, check_remote, plan_read, segment_of
+from atom_kv.transfer.nixl.probe import load_nixl
 
 __all__ = ["NixlBackend"]
 
@@ -73,7 +74,7 @@ class _Local:
     dlists: dict[str, Any]  # local segment -> prepared list
 
 
-class NixlBackend(TransferBackend):
+class NixlBackend(RdmaPeers[_Peer], TransferBackend):
     """A NIXL endpoint: owns the agent, registered regions, imported peers,
     their prepared descriptor lists and the completion thread of one TP rank.
 
@@ -85,6 +86,7 @@ class NixlBackend(TransferBackend):
     ``lo``, so a loopback engine listens on loopback only."""
 
     name = "nixl"
+    label = "NIXL"
     memory_kinds = frozenset({"host", "gpu"})
     accepts_op_arrays = True
 
@@ -129,7 +131,7 @@ class NixlBackend(TransferBackend):
             raise
         # closes the agent even when the owner never calls close(): at garbage
         # collection, or at interpreter exit before modules are torn down
-        self._finalizer = weakref.finalize(self, _teardown, self._tracker, self._agent)
+        self._finalizer = weakref.finalize(self, teardown, self._tracker, "NIXL backend closed", self._agent.teardown)
         logger.info("NIXL agent %s up (plugins %s)", agent_name, ", ".join(self._agent.plugins))
 
     # -- memory -----------------------------------------------------------------------
@@ -188,7 +190,7 @@ class NixlBackend(TransferBackend):
                 if np.array_equal(old.regions.sizes, regions.sizes) and np.array_equal(old.regions.addrs, regions.addrs):
                     return old.agent
             if old is not None:
-                self._forget(old, "the peer re-sent a different descriptor")
+                self._forget(old.agent, old, "the peer re-sent a different descriptor")
             try:
                 name = self._agent.add_remote(msg.metadata)
             except Exception as exc:
@@ -201,17 +203,7 @@ class NixlBackend(TransferBackend):
         logger.info("NIXL %s added peer %s (%d regions)", self.key, name, len(regions))
         return name
 
-    def remove_peer(self, peer_id: str) -> None:
-        with self._lock:
-            peer = self._peers.get(peer_id)
-            if peer is None:
-                return
-            self._forget(peer, "peer removed")
-        logger.info("NIXL %s removed peer %s", self.key, peer_id)
-
-    def _forget(self, peer: _Peer, reason: str) -> None:
-        self._peers.pop(peer.agent, None)
-        self._tracker.fail_peer(peer.agent, f"NIXL read from peer {peer.agent} aborted: {reason}")
+    def _release_peer(self, peer: _Peer) -> None:
         for handle in peer.dlists.values():
             self._agent.release_dlist(handle)
         peer.dlists.clear()
@@ -338,10 +330,3 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def _teardown(tracker: XferTracker, agent: NixlAgent) -> None:
-    """Fail reads in flight, stop the completion thread, then release every
-    NIXL object in order and drop the agent."""
-    tracker.close("NIXL backend closed")
-    agent.teardown()

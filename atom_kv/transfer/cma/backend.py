@@ -11,27 +11,19 @@ from two named worker threads that split big reads.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
-from atom_kv import wire
-from atom_kv.ports import RankPorts, listening
-from atom_kv.transfer._cma_control import CmaControlServer, request_grant
-from atom_kv.transfer._cma_sys import CmaSys, PeerGone, cma_unavailable_reason
-from atom_kv.wire import decode
-from atom_kv.transfer._events import EndpointEvents, endpoint_stats
-from atom_kv.transfer._hostid import host_identity
+from atom_kv.transfer._grant import GrantedBackend, GrantServer
 from atom_kv.transfer._jobs import JobWorkers, ReadState
-from atom_kv.transfer._lifecycle import Lifecycle
-from atom_kv.transfer._regions import RegionTable, begin_read, out_of_bounds, resolve_config, split_large
+from atom_kv.transfer._regions import RegionTable, begin_read, out_of_bounds, split_large
+from atom_kv.transfer.base import ReadHandle, ReadOp, TransferError
+from atom_kv.transfer.cma.syscalls import CmaSys, PeerGone, cma_unavailable_reason
 from atom_kv.transfer.memory import HOST, MemoryKind
-from atom_kv.transfer.base import ReadHandle, ReadOp, TransferBackend, TransferError
 
 if TYPE_CHECKING:
     from atom_kv.config import KVTransferConfig
@@ -61,57 +53,28 @@ class _Job:
     sizes: np.ndarray
 
 
-class CmaBackend(TransferBackend):
+class CmaBackend(GrantedBackend):
     """Owns registered regions, the grant endpoint, granted peers and the
-    reader threads of one process's cma endpoint.
-
-    ``host`` is the address readers are told to reach the grant endpoint at;
-    it listens on ``bind_host`` (``host`` when not given)."""
+    reader threads of one process's cma endpoint (see :class:`ServedBackend`
+    for the addresses it listens on and advertises)."""
 
     name = "cma"
     accepts_op_arrays = True
 
-    def __init__(
-        self,
-        config: Optional["KVTransferConfig"] = None,
-        *,
-        host: str = "127.0.0.1",
-        bind_host: Optional[str] = None,
-        key: Optional[str] = None,
-        ports: Optional[RankPorts] = None,
-    ) -> None:
-        cfg = resolve_config(config)
-        self._ports = ports
+    def _setup(self, cfg: "KVTransferConfig") -> None:
+        super()._setup(cfg)
         self._sys = CmaSys()
-        self._host = host
-        self._bind_host = bind_host or host
-        self._key = key or f"cma-{os.getpid()}-{id(self):x}"
-        self._token = cfg.auth_token
-        self._grant_timeout = cfg.cma_grant_timeout_s
-        self._grant_max_connections = cfg.cma_grant_max_connections
-        self.reader_events = EndpointEvents(log, f"cma {self._key} reader events")
         self._regions = RegionTable()
-        self._lock = threading.Lock()
-        self._life = Lifecycle("cma", self._lock, key=self._key)
-        self._ctl: Optional[CmaControlServer] = None
-        self._peers: dict[str, _CmaPeer] = {}
-        self._peer_seq = itertools.count(1)
-        self._read_seq = itertools.count(1)
         self._ptracer_done = False
         self._workers: Optional[JobWorkers] = None  # started on the first read
         self._nthreads = max(1, min(2, os.cpu_count() or 1))
 
+    def _grant_keys(self, cfg: "KVTransferConfig") -> tuple[float, int]:
+        return cfg.cma_grant_timeout_s, cfg.cma_grant_max_connections
+
     # -- serving side ---------------------------------------------------
-    def _control(self) -> CmaControlServer:
-        with self._lock:
-            self._life.check_open()
-            if self._ctl is None:
-                self._ctl = listening(self._ports, "cma", self._bind_host, lambda port: CmaControlServer(
-                    bind_host=self._bind_host, host=self._host, auth_token=self._token,
-                    timeout_s=self._grant_timeout, max_connections=self._grant_max_connections,
-                    spans=self._regions.spans, label=f"cma grant endpoint {self._key}", port=port,
-                ))
-            return self._ctl
+    def _spans(self) -> list[tuple[int, int, int]]:
+        return self._regions.spans()
 
     def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
         self._life.check_open()
@@ -125,27 +88,10 @@ class CmaBackend(TransferBackend):
         log.info("cma %s: registered %d bytes at 0x%x as regions %s", self._key, size, ptr, ids)
         return ids
 
-    def export_descriptor(self) -> bytes:
-        ctl = self._control()
-        return wire.encode(
-            wire.CmaDescriptor(pid=os.getpid(), host_id=host_identity(), ctl_host=ctl.host, ctl_port=ctl.port, key=self._key)
-        )
-
     # -- reading side ---------------------------------------------------
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()
-        try:
-            desc = decode(descriptor, wire.CmaDescriptor)
-        except wire.WireError as exc:
-            log.warning("cma %s: bad peer descriptor: %s", self._key, exc)
-            raise TransferError(f"cma: bad peer descriptor: {exc}") from None
-        if desc.host_id != host_identity():
-            raise TransferError(
-                f"cma: peer {desc.key or desc.pid} is on another host (or pid namespace); use backend 'tcp' instead"
-            )
-        grant = request_grant(desc, self._key, self._token, self._grant_timeout, self.reader_events)
-        if not grant.ok:
-            raise TransferError(grant.error)
+        desc, grant = self._granted(descriptor, "use backend 'tcp' instead")
         if grant.pid != desc.pid:
             raise TransferError(f"cma: control endpoint answered for pid {grant.pid}, descriptor says {desc.pid}")
         n = len(grant.regions)
@@ -159,9 +105,7 @@ class CmaBackend(TransferBackend):
         if grant.regions:
             self._probe(desc.pid, grant.regions[0].addr)
         peer_id = f"cma:{desc.key or desc.pid}#{next(self._peer_seq)}"
-        with self._lock:
-            self._life.check_open()
-            self._peers[peer_id] = _CmaPeer(peer_id, desc.pid, addrs, sizes)
+        self._keep_peer(peer_id, _CmaPeer(peer_id, desc.pid, addrs, sizes))
         log.info("cma %s: added peer %s (pid %d, %d regions)", self._key, peer_id, desc.pid, n)
         return peer_id
 
@@ -174,8 +118,7 @@ class CmaBackend(TransferBackend):
             raise TransferError(str(exc)) from None
 
     def remove_peer(self, peer_id: str) -> None:
-        with self._lock:
-            self._peers.pop(peer_id, None)
+        self._pop_peer(peer_id)
 
     def read(self, peer_id: str, ops: Sequence[ReadOp] | Any, *, timeout_s: float) -> ReadHandle:
         """Start reading; ``ops`` may also be an (n, 5) int array with the
@@ -235,23 +178,15 @@ class CmaBackend(TransferBackend):
     def stats(self) -> dict[str, int]:
         """Event counts: the grant endpoint's ("granted", "auth", "decode",
         "busy", "timeout", ...) and, prefixed "reader_", this side's."""
-        with self._lock:
-            ctl = self._ctl
-        return endpoint_stats(ctl, self.reader_events)
+        return super().stats()
 
     # -- lifecycle ------------------------------------------------------
-    def close(self) -> None:
+    def _shut(self, peers: list[_CmaPeer], endpoint: Optional[GrantServer]) -> None:
         with self._lock:
-            if not self._life.mark_closed():
-                return
-            ctl, self._ctl = self._ctl, None
             workers, self._workers = self._workers, None
-            self._peers.clear()
         if workers is not None:
             workers.close()
-        if ctl is not None:
-            ctl.close()
+        if endpoint is not None:
+            endpoint.close()
         self._life.stop_deadlines()
         self._regions.clear()
-        self.reader_events.flush()
-        log.info("cma %s: closed", self._key)

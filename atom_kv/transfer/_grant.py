@@ -13,7 +13,8 @@ One connection, one grant::
     endpoint -> CmaGrantReply(ok, pid, regions, proof)
 
 Connections are served concurrently (one selector thread, two handler
-threads); each must send its request within ``cma_grant_timeout_s``.
+threads); each must send its request within ``cma_grant_timeout_s``
+(``gpu_ipc_grant_timeout_s`` for gpu_ipc's).
 """
 
 from __future__ import annotations
@@ -22,26 +23,22 @@ import logging
 import os
 import socket
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from atom_kv import wire
 from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
-from atom_kv.transfer._frame_server import Conn, FrameServer, ServerLimits
+from atom_kv.transfer._frame_server import Conn, ServerLimits
+from atom_kv.transfer._hostid import host_identity
+from atom_kv.transfer._served import ServedBackend, ServingEndpoint
 from atom_kv.transfer._sockio import HELLO_FRAME_MAX, frame, recv_frame
-from atom_kv.transfer._trust import (
-    AUTH_HINT,
-    PURPOSE_CMA_GRANT,
-    ReaderProof,
-    new_nonce,
-    peek_version,
-    reader_proof_ok,
-    server_proof,
-    version_refusal,
-)
+from atom_kv.transfer._trust import AUTH_HINT, PURPOSE_CMA_GRANT, ReaderProof, version_refusal
 from atom_kv.transfer.base import TransferError
 
-__all__ = ["CmaControlServer", "request_grant"]
+if TYPE_CHECKING:
+    from atom_kv.config import KVTransferConfig
+
+__all__ = ["GrantServer", "GrantedBackend", "request_grant"]
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +52,10 @@ GRANT_RESERVED_FRACTION = 4
 MAX_GRANT_REPLY = 4 << 20
 
 
-class CmaControlServer:
-    """Owns the grant endpoint of one cma backend: its :class:`FrameServer`
-    (socket, threads, connections) and the grant protocol. ``host`` is the
-    address written into descriptors; the socket listens on ``bind_host``."""
+class GrantServer(ServingEndpoint):
+    """Owns the grant protocol of one cma or gpu_ipc backend's grant endpoint,
+    on top of its :class:`ServingEndpoint`. Event keys: granted, auth,
+    version, decode, export, busy, oversized, timeout."""
 
     def __init__(
         self,
@@ -78,48 +75,25 @@ class CmaControlServer:
         self._name = name
         self._purpose = purpose
         self._handles = handles
-        self._token = auth_token.encode("utf-8") if auth_token else None
         self._timeout = timeout_s
-        self._max_connections = max_connections
         self._spans = spans
-        self._label = label
-        self.host = host
-        self.events = EndpointEvents(log, f"{label} events")
+        key = f"{name}_grant_max_connections"
         limits = ServerLimits(
             max_connections=max_connections, max_frame=HELLO_FRAME_MAX, read_timeout_s=timeout_s,
             idle_timeout_s=timeout_s, threads=GRANT_THREADS,
             max_unauthenticated_per_source=max(1, max_connections // GRANT_SHARES_PER_SOURCE),
             reserved=max_connections // GRANT_RESERVED_FRACTION,
-            keys=("cma_grant_max_connections", "cma_grant_max_connections / 8 per address",
-                  "cma_grant_max_connections / 4"),
+            keys=(key, f"{key} / {GRANT_SHARES_PER_SOURCE} per address", f"{key} / {GRANT_RESERVED_FRACTION}"),
         )
-        self._server = FrameServer(
-            "atomkv-cma-ctl", label, bind_host, limits, self.events,
-            greet=self._greet, refuse_busy=self._busy, handle=self._answer, port=port,
-        )
-        self.port = self._server.port
-        self.bind_address = self._server.bind_address
-
-    @property
-    def decode_errors(self) -> int:
-        return self.events["decode"]
-
-    @property
-    def auth_failures(self) -> int:
-        return self.events["auth"]
+        self._serve(log, name, label, bind_host=bind_host, host=host, auth_token=auth_token,
+                    limits=limits, handle=self._answer, port=port, threads=f"atomkv-{name}-ctl")
 
     @property
     def grants(self) -> int:
         return self.events["granted"]
 
-    def stats(self) -> dict[str, int]:
-        """Event counts by key: granted, auth, version, decode, export, busy, oversized, timeout."""
-        return self.events.snapshot()
-
     def _greet(self, conn: Conn) -> bytes:
-        if self._token is not None:
-            conn.nonce = new_nonce()
-        return wire.encode(wire.CmaChallenge(nonce=conn.nonce))
+        return wire.encode(wire.CmaChallenge(nonce=self._nonce(conn)))
 
     def _busy(self, why: str) -> bytes:
         return wire.encode(wire.CmaChallenge(ok=False, error=f"{self._name}: the grant endpoint refused the "
@@ -128,36 +102,26 @@ class CmaControlServer:
     def _answer(self, conn: Conn, payload: bytearray) -> bool:
         """Answer the one request of a connection; the connection then closes."""
         who = f"{self._label}: reader at {conn.peer}"
-        try:
-            req = decode(payload, wire.CmaGrantRequest)
-        except wire.WireError as exc:
-            theirs = peek_version(payload)
-            if theirs is not None and theirs != wire.CMA_PROTOCOL_VERSION:
-                return self._refuse(conn, "version", who, version_refusal(self._name, "reader", theirs,
-                                                                          wire.CMA_PROTOCOL_VERSION))
-            return self._refuse(conn, "decode", who, f"{self._name}: bad grant request: {exc}")
+        req, refusal = self._opening(payload, wire.CmaGrantRequest, wire.CMA_PROTOCOL_VERSION, "grant request")
+        if req is None:
+            return self._refuse(conn, *refusal, who=who)
         who = f"{who} (pid {req.pid}, {req.key!r})"
-        if req.v != wire.CMA_PROTOCOL_VERSION:
-            return self._refuse(conn, "version", who, version_refusal(self._name, "reader", req.v,
-                                                                      wire.CMA_PROTOCOL_VERSION))
-        proof = ""
-        if self._token is not None:
-            if not reader_proof_ok(self._token, self._purpose, conn.nonce, req.nonce, req.proof):
-                return self._refuse(conn, "auth", who, f"{self._name}: the grant endpoint refused this reader: "
-                                                       f"wrong or missing auth_token proof; {AUTH_HINT}")
-            proof = server_proof(self._token, self._purpose, conn.nonce, req.nonce)
+        proof = self._proof(conn, self._purpose, req.nonce, req.proof)
+        if proof is None:
+            return self._refuse(conn, "auth", f"{self._name}: the grant endpoint refused this reader: wrong or "
+                                              f"missing auth_token proof; {AUTH_HINT}", who=who)
         conn.authenticated = True  # its address is a reader's: it keeps a share of the reserve
         spans = [wire.RegionSpan(region=r, addr=a, size=s) for r, a, s in self._spans()]
         try:  # gpu_ipc: one send of every region per grant; memory it cannot share refuses the grant
             ipc = self._handles() if self._handles is not None else []
         except TransferError as exc:
-            return self._refuse(conn, "export", who, str(exc))
+            return self._refuse(conn, "export", str(exc), who=who)
         self._send(conn, wire.CmaGrantReply(ok=True, pid=os.getpid(), regions=spans, proof=proof, ipc=ipc))
         self.events.count("granted")
         log.info("%s: granted %d regions", who, len(spans))
         return False
 
-    def _refuse(self, conn: Conn, key: str, who: str, why: str) -> bool:
+    def _refuse(self, conn: Conn, key: str, why: str, *, who: str) -> bool:
         self.events.warn(key, f"{who}: refused: {why}")
         self._send(conn, wire.CmaGrantReply(ok=False, error=why[:1024]))
         return False
@@ -165,9 +129,6 @@ class CmaControlServer:
     def _send(self, conn: Conn, reply: wire.CmaGrantReply) -> None:
         conn.sock.settimeout(self._timeout)
         conn.sock.sendall(frame(wire.encode(reply)))
-
-    def close(self) -> None:
-        self._server.close()
 
 
 def request_grant(
@@ -200,7 +161,7 @@ def request_grant(
         raise TransferError(f"{name}: bad answer from grant endpoint {where}: {exc}") from None
     except TimeoutError:
         raise TransferError(f"{name}: grant endpoint {where} did not answer within {timeout_s:g}s "
-                            "(cma_grant_timeout_s)") from None
+                            f"({name}_grant_timeout_s)") from None
     except OSError as exc:
         raise TransferError(f"{name}: cannot reach grant endpoint {where}: {exc}") from None
     if reply.v != wire.CMA_PROTOCOL_VERSION:
@@ -209,3 +170,53 @@ def request_grant(
     if reply.ok:
         proof.check_server(reply.proof)
     return reply
+
+
+class GrantedBackend(ServedBackend):
+    """Base of the same-host backends whose endpoint is a grant endpoint (cma,
+    gpu_ipc): the endpoint, the descriptor that names it, and asking a peer's
+    endpoint for its grant. Each says what its grants hold (:meth:`_spans`,
+    :meth:`_handles`) and which keys bound them (:meth:`_grant_keys`)."""
+
+    #: what the reader proves it knows the token for (:mod:`atom_kv.transfer._trust`)
+    purpose = PURPOSE_CMA_GRANT
+
+    def _setup(self, cfg: "KVTransferConfig") -> None:
+        self._grant_timeout, self._grant_max_connections = self._grant_keys(cfg)
+
+    def _grant_keys(self, cfg: "KVTransferConfig") -> tuple[float, int]:
+        """(grant timeout, grant endpoint's connections) from the config."""
+        raise NotImplementedError
+
+    def _spans(self) -> list[tuple[int, int, int]]:
+        """The (region, address, size) rows a grant hands out."""
+        return []
+
+    _handles: Optional[Callable[[], list[wire.GpuIpcRegion]]] = None
+
+    def _start_endpoint(self, port: int) -> GrantServer:
+        return GrantServer(
+            bind_host=self._bind_host, host=self._host, auth_token=self._token, timeout_s=self._grant_timeout,
+            max_connections=self._grant_max_connections, spans=self._spans,
+            label=f"{self.name} grant endpoint {self._key}", name=self.name, purpose=self.purpose,
+            handles=self._handles, port=port,
+        )
+
+    def export_descriptor(self) -> bytes:
+        ctl = self._serving()
+        return wire.encode(wire.CmaDescriptor(pid=os.getpid(), host_id=host_identity(), ctl_host=ctl.host,
+                                              ctl_port=ctl.port, key=self._key))
+
+    def _granted(self, descriptor: bytes, other_host: str) -> tuple[wire.CmaDescriptor, wire.CmaGrantReply]:
+        """A peer's descriptor and its grant endpoint's grant; refused in one
+        line (``other_host`` says what to use instead) when the peer is on
+        another host or its endpoint refused."""
+        desc = self._descriptor(descriptor, wire.CmaDescriptor)
+        if desc.host_id != host_identity():
+            raise TransferError(f"{self.name}: peer {desc.key or desc.pid} is on another host (or pid namespace); "
+                                f"{other_host}")
+        grant = request_grant(desc, self._key, self._token, self._grant_timeout, self.reader_events,
+                              name=self.name, purpose=self.purpose)
+        if not grant.ok:
+            raise TransferError(grant.error)
+        return desc, grant

@@ -101,7 +101,7 @@ class TcpPeer:
         return sock
 
     def _authenticate(self, sock: socket.socket, where: str, deadline: float) -> int:
-        """The reader's side of the hello (see ``_tcp_server``); returns the
+        """The reader's side of the hello (see :mod:`atom_kv.transfer.tcp.server`); returns the
         server's ``max_ranges`` or raises :class:`TransferError`."""
         try:
             try:

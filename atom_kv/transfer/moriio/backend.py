@@ -7,15 +7,15 @@ the sessions it opened and a completion thread.
 
 ``mori`` is imported only when this class is constructed; if it cannot be
 used, construction raises :class:`BackendUnavailable` with one line saying
-what is missing (see :mod:`atom_kv.transfer.moriio_probe`).
+what is missing (see :mod:`atom_kv.transfer.moriio.probe`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
-import sys
 import threading
 import time
 import uuid
@@ -26,6 +26,7 @@ from atom_kv import wire
 from atom_kv.config import KVTransferConfig
 from atom_kv.ports import RankPorts
 from atom_kv.transfer._lifecycle import Lifecycle
+from atom_kv.transfer._rdma import RdmaPeers, teardown
 from atom_kv.transfer.memory import HOST, MemoryKind
 from atom_kv.transfer.base import (
     MAX_REGION_BYTES,
@@ -36,9 +37,9 @@ from atom_kv.transfer.base import (
     TransferError,
     chunk_sizes,
 )
-from atom_kv.transfer.moriio_completion import CompletionTracker, Pending
-from atom_kv.transfer.moriio_plan import SessionCache, build_rdma_config, plan_reads
-from atom_kv.transfer.moriio_probe import (
+from atom_kv.transfer.moriio.completion import CompletionTracker, Pending
+from atom_kv.transfer.moriio.plan import SessionCache, build_rdma_config, plan_reads
+from atom_kv.transfer.moriio.probe import (
     DEFAULT_SYSFS_INFINIBAND,
     UNAVAILABLE_PREFIX,
     ImportFn,
@@ -67,7 +68,7 @@ class _Peer:
     sizes: list[int]
 
 
-class MoriIOBackend(TransferBackend):
+class MoriIOBackend(RdmaPeers[_Peer], TransferBackend):
     """A MORI-IO endpoint: owns the ``IOEngine``, registered regions, imported
     peers, cached sessions and the completion thread of one TP rank.
 
@@ -77,6 +78,7 @@ class MoriIOBackend(TransferBackend):
     common backend signature."""
 
     name = "moriio"
+    label = "MORI-IO"
     memory_kinds = frozenset({"host", "gpu"})
     accepts_op_arrays = True
     #: where RDMA devices are listed; override for hosts that mount sysfs elsewhere
@@ -224,7 +226,7 @@ class MoriIOBackend(TransferBackend):
                 old.memories, old.sizes = memories, list(msg.sizes)
                 return msg.key
             if old is not None:
-                self._forget_peer(old, "peer restarted with a new engine")
+                self._forget(old.key, old, "peer restarted with a new engine")
             try:
                 self._engine.register_remote_engine(engine_desc)
             except Exception as exc:
@@ -233,18 +235,11 @@ class MoriIOBackend(TransferBackend):
         logger.info("MORI-IO %s added peer %s (%d regions)", self.key, msg.key, len(memories))
         return msg.key
 
-    def remove_peer(self, peer_id: str) -> None:
-        with self._lock:
-            peer = self._peers.get(peer_id)
-            if peer is None:
-                return
-            self._forget_peer(peer, "peer removed")
-        logger.info("MORI-IO %s removed peer %s", self.key, peer_id)
-
-    def _forget_peer(self, peer: _Peer, reason: str) -> None:
-        self._peers.pop(peer.key, None)
+    def _release_peer(self, peer: _Peer) -> None:
         self._sessions.drop_peer(peer.key)
-        self._tracker.fail_peer(peer.key, f"MORI-IO read from peer {peer.key} aborted: {reason}")
+        self._deregister_remote(peer)
+
+    def _deregister_remote(self, peer: _Peer) -> None:
         try:
             self._engine.deregister_remote_engine(peer.engine_desc)
         except Exception:
@@ -333,16 +328,7 @@ class MoriIOBackend(TransferBackend):
             regions = list(self._regions)
             self._peers.clear()
             self._regions.clear()
-        self._tracker.close("MORI-IO backend closed")
-        self._sessions.clear()
-        for peer in peers:
-            try:
-                self._engine.deregister_remote_engine(peer.engine_desc)
-            except Exception:
-                logger.warning("MORI-IO could not deregister remote engine %s", peer.key, exc_info=True)
-        for region in regions:
-            try:
-                self._engine.deregister_memory(region.desc)
-            except Exception:
-                logger.warning("MORI-IO could not deregister a memory region", exc_info=True)
+        teardown(self._tracker, "MORI-IO backend closed", self._sessions.clear,
+                 *(functools.partial(self._deregister_remote, peer) for peer in peers),
+                 *(functools.partial(self._engine.deregister_memory, region.desc) for region in regions))
         logger.info("MORI-IO engine %s closed", self.key)
