@@ -23,8 +23,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m atom_kv.demo
 
+# `make test`: the whole suite, in TEST_WORKERS processes (pytest-xdist; each test file stays in
+# one process, so a file's engines start once). TEST_WORKERS=0 runs it in this process alone.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
 clean:
 	rm -rf $(VENV)

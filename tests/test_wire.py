@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import msgpack
 import msgspec
@@ -21,6 +22,9 @@ from atom_kv.wire import (
     RegisterPing,
     WireError,
 )
+
+#: random bytes, the same in every collection (parameters must be: pytest-xdist compares them)
+_RANDOM_JUNK = random.Random(20261127).randbytes(64)
 
 
 def test_registration_ping_has_atoms_keys():
@@ -146,7 +150,7 @@ def test_read_family_round_trip():
     [
         b"",
         b"\xc1",
-        os.urandom(64),
+        _RANDOM_JUNK,
         msgpack.packb({"type": "register", "role": "X"}),
         msgpack.packb({"t": "hs", "engine_id": 5}),
         msgpack.packb([1, 2, 3]),
@@ -205,7 +209,7 @@ def test_done_ack_round_trip_and_want_ack_default():
     [
         b"",
         b"\xc1",
-        os.urandom(64),
+        _RANDOM_JUNK,
         msgpack.packb([1, 2, 3]),
         msgpack.packb({"t": "done_ack", "transfer_id": "x", "tp_rank": 0}),  # no verdict
         msgpack.packb({"t": "done_ack", "transfer_id": "x", "tp_rank": "0", "valid": True}),

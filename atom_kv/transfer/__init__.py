@@ -1,4 +1,4 @@
-"""Transfer backends: one-sided reads of registered memory from a peer.
+"""Transfer: one-sided reads of a peer's registered memory; the shared top level, one sub-package per backend.
 
 One sub-package per backend: ``tcp/``, ``cma/``, ``gpu_ipc/``, ``nixl/`` and
 ``moriio/``; each imports only the shared top level and its own modules.

@@ -1,9 +1,12 @@
 """A process that serves one producer rank's handshake port (with a token) and nothing else, for tests
 that measure what strangers make it hold: ``python -m tests.connector.handshake_proc PORT``; it prints
-``ready`` when it listens and stops when its stdin closes."""
+``ready`` when it listens and stops when its stdin closes. A ``trim`` line on its stdin hands the memory
+the allocator keeps free back to the system (``malloc_trim``) and answers ``trimmed``: what stays is held."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import sys
 
 import zmq
@@ -24,7 +27,11 @@ def main(port: int) -> None:
     )
     print("ready", flush=True)
     try:
-        sys.stdin.read()  # until the test closes our stdin
+        for line in sys.stdin:  # until the test closes our stdin
+            if line.strip() == "trim":
+                gc.collect()
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+                print("trimmed", flush=True)
     finally:
         server.close()
         ctx.term()

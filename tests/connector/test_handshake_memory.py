@@ -23,6 +23,7 @@ CONNECTIONS = 32
 FRAMES = 100
 LOAD_S = 8.0      # how long the strangers send (their sockets resend after every dropped connection)
 SETTLE_S = 20.0   # how long the process may take to give the memory back
+KEPT_MB = 8       # what it may still hold then, above idle
 
 
 def _refused_frame(size: int) -> bytes:
@@ -53,12 +54,21 @@ def _idle_rss(pid: int, pause: threading.Event) -> int:
     return last
 
 
-@pytest.mark.parametrize("size, kept_mb", [(MB, 10), (largest_message_bytes(), 32)],
-                         ids=["1MiB", "largest-legitimate"])
-def test_32_connections_of_refused_frames_stay_under_100mb_and_return_to_idle(size, kept_mb):
+def _trimmed_rss(proc: subprocess.Popen) -> int:
+    """The process's RSS once its allocator gave back what it keeps free: what the port still holds."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("trim\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "trimmed"
+    return rss_bytes(proc.pid)
+
+
+@pytest.mark.parametrize("size", [MB, largest_message_bytes()], ids=["1MiB", "largest-legitimate"])
+def test_32_connections_of_refused_frames_stay_under_100mb_and_return_to_idle(size):
     """1 MiB frames (the issue's load) are over the port's message size limit: dropped before anything is
     allocated, so the process is back at idle. Frames of the largest legitimate size are taken, at most
-    RECEIVE_HWM queued per connection; after them the allocator may keep some freed memory (``kept_mb``)."""
+    RECEIVE_HWM queued per connection. Either way, once the allocator gave back what it keeps free, the
+    process holds at most ``KEPT_MB`` more than at idle (1-2 MB measured; the old port still held 45 MB)."""
     port = free_port()
     proc = _start(port)
     pause = threading.Event()  # never set: a timed wait that is not a sleep
@@ -86,12 +96,13 @@ def test_32_connections_of_refused_frames_stay_under_100mb_and_return_to_idle(si
         socks.clear()
         print(f"handshake port process: idle {idle / MB:.0f} MB, peak {(peak - idle) / MB:.0f} MB above idle")
         assert peak - idle < 100 * MB, f"RSS rose {(peak - idle) / MB:.0f} MB above idle ({idle / MB:.0f} MB)"
-        settled = rss_bytes(proc.pid)
+        settled = _trimmed_rss(proc)
         end = time.monotonic() + SETTLE_S
-        while settled - idle > kept_mb * MB and time.monotonic() < end:
+        while settled - idle > KEPT_MB * MB and time.monotonic() < end:
             pause.wait(0.5)
-            settled = rss_bytes(proc.pid)
-        assert settled - idle <= kept_mb * MB, f"still {(settled - idle) / MB:.0f} MB above idle after the load"
+            settled = _trimmed_rss(proc)
+        print(f"settled {(settled - idle) / MB:.1f} MB above idle after trimming")
+        assert settled - idle <= KEPT_MB * MB, f"still {(settled - idle) / MB:.0f} MB above idle after the load"
         assert proc.poll() is None, "the handshake process died"
     finally:
         for s in socks:
