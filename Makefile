@@ -38,16 +38,24 @@ clean:
 # build of torch, built once and stamped: GPU_TORCH is what pip installs first
 # (the CUDA build from PyPI by default; for ROCm, e.g.
 # GPU_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/rocm6.4").
-# GPU_VENV=/path reuses an environment built elsewhere. Without a GPU every
-# test is skipped with the reason (-rs prints it).
+# GPU_VENV=/path reuses an environment built elsewhere. NIXL's wheel is the one
+# for the CUDA major of the torch installed (GPU_NIXL=auto: nixl-cu12 or nixl-cu13,
+# none for a ROCm or CPU build); GPU_NIXL=none leaves NIXL out, GPU_NIXL=nixl-cu12
+# names one. Without a GPU every test is skipped with the reason (-rs prints it).
 GPU_VENV ?= .venv-gpu
 GPU_TORCH ?= torch==2.13.0
+GPU_NIXL ?= auto
 GPU_STAMP := $(GPU_VENV)/.installed-gpu
 
 $(GPU_STAMP): pyproject.toml
 	test -x $(GPU_VENV)/bin/python || $(PY) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/pip install --quiet $(GPU_TORCH)
-	$(GPU_VENV)/bin/pip install --quiet -e '.[reference,test,nixl]'
+	$(GPU_VENV)/bin/pip install --quiet -e '.[reference,test]'
+	nixl=$(GPU_NIXL); if [ "$$nixl" = auto ]; then nixl=$$($(GPU_VENV)/bin/python -c \
+	    "import torch; m = (torch.version.cuda or '').split('.')[0]; print('nixl-cu' + m if m in ('12', '13') else '')"); fi; \
+	if [ -n "$$nixl" ] && [ "$$nixl" != none ]; then echo "test-gpu: installing $$nixl for this torch's CUDA"; \
+	    $(GPU_VENV)/bin/pip install --quiet "$$nixl>=1.5,<2"; \
+	else echo "test-gpu: no NIXL wheel for this torch (GPU_NIXL=$(GPU_NIXL)): the nixl tests skip"; fi
 	touch $(GPU_STAMP)
 
 test-gpu: $(GPU_STAMP)
