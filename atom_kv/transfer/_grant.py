@@ -19,6 +19,7 @@ threads); each must send its request within ``cma_grant_timeout_s``
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import socket
@@ -184,9 +185,9 @@ class GrantedBackend(ServedBackend):
     def _setup(self, cfg: "KVTransferConfig") -> None:
         self._grant_timeout, self._grant_max_connections = self._grant_keys(cfg)
 
+    @abc.abstractmethod
     def _grant_keys(self, cfg: "KVTransferConfig") -> tuple[float, int]:
         """(grant timeout, grant endpoint's connections) from the config."""
-        raise NotImplementedError
 
     def _spans(self) -> list[tuple[int, int, int]]:
         """The (region, address, size) rows a grant hands out."""

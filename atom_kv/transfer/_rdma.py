@@ -11,6 +11,7 @@ only once the library let go of every one of its transfers.
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 import time
@@ -37,7 +38,7 @@ class PendingRead:
 P = TypeVar("P", bound=PendingRead)
 
 
-class CompletionThread(Generic[P]):
+class CompletionThread(abc.ABC, Generic[P]):
     """Owns one backend's completion thread and every read in flight: pending
     (polled), and abandoned (finished, but the library may still write).
 
@@ -61,15 +62,15 @@ class CompletionThread(Generic[P]):
         self._thread.start()
 
     # -- what a backend's tracker says ---------------------------------------
+    @abc.abstractmethod
     def _poll(self, p: P, now: float) -> bool:
         """True once ``p`` is finished (its handle then is: settled, or given up
         on); a poll ends with :meth:`_succeeded_or_late`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _let_go(self, p: P) -> bool:
         """At give-up: release (cancel) what the library may release of ``p``'s
         transfers; True while some still run."""
-        raise NotImplementedError
 
     def _quiet(self, p: P) -> bool:
         """Whether an abandoned read's transfers are all over (polled until they are)."""
@@ -204,7 +205,7 @@ class CompletionThread(Generic[P]):
 PeerT = TypeVar("PeerT")
 
 
-class RdmaPeers(Generic[PeerT]):
+class RdmaPeers(abc.ABC, Generic[PeerT]):
     """The peer side both RDMA backends share: a peer's plan (descriptor
     lists, sessions, its imported engine or agent) is made once and dropped
     with the peer, after its reads in flight were failed. A backend keeps
@@ -217,9 +218,9 @@ class RdmaPeers(Generic[PeerT]):
     _peers: dict[str, PeerT]
     _tracker: CompletionThread[Any]
 
+    @abc.abstractmethod
     def _release_peer(self, peer: PeerT) -> None:
         """Release what was planned for ``peer`` (its reads are failed already)."""
-        raise NotImplementedError
 
     def remove_peer(self, peer_id: str) -> None:
         with self._lock:

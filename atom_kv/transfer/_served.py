@@ -11,6 +11,7 @@ state), :meth:`ServedBackend._start_endpoint` (what listens) and
 
 from __future__ import annotations
 
+import abc
 import itertools
 import logging
 import os
@@ -36,7 +37,7 @@ __all__ = ["ServedBackend", "ServingEndpoint"]
 S = TypeVar("S", bound=msgspec.Struct)
 
 
-class ServingEndpoint:
+class ServingEndpoint(abc.ABC):
     """Base of one backend's listening endpoint (tcp's read server, the grant
     endpoint): owns its :class:`FrameServer` (socket, threads, connections),
     its event counts, and the address written into descriptors (``host``;
@@ -63,8 +64,9 @@ class ServingEndpoint:
         self.port = self._server.port
         self.bind_address = self._server.bind_address
 
+    @abc.abstractmethod
     def _greet(self, conn: Conn) -> bytes:
-        raise NotImplementedError
+        """The frame sent right after accept: the endpoint's hello (with its challenge nonce)."""
 
     # -- the opening of a connection: challenge, version, proof ------------
     def _nonce(self, conn: Conn) -> bytes:
@@ -97,8 +99,9 @@ class ServingEndpoint:
             return None
         return server_proof(self._token, purpose, conn.nonce, nonce)
 
+    @abc.abstractmethod
     def _busy(self, why: str) -> bytes:
-        raise NotImplementedError
+        """The protocol's refusal frame for a connection over a limit (``why`` names it)."""
 
     # -- counters (tests, metrics) -----------------------------------------
     @property
@@ -157,14 +160,14 @@ class ServedBackend(TransferBackend):
     def _setup(self, cfg: "KVTransferConfig") -> None:
         """The backend's own state, from its config keys."""
 
+    @abc.abstractmethod
     def _start_endpoint(self, port: int) -> Any:
         """Start the serving endpoint on ``port`` (0: OS-assigned); called once, under the lock."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _shut(self, peers: list[Any], endpoint: Any) -> None:
         """Stop everything, in this backend's order: called once, by :meth:`close`, outside the lock,
         with the peers and the endpoint (None when none started) already detached."""
-        raise NotImplementedError
 
     # -- shared steps -------------------------------------------------------
     def _serving(self) -> Any:
