@@ -210,6 +210,12 @@ class Cluster:
     def engine_url(self, i: int) -> str:
         return f"http://{self.engine_host}:{self.ports[i]}"
 
+    def engine_health(self, i: int, timeout: float = 5.0) -> dict:
+        """Engine ``i``'s ``/health`` answer (asserted 200)."""
+        status, body = http_json("GET", self.engine_url(i) + "/health", timeout=timeout)
+        assert status == 200, body
+        return body
+
     def index_of(self, role: str, nth: int = 0) -> int:
         return [i for i, s in enumerate(self.specs) if s.role == role][nth]
 

@@ -67,6 +67,11 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def log_text(self) -> str:
+        """Everything the process wrote so far (stdout and stderr), undecodable bytes replaced."""
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
     def tail(self, lines: int = 20) -> str:
         try:
             with open(self.log_path, "rb") as f:

@@ -43,14 +43,8 @@ def cluster(tmp_path_factory):
         c.close()
 
 
-def _health(c: Cluster, i: int) -> dict:
-    status, body = get_json(c.engine_url(i) + "/health", timeout=2)
-    assert status == 200, body
-    return body
-
-
 def _free(c: Cluster, i: int) -> bool:
-    kv = _health(c, i)["kv_blocks"]
+    kv = c.engine_health(i, timeout=2)["kv_blocks"]
     return kv["free"] == kv["total"]
 
 
@@ -66,7 +60,7 @@ def _metric(c: Cluster, name: str) -> float:
 
 def test_both_engines_announce_the_rendezvous_and_the_legs_go_out_together(cluster):
     for i in range(2):
-        assert "rendezvous" in _health(cluster, i)["kv_features"]
+        assert "rendezvous" in cluster.engine_health(i, timeout=2)["kv_features"]
     before = _metric(cluster, "atom_kv_proxy_concurrent_dispatches_total")
     res = generate(cluster.proxy_url, PROMPTS[0], chat=False, stream=True, max_tokens=6)
     assert res.status == 200 and res.error is None and len(res.text) == 6, res
@@ -144,12 +138,12 @@ def test_client_leaves_while_the_prefill_computes(cluster):
     # cannot cut short) ends well within the bound on a loaded machine
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "c" * 1000, "max_tokens": 4, "stream": True}),
                  {"Content-Type": "application/json"})
-    wait_until(lambda: _health(cluster, d)["requests"]["waiting_remote_kv"] >= 1
-               and sum(_health(cluster, p)["requests"].values()) >= 1, 20, interval=0.01,
+    wait_until(lambda: cluster.engine_health(d, timeout=2)["requests"]["waiting_remote_kv"] >= 1
+               and sum(cluster.engine_health(p, timeout=2)["requests"].values()) >= 1, 20, interval=0.01,
                what="the decode engine to wait on the prefill while it computes")
     conn.close()
     left = time.monotonic()
     _both_free_within(cluster, left)
-    wait_until(lambda: sum(_health(cluster, d)["requests"].values()) == 0, 5, interval=0.05,
+    wait_until(lambda: sum(cluster.engine_health(d, timeout=2)["requests"].values()) == 0, 5, interval=0.05,
                what="the decode engine to drop the request")
     assert _metric(cluster, 'atom_kv_proxy_abandoned_prefills_total{reason="client_gone"}') >= 1

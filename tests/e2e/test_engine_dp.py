@@ -5,7 +5,6 @@ least-loaded one; /health and /metrics per rank."""
 from __future__ import annotations
 
 import json
-import threading
 import urllib.request
 
 import pytest

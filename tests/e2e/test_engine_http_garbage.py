@@ -49,7 +49,6 @@ def test_malformed_http_is_a_400_and_no_traceback(engine):
         assert b" 400 Bad Request\r\n" in answer, (data, answer[:200])
     assert http_json("GET", engine.engine_url(0) + "/health")[0] == 200  # still serving
     engine.engines[0].stop()  # flushes its log
-    with open(engine.engines[0].log_path, encoding="utf-8", errors="replace") as f:
-        log = f.read()
+    log = engine.engines[0].log_text()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert "malformed HTTP request from" in log  # counted and said once, in one line

@@ -86,8 +86,7 @@ def test_pd_on_gpu_equals_colocated_on_gpu(gpu_cluster, colocated_gpu, chat, str
         assert res.text == colocated_gpu(prompt, chat)
     after = scrape_metrics(c.engine_url(d) + "/metrics").get("atom_kv_transfer_bytes", 0.0)
     assert after - before >= sum(len(p) for p in PROMPTS) * 4096  # the KV really moved
-    with open(c.engines[d].log_path, encoding="utf-8", errors="replace") as f:
-        log = f.read()
+    log = c.engines[d].log_text()
     assert "gpu:0 memory" in log  # the decode engine registered its KV cache as GPU memory
     if route == "gpu_ipc":
         assert "uses gpu_ipc" in log  # auto chose GPU IPC for a same-node GPU peer

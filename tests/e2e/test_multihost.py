@@ -212,8 +212,7 @@ def test_pd_across_hosts_equals_colocated_and_listens_only_on_planned_ports(flee
 
 
 def _log(proc: NsProcess) -> str:
-    with open(proc.log_path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+    return proc.log_text()
 
 
 def _stream_events(url: str, prompt: str, max_tokens: int, first: threading.Event, arrivals: list[float],

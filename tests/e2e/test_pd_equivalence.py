@@ -110,7 +110,6 @@ def test_a_normal_start_logs_no_false_alarm(cluster):
     """Engines register only once they serve, and the proxy calls an instance it never reached "starting":
     starting the cluster logged no "down" and no "up again"."""
     assert cluster.proxy is not None
-    with open(cluster.proxy.log_path, encoding="utf-8", errors="replace") as f:
-        log = f.read()
+    log = cluster.proxy.log_text()
     assert "registered prefill instance" in log and "registered decode instance" in log
     assert " is down" not in log and "up again" not in log and " is starting" not in log, log

@@ -59,8 +59,7 @@ class Proxy:
 
     def log(self) -> str:
         assert self.proc is not None
-        with open(self.proc.log_path, encoding="utf-8", errors="replace") as f:
-            return f.read()
+        return self.proc.log_text()
 
     def check_alive(self) -> None:
         assert self.proc is not None

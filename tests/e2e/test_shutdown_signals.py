@@ -25,7 +25,7 @@ from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.ports import free_port
 from atom_kv.testing.web import http_json
-from tests.e2e.helpers import generate, get_json
+from tests.e2e.helpers import generate
 
 ORDERLY_WAIT_S = 300.0  # what the orderly shutdown would wait for the stuck load
 HURRIED_WITHIN_S = 30.0  # generous on a loaded machine, ten times less than the orderly wait
@@ -54,17 +54,6 @@ def cluster(tmp_path):
         c.close()
 
 
-def _health(c: Cluster, i: int) -> dict:
-    status, body = get_json(c.engine_url(i) + "/health", timeout=5)
-    assert status == 200, body
-    return body
-
-
-def _log(c: Cluster, i: int) -> str:
-    with open(c.engines[i].log_path, encoding="utf-8", errors="replace") as f:
-        return f.read()
-
-
 def _refuses_connections(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
@@ -79,7 +68,7 @@ def test_second_sigterm_hurries_the_orderly_shutdown_and_still_releases(cluster)
         "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}, timeout=60)
     assert status == 200, body
     held = body["kv_transfer_params"]
-    assert _health(cluster, p)["kv_blocks"]["held"] == len(held["remote_block_ids"]) > 0
+    assert cluster.engine_health(p)["kv_blocks"]["held"] == len(held["remote_block_ids"]) > 0
     decode = dict(held, do_remote_prefill=True, do_remote_decode=False)
     dead = free_port()  # nothing listens there: the load's handshake waits ORDERLY_WAIT_S
     stuck = dict(decode, remote_engine_id="gone", remote_port=dead, remote_handshake_port=dead,
@@ -90,11 +79,11 @@ def test_second_sigterm_hurries_the_orderly_shutdown_and_still_releases(cluster)
     try:
         first = pool.submit(generate, url, PROMPT, chat=False, stream=False, max_tokens=4,
                             timeout=ORDERLY_WAIT_S + 60, extra={"kv_transfer_params": stuck})
-        wait_until(lambda: _health(cluster, d)["requests"]["waiting_remote_kv"] == 1, 30,
+        wait_until(lambda: cluster.engine_health(d)["requests"]["waiting_remote_kv"] == 1, 30,
                    what="the stuck load to start")
         queued = pool.submit(generate, url, PROMPT, chat=False, stream=False, max_tokens=4,
                              timeout=ORDERLY_WAIT_S + 60, extra={"kv_transfer_params": decode})
-        wait_until(lambda: _health(cluster, d)["requests"]["waiting"] == 1, 30,
+        wait_until(lambda: cluster.engine_health(d)["requests"]["waiting"] == 1, 30,
                    what="the second request to queue behind the stuck one")
 
         engine.send_signal(signal.SIGTERM)
@@ -120,8 +109,8 @@ def test_second_sigterm_hurries_the_orderly_shutdown_and_still_releases(cluster)
     for answer in answers:  # nobody is left hanging: both end now, as the engine shuts down
         assert answer.status == 503 and "shutting down" in (answer.error or ""), answer
     # the queued request's release reached the prefill engine: its blocks are back, the lease was 600 s
-    wait_until(lambda: _health(cluster, p)["kv_blocks"]["held"] == 0, RELEASED_WITHIN_S, interval=0.05,
+    wait_until(lambda: cluster.engine_health(p)["kv_blocks"]["held"] == 0, RELEASED_WITHIN_S, interval=0.05,
                what=f"the prefill engine's blocks to come back within {RELEASED_WITHIN_S:g} s of the shutdown")
-    log = _log(cluster, d)  # one line per signal, saying what happens now
+    log = cluster.engines[d].log_text()  # one line per signal, saying what happens now
     assert log.count("SIGTERM: shutting down in order") == 1
     assert log.count("second SIGTERM: hurrying the shutdown") == 1
