@@ -8,6 +8,7 @@
 - :mod:`~atom_kv.transfer.nixl.plan`: turning a read's ranges into NIXL descriptor lists.
 - :mod:`~atom_kv.transfer.nixl.completion`: the completion thread's transfers.
 - :mod:`~atom_kv.transfer.nixl.probe`: whether NIXL can be imported here (no backend built).
+- :mod:`~atom_kv.transfer.nixl.ucx_modules`: ``UCX_MODULES``, keeping the system's libnl out (a crash at exit).
 
 What it shares with ``moriio`` (plan once per peer, one completion thread, teardown order): :mod:`atom_kv.transfer._rdma`.
 """

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import numpy as np
 
 from atom_kv.transfer.base import TransferError
+from atom_kv.transfer.nixl.ucx_modules import UCX_MODULES_VALUE, apply_ucx_modules, duplicate_libnl
 
 __all__ = ["NixlAgent", "nixl_error"]
 
@@ -56,9 +57,16 @@ class NixlAgent:
             # an engine bound to loopback: UCX's TCP transport would otherwise
             # listen on every interface; shared memory and cma are unaffected
             os.environ["UCX_NET_DEVICES"] = "lo"
+        # read once, when the first agent loads UCX: keeps the system's libnl out (ucx_modules.py)
+        apply_ucx_modules()
         self.lock = threading.Lock()
         self.name = name
         self._agent: Any = _create_agent(api, name, list(plugins), progress_threads)
+        copies = duplicate_libnl()
+        if copies:
+            logger.warning("nixl: two copies of libnl-route are loaded (%s), so this process may end with SIGSEGV "
+                           "at exit; export UCX_MODULES=%s before anything in it loads UCX (see docs/nixl.md, "
+                           "'Exit on hosts with rdma-core')", ", ".join(copies), UCX_MODULES_VALUE)
         missing = [p for p in plugins if p not in self._agent.backends]
         if missing:
             available = ", ".join(self._agent.get_plugin_list()) or "none"
