@@ -56,7 +56,7 @@ class PairLegs:
         self.settings = settings
         self.health = health
         self.metrics = metrics
-        self.failures = EngineFailures(settings.expose_upstream_errors)  # how the client is told of an engine's
+        self.failures = EngineFailures(settings.expose_upstream_errors)  # words clients hear of engine failures
         self._pool: UpstreamPool | None = None
         self.releaser = (Releaser(metrics, token=settings.registration_token,
                                   log_interval_s=settings.log_summary_interval_s)
