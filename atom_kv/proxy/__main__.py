@@ -10,6 +10,13 @@ proxy's own HTTP/1.1 server (:mod:`atom_kv.proxy.http.httpserver`, on uvloop whe
 installed); SIGINT or SIGTERM shuts it down gracefully (in-flight requests
 get ``--shutdown-timeout`` seconds).
 
+Clients get their errors in the proxy's words: which engine failed and how,
+with the request id; the engine's address and text go to the log and
+``/instances`` (``--expose-upstream-errors`` puts them in the client's error).
+Completion routes take only ``Content-Type: application/json`` (415), and on
+loopback every route answers only the ``Host`` names of ``--allowed-hosts``
+(421).
+
 Timeouts: ``--connect-timeout`` bounds every upstream connect,
 ``--prefill-timeout`` the whole prefill leg, ``--decode-timeout`` the longest
 silence from the decode engine (before its headers or between two chunks), so
@@ -32,6 +39,7 @@ from atom_kv.config import is_port
 from atom_kv.proxy.app import create_app
 from atom_kv.proxy.fleet.discovery import DiscoveryError
 from atom_kv.proxy.fleet.static import parse_engine_spec
+from atom_kv.proxy.http.guard import allowed_host_problem
 from atom_kv.proxy.server import listen_socket, serve_until_signalled
 from atom_kv.proxy.settings import POLICIES, ProxySettings
 
@@ -69,6 +77,18 @@ def _ratio(text: str) -> float:
     if value > 1:
         raise argparse.ArgumentTypeError(f"must be a fraction > 0 and <= 1, got {text}")
     return value
+
+
+def _host_list(text: str) -> tuple[str, ...]:
+    """``--allowed-hosts``: a comma list of host names or addresses, each with an optional ``:PORT``."""
+    entries = tuple(e.strip() for e in text.split(",") if e.strip())
+    if not entries:
+        raise argparse.ArgumentTypeError("give at least one host name, e.g. localhost,proxy.example.com ('*': any)")
+    for entry in entries:
+        problem = allowed_host_problem(entry)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{entry!r} {problem}")
+    return entries
 
 
 def _engine(role: str):
@@ -111,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admin-token", default=None,
                    help="the management routes (/instances, /metrics) answer only requests with "
                         "'Authorization: Bearer <this token>' (default: open; /health always is)")
+    g.add_argument("--allowed-hosts", type=_host_list, default=None, metavar="HOST[:PORT],...",
+                   help="the Host header values the proxy answers, every route (a name alone: any port; '*': any "
+                        "host); others get 421, so a DNS-rebinding web page cannot use a proxy on loopback "
+                        "(default on loopback: localhost, 127.0.0.1, ::1 and --host; beyond loopback: no check "
+                        "unless this is given)")
     g.add_argument("--shutdown-timeout", type=_positive, default=d.shutdown_timeout,
                    help="graceful shutdown grace period (s)")
 
@@ -195,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cache_aware: prompt characters remembered per engine, LRU beyond (default %(default)s)")
 
     g = p.add_argument_group("upstream requests")
+    g.add_argument("--expose-upstream-errors", action="store_true",
+                   help="for debugging: client error messages carry the engine's address and up to 300 bytes of "
+                        "its error text (default: they name the failing engine role and the request id; the "
+                        "address and text go to the log and to /instances' last_error)")
     g.add_argument("--max-retries", type=_nonneg_int, default=d.max_retries,
                    help="re-planned pairs after an upstream failure (default %(default)s)")
     g.add_argument("--retry-backoff", dest="retry_backoff_s", type=float, default=d.retry_backoff_s,

@@ -167,6 +167,7 @@ def create_app(settings: ProxySettings) -> Quart:
             result = await state.relay.models(request_id, request.headers.get("Authorization"))
         except ProxyError as err:
             record.finish(err.status)
+            logger.info("[%s] /v1/models -> %d: %s", request_id, err.status, err.logged)
             return _error_response(err, request_id)
         record.finish(result.status)
         return Response(result.body or b"", status=result.status, headers={"X-Request-Id": request_id},

@@ -8,7 +8,9 @@ The app's own start (Quart's ``before_serving``: the proxy's state) runs
 before the first connection is accepted, and its stop (``after_serving``)
 after the last connection is closed. The two completion routes are served by
 the state's :class:`~atom_kv.proxy.relay.fastpath.CompletionsHandler`, every other
-route by the Quart app through :class:`~atom_kv.proxy.http.asgi_bridge.ASGIBridge`.
+route by the Quart app through :class:`~atom_kv.proxy.http.asgi_bridge.ASGIBridge`;
+each behind a :class:`~atom_kv.proxy.http.guard.HostGuard` (``--allowed-hosts``: on
+loopback by default, so a DNS-rebinding page cannot use the proxy).
 
 Slow clients are bounded twice: a connection whose request head has not fully
 arrived within ``header_timeout`` (from the connection's start, or the
@@ -26,6 +28,8 @@ from quart import Quart
 
 from atom_kv.proxy.app import STATE_KEY, ProxyState
 from atom_kv.proxy.http.asgi_bridge import ASGIBridge
+from atom_kv.proxy.http.exchange import Handler
+from atom_kv.proxy.http.guard import AllowedHosts, HostGuard
 from atom_kv.proxy.http.httpserver import HTTPServer
 from atom_kv.proxy.settings import ProxySettings
 
@@ -67,7 +71,8 @@ async def serve_app(app: Quart, settings: ProxySettings, stop: asyncio.Event,
         sock.close()
         raise
     try:
-        server = HTTPServer(state.completions.routes(), ASGIBridge(app), header_timeout=settings.header_timeout,
+        routes, fallback = _guarded(state, state.completions.routes(), ASGIBridge(app))
+        server = HTTPServer(routes, fallback, header_timeout=settings.header_timeout,
                             body_timeout=settings.body_timeout, max_request_bytes=settings.max_request_bytes,
                             stall_timeout=settings.stall_timeout, on_stall=state.metrics.client_stalls.inc,
                             body_budget=settings.max_inflight_body_bytes)
@@ -82,6 +87,16 @@ async def serve_app(app: Quart, settings: ProxySettings, stop: asyncio.Event,
             await server.shutdown(settings.shutdown_timeout)
     finally:
         await app.shutdown()
+
+
+def _guarded(state: ProxyState, routes: dict[str, Handler],
+             fallback: Handler) -> tuple[dict[str, Handler], Handler]:
+    """Every route behind the ``Host`` check (``--allowed-hosts``; on loopback by default), when it applies."""
+    hosts = AllowedHosts.for_server(state.settings.host, state.settings.allowed_hosts)
+    if hosts is None:
+        return routes, fallback
+    counted = state.metrics.refused_requests.labels("host").inc
+    return {path: HostGuard(h, hosts, counted) for path, h in routes.items()}, HostGuard(fallback, hosts, counted)
 
 
 async def serve_until_signalled(app: Quart, settings: ProxySettings, sock: socket.socket | None = None) -> None:

@@ -7,6 +7,7 @@ from urllib.parse import urlsplit
 
 from atom_kv._netaddr import is_loopback
 from atom_kv.proxy.fleet.static import StaticEngine
+from atom_kv.proxy.http.guard import allowed_host_problem
 
 POLICIES = ("round_robin", "random", "power_of_two", "least_loaded", "prefix_hash", "cache_aware")
 
@@ -49,6 +50,12 @@ class ProxySettings:
     discovery_max_connections: int = 512  # open connections to the discovery port, all sources together
     discovery_max_connections_per_source: int = 32  # ... from one source address
     admin_token: str | None = None  # bearer token for /instances and /metrics (None: open)
+    # the Host header values the HTTP server answers (atom_kv.proxy.http.guard); None: on loopback, the loopback
+    # names and ``host`` (any port), beyond loopback no check. Stops DNS rebinding of a proxy on loopback
+    allowed_hosts: tuple[str, ...] | None = None
+    # client errors carry the engine's address and up to 300 bytes of its error text (debugging); off: they
+    # name the failure and the request id, and the rest goes to the log and /instances
+    expose_upstream_errors: bool = False
     max_instances: int = 256
     max_tp_size: int = 512
     max_dp_size: int = 512
@@ -138,6 +145,13 @@ class ProxySettings:
             if engine.dp_size is not None and engine.dp_size > self.max_dp_size:
                 raise ValueError(f"{engine.url}: dp={engine.dp_size} exceeds max_dp_size {self.max_dp_size}")
 
+        if self.allowed_hosts is not None:
+            if not self.allowed_hosts:
+                raise ValueError("allowed_hosts: give at least one host name (or '*' for any)")
+            for entry in self.allowed_hosts:
+                problem = allowed_host_problem(entry)
+                if problem:
+                    raise ValueError(f"allowed_hosts: {entry!r} {problem}")
         if self.reuse_port and self.port == 0:
             raise ValueError("reuse_port: --reuse-port shares one fixed HTTP port between proxy processes; "
                              "name it with --port (0 would give each process a port of its own)")

@@ -135,9 +135,10 @@ def test_random_bytes_on_the_http_port(target, data):
        headers=st.lists(st.tuples(st.text(_token_chars, min_size=1, max_size=12),
                                   st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=40)),
                         max_size=6),
-       body=st.one_of(_completion.map(lambda d: json.dumps(d).encode()), st.binary(max_size=300)))
-def test_well_formed_requests_with_random_fields(target, method, path, headers, body):
-    head = [f"{method} {path} HTTP/1.1", "Host: fuzz", f"Content-Length: {len(body)}",
+       body=st.one_of(_completion.map(lambda d: json.dumps(d).encode()), st.binary(max_size=300)),
+       host=st.sampled_from(["localhost", "127.0.0.1", "[::1]:1", "fuzz"]))  # mostly names a loopback proxy answers
+def test_well_formed_requests_with_random_fields(target, method, path, headers, body, host):
+    head = [f"{method} {path} HTTP/1.1", f"Host: {host}", f"Content-Length: {len(body)}",
             "Content-Type: application/json"]
     head += [f"{k}: {v}" for k, v in headers
              if k.lower() not in ("content-length", "transfer-encoding", "host", "connection", "expect")]

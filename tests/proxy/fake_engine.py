@@ -34,6 +34,8 @@ async def register(proxy, *engines: FakeEngine, fmt: str = "atom", token: str | 
 
 async def post(url: str, body: Any = None, *, data: bytes | None = None, path: str = "/v1/completions",
                headers: dict | None = None) -> tuple[int, str, bytes]:
+    if data is not None:  # raw bytes, sent as the JSON they claim to be (unless the test names its own type)
+        headers = {"Content-Type": "application/json", **(headers or {})}
     async with aiohttp.ClientSession() as s:
         async with s.post(url + path, json=body if data is None else None, data=data, headers=headers) as r:
             return r.status, r.headers.get("Content-Type", ""), await r.read()

@@ -54,7 +54,8 @@ async def test_metrics_exposition(make_proxy, make_engine):
         for stream in (False, True):
             async with s.post(proxy.url + "/v1/completions", json={"prompt": "x", "stream": stream}) as r:
                 await r.read()
-        async with s.post(proxy.url + "/v1/completions", data=b"nope") as r:
+        async with s.post(proxy.url + "/v1/completions", data=b"nope",
+                          headers={"Content-Type": "application/json"}) as r:
             assert r.status == 400
     status, ctype, raw = await _get(proxy.url + "/metrics")
     text = raw.decode()

@@ -135,7 +135,7 @@ async def test_a_prefill_body_over_the_bound_is_a_502_naming_the_flag(make_proxy
     status, _, body = await post(proxy.url, {"prompt": "x", "max_tokens": 2})
     assert status == 502
     message = json.loads(body)["error"]["message"]
-    assert "over --max-upstream-body-bytes (1048576)" in message and p.base_url in message
+    assert "over --max-upstream-body-bytes (1048576)" in message and p.base_url not in message  # the proxy's words
     assert d.received == []  # nothing went on to the decode engine
     p.answer_padding = 0
     assert (await post(proxy.url, {"prompt": "x", "max_tokens": 2}))[0] == 200

@@ -116,7 +116,10 @@ async def test_502_when_upstream_unreachable(pd_pair):
     await p.close()  # registered, but nobody listens any more
     status, _, raw = await post(proxy.url, {"prompt": "x"})
     assert status == 502 and _is_vllm_error(json.loads(raw), 502)
-    assert p.base_url in json.loads(raw)["error"]["message"]
+    message = json.loads(raw)["error"]["message"]
+    assert message.startswith("the prefill engine could not be reached (request ") and p.base_url not in message
+    prefill = [i for i in proxy.registry.snapshot() if i["role"] == "P"][0]
+    assert p.base_url in prefill["last_error"]["message"]  # the operator's account
     assert proxy.count("atom_kv_proxy_retries_total") == 1
     assert d.received == []
 
@@ -186,7 +189,7 @@ async def _open(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
 async def test_slow_request_head_is_cut_off(make_proxy):
     proxy = await make_proxy(header_timeout=0.5)
     reader, writer = await _open(proxy.settings.port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # ... and never the rest of the head
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")  # ... and never the rest of the head
     await writer.drain()
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -198,7 +201,7 @@ async def test_slow_request_head_is_cut_off(make_proxy):
 async def test_slow_request_body_gets_408(make_proxy):
     proxy = await make_proxy(body_timeout=0.5)
     reader, writer = await _open(proxy.settings.port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100\r\n\r\n{\"prompt\":")  # 10 of 100 bytes, then silence
     await writer.drain()
     answer = await asyncio.wait_for(reader.read(), 5.0)

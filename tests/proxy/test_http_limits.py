@@ -111,11 +111,11 @@ async def test_one_limit_for_the_whole_head_and_one_for_the_header_count(pd_pair
     proxy, _, _ = await pd_pair()
     port = proxy.settings.port
     many = b"".join(b"X-%d: y\r\n" % i for i in range(9000))
-    assert await _one_answer(port, b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n") == 431
+    assert await _one_answer(port, b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + many + b"\r\n") == 431
     big = b"".join(b"X-%d: %b\r\n" % (i, b"v" * 7000) for i in range(10))  # 70 KB, few lines
-    assert await _one_answer(port, b"GET /health HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n") == 431
+    assert await _one_answer(port, b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + big + b"\r\n") == 431
     fine = b"".join(b"X-%d: y\r\n" % i for i in range(50))
-    assert await _one_answer(port, b"GET /health HTTP/1.1\r\nHost: x\r\n" + fine + b"\r\n") == 200
+    assert await _one_answer(port, b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + fine + b"\r\n") == 200
 
 
 async def test_encoded_slashes_never_reach_a_route(pd_pair):
@@ -124,10 +124,10 @@ async def test_encoded_slashes_never_reach_a_route(pd_pair):
     port = proxy.settings.port
     body = b'{"prompt": "a", "max_tokens": 1}'
     for path in (b"/v1%2Fcompletions", b"/v1%2fcompletions", b"/v1%5Ccompletions"):
-        request = (b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+        request = (b"POST %b HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
                    % (path, len(body), body))
         assert await _one_answer(port, request) == 400
-    request = (b"POST /v1/%%63ompletions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    request = (b"POST /v1/%%63ompletions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
     assert await _one_answer(port, request) in (404, 405)  # routed on the raw path: not the completions route
     assert p.received == []

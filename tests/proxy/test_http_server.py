@@ -44,17 +44,17 @@ async def read_response(reader: asyncio.StreamReader, timeout: float = 5.0) -> t
 
 def _post(path: str, body: dict, extra: str = "", version: str = "1.1") -> bytes:
     data = msgspec.json.encode(body)
-    return (f"POST {path} HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n{extra}"
+    return (f"POST {path} HTTP/{version}\r\nHost: localhost\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(data)}\r\n\r\n").encode() + data
 
 
 async def test_keep_alive_and_pipelined_requests_are_answered_in_order(pd_pair):
     proxy, p, d = await pd_pair()
     reader, writer = await _open(proxy.settings.port)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    writer.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
                  + _post("/v1/completions", {"prompt": "a", "max_tokens": 2}, "X-Request-Id: one\r\n")
                  + _post("/v1/completions", {"prompt": "b", "max_tokens": 3, "stream": True}, "X-Request-Id: two\r\n")
-                 + b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n")
+                 + b"GET /nowhere HTTP/1.1\r\nHost: localhost\r\n\r\n")
     await writer.drain()
     status, _, body = await read_response(reader)
     assert status == 200 and json.loads(body)["status"] == "ok"
@@ -66,7 +66,7 @@ async def test_keep_alive_and_pipelined_requests_are_answered_in_order(pd_pair):
     status, _, body = await read_response(reader)
     assert status == 404 and json.loads(body)["error"]["code"] == 404
     # the same connection still serves
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    writer.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert (await read_response(reader))[0] == 200
     writer.close()
     assert [x.request_id for x in p.received] == ["one", "two"]
@@ -75,7 +75,7 @@ async def test_keep_alive_and_pipelined_requests_are_answered_in_order(pd_pair):
 async def test_idle_keep_alive_connection_is_closed_after_the_header_timeout(make_proxy):
     proxy = await make_proxy(header_timeout=0.5)
     reader, writer = await _open(proxy.settings.port)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    writer.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert (await read_response(reader))[0] == 503
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -87,7 +87,7 @@ async def test_idle_keep_alive_connection_is_closed_after_the_header_timeout(mak
 async def test_oversized_head_is_431(make_proxy):
     proxy = await make_proxy()
     reader, writer = await _open(proxy.settings.port)
-    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000)  # no end of head in sight
+    writer.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * 100_000)  # no end of head in sight
     await writer.drain()
     status, headers, body = await read_response(reader)
     assert status == 431 and headers["connection"] == "close" and json.loads(body)["error"]["code"] == 431
@@ -99,7 +99,7 @@ async def test_content_length_over_the_limit_is_413_at_once_on_every_route(make_
     proxy = await make_proxy(max_request_bytes=1024)
     for path in ("/health", "/v1/completions", "/v1/chat/completions"):
         reader, writer = await _open(proxy.settings.port)
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nX-Request-Id: big\r\n"
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nX-Request-Id: big\r\n"
                      "Content-Length: 1000000000\r\n\r\n".encode())  # the body never comes: answered anyway
         status, headers, body = await read_response(reader)
         assert status == 413 and headers["connection"] == "close", path
@@ -111,7 +111,7 @@ async def test_content_length_over_the_limit_is_413_at_once_on_every_route(make_
 async def test_chunked_body_over_the_limit_is_413(make_proxy):
     proxy = await make_proxy(max_request_bytes=1024)
     reader, writer = await _open(proxy.settings.port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
                  + b"400\r\n" + b"x" * 1024 + b"\r\n" + b"1\r\ny\r\n")
     status, _, body = await read_response(reader)
     assert status == 413 and json.loads(body)["error"]["code"] == 413
@@ -122,7 +122,7 @@ async def test_expect_100_continue_is_answered_before_the_body(pd_pair):
     proxy, p, d = await pd_pair()
     reader, writer = await _open(proxy.settings.port)
     data = msgspec.json.encode({"prompt": "x", "max_tokens": 2})
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
                  b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n")
     assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0) == b"HTTP/1.1 100 Continue\r\n\r\n"
     writer.write(data)
@@ -238,7 +238,7 @@ async def test_a_client_that_does_not_read_pauses_the_producer():
         raw = socket.create_connection(sock.getsockname()[:2])
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
         reader, writer = await asyncio.open_connection(sock=raw, limit=1 << 16)
-        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /big HTTP/1.1\r\nHost: localhost\r\n\r\n")
         await writer.drain()
         await asyncio.wait_for(producer.blocked.wait(), 10.0)  # paused: the buffers are full
         assert producer.paused >= 1 and written < 64

@@ -141,7 +141,7 @@ async def test_health_is_unavailable_when_every_decode_circuit_is_open(make_prox
 async def _raw_request(port: int, body: dict) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     data = msgspec.json.encode(body)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"X-Request-Id: gone-1\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
     await writer.drain()
     return reader, writer
@@ -250,7 +250,7 @@ async def test_a_client_that_stops_reading_is_dropped_after_the_stall_timeout(ma
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     raw.connect(("127.0.0.1", proxy.settings.port))
     data = msgspec.json.encode({"prompt": "x", "max_tokens": 200_000, "stream": True})
-    raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                 b"X-Request-Id: sleeper\r\nContent-Length: %d\r\n\r\n%b" % (len(data), data))
     try:
         assert await d.wait_until(lambda: "sleeper" in d.cancelled, timeout=20.0)  # the decode leg was aborted

@@ -38,6 +38,15 @@ class RegistryFull(Exception):
     """No room for another discovered instance (``max_instances`` live and up)."""
 
 
+@dataclass(frozen=True)
+class LastError:
+    """An instance's latest failure as the operator sees it (its address and its own error text), shown
+    in ``/instances``; a client is told less (:class:`~atom_kv.proxy.relay.errors.EngineFailures`)."""
+
+    message: str
+    at: float  # wall-clock seconds
+
+
 @dataclass
 class Instance:
     """One engine (rank 0 of a P or D deployment): what it serves, its health and its live load."""
@@ -58,6 +67,7 @@ class Instance:
     static: bool = False
     state: str = PENDING
     down_reason: str = ""
+    last_error: LastError | None = None  # the latest failed exchange with it (set by the relay)
     expired: bool = False  # static only: silent past the heartbeat timeout (counted once)
     last_seen: float = 0.0
     last_seen_wall: float = 0.0
@@ -135,6 +145,8 @@ class Instance:
             "source": self.source,
             "state": self.state,
             "down_reason": self.down_reason or None,
+            "last_error": None if self.last_error is None else {"message": self.last_error.message,
+                                                                "at": self.last_error.at},
             "max_model_len": self.max_model_len,
             "last_seen": self.last_seen_wall,
             "last_seen_age_s": round(now - self.last_seen, 3) if self.last_seen else None,

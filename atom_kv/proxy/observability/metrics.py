@@ -120,6 +120,13 @@ class ProxyMetrics:
             "atom_kv_proxy_client_stalls", "Connections dropped because the client read nothing for "
             "--stall-timeout while an answer waited (its decode leg aborted, its prefill released)", registry=r
         )
+        self.refused_requests = Counter(
+            "atom_kv_proxy_refused_requests", "Requests answered before their route ran: a Host not in "
+            "--allowed-hosts (host: 421) or a completion body not declared application/json (content_type: 415)",
+            ["reason"], registry=r,
+        )
+        for reason in ("host", "content_type"):
+            self.refused_requests.labels(reason)
         for outcome in ("sent", "dropped", "no_address"):
             self.releases.labels(outcome)
         for role in ("prefill", "decode"):

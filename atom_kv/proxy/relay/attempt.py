@@ -26,7 +26,7 @@ class Retryable(Exception):
     """An upstream failure worth re-planning the pair for (``inst`` is excluded next time)."""
 
     def __init__(self, error: ProxyError, inst: Instance, kind: str, status: int = 0) -> None:
-        super().__init__(error.message)
+        super().__init__(error.logged)  # the log's account; the client gets ``error.message``
         self.error = error
         self.inst = inst
         self.kind = kind  # "unreachable", "rejected", "too_large", "bad_response" or "kv_transfer"

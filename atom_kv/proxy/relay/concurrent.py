@@ -17,7 +17,6 @@ from atom_kv.proxy.fleet.health import UpstreamHealth
 from atom_kv.proxy.http.upstream import UpstreamResponse
 from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.proxy.relay.attempt import PairRequest, RelayResult, Retryable, abandon_reason, close_legs
-from atom_kv.proxy.relay.errors import ProxyError
 from atom_kv.proxy.relay.first_token import FirstTokenStream, forwardable_request, promised_first_events
 from atom_kv.proxy.relay.pair_legs import PairLegs
 from atom_kv.proxy.relay.stream import ResponseStream
@@ -99,13 +98,15 @@ class ConcurrentPairs:
                     prefill_kv, prompt_tokens, answer = await prefill_leg
                 finally:
                     p.credit()
-                self._check_adopted(prefill_kv, p, transfer_id)
+                self._check_adopted(prefill_kv, p, transfer_id, req)
                 early = promised_first_events(answer, req.path.endswith("/chat/completions"), prefill_kv,
                                               self.settings.max_first_token_text_bytes)
                 if early is None:
                     self.health.failed(p.inst, "bad_response", request=req.outcomes)
-                    raise Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} answered without a "
-                                                    "usable choice"), p.inst, "bad_response")
+                    raise Retryable(self.legs.failures.error(
+                        502, p.inst, "answered without a usable choice",
+                        f"prefill instance {p.inst.base_url} answered without a usable choice", req.request_id),
+                        p.inst, "bad_response")
                 stage = "handed_off"  # the decode leg's own task abandons the prefill if it fails
                 result = RelayResult(200, "text/event-stream", spans=req.spans, stream=FirstTokenStream(
                     early, self._decode_after_prefill(req, p, d, decode_leg, prefill_kv, transfer_id,
@@ -129,7 +130,7 @@ class ConcurrentPairs:
                 prefill_kv, prompt_tokens, _ = await prefill_leg
             finally:
                 p.credit()
-            self._check_adopted(prefill_kv, p, transfer_id)
+            self._check_adopted(prefill_kv, p, transfer_id, req)
             stage = "decode"
             resp = await decode_leg
             stage = "handed_off"  # the decode engine owns the prefill's KV from here on
@@ -157,13 +158,13 @@ class ConcurrentPairs:
         return (self.settings.first_token_forwarding and KV_FEATURE_FIRST_TOKEN in p.inst.features
                 and forwardable_request(req.body, d.inst.features))
 
-    @staticmethod
-    def _check_adopted(prefill_kv: dict[str, Any], p: Pick, transfer_id: str) -> None:
+    def _check_adopted(self, prefill_kv: dict[str, Any], p: Pick, transfer_id: str, req: PairRequest) -> None:
         used = prefill_kv.get("transfer_id")
         if used != transfer_id:  # the decode waits on ours: it would never learn the blocks
-            raise Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} did not adopt transfer id "
-                                            f"{transfer_id} (answered {str(used)[:160]!r})"),
-                            p.inst, "bad_response")
+            raise Retryable(self.legs.failures.error(
+                502, p.inst, "did not adopt the proxy's transfer id",
+                f"prefill instance {p.inst.base_url} did not adopt transfer id {transfer_id} "
+                f"(answered {str(used)[:160]!r})", req.request_id), p.inst, "bad_response")
 
     async def _decode_after_prefill(
         self, req: PairRequest, p: Pick, d: Pick, decode_leg: "asyncio.Future[UpstreamResponse]",
@@ -191,7 +192,7 @@ class ConcurrentPairs:
                 leg.cancel()
                 raise
             except Exception as exc:
-                err = exc.error.message if isinstance(exc, Retryable) else str(exc) or type(exc).__name__
+                err = exc.error.logged if isinstance(exc, Retryable) else str(exc) or type(exc).__name__
                 logger.warning("[%s] prefill leg of transfer %s failed after its decode stream began: %s",
                                req.request_id, transfer_id, err)
             finally:

@@ -3,7 +3,9 @@
 The proxy's HTTP server (:mod:`atom_kv.proxy.http.httpserver`) calls
 :class:`CompletionsHandler` for the two relay routes with a whole request
 (its size and arrival time already bounded: a refused one only needs its
-answer); every other route is Quart's. Serving the relay routes without
+answer, and its ``Host`` already checked: :mod:`atom_kv.proxy.http.guard`); a
+body not declared ``application/json`` is answered 415 before it is parsed;
+every other route is Quart's. Serving the relay routes without
 Quart's per-request context machinery and without ASGI message dicts is
 measured with ``python -m atom_kv.bench proxy``. This module owns the client
 side of a request: parsing the body, the answer (one write per SSE event,
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from atom_kv.proxy.http.guard import json_body_problem
 from atom_kv.proxy.http.httpserver import Exchange
 from atom_kv.proxy.observability.metrics import CLIENT_CLOSED, ProxyMetrics, RequestRecord
 from atom_kv.proxy.observability.spans import RequestSpans
@@ -115,6 +118,11 @@ class CompletionsHandler:
             self._send_error(exchange, ProxyError(405, f"method {exchange.method} not allowed on {path}"),
                              request_id, record)
             return
+        problem = json_body_problem(exchange)  # a cross-site page can POST text/plain, not application/json
+        if problem is not None:
+            self.metrics.refused_requests.labels("content_type").inc()
+            self._send_error(exchange, ProxyError(415, problem), request_id, record)
+            return
         tracer = self.tracer  # None unless --otlp-traces-endpoint: then one trace per request
         trace = None if tracer is None else tracer.begin(path, request_id, record.t0, exchange.header(b"traceparent"),
                                                          exchange.header(b"tracestate"))
@@ -156,7 +164,7 @@ class CompletionsHandler:
     def _send_error(exchange: Exchange, err: ProxyError, request_id: str, record: RequestRecord,
                     close: bool = False) -> None:
         record.finish(err.status)
-        logger.info("[%s] %s -> %d: %s", request_id, record.endpoint, err.status, err.message)
+        logger.info("[%s] %s -> %d: %s", request_id, record.endpoint, err.status, err.logged)
         exchange.respond(err.status, _headers("application/json", request_id), err.body(), close=close)
 
     @staticmethod

@@ -26,7 +26,7 @@ from atom_kv.proxy.http.upstream import (
 )
 from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.proxy.relay.attempt import PairRequest, RelayResult, Retryable
-from atom_kv.proxy.relay.errors import ProxyError, UpstreamResponseError
+from atom_kv.proxy.relay.errors import EngineFailures, ProxyError, UpstreamResponseError, engine_text
 from atom_kv.proxy.relay.first_token import bounded_first_token
 from atom_kv.proxy.relay.legs import decode_request, prefill_request, wants_stream_usage
 from atom_kv.proxy.relay.release import ProducerAddress, Releaser
@@ -56,6 +56,7 @@ class PairLegs:
         self.settings = settings
         self.health = health
         self.metrics = metrics
+        self.failures = EngineFailures(settings.expose_upstream_errors)  # words clients hear of engine failures
         self._pool: UpstreamPool | None = None
         self.releaser = (Releaser(metrics, token=settings.registration_token,
                                   log_interval_s=settings.log_summary_interval_s)
@@ -98,7 +99,9 @@ class PairLegs:
             raise
         if result.stream is None:
             d.credit()
-            raise ProxyError(502, f"decode instance {d.inst.base_url} answered a streamed request without a stream")
+            raise self.failures.error(
+                502, d.inst, "answered a streamed request without a stream",
+                f"decode instance {d.inst.base_url} answered a streamed request without a stream", req.request_id)
         return result.stream
 
     def abandon_prefill(self, transfer_id: str, prefill: Pick, reason: str,
@@ -203,26 +206,31 @@ class PairLegs:
             raise UpstreamResponseError(resp.status, body, ctype)
         # a gateway error is the instance's (or its host's); a 500 may be the request's own doing
         self.health.failed(pick.inst, "5xx", request=req.outcomes, suspect=resp.status not in (502, 503, 504))
-        text = body[:300].decode("utf-8", "replace")
-        raise Retryable(ProxyError(502, f"{leg} instance {pick.inst.base_url} answered {resp.status}: {text}"),
+        detail = f"{leg} instance {pick.inst.base_url} answered {resp.status}: {engine_text(body)}"
+        raise Retryable(self.failures.error(502, pick.inst, f"answered {resp.status}", detail, req.request_id),
                         pick.inst, "rejected", resp.status)
 
     def _transport_error(self, exc: UpstreamError, pick: Pick, leg: str, req: PairRequest) -> Exception:
-        base = pick.inst.base_url
+        base, inst, rid = pick.inst.base_url, pick.inst, req.request_id
         if isinstance(exc, UpstreamTooLarge):  # a request can ask for a huge answer: judged like a 500
-            self.health.failed(pick.inst, "too_large", request=req.outcomes, suspect=True)
-            return Retryable(ProxyError(502, f"{leg} instance {base}: {exc}"), pick.inst, "too_large")
+            self.health.failed(inst, "too_large", request=req.outcomes, suspect=True)
+            # the message is the proxy's own (it names the flag): the client may read it
+            return Retryable(self.failures.error(502, inst, f"sent too much: {exc}", f"{leg} instance {base}: {exc}",
+                                                 rid), inst, "too_large")
         if isinstance(exc, UpstreamConnectTimeout):
-            self.health.failed(pick.inst, "connect", request=req.outcomes)
-            self.health.mark_down(pick.inst, "connect timed out")
-            return Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {exc}"),
-                             pick.inst, "unreachable")
+            self.health.failed(inst, "connect", request=req.outcomes)
+            self.health.mark_down(inst, "connect timed out")
+            return Retryable(self.failures.error(502, inst, "could not be reached (connect timed out)",
+                                                 f"{leg} instance {base} unreachable: {exc}", rid),
+                             inst, "unreachable")
         if isinstance(exc, UpstreamTimeout):
-            self.health.failed(pick.inst, "timeout", request=req.outcomes)
-            return ProxyError(504, f"{leg} instance {base} timed out")
-        self.health.failed(pick.inst, "connection", exc, request=req.outcomes)
+            self.health.failed(inst, "timeout", request=req.outcomes)
+            return self.failures.error(504, inst, "timed out", f"{leg} instance {base} timed out", rid)
+        self.health.failed(inst, "connection", exc, request=req.outcomes)
         detail = str(exc) or type(exc).__name__
-        return Retryable(ProxyError(502, f"{leg} instance {base} unreachable: {detail}"), pick.inst, "unreachable")
+        return Retryable(self.failures.error(502, inst, "could not be reached",
+                                             f"{leg} instance {base} unreachable: {detail}", rid),
+                         inst, "unreachable")
 
     async def prefill(self, req: PairRequest, p: Pick, d: Pick,
                        transfer_id: str) -> tuple[dict[str, Any], int | None, dict[str, Any]]:
@@ -244,13 +252,15 @@ class PairLegs:
             answer = _json_decoder.decode(raw)
         except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             self.health.failed(p.inst, "bad_response", request=req.outcomes)
-            raise Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} returned invalid JSON"),
-                            p.inst, "bad_response") from None
+            raise Retryable(self.failures.error(502, p.inst, "returned invalid JSON",
+                                                f"prefill instance {p.inst.base_url} returned invalid JSON",
+                                                req.request_id), p.inst, "bad_response") from None
         kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         if not isinstance(kv, dict):
             self.health.failed(p.inst, "bad_response", request=req.outcomes)
-            raise Retryable(ProxyError(502, f"prefill instance {p.inst.base_url} returned no kv_transfer_params"),
-                            p.inst, "bad_response")
+            raise Retryable(self.failures.error(502, p.inst, "returned no kv_transfer_params",
+                                                f"prefill instance {p.inst.base_url} returned no kv_transfer_params",
+                                                req.request_id), p.inst, "bad_response")
         self.health.succeeded(p.inst, req.outcomes)
         if not bounded_first_token(kv, self.settings.max_first_token_text_bytes):
             self.metrics.first_tokens_dropped.inc()
@@ -299,9 +309,10 @@ class PairLegs:
         body = await resp.read()
         self.health.succeeded(d.inst, req.outcomes)
         self.health.failed(p.inst, "kv_transfer", request=req.outcomes)
-        text = body[:300].decode("utf-8", "replace")
-        raise Retryable(ProxyError(502, f"decode instance {d.inst.base_url} could not read the KV of prefill "
-                                        f"instance {p.inst.base_url}: {text}"), p.inst, "kv_transfer")
+        detail = (f"decode instance {d.inst.base_url} could not read the KV of prefill instance {p.inst.base_url}: "
+                  f"{engine_text(body)}")
+        raise Retryable(self.failures.error(502, p.inst, "could not hand its KV cache to the decode engine", detail,
+                                            req.request_id), p.inst, "kv_transfer")
 
     async def respond(self, resp: UpstreamResponse, req: PairRequest, d: Pick,
                        prompt_tokens: int | None, on_release: Callable[[], None] | None = None) -> RelayResult:
@@ -316,7 +327,9 @@ class PairLegs:
                 resp.close()
             if not data:
                 self.health.failed(d.inst, "bad_response", request=req.outcomes)
-                raise ProxyError(502, f"decode instance {d.inst.base_url} returned an empty response")
+                raise self.failures.error(502, d.inst, "returned an empty response",
+                                          f"decode instance {d.inst.base_url} returned an empty response",
+                                          req.request_id)
             self.health.succeeded(d.inst, req.outcomes)
             if prompt_tokens is not None and ctype.startswith("application/json"):
                 data = self._patch_json_usage(data, prompt_tokens)
@@ -324,7 +337,8 @@ class PairLegs:
         framer = EventFramer(prompt_tokens if prompt_tokens is not None and wants_stream_usage(req.body) else None,
                              self.settings.max_upstream_body_bytes)
         return RelayResult(resp.status, ctype, stream=DecodeStream(resp, req.request_id, d, self.health, framer,
-                                                                   self.settings.sse_split_max, on_release),
+                                                                   self.settings.sse_split_max, on_release,
+                                                                   failures=self.failures),
                            spans=req.spans)
 
     @staticmethod

@@ -150,7 +150,7 @@ class Relay:
             except Retryable as exc:
                 exclude[exc.inst.role].add(exc.inst.key)
                 last_error = exc.error
-                logger.warning("[%s] attempt %d failed: %s", request_id, attempt + 1, exc.error.message)
+                logger.warning("[%s] attempt %d failed: %s", request_id, attempt + 1, exc.error.logged)
                 if exc.kind in ("rejected", "too_large") and self._request_failure(exc, rejected):
                     break
         assert last_error is not None
@@ -241,7 +241,7 @@ class Relay:
                     raise
                 self.metrics.retries.inc()
                 logger.warning("[%s] decode leg failed after the first token (%s); trying %s", req.request_id,
-                               exc.error.message, nxt.inst.base_url)
+                               exc.error.logged, nxt.inst.base_url)
                 d = nxt
             except BaseException as exc:
                 self.legs.abandon_prefill(transfer_id, p, abandon_reason("decode", exc), prefill_kv)
@@ -267,10 +267,15 @@ class Relay:
                                                                  headers=headers,
                                                                  total_timeout=self.settings.models_timeout)
         except UpstreamConnectTimeout:
-            raise ProxyError(502, f"decode instance {inst.base_url} unreachable: connect timed out") from None
+            raise self.legs.failures.error(502, inst, "could not be reached (connect timed out)",
+                                           f"decode instance {inst.base_url} unreachable: connect timed out",
+                                           request_id) from None
         except UpstreamTimeout:
-            raise ProxyError(504, f"decode instance {inst.base_url} timed out") from None
+            raise self.legs.failures.error(504, inst, "timed out", f"decode instance {inst.base_url} timed out",
+                                           request_id) from None
         except UpstreamError as exc:
             self.health.failed(inst, "connection", exc)
-            raise ProxyError(502, f"decode instance {inst.base_url} unreachable: {exc}") from None
+            raise self.legs.failures.error(502, inst, "could not be reached",
+                                           f"decode instance {inst.base_url} unreachable: {exc}",
+                                           request_id) from None
         return RelayResult(status, answer_headers.get("content-type", "application/json"), body=data)

@@ -10,6 +10,7 @@ from atom_kv.openai_errors import sse_error_event
 from atom_kv.proxy.fleet.health import UpstreamHealth
 from atom_kv.proxy.http.sse import DONE_EVENT, EventFramer, EventTooLarge
 from atom_kv.proxy.http.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
+from atom_kv.proxy.relay.errors import EngineFailures
 from atom_kv.proxy.routing.pick import Pick
 
 logger = logging.getLogger(__name__)
@@ -56,14 +57,17 @@ class DecodeStream:
     fails mid-way (the decode engine died, a read timed out) the answer ends
     with a ``data: {"error": ...}`` event plus ``data: [DONE]`` and the failure
     is reported to :class:`UpstreamHealth` (a dropped connection takes the
-    engine out of routing at once). ``aclose()`` before the end (the client
+    engine out of routing at once); the event's message is ``failures``' (the engine's address only
+    with ``--expose-upstream-errors``). ``aclose()`` before the end (the client
     went away) drops the upstream connection so the decode engine aborts the
     request; it is idempotent and safe at any point.
     """
 
     def __init__(self, resp: UpstreamResponse, request_id: str, d: Pick, health: UpstreamHealth,
-                 framer: EventFramer, split_max: int = 4, on_release: Callable[[], None] | None = None) -> None:
+                 framer: EventFramer, split_max: int = 4, on_release: Callable[[], None] | None = None, *,
+                 failures: EngineFailures | None = None) -> None:
         self._resp = resp
+        self._failures = failures if failures is not None else EngineFailures()
         self._on_release = on_release
         self._request_id = request_id
         self._d = d
@@ -134,8 +138,11 @@ class DecodeStream:
                 self._end_client(tail)
             elif not self._sent_any:
                 self._health.failed(self._d.inst, "bad_response")
-                self._end_client(sse_error_event(
-                    502, f"decode instance {self._d.inst.base_url} sent an empty stream"))
+                err = self._failures.error(502, self._d.inst, "sent an empty stream",
+                                           f"decode instance {self._d.inst.base_url} sent an empty stream",
+                                           self._request_id)
+                logger.warning("[%s] %s", self._request_id, err.logged)
+                self._end_client(sse_error_event(err.status, err.message))
                 self._d.credit()
                 return
             else:
@@ -153,9 +160,12 @@ class DecodeStream:
         timeout = isinstance(exc, UpstreamTimeout)
         self._health.failed(self._d.inst, "timeout" if timeout else "connection", exc)
         detail = "timed out" if timeout else f"unreachable: {exc}"
-        message = f"decode stream interrupted: decode instance {self._d.inst.base_url} {detail}"
-        logger.warning("[%s] %s", self._request_id, message)
-        self._end_client(sse_error_event(504 if timeout else 502, message))
+        err = self._failures.error(
+            504 if timeout else 502, self._d.inst, "timed out" if timeout else "dropped the connection",
+            f"decode stream interrupted: decode instance {self._d.inst.base_url} {detail}", self._request_id,
+            prefix="decode stream interrupted: ")
+        logger.warning("[%s] %s", self._request_id, err.logged)
+        self._end_client(sse_error_event(err.status, err.message))
 
     def _event_too_large(self, exc: EventTooLarge) -> None:
         """The engine sent an event over the bound: the stream ends here with an error event (a
@@ -164,10 +174,12 @@ class DecodeStream:
         self._resp.close()
         self._d.credit()
         self._health.failed(self._d.inst, "too_large", suspect=True)
-        message = (f"decode stream interrupted: decode instance {self._d.inst.base_url} sent {exc}, over "
-                   "--max-upstream-body-bytes")
-        logger.warning("[%s] %s", self._request_id, message)
-        self._end_client(sse_error_event(502, message))
+        over = f"sent {exc}, over --max-upstream-body-bytes"  # the proxy's words: the client may read them
+        err = self._failures.error(
+            502, self._d.inst, over, f"decode stream interrupted: decode instance {self._d.inst.base_url} {over}",
+            self._request_id, prefix="decode stream interrupted: ")
+        logger.warning("[%s] %s", self._request_id, err.logged)
+        self._end_client(sse_error_event(err.status, err.message))
 
     def _end_client(self, data: bytes) -> None:
         self.complete = True
