@@ -4,7 +4,11 @@ Random bytes, and well-formed requests and pings carrying random field values
 (hypothesis), against ``python -m atom_kv.proxy`` with a registration token and
 two fake engines behind it. Asserted throughout: the process stays up and
 keeps serving, its memory stays bounded, no answer is a 500 (a proxy bug) and
-nothing it logs is a traceback. Bounded in time: a few hundred examples each."""
+nothing it logs is a traceback. And for the HTTP server's own rules: requests
+pipelined before random bytes are answered first and in order, a chunked
+body's trailers never become headers (their request id never comes back), and
+a management route answers only its raw path, never another spelling of it.
+Bounded in time: a few hundred examples each."""
 
 from __future__ import annotations
 
@@ -164,6 +168,103 @@ def test_random_and_signed_looking_pings_on_the_discovery_port(target, raw, sign
                                                              if k not in ("ts", "nonce", "mac")})
     forged["mac"] = mac
     target.dealer.send(msgpack.packb(forged))
+
+
+def _answers(port: int, data: bytes, count: int) -> list[tuple[int, dict[bytes, bytes]]]:
+    """Send ``data`` in one write; the first ``count`` answers read back (status, headers), fewer
+    when the proxy closes the connection first."""
+    answers = []
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        f = s.makefile("rb")
+        try:
+            while len(answers) < count:
+                line = f.readline()
+                if not line:
+                    break
+                status = int(line.split(b" ", 2)[1])
+                headers = {}
+                while (field := f.readline()) not in (b"\r\n", b""):
+                    name, _, value = field.partition(b":")
+                    headers[name.strip().lower()] = value.strip()
+                if b"content-length" in headers:
+                    f.read(int(headers[b"content-length"]))
+                elif headers.get(b"transfer-encoding") == b"chunked":
+                    while (size := int(f.readline().split(b";")[0], 16)) > 0:
+                        f.read(size + 2)
+                    f.readline()
+                answers.append((status, headers))
+                if headers.get(b"connection") == b"close":
+                    break
+        except (ConnectionError, TimeoutError, OSError, ValueError, IndexError):
+            pass
+    return answers
+
+
+_garbage = st.binary(max_size=400) | st.sampled_from([
+    b"HELLO THERE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nUpgrade: h2c\r\nConnection: upgrade\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GET /health HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"])
+
+
+@settings(FUZZ, max_examples=80)
+@given(good=st.integers(1, 3), tail=_garbage)
+def test_requests_read_before_anything_are_answered_first_and_in_order(target, good, tail):
+    """Whatever follows them in the same write, the requests before it get their own answers, in order."""
+    data = b"".join(b"GET /v1/models HTTP/1.1\r\nHost: fuzz\r\nX-Request-Id: good-%d\r\n\r\n" % i
+                    for i in range(good))
+    answers = _answers(target.proxy.port, data + tail, good)
+    assert [(status, headers.get(b"x-request-id")) for status, headers in answers] == \
+        [(200, b"good-%d" % i) for i in range(good)], tail
+
+
+@settings(FUZZ, max_examples=80)
+@given(prompt=st.text(max_size=40), cuts=st.lists(st.integers(1, 30), max_size=4),
+       trailers=st.lists(st.tuples(st.text(_token_chars, min_size=1, max_size=12),
+                                   st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40)),
+                         max_size=5),
+       trailer_id=st.text(st.characters(min_codepoint=0x30, max_codepoint=0x7A, categories=["L", "N"]),
+                          min_size=1, max_size=20))
+def test_chunked_trailers_are_dropped(target, prompt, cuts, trailers, trailer_id):
+    body = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
+    chunks, at = [], 0
+    for cut in cuts:
+        if at < len(body):
+            chunks.append(body[at:at + cut])
+            at += cut
+    chunks.append(body[at:])
+    lines = [(k, v) for k, v in trailers] + [("X-Request-Id", "trailer-" + trailer_id)]
+    data = (b"POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+            + b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in chunks if c)
+            + b"0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in lines).encode("latin-1") + b"\r\n")
+    answers = _answers(target.proxy.port, data, 1)
+    assert answers, data
+    status, headers = answers[0]
+    assert status != 500, data
+    assert headers.get(b"x-request-id", b"") != ("trailer-" + trailer_id).encode(), data
+
+
+def _spellings(path: str) -> st.SearchStrategy[str]:
+    """``path`` written another way: a character percent-encoded, a slash doubled, a dot segment
+    or a trailing slash added, or in absolute form."""
+    def encode_one(i: int) -> str:
+        i = 1 + i % (len(path) - 1)
+        return path[:i] + "%%%02X" % ord(path[i]) + path[i + 1:]
+
+    return st.one_of(st.integers(0, 99).map(encode_one), st.just("/" + path), st.just(path + "/"),
+                     st.just("/." + path), st.just("/x/.." + path), st.just("http://fuzz" + path),
+                     st.just(path.replace("/", "//")))
+
+
+@settings(FUZZ, max_examples=60)
+@given(route=st.sampled_from(["/instances", "/metrics", "/health"]).flatmap(_spellings),
+       method=st.sampled_from(["GET", "POST"]))
+def test_management_routes_answer_only_their_raw_path(target, route, method):
+    data = (f"{method} {route} HTTP/1.1\r\nHost: fuzz\r\nAuthorization: Bearer {ADMIN}\r\n"
+            "Content-Length: 0\r\n\r\n").encode()
+    assert _status_of(target.proxy.port, data) == 404, route
 
 
 def test_zz_the_proxy_survived_stayed_small_and_logged_no_traceback(target):

@@ -133,7 +133,17 @@ async def test_encoded_slashes_never_reach_a_route(pd_pair):
     assert p.received == []
 
 
+async def _budget_reaches(server: HTTPServer, held: int) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 4
+    while server.body_in_flight != held and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    assert server.body_in_flight == held
+
+
 async def test_bodies_in_flight_share_one_budget_past_which_the_answer_is_503():
+    """The budget counts the bytes that arrived: a head that announces a body reserves nothing
+    (before: it reserved its ``Content-Length`` and a zeroed buffer of that size at once)."""
     async def echo(exchange: Exchange) -> None:
         if exchange.refusal is not None:
             await _nothing(exchange)
@@ -145,27 +155,34 @@ async def test_bodies_in_flight_share_one_budget_past_which_the_answer_is_503():
     sock = listen_socket("127.0.0.1", 0, 16)
     await server.start(sock, 16)
     port = sock.getsockname()[1]
+    heads = []
     try:
+        for _ in range(3):  # heads alone, each announcing more than half the budget
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 60000\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+            assert head.startswith(b"HTTP/1.1 100 ")  # the head was taken
+            heads.append(writer)
+        assert server.body_in_flight == 0
         slow_r, slow_w = await asyncio.open_connection("127.0.0.1", port)
-        slow_w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 80000\r\n\r\n" + b"a" * 1000)  # holds 80 KB
+        slow_w.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 90000\r\n\r\n" + b"a" * 80_000)
         await slow_w.drain()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 5
-        while server.body_in_flight != 80_000 and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        assert server.body_in_flight == 80_000
+        await _budget_reaches(server, 80_000)  # what arrived, not what was announced
         big = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 40000\r\n\r\n" + b"b" * 40_000
-        assert await _one_answer(port, big) == 503  # at once: the budget is spent
+        assert await _one_answer(port, big) == 503  # once its bytes pass the budget
         chunked = (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                    + b"%x\r\n%b\r\n" % (30_000, b"c" * 30_000) + b"0\r\n\r\n")
-        assert await _one_answer(port, chunked) == 503  # a chunked body counts as it arrives
-        slow_w.write(b"a" * 79_000)
+        assert await _one_answer(port, chunked) == 503
+        await _budget_reaches(server, 80_000)  # the refused ones gave back what they had taken
+        slow_w.write(b"a" * 10_000)
         status, _, body = await read_response(slow_r)
-        assert status == 200 and body == b"80000"
+        assert status == 200 and body == b"90000"
         assert await _one_answer(port, big) == 200  # the first body's answer gave its share back
         assert server.body_in_flight == 0
         slow_w.close()
     finally:
+        for writer in heads:
+            writer.close()
         await server.shutdown(1.0)
 
 

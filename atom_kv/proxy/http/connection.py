@@ -15,7 +15,7 @@ from urllib.parse import unquote_to_bytes
 import httptools
 
 from atom_kv.openai_errors import error_bytes
-from atom_kv.proxy.http.exchange import JSON, REASONS, DateHeader, Exchange, Handler
+from atom_kv.proxy.http.exchange import JSON, DateHeader, Exchange, Handler
 
 __all__ = ["BODY_BUDGET", "MAX_HEADERS", "MAX_HEAD_BYTES", "MAX_PIPELINED", "Server", "ServerConnection"]
 
@@ -26,8 +26,6 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_PIPELINED = 32
 #: header lines in one request head (more: 431)
 MAX_HEADERS = 100
-#: bodies announced larger than this are read into one buffer of their size
-_PREALLOCATE_FROM = 64 * 1024
 #: request bodies held at once across every connection (more: 503)
 BODY_BUDGET = 1 << 30
 
@@ -103,36 +101,45 @@ class ServerConnection(asyncio.Protocol):
         parsing = self.parsing
         if parsing is None or not parsing.head_done:
             self.head_bytes += len(data)
+        elif parsing.chunk_waiting:
+            # after a chunk's size line and none of its data: the last chunk's trailers, which the
+            # parser collects whole before on_header sees them, so they are bounded here as they come
+            parsing.idle_chunk_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.stop_reading = True  # served as plain HTTP/1.1; the connection ends with this answer
-            for exchange in (*self.queue, self.active):
-                if exchange is not None:
-                    exchange.keep_alive = False
+            self._upgraded()
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__cause__ or exc.__context__
-            if isinstance(cause, _HeadTooLarge):
-                self._bad_request(str(cause), status=431)
+            if not isinstance(cause, _HeadTooLarge):
+                logger.exception("error in the HTTP parser callbacks")
+                self.close(abort=True)
                 return
-            logger.exception("error in the HTTP parser callbacks")
-            self.close(abort=True)
-            return
+            self._bad_request(str(cause), status=431)
         except httptools.HttpParserError as exc:
             self._bad_request(f"malformed HTTP request: {exc}")
-            return
+        else:
+            parsing = self.parsing
+            if parsing is not None and not self.closed:
+                if not parsing.head_done and self.head_bytes > self.server.max_head_bytes:
+                    self._bad_request(f"request head exceeds {self.server.max_head_bytes} bytes", status=431)
+                elif parsing.chunk_waiting and parsing.idle_chunk_bytes > self.server.max_head_bytes:
+                    self._bad_request(f"request trailer exceeds {self.server.max_head_bytes} bytes", status=431)
+                elif parsing.head_done and not parsing.complete and self.body_timer is None:
+                    self.body_timer = self.loop.call_later(self.server.body_timeout, self._body_timed_out)
         if self.closed:
             return
-        parsing = self.parsing
-        if parsing is not None:
-            if not parsing.head_done and self.head_bytes > self.server.max_head_bytes:
-                self._bad_request(f"request head exceeds {self.server.max_head_bytes} bytes", status=431)
-                return
-            if parsing.head_done and not parsing.complete and self.body_timer is None:
-                self.body_timer = self.loop.call_later(self.server.body_timeout, self._body_timed_out)
         if self.active is None and self.queue and not self.writing_paused:
             self._dispatch()
         self._update_reading()
+
+    def _upgraded(self) -> None:
+        """The request just read asked for an upgrade (or was a CONNECT): it is served as plain
+        HTTP/1.1 and its answer ends the connection; the requests read before it are answered first."""
+        self.stop_reading = True
+        last = self.queue[-1] if self.queue else self.active
+        if last is not None:
+            last.keep_alive = False
 
     def eof_received(self) -> bool | None:
         return None  # the client closed its side: treated as gone (connection_lost follows)
@@ -214,11 +221,30 @@ class ServerConnection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         ex = self.parsing
+        if ex is None:
+            return
+        self._count_head(ex, len(name) + len(value) + 4)
+        if ex.head_done:
+            # a chunked body's trailer: counted against the head's limits, then dropped (never a
+            # header of the request: not forwarded, not its Authorization nor its request id)
+            ex.trailer_lines += 1
+            if ex.trailer_lines > self.server.max_headers:
+                raise _HeadTooLarge(f"request trailer has more than {self.server.max_headers} lines")
+            return
+        ex.headers.append((name.lower(), value))
+        if len(ex.headers) > self.server.max_headers:
+            raise _HeadTooLarge(f"request head has more than {self.server.max_headers} header lines")
+
+    def on_chunk_header(self) -> None:
+        ex = self.parsing
         if ex is not None:
-            ex.headers.append((name.lower(), value))
-            self._count_head(ex, len(name) + len(value) + 4)
-            if len(ex.headers) > self.server.max_headers:
-                raise _HeadTooLarge(f"request head has more than {self.server.max_headers} header lines")
+            ex.chunk_waiting = True
+            ex.idle_chunk_bytes = 0
+
+    def on_chunk_complete(self) -> None:
+        ex = self.parsing
+        if ex is not None:
+            ex.chunk_waiting = False
 
     def _count_head(self, ex: Exchange, size: int) -> None:
         """The whole head's size, however it arrived (one read or many)."""
@@ -251,14 +277,9 @@ class ServerConnection(asyncio.Protocol):
                     length = int(value)
                 except ValueError:
                     length = 0  # the parser refuses a malformed length itself
-                if length > limit:
+                if length > limit:  # (nothing is reserved for it: the budget follows what arrives)
                     self._refuse(ex, 413, f"request body exceeds {limit} bytes")
                     return
-                if length > 0:
-                    if not self._reserve(ex, length):
-                        return
-                    if length > _PREALLOCATE_FROM:
-                        ex._buf = bytearray(length)
             elif key == b"expect" and value.lower() == b"100-continue":
                 ex.expect_continue = True
         if ex.expect_continue and ex.http_version == "1.1" and self.idle and self.transport is not None:
@@ -269,17 +290,14 @@ class ServerConnection(asyncio.Protocol):
         ex = self.parsing
         if ex is None or ex.refusal is not None:
             return
-        start = ex.body_size
+        ex.chunk_waiting = False
         ex.body_size += len(body)
         if ex.body_size > self.server.max_request_bytes:
             self._refuse(ex, 413, f"request body exceeds {self.server.max_request_bytes} bytes")
             return
-        if ex.body_size > ex.budget_held and not self._reserve(ex, ex.body_size - ex.budget_held):
-            return  # a chunked body: its budget grows as it arrives
-        if ex._buf is not None:
-            ex._buf[start:ex.body_size] = body
-        else:
-            ex.body_parts.append(body)
+        if not self._reserve(ex, len(body)):
+            return  # the budget grows with the bytes that arrived, whatever the head announced
+        ex.add_body(body)
 
     def _reserve(self, ex: Exchange, size: int) -> bool:
         """Take ``size`` more bytes of the server's body budget for ``ex``, or refuse it (503)."""
@@ -333,27 +351,24 @@ class ServerConnection(asyncio.Protocol):
             self._dispatch()
 
     def _bad_request(self, message: str, status: int = 400) -> None:
-        """Unparseable input: answered (unless a request is being answered, which then
-        ends the connection) and nothing more is read."""
-        self.stop_reading = True
-        for ex in (*self.queue, self.parsing):
-            if ex is not None:
-                ex.release_budget()
-        self.parsing = None
-        self.queue.clear()
-        if self.active is not None:
-            self.active.keep_alive = False
-            return
-        if self.transport is not None:
-            body = error_bytes(status, message)
-            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                                 b"connection: close\r\n\r\n%b" % (status, REASONS[status], len(body), body))
-        self._linger()
+        """Unparseable input: the request it was part of is dropped, nothing more is read, and
+        the requests read before it are answered in order before this refusal (which ends the
+        connection)."""
+        ex = self.parsing
+        if ex is not None:
+            ex.release_budget()
+            ex.drop_body()
+        self._cancel_head_timer()
+        self._refuse(Exchange(self), status, message)
 
     def _dispatch(self) -> None:
         ex = self.queue.popleft()
         self.active = ex
         self._update_reading()
+        if ex.refusal is not None and not ex.head_done:  # input no route could be told from: answered here
+            status, message = ex.refusal
+            ex.respond(status, [(b"content-type", JSON)], error_bytes(status, message), close=True)
+            return
         handler = self.server.routes.get(ex.raw_path.decode("latin-1"), self.server.fallback)  # the raw path
         ex.task = task = self.loop.create_task(handler(ex))
         task.add_done_callback(lambda t, ex=ex: self._handler_done(ex, t))

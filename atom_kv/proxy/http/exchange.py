@@ -59,14 +59,15 @@ class DateHeader:
 
 class Exchange:
     """One request and its answer. The request: ``method``, ``path`` (percent-decoded),
-    ``raw_path``, ``query``, ``headers`` (lower-case names, bytes), ``body``. When the
-    server refused the request itself (a too big or too slow body) ``refusal`` is
-    ``(status, message)`` and the handler only has to answer it. The answer goes out
-    through :meth:`respond` or :meth:`start_stream`/:meth:`write`/:meth:`end`."""
+    ``raw_path``, ``query``, ``headers`` (lower-case names, bytes; the head's only: a
+    chunked body's trailers are dropped), ``body``. When the server refused the request
+    itself (a too big or too slow body) ``refusal`` is ``(status, message)`` and the
+    handler only has to answer it. The answer goes out through :meth:`respond` or
+    :meth:`start_stream`/:meth:`write`/:meth:`end`."""
 
     __slots__ = ("conn", "method", "raw_target", "path", "raw_path", "query", "headers", "http_version",
                  "keep_alive", "body_parts", "body_size", "refusal", "head_size", "complete", "head_done",
-                 "expect_continue",
+                 "expect_continue", "trailer_lines", "chunk_waiting", "idle_chunk_bytes",
                  "_pending_head", "_chunked", "_finished", "_started", "task", "_producer", "_head_only", "_done",
                  "stalled", "_buf", "budget_held")
 
@@ -81,10 +82,13 @@ class Exchange:
         self.http_version = "1.1"
         self.keep_alive = True
         self.body_parts: list[bytes] = []
-        self._buf: bytearray | None = None  # the body, when its length was announced
+        self._buf: bytearray | None = None  # the body, once it came in more than one piece
         self.budget_held = 0  # bytes of the server's body budget this request holds
         self.body_size = 0
-        self.head_size = 0
+        self.head_size = 0  # the head's bytes, and its trailers' (see ServerConnection.on_header)
+        self.trailer_lines = 0
+        self.chunk_waiting = False  # a chunk's size line was read and none of its data yet (or: its trailers)
+        self.idle_chunk_bytes = 0  # bytes read in that state since (see ServerConnection.data_received)
         self.stalled = False  # dropped because the client read nothing for ``stall_timeout``
         self.refusal: tuple[int, str] | None = None
         self.complete = False  # the whole request (head and body) is in, or it was refused
@@ -105,6 +109,19 @@ class Exchange:
         if self._buf is not None:
             return self._buf
         return self.body
+
+    def add_body(self, piece: bytes) -> None:
+        """One more piece of the body as it arrived: the first is kept as it is, later ones are
+        appended to one buffer that grows with them (never sized by what the head announced)."""
+        buf = self._buf
+        if buf is not None:
+            buf += piece
+        elif not self.body_parts:
+            self.body_parts.append(piece)
+        else:
+            self._buf = bytearray(self.body_parts[0])
+            self._buf += piece
+            self.body_parts = []
 
     def drop_body(self) -> None:
         """Forget the raw body (once parsed): its memory goes back before the answer ends."""

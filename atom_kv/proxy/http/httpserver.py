@@ -13,8 +13,9 @@ Quart app through a minimal ASGI bridge (:mod:`atom_kv.proxy.http.asgi_bridge`).
 (:class:`~atom_kv.proxy.http.exchange.Exchange` one request and its answer):
 
 - keep-alive, and pipelined requests answered in order, one at a time (reading
-  pauses while one waits); the next one is not answered, and nothing more is
-  read, while the client's socket buffer is above its high-water mark (a client
+  pauses while one waits); a malformed request (400, 431) is answered after
+  the requests read before it, and ends the connection; the next one is not
+  answered, and nothing more is read, while the client's socket buffer is above its high-water mark (a client
   that pipelines and never reads costs one buffer, not a growing heap); at most
   ``max_pipelined`` wait per connection (429 and the connection ends past it);
 - a client that reads nothing for ``stall_timeout`` while an answer waits in
@@ -26,13 +27,17 @@ Quart app through a minimal ASGI bridge (:mod:`atom_kv.proxy.http.asgi_bridge`).
   ``max_head_bytes`` in all and ``max_headers`` header lines, however it is
   split across reads, else the connection is closed (431 when too big);
 - requests are routed on the raw path (never percent-decoded); an encoded
-  slash (``%2F``, ``%5C``) in it is refused (400);
+  slash (``%2F``, ``%5C``) in it is refused (400); the fallback (the ASGI
+  bridge) answers 404 to any path that is not plain origin-form;
 - a body must arrive within ``body_timeout`` (else 408) and stay within
   ``max_request_bytes`` (else 413, at once when ``Content-Length`` says so);
   all bodies held at once (read or being read, until their answer ends) stay
-  within ``body_budget`` bytes, else 503 (at once when ``Content-Length`` says
-  so); a body whose length is announced is read into one buffer of that size
-  (no second copy to join its pieces);
+  within ``body_budget`` bytes, else 503; the budget counts the bytes that
+  arrived, piece by piece, never what ``Content-Length`` announced (a head
+  alone reserves nothing), and a body's pieces go into one buffer that grows
+  with them (no second copy to join them);
+  a chunked body's trailers count against the head's limits and are dropped
+  (never headers of the request);
   ``Expect: 100-continue`` is answered;
 - answers: fixed length (:meth:`Exchange.respond`), or streamed
   (:meth:`Exchange.start_stream` then :meth:`Exchange.write` per piece: one
