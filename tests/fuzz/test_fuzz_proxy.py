@@ -212,7 +212,7 @@ _garbage = st.binary(max_size=400) | st.sampled_from([
 @given(good=st.integers(1, 3), tail=_garbage)
 def test_requests_read_before_anything_are_answered_first_and_in_order(target, good, tail):
     """Whatever follows them in the same write, the requests before it get their own answers, in order."""
-    data = b"".join(b"GET /v1/models HTTP/1.1\r\nHost: fuzz\r\nX-Request-Id: good-%d\r\n\r\n" % i
+    data = b"".join(b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Request-Id: good-%d\r\n\r\n" % i
                     for i in range(good))
     answers = _answers(target.proxy.port, data + tail, good)
     assert [(status, headers.get(b"x-request-id")) for status, headers in answers] == \
@@ -235,7 +235,7 @@ def test_chunked_trailers_are_dropped(target, prompt, cuts, trailers, trailer_id
             at += cut
     chunks.append(body[at:])
     lines = [(k, v) for k, v in trailers] + [("X-Request-Id", "trailer-" + trailer_id)]
-    data = (b"POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
+    data = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
             + b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in chunks if c)
             + b"0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in lines).encode("latin-1") + b"\r\n")
@@ -262,7 +262,7 @@ def _spellings(path: str) -> st.SearchStrategy[str]:
 @given(route=st.sampled_from(["/instances", "/metrics", "/health"]).flatmap(_spellings),
        method=st.sampled_from(["GET", "POST"]))
 def test_management_routes_answer_only_their_raw_path(target, route, method):
-    data = (f"{method} {route} HTTP/1.1\r\nHost: fuzz\r\nAuthorization: Bearer {ADMIN}\r\n"
+    data = (f"{method} {route} HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer {ADMIN}\r\n"
             "Content-Length: 0\r\n\r\n").encode()
     assert _status_of(target.proxy.port, data) == 404, route
 

@@ -26,7 +26,7 @@ MiB = 1 << 20
 
 
 def _completion(body: bytes, extra: bytes = b"") -> bytes:
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%b"
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%b"
             b"Content-Length: %d\r\n\r\n%b" % (extra, len(body), body))
 
 
@@ -57,7 +57,7 @@ def test_heads_that_announce_large_bodies_take_neither_the_budget_nor_memory():
             sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
             held.append(sock)
             # the head only; its 100 Continue says the proxy has taken it (and whatever it reserves for it)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                          b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % announced)
             assert _recv_until(sock, b"\r\n\r\n").startswith(b"HTTP/1.1 100 ")
         grown = rss_bytes(proxy.proc.pid) - before
@@ -84,7 +84,7 @@ async def test_trailers_never_become_headers(pd_pair):
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.settings.port)
     try:
         for head_id in (b"", b"X-Request-Id: from-the-head\r\n"):
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%b"
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n%b"
                          b"Transfer-Encoding: chunked\r\n\r\n" % head_id
                          + b"%x\r\n%b\r\n" % (10, body[:10]) + b"%x\r\n%b\r\n" % (len(body) - 10, body[10:])
                          + b"0\r\nAuthorization: Bearer from-the-trailer\r\nX-Request-Id: from-the-trailer\r\n\r\n")
@@ -107,7 +107,7 @@ async def test_trailers_count_against_the_head_limits(make_proxy):
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.settings.port)
     try:
         trailers = b"".join(b"X-T%d: y\r\n" % i for i in range(500))
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
                      b"2\r\n{}\r\n0\r\n" + trailers + b"\r\n")
         status, headers, _ = await read_response(reader)
         assert status == 431 and headers["connection"] == "close"
@@ -121,7 +121,7 @@ async def test_a_trailer_that_never_ends_is_cut_at_the_head_limit(make_proxy):
     proxy = await make_proxy()
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.settings.port)
     try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
                      b"2\r\n{}\r\n0\r\nX-Trailer: ")
         piece = b"a" * (64 << 10)
         try:
@@ -161,10 +161,10 @@ async def test_management_routes_match_the_raw_path_exactly(pd_pair, token):
     port = proxy.settings.port
     auth = b"Authorization: Bearer %b\r\n" % token.encode() if token else b""
     for path in (b"/instances", b"/metrics", b"/health"):
-        assert await _status(port, b"GET %b HTTP/1.1\r\nHost: x\r\n%b\r\n" % (path, auth)) == 200, path
+        assert await _status(port, b"GET %b HTTP/1.1\r\nHost: localhost\r\n%b\r\n" % (path, auth)) == 200, path
     for path in _SPELLINGS:
         for method in (b"GET", b"HEAD"):
-            request = b"%b %b HTTP/1.1\r\nHost: x\r\n%b\r\n" % (method, path, auth)
+            request = b"%b %b HTTP/1.1\r\nHost: localhost\r\n%b\r\n" % (method, path, auth)
             assert await _status(port, request) == 404, request
 
 
@@ -189,7 +189,7 @@ async def test_requests_read_before_a_malformed_one_are_answered_first(pd_pair):
     good request."""
     proxy, p, _ = await pd_pair()
     port = proxy.settings.port
-    good = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    good = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
     answers = await _answers(port, good + b"HELLO THERE\r\n\r\n")
     assert [a[0] for a in answers] == [200, 400]
     assert json.loads(answers[0][2])["status"] == "ok" and answers[0][1].get("connection") != "close"
@@ -198,20 +198,20 @@ async def test_requests_read_before_a_malformed_one_are_answered_first(pd_pair):
     body = b'{"prompt": "a", "max_tokens": 2}'
     answers = await _answers(port, _completion(body, b"X-Request-Id: one\r\n") + good
                              + _completion(body, b"X-Request-Id: two\r\n")
-                             + b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+                             + b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
     assert [a[0] for a in answers] == [200, 200, 200, 400]
     assert [answers[0][1]["x-request-id"], answers[2][1]["x-request-id"]] == ["one", "two"]
     assert [x.request_id for x in p.received] == ["one", "two"]
 
     many = b"".join(b"X-%d: y\r\n" % i for i in range(500))  # a head over the header-line limit: 431
-    answers = await _answers(port, good + good + b"GET /health HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")
+    answers = await _answers(port, good + good + b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + many + b"\r\n")
     assert [a[0] for a in answers] == [200, 200, 431]
 
 
 async def test_requests_read_before_an_upgrade_are_answered_and_it_ends_the_connection(pd_pair):
     proxy, _, _ = await pd_pair()
-    good = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-    upgrade = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n"
+    good = b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    upgrade = b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n"
     answers = await _answers(proxy.settings.port, good + good + upgrade + good)
     assert [a[0] for a in answers] == [200, 200, 200]  # the one after the upgrade is never read
     assert [a[1].get("connection") for a in answers] == [None, None, "close"]
