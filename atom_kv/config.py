@@ -23,8 +23,10 @@ from typing import Annotated, Any, Literal, Mapping, Optional, Union, get_args, 
 import msgspec
 
 from atom_kv._netaddr import is_unspecified, parse_port_range
+from atom_kv.token_sources import TokenSource, TokenSourceError, inline_warning, read_token_file, resolve_token
 
 __all__ = [
+    "AUTH_TOKEN_ENV",
     "MAX_PORT",
     "MAX_RANGES_PER_REQUEST",
     "ConfigError",
@@ -296,6 +298,8 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     transfer_retry_backoff_ms: NonNegativeFloat = 50.0
     peer_failure_threshold: PositiveInt = 3
     auth_token: Optional[str] = None
+    # a file holding auth_token (mode 0600; read at construction when auth_token is unset)
+    auth_token_file: Optional[NonEmptyStr] = None
     auth_window_s: PositiveSeconds = 30.0
     auth_replay_entries: PositiveInt = 65536
     tcp_streams: PositiveInt = 4
@@ -343,6 +347,11 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             raise ConfigError(str(exc)) from None
         for name, value in values.items():
             setattr(self, name, value)  # e.g. an int given for a float key becomes a float
+        if self.auth_token is None and self.auth_token_file is not None:
+            try:
+                self.auth_token = read_token_file(self.auth_token_file, "`auth_token_file`")
+            except TokenSourceError as exc:
+                raise ConfigError(str(exc)) from None
         if self.post_batch_size == 0:  # the one rule a range cannot say
             raise ConfigError(f"`post_batch_size` must be {_POST_BATCH_SIZE}, got 0")
         self._check_shares()
@@ -387,6 +396,10 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
         A mapping without ``kv_role`` takes ``default_role`` (only an engine
         whose own default that is passes one), else is refused.
+
+        The token: ``auth_token`` and ``auth_token_file`` together are refused;
+        ``auth_token`` inline logs one warning naming ``auth_token_file``; with
+        neither, :data:`AUTH_TOKEN_ENV` is read (atom_kv.token_sources).
         """
         if not isinstance(data, dict):
             raise ConfigError(
@@ -410,15 +423,46 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 raise ConfigError(KV_ROLE_REQUIRED)
             data = {**data, "kv_role": default_role}
         try:
-            return cls(**data)
+            return cls(**_with_auth_token(data))
         except ConfigError as exc:
             raise ConfigError(f"kv-transfer-config: {exc}") from None
+
+    @classmethod
+    def from_resolved(cls, data: Mapping[str, Any]) -> "KVTransferConfig":
+        """A config this package built, back from :meth:`to_dict` (e.g. in a rank's process): validated
+        again, its token as resolved then (no file or variable read, no warning)."""
+        return msgspec.convert(data, cls)
 
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+#: the engines' ``auth_token`` when the config gives neither ``auth_token`` nor ``auth_token_file``
+AUTH_TOKEN_ENV = "ATOM_KV_AUTH_TOKEN"
+
+
+def _with_auth_token(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with its token resolved (atom_kv.token_sources): ``auth_token_file`` read, else
+    ``auth_token`` as given (with one warning), else :data:`AUTH_TOKEN_ENV`."""
+    path = data.get("auth_token_file")
+    if path is not None:
+        try:
+            convert_fields({"auth_token_file": path}, KVTransferConfig)
+        except FieldError as exc:
+            raise ConfigError(str(exc)) from None
+    try:
+        token = resolve_token(inline=data.get("auth_token"), file=path, env=AUTH_TOKEN_ENV,
+                              inline_name="`auth_token`", file_name="`auth_token_file`")
+    except TokenSourceError as exc:
+        raise ConfigError(str(exc)) from None
+    if token.source is TokenSource.INLINE:
+        log.warning("kv-transfer-config: %s", inline_warning("`auth_token`", "`auth_token_file`", AUTH_TOKEN_ENV))
+    if token.source in (TokenSource.FILE, TokenSource.ENV):
+        return {**data, "auth_token": token.value}
+    return data
 
 
 def _check_listener_keys(cfg: "KVTransferConfig") -> None:

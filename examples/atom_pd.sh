@@ -20,9 +20,12 @@ POLICY=${POLICY:-recompute}              # or fail
 P_TP=${P_TP:-1}; P_GPUS=${P_GPUS:-0}
 D_TP=${D_TP:-1}; D_GPUS=${D_GPUS:-1}
 LOGS=${LOGS:-atom-pd-logs}
-# the cluster secret: the proxy's --registration-token and every engine's auth_token (docs/security.md)
-AUTH_TOKEN=${AUTH_TOKEN:-$(openssl rand -hex 32)}
 mkdir -p "$LOGS"
+# the cluster secret, in a file only you can read (docs/security.md): the proxy's --registration-token-file
+# and every engine's auth_token_file, so no process list shows it. TOKEN_FILE names your own; else
+# $LOGS/token is made once and kept.
+TOKEN_FILE=${TOKEN_FILE:-$(cd "$LOGS" && pwd)/token}
+[ -s "$TOKEN_FILE" ] || (umask 077; openssl rand -hex 32 > "$TOKEN_FILE")
 
 pids=()
 cleanup() {
@@ -39,12 +42,12 @@ trap cleanup EXIT INT TERM
 }
 
 kv_config() {  # role handshake_port http_port
-  printf '{"kv_connector": "atom_kv", "kv_role": "%s", "backend": "%s", "handshake_port": %d, "http_port": %d, "proxy_ip": "%s", "proxy_ping_port": %d, "load_failure_policy": "%s", "auth_token": "%s"}' \
-    "$1" "$BACKEND" "$2" "$3" "$HOST_IP" "$DISCOVERY_PORT" "$POLICY" "$AUTH_TOKEN"
+  printf '{"kv_connector": "atom_kv", "kv_role": "%s", "backend": "%s", "handshake_port": %d, "http_port": %d, "proxy_ip": "%s", "proxy_ping_port": %d, "load_failure_policy": "%s", "auth_token_file": "%s"}' \
+    "$1" "$BACKEND" "$2" "$3" "$HOST_IP" "$DISCOVERY_PORT" "$POLICY" "$TOKEN_FILE"
 }
 
 "$PY" -m atom_kv.proxy --host "$HOST_IP" --port "$PROXY_PORT" --discovery-port "$DISCOVERY_PORT" \
-  --registration-token "$AUTH_TOKEN" \
+  --registration-token-file "$TOKEN_FILE" \
   >"$LOGS/proxy.log" 2>&1 & pids+=($!)
 
 # ATOM's --port is its internal engine port: distinct per server on one host.

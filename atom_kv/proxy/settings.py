@@ -160,7 +160,7 @@ class ProxySettings:
             raise ValueError(
                 f"registration_token: discovery on {self.discovery_bind_host or 'every address'} (not loopback) "
                 "would let anyone who reaches it register an engine and receive client requests: set "
-                "--registration-token (the engines' auth_token), or --allow-open-registration to accept unsigned "
+                "--registration-token-file (the engines' auth_token), or --allow-open-registration to accept unsigned "
                 "pings anyway, or --discovery-host 127.0.0.1")
 
     @property

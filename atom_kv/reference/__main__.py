@@ -152,6 +152,8 @@ def _plan_error(kv_config: Any, args: argparse.Namespace) -> Optional[str]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    # before the config: reading it may warn (an inline auth_token)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         kv_config = parse_kv_transfer_config(args.kv_transfer_config)
     except ConfigError as exc:
@@ -194,7 +196,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     if kv_config is not None and (why := _plan_error(kv_config, args)) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from atom_kv.reference.dp import DataParallelEngine
     from atom_kv.reference.engine import EngineArgs
     from atom_kv.reference.server import OutputRouter

@@ -69,7 +69,7 @@ class ModelRunner:
             from atom_kv.config import KVTransferConfig
             from atom_kv.engine_hooks import CompatInfo
 
-            config = KVTransferConfig.from_dict(__import__("json").loads(spec.kv_config_json))
+            config = KVTransferConfig.from_resolved(__import__("json").loads(spec.kv_config_json))
             compat = CompatInfo(
                 model_id=spec.model_id,
                 dtype="float32",

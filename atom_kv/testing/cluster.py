@@ -6,9 +6,13 @@ handshake ports are still picked free beforehand (those servers cannot
 report a port yet).
 
 Registration is signed, as in production: by default the cluster makes up a
-secret, passed as the proxies' ``--registration-token`` and every P/D
-engine's ``auth_token``. ``token=None`` runs without one, and then the
-proxies are started with ``--allow-open-registration`` (said explicitly).
+secret and writes it to a file only its owner may read (``token_file``, in the
+log directory), given to the proxies as ``--registration-token-file`` and to
+every P/D engine as ``auth_token_file``, so no process list shows it. An
+engine spec or proxy flags that set the token themselves (``auth_token``,
+``--registration-token``: the inline form) are left as they are.
+``token=None`` runs without one, and then the proxies are started with
+``--allow-open-registration`` (said explicitly).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any, Optional
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.ports import free_plan_base, free_port
 from atom_kv.testing.processes import ManagedProcess, interrupts_held
+from atom_kv.testing.token_files import write_token_file
 from atom_kv.testing.web import http_json
 
 __all__ = ["EngineSpec", "Cluster", "AUTO_TOKEN"]
@@ -66,6 +71,9 @@ class Cluster:
         self.extra_proxies: list[ManagedProcess] = []
         self.extra_ports: list[tuple[int, int]] = []  # (HTTP, discovery) of each extra proxy
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="atom-kv-cluster-")
+        #: the file holding the token (mode 0600), None without a token
+        self.token_file = (write_token_file(os.path.join(self.log_dir, "token"), self.token)
+                           if self.token is not None else None)
         self.proxy: Optional[ManagedProcess] = None
         self.proxy_port = 0
         self.discovery_port = 0
@@ -84,8 +92,8 @@ class Cluster:
             "handshake_port": free_plan_base(spec.tp * spec.dp),  # its whole default port plan is free
             "ping_interval_s": self.ping_interval_s,
         }
-        if self.token is not None:
-            cfg["auth_token"] = self.token
+        if self.token_file is not None and not {"auth_token", "auth_token_file"} & set(spec.extra_config):
+            cfg["auth_token_file"] = self.token_file
         if self.with_proxy and spec.register:
             cfg["proxy_ip"] = ",".join(f"127.0.0.1:{d}" for d in [self.discovery_port] + [d for _, d in self.extra_ports])
             cfg["proxy_ping_port"] = self.discovery_port
@@ -117,11 +125,14 @@ class Cluster:
             else:
                 self.engines.append(proc)
 
-    def _registration_args(self) -> list[str]:
-        """How a proxy of this cluster accepts registration: the token, or open registration said explicitly."""
-        if self.token is not None:
-            return ["--registration-token", self.token]
-        return ["--allow-open-registration"]
+    def _registration_args(self, extra: list[str]) -> list[str]:
+        """How a proxy with flags ``extra`` accepts registration: the token's file (unless ``extra`` gives the
+        token), or open registration said explicitly."""
+        if self.token_file is None:
+            return ["--allow-open-registration"]
+        if {"--registration-token", "--registration-token-file"} & set(extra):
+            return []
+        return ["--registration-token-file", self.token_file]
 
     def start(self, timeout: float = 90.0) -> "Cluster":
         try:
@@ -131,16 +142,16 @@ class Cluster:
                     self.proxy = ManagedProcess("proxy", [
                         sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.proxy_port),
                         "--discovery-host", "127.0.0.1", "--discovery-port", str(self.discovery_port),
-                        "--heartbeat-timeout", str(self.heartbeat_timeout), *self._registration_args(),
-                        *self.proxy_args], self.log_dir)
+                        "--heartbeat-timeout", str(self.heartbeat_timeout),
+                        *self._registration_args(self.proxy_args), *self.proxy_args], self.log_dir)
                 for n, args in enumerate(self.extra_proxy_args):
                     ports = (free_port(), free_port())
                     with interrupts_held():
                         self.extra_proxies.append(ManagedProcess(f"proxy{n + 1}", [
                             sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(ports[0]),
                             "--discovery-host", "127.0.0.1", "--discovery-port", str(ports[1]),
-                            "--heartbeat-timeout", str(self.heartbeat_timeout), *self._registration_args(),
-                            *args], self.log_dir))
+                            "--heartbeat-timeout", str(self.heartbeat_timeout),
+                            *self._registration_args(args), *args], self.log_dir))
                         self.extra_ports.append(ports)
             self.ports = [0] * len(self.specs)
             self._configs = [self._engine_config(i) for i in range(len(self.specs))]

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.ports import free_plan_base, free_port
 from atom_kv.testing.processes import REPO_ROOT, ManagedProcess
+from atom_kv.testing.token_files import write_token_file
 from atom_kv.testing.web import http_json, scrape_metrics
 
 __all__ = ["DEFAULT_KV_CACHE_BYTES", "ENGINES", "NIXL_ENGINES", "NIXL_PROXY", "NIXL_ROUTER", "VllmServers", "memory_problem",
@@ -86,6 +87,7 @@ class VllmServers:
         self.log_dir = log_dir
         self.model = model
         self.token = token
+        self.token_file = write_token_file(os.path.join(log_dir, "token"), token)  # off every command line
         self.vllm_python = vllm_python
         self.proxy_python = proxy_python
         self.engines = ENGINES + (NIXL_ENGINES if nixl_pair else ())
@@ -128,14 +130,14 @@ class VllmServers:
             self.procs[name] = ManagedProcess(name, [
                 self.proxy_python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports[name]),
                 "--discovery-host", "127.0.0.1", "--discovery-port", str(self.discovery_ports[name]),
-                "--registration-token", self.token, "--heartbeat-timeout", "10", *args], self.log_dir)
+                "--registration-token-file", self.token_file, "--heartbeat-timeout", "10", *args], self.log_dir)
         proxy_ip = ",".join(f"127.0.0.1:{port}" for port in self.discovery_ports.values())
         for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
             self._vllm(name, {
                 "kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm",
                 "kv_role": role, "kv_connector_extra_config": {
                     "handshake_port": free_plan_base(1), "host_ip": "127.0.0.1", "proxy_ip": proxy_ip,
-                    "http_port": self.ports[name], "ping_interval_s": 1.0, "auth_token": self.token,
+                    "http_port": self.ports[name], "ping_interval_s": 1.0, "auth_token_file": self.token_file,
                     **self.extra_config}})
         self._vllm("plain", None)
         if self.nixl_pair:
@@ -153,7 +155,7 @@ class VllmServers:
                        env=[f"VLLM_NIXL_SIDE_CHANNEL_PORT={free_port()}", "VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1"])
         self.procs[NIXL_PROXY] = ManagedProcess(NIXL_PROXY, [
             self.proxy_python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports[NIXL_PROXY]),
-            "--discovery-port", "0", "--registration-token", self.token, "--no-release",
+            "--discovery-port", "0", "--registration-token-file", self.token_file, "--no-release",
             "--prefill", self.url("nixl_prefill"), "--decode", self.url("nixl_decode")], self.log_dir)
         if self.nixl_router:
             self.procs[NIXL_ROUTER] = ManagedProcess(NIXL_ROUTER, [

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from atom_kv.testing.listeners import listeners
-from atom_kv.config import KVTransferConfig
+from atom_kv.config import AUTH_TOKEN_ENV, KVTransferConfig
 from atom_kv.ports import planned_ports
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.ports import free_plan_base
@@ -69,9 +69,10 @@ def test_a_pd_pair_listens_on_exactly_its_planned_ports():
 
 
 def _engine(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
-    config = {"kv_role": "kv_producer", "auth_token": TOKEN, "handshake_port": 0}
+    config = {"kv_role": "kv_producer", "handshake_port": 0}  # the token from the variable: no inline warning
     return subprocess.run([sys.executable, "-m", "atom_kv.reference", "--port", "0", "--kv-transfer-config",
-                           json.dumps(config), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
+                           json.dumps(config), *args], capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT,
+                          env={**os.environ, AUTH_TOKEN_ENV: TOKEN})
 
 
 def test_an_unspecified_address_is_refused_in_one_line_naming_advertise_host():

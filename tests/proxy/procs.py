@@ -53,15 +53,17 @@ class _LineReader:
 
 
 class ProxyProcess:
-    """``python -m atom_kv.proxy`` on port 0; reads its ports back from its ready line."""
+    """``python -m atom_kv.proxy`` on port 0; reads its ports back from its ready line. ``env``: variables
+    added to its environment."""
 
-    def __init__(self, *args: str, timeout: float = 15.0, host: str | None = "127.0.0.1") -> None:
+    def __init__(self, *args: str, timeout: float = 15.0, host: str | None = "127.0.0.1",
+                 env: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "atom_kv.proxy", *(("--host", host) if host is not None else ()), "--port", "0",
                *args]
         if "--no-discovery" not in args and "--discovery-port" not in args:
             cmd += ["--discovery-port", "0"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**ENV, **(env or {})}, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
         self.output = _LineReader(self.proc.stderr, "test-proxy-stderr")
         try:
             match = self.output.wait_for(self.proc, _READY, timeout)
