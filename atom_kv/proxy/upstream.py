@@ -2,10 +2,11 @@
 
 from atom_kv.proxy.http.upstream import (
     AnswerLimits, BodyConsumer, UpstreamConnectionError, UpstreamConnectTimeout, UpstreamError, UpstreamPool,
-    UpstreamResponse, UpstreamTimeout, UpstreamTooLarge,
+    UpstreamProtocolError, UpstreamResponse, UpstreamTimeout, UpstreamTooLarge,
 )
 
 __all__ = [
     "UpstreamPool", "UpstreamResponse", "BodyConsumer", "UpstreamError", "UpstreamConnectTimeout",
-    "UpstreamTimeout", "UpstreamConnectionError", "UpstreamTooLarge", "AnswerLimits",
+    "UpstreamTimeout", "UpstreamConnectionError", "UpstreamProtocolError", "UpstreamTooLarge",
+    "AnswerLimits",
 ]

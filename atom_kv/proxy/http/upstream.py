@@ -29,11 +29,24 @@ so it never sees one in pieces. A ``Server-Timing`` value over
 answer read whole; a streamed one is handed on as it arrives) fails the
 exchange, at once when its ``Content-Length`` says so.
 
+An exchange's answer is always a final one (200..599): interim answers (1xx:
+``100 Continue``, ``103 Early Hints``, ...) are read past and dropped, never
+returned (a caller that took one for the answer would leave the real answer
+unread on a pooled connection, for the next request to read as its own). A
+101, or any upgrade, fails the exchange at once and closes its connection,
+as does an interim answer that announces a body or comes past
+``AnswerLimits.interim`` (16). The heads of one answer, interim ones
+included, share ``max_head_bytes``. Trailers are dropped, and bytes after the
+end of an answer close its connection rather than wait in the pool for the
+next request.
+
 Failures are :class:`UpstreamError` subclasses: :class:`UpstreamConnectTimeout`,
 :class:`UpstreamTimeout` (a :class:`TimeoutError`),
 :class:`UpstreamConnectionError` (a :class:`ConnectionError`: refused, reset,
-closed before the answer ended, or not HTTP) and :class:`UpstreamTooLarge`
-(an answer over the bounds above; the message names the proxy flag).
+closed before the answer ended), :class:`UpstreamProtocolError` (an
+:class:`UpstreamConnectionError` too: not HTTP, an upgrade, or a refused
+interim answer, as above) and :class:`UpstreamTooLarge` (an answer over the
+bounds above; the message names the proxy flag).
 """
 
 from __future__ import annotations
@@ -44,13 +57,13 @@ import socket
 from collections import deque
 
 from atom_kv.proxy.http.upstream_answer import (
-    AnswerLimits, BodyConsumer, UpstreamConnectionError, UpstreamConnectTimeout, UpstreamError, UpstreamResponse,
-    UpstreamTimeout, UpstreamTooLarge,
+    AnswerLimits, BodyConsumer, UpstreamConnectionError, UpstreamConnectTimeout, UpstreamError, UpstreamProtocolError,
+    UpstreamResponse, UpstreamTimeout, UpstreamTooLarge,
 )
 
 __all__ = [
     "UpstreamPool", "UpstreamResponse", "BodyConsumer", "UpstreamError", "UpstreamConnectTimeout",
-    "UpstreamTimeout", "UpstreamConnectionError", "UpstreamTooLarge", "AnswerLimits",
+    "UpstreamTimeout", "UpstreamConnectionError", "UpstreamProtocolError", "UpstreamTooLarge", "AnswerLimits",
 ]
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,13 @@
 """The answer side of the proxy's upstream client (:mod:`atom_kv.proxy.http.upstream`): one
 exchange's :class:`UpstreamResponse` (status, headers, then a body read whole or streamed to a
 :class:`BodyConsumer`), the bounds on an engine's answer (:class:`AnswerLimits`) and the
-:class:`UpstreamError` family every failure is."""
+:class:`UpstreamError` family every failure is.
+
+Only a final answer (200..599) is ever an exchange's answer. Interim (1xx) answers before it are read
+past and dropped, each fed to the parser on its own and bounded with the final head; a 101 (an
+upgrade), an interim answer that announces a body, or a status outside 100..599 is an
+:class:`UpstreamProtocolError`. Bytes after the end of the answer, and a trailer, are never read as
+the next answer or as a header: a connection that carried either is closed, not pooled."""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ import httptools
 
 __all__ = [
     "AnswerLimits", "BodyConsumer", "Carrier", "UpstreamConnectTimeout", "UpstreamConnectionError", "UpstreamError",
-    "UpstreamResponse", "UpstreamTimeout", "UpstreamTooLarge",
+    "UpstreamProtocolError", "UpstreamResponse", "UpstreamTimeout", "UpstreamTooLarge",
 ]
 
 class UpstreamError(Exception):
@@ -28,7 +34,16 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
 
 
 class UpstreamConnectionError(UpstreamError, ConnectionError):
-    """Refused, reset or closed before the answer ended, or the answer was not HTTP."""
+    """Refused, reset or closed before the answer ended, or (an :class:`UpstreamProtocolError`) not HTTP."""
+
+
+class UpstreamProtocolError(UpstreamConnectionError):
+    """The answer broke HTTP/1.1 as the proxy speaks it: not HTTP, a 101 or other upgrade, an interim
+    (1xx) answer with a body or past the bound, a status outside 100..599. Its connection is closed."""
+
+
+class _StopParsing(Exception):
+    """Raised in a parser callback to stop the parser at once (the reason is the response's ``_refused``)."""
 
 
 class UpstreamTooLarge(UpstreamError):
@@ -36,18 +51,31 @@ class UpstreamTooLarge(UpstreamError):
 
 
 class AnswerLimits:
-    """The bounds on one engine answer (see the module doc); the flags that set them name them in errors."""
+    """The bounds on one engine answer (see the module doc); the flags that set them name them in errors.
+    ``head`` bounds the answer's heads together, its interim (1xx) ones included; ``interim`` is the
+    most interim answers taken before the final one."""
 
-    __slots__ = ("head", "body", "server_timing")
+    __slots__ = ("head", "body", "server_timing", "interim")
 
-    def __init__(self, head: int = 64 * 1024, body: int = 64 * 1024 * 1024, server_timing: int = 4096) -> None:
+    def __init__(self, head: int = 64 * 1024, body: int = 64 * 1024 * 1024, server_timing: int = 4096,
+                 interim: int = 16) -> None:
         self.head = head
         self.body = body
         self.server_timing = server_timing
+        self.interim = interim
 
 
 _SERVER_TIMING = "server-timing"
 _HEAD_END = b"\r\n\r\n"
+_FINAL_FIRST_DIGITS = (b"2", b"3", b"4", b"5")
+
+
+def _final_status_line(data: bytes | bytearray, pos: int) -> bool:
+    """Whether the head at ``pos`` opens with a final status line (``HTTP/1.x 2..5xx``), which the parser
+    may take in one feed with what follows it. Anything else is fed alone up to its head's end: the
+    parser rejects any other spelling of a final status line, so this never takes an interim one."""
+    return (data[pos + 9:pos + 10] in _FINAL_FIRST_DIGITS and data[pos + 8:pos + 9] == b" "
+            and data.startswith(b"HTTP/1.", pos))
 
 
 class BodyConsumer(Protocol):
@@ -79,14 +107,14 @@ class Carrier(Protocol):
 
 
 class UpstreamResponse:
-    """One exchange on one connection: the answer's status and headers, then its body
-    (:meth:`read` it whole, or :meth:`stream` it to a consumer). Owns the connection
-    until the body ends or :meth:`close` is called."""
+    """One exchange on one connection: the final answer's status (200..599) and headers, then its
+    body (:meth:`read` it whole, or :meth:`stream` it to a consumer); interim (1xx) answers are
+    read past (see the module doc). Owns the connection until the body ends or :meth:`close` is called."""
 
     __slots__ = ("status", "headers", "_conn", "_loop", "_parser", "_body", "_waiter", "_consumer",
                  "_headers_done", "_complete", "_failed", "_released", "_whole", "_timer", "_deadline",
                  "_read_timeout", "_last_read", "_length_known", "_keep_alive", "_got_bytes", "_paused",
-                 "_limits", "_head_buf", "_held", "_too_large")
+                 "_limits", "_head_buf", "_held", "_too_large", "_heads_seen", "_interims", "_refused")
 
     def __init__(self, conn: "Carrier", whole: bool, read_timeout: float | None,
                  total_timeout: float | None) -> None:
@@ -97,6 +125,9 @@ class UpstreamResponse:
         self._head_buf: bytearray | None = None  # a head split over reads, until its end arrives
         self._held = 0  # body bytes held in ``_body``
         self._too_large: str | None = None  # set by a parser callback, failed after the feed
+        self._heads_seen = 0  # bytes of the interim heads fed so far (bounded with the final head)
+        self._interims = 0  # interim (1xx) answers read past
+        self._refused: str | None = None  # why a parser callback stopped the parser (a protocol error)
         self.status = 0
         self.headers: dict[str, str] = {}
         self._body: list[bytes] = []
@@ -153,7 +184,13 @@ class UpstreamResponse:
             self._timer = None
 
     # ------------------------------------------------------------------ parser callbacks
+    def on_message_begin(self) -> None:
+        if self._complete:  # more after the end of the answer: not an answer to anything we asked
+            raise _StopParsing
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._headers_done:
+            return  # a trailer (after a chunked body): never one of the answer's headers
         key = name.decode("latin-1").lower()
         if key in ("content-length", "transfer-encoding"):
             self._length_known = True
@@ -162,7 +199,13 @@ class UpstreamResponse:
         self.headers[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if status < 200:
+            self._interim(status)
+            return
+        if status > 599:
+            self._refuse(f"the engine answered status {status}, outside 100..599")
+        self.status = status
         self._headers_done = True
         length = self.headers.get("content-length", "")
         if self._whole and length.isdigit() and int(length) > self._limits.body:
@@ -170,6 +213,25 @@ class UpstreamResponse:
             return
         if not self._whole:
             self._wake()
+
+    def _interim(self, status: int) -> None:
+        """An interim (1xx) head: checked and dropped (the final answer follows), or refused."""
+        if status < 100:
+            self._refuse(f"the engine answered status {status}, outside 100..599")
+        if status == 101 or self._parser.should_upgrade():
+            self._refuse(f"the engine answered {status} (Switching Protocols), an upgrade the proxy never asks for: "
+                         "it speaks only HTTP/1.1 to engines (is an engine listening at that address?)")
+        if "transfer-encoding" in self.headers or self.headers.get("content-length", "0").strip() != "0":
+            self._refuse(f"the engine's interim answer {status} announces a body (an interim answer has none)")
+        self._interims += 1
+        if self._interims > self._limits.interim:
+            self._refuse(f"the engine sent more than {self._limits.interim} interim (1xx) answers")
+        self.headers = {}  # none of an interim answer's headers is the final answer's
+        self._length_known = False
+
+    def _refuse(self, why: str) -> None:
+        self._refused = why
+        raise _StopParsing
 
     def on_body(self, body: bytes) -> None:
         if self._too_large is not None:
@@ -183,29 +245,55 @@ class UpstreamResponse:
     def _body_error(self, what: str) -> str:
         return f"the engine's answer {what}, over --max-upstream-body-bytes ({self._limits.body})"
 
-    def _whole_head(self, data: bytes) -> bytes | None:
-        """``data`` with the head before it once the head's end is in (what the parser gets next);
-        None while it is not (``data`` is kept). Raises :class:`UpstreamTooLarge` past the bound."""
+    def _through_heads(self, data: bytes) -> bytes | bytearray | None:
+        """Feed the answer's interim (1xx) heads, each alone; return the final head and what follows it
+        once the final head's end is in, None while it is not (``data`` is kept). A head is given to the
+        parser whole (see the module doc of :mod:`atom_kv.proxy.http.upstream`), an interim one alone so
+        that the next head is bounded too. Raises :class:`UpstreamTooLarge` past the bound on the heads
+        together, :class:`UpstreamProtocolError` for a refused interim answer."""
         buf = self._head_buf
-        if buf is None:
-            end = data.find(_HEAD_END)
-            if 0 <= end <= self._limits.head:
-                return data  # the usual case: the whole head in one read
-            if end < 0 and len(data) <= self._limits.head:
-                self._head_buf = bytearray(data)
-                return None
-        else:
-            start = max(len(buf) - 3, 0)
+        scan = 0
+        if buf is not None:
+            scan = max(len(buf) - 3, 0)
             buf += data
-            end = buf.find(_HEAD_END, start)
-            if end < 0 and len(buf) <= self._limits.head:
+            data = buf  # type: ignore[assignment]
+        pos = 0
+        room = self._limits.head - self._heads_seen
+        while True:
+            end = data.find(_HEAD_END, scan)
+            if (end if end >= 0 else len(data)) - pos > room:
+                raise UpstreamTooLarge(
+                    f"the engine's answer head is over --max-upstream-head-bytes ({self._limits.head})")
+            if end < 0:
+                self._head_buf = buf if buf is not None and pos == 0 else bytearray(data[pos:])
                 return None
-            if 0 <= end <= self._limits.head:
+            if _final_status_line(data, pos):
                 self._head_buf = None
-                return bytes(buf)
-        raise UpstreamTooLarge(f"the engine's answer head is over --max-upstream-head-bytes ({self._limits.head})")
+                return data if pos == 0 else data[pos:]
+            head_end = end + 4
+            self._feed(data[pos:head_end])
+            room -= head_end - pos
+            self._heads_seen += head_end - pos
+            pos = scan = head_end
+            if self._headers_done or pos == len(data):  # a final head after all (an odd status line), or all fed
+                self._head_buf = None
+                return data[pos:] if self._headers_done else None
+
+    def _feed(self, data: bytes | bytearray) -> None:
+        """Give ``data`` to the parser; raises :class:`UpstreamProtocolError` for an answer it or a
+        callback refused. Bytes after the end of the answer leave the answer whole, its connection
+        not reused."""
+        try:
+            self._parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self._complete:
+                self._keep_alive = False
+                return
+            raise UpstreamProtocolError(self._refused or f"invalid HTTP answer: {exc}") from None
 
     def on_message_complete(self) -> None:
+        if not self._headers_done:
+            return  # an interim answer ended: the final one follows
         self._complete = True
         self._keep_alive = self._parser.should_keep_alive()
 
@@ -213,19 +301,19 @@ class UpstreamResponse:
     def _data(self, data: bytes) -> None:
         self._got_bytes = True
         self._last_read = self._loop.time()
-        if not self._headers_done:
-            try:
-                whole = self._whole_head(data)
-            except UpstreamTooLarge as exc:
-                self._fail(exc)
-                return
-            if whole is None:
-                return
-            data = whole
+        if self._complete:  # more after the end of the answer (read whole, not read yet): never reused
+            self._keep_alive = False
+            return
         try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamConnectionError(f"invalid HTTP answer: {exc}"))
+            if not self._headers_done:
+                rest = self._through_heads(data)
+                if rest is None:
+                    return
+                data = rest  # type: ignore[assignment]
+            if data:
+                self._feed(data)
+        except UpstreamError as exc:
+            self._fail(exc)
             return
         if self._too_large is not None:
             self._fail(UpstreamTooLarge(self._too_large))
