@@ -26,6 +26,8 @@ from typing import Any, Callable, Optional
 from atom_kv._netaddr import is_unspecified
 from atom_kv.config import ConfigError, is_port, parse_kv_transfer_config
 from atom_kv.gc_heap import freeze_startup_heap
+from atom_kv.reference.faults import FLAG as FAULT_FLAG
+from atom_kv.reference.faults import FaultInjector
 from atom_kv.reference.shutdown import SIGNALS, ShutdownSignals
 
 log = logging.getLogger("atom_kv.reference")
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instance-index", default=None,
                    help="index to register with the proxy (default: the bound HTTP port)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(FAULT_FLAG, dest="inject_request_fault", action="append", default=[], metavar="STAGE=MARKER",
+                   help="TESTING ONLY: fail every request whose prompt contains MARKER at STAGE (admit, sample, "
+                        "decode or finish), to show one request's failure stays its own; repeatable")
     return p
 
 
@@ -196,6 +201,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if kv_config is not None and (why := _plan_error(kv_config, args)) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
+    try:
+        faults = FaultInjector.parse(args.inject_request_fault)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     from atom_kv.reference.dp import DataParallelEngine
     from atom_kv.reference.engine import EngineArgs
     from atom_kv.reference.server import OutputRouter
@@ -207,9 +217,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                    max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                    host=advertise, bind_host=args.host, threads=args.threads, device=args.device, startup_timeout_s=args.startup_timeout,
                    step_timeout_s=args.step_timeout, drain_timeout_s=args.drain_timeout,
-                   hurry_timeout_s=args.hurry_timeout),
+                   hurry_timeout_s=args.hurry_timeout, faults=faults),
         kv_config, router.deliver, dp_size=args.dp,
     )
+    if faults:
+        log.warning("%s is set (%s): requests whose prompt contains its marker fail on purpose", FAULT_FLAG,
+                    ", ".join(args.inject_request_fault))
 
     def make_pinger(http_port: int) -> Any:
         if kv_config is None or not kv_config.proxy_addresses:

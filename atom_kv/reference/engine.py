@@ -4,6 +4,14 @@ The HTTP side calls :meth:`EngineCore.submit` / :meth:`EngineCore.abort` from
 any thread; the loop thread owns every piece of scheduling state and reports
 progress through the ``on_output`` callback. Connector hooks are reached only
 through ``atom_kv.engine_hooks``.
+
+An exception in one request's own processing (its admission, sampling, token
+handling or end) fails that request only (a 500 to its client, see
+:meth:`Scheduler.fail`). The engine stops only on what it cannot recover from:
+a TP rank that died, failed or hung (:class:`WorkerFailure`), or an exception
+in the step itself (the forward, the connector's per-step calls), after which
+the ranks' and the connector's state is unknown. It says so in one line
+(``engine ... stopping: ...``) and ends every request with a 503.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from atom_kv.config import KVTransferConfig
+from atom_kv.reference.faults import FaultInjector, FaultStage
 from atom_kv.reference.model_config import ModelConfig
 from atom_kv.reference.request import Request, RequestError, RequestOutput
 from atom_kv.reference.rank_io import RankSpec
@@ -55,6 +64,7 @@ class EngineArgs:
     startup_timeout_s: float = 120.0
     drain_timeout_s: float = 2.0  # close(): a decode engine's wait for its ended loads to stop
     hurry_timeout_s: float = 1.0  # every close() wait once the shutdown is hurried (hurry())
+    faults: FaultInjector = FaultInjector()  # test-only (--inject-request-fault): nothing by default
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(seed=self.seed, num_layers=self.num_layers)
@@ -92,6 +102,7 @@ class EngineCore:
         self._hooks: Any = None
         self._aggregator: Any = None
         self._sampler = Sampler()
+        self._faults = args.faults
         self._requests: dict[str, Request] = {}
         self._woken = False  # a rank's connector has news: step now (the loop thread's flag)
         self.hurried = False  # hurry() was called: every close() wait is cut to hurry_timeout_s
@@ -110,6 +121,7 @@ class EngineCore:
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
             vocab_size=args.model_config().vocab_size,
+            faults=args.faults,
         )
         self._closed = False
 
@@ -263,9 +275,8 @@ class EngineCore:
                         tick = min(tick * 2, self.args.idle_tick_s)
         except WorkerFailure as exc:
             self._die(str(exc))
-        except Exception as exc:  # a bug in the loop must not leave clients hanging
-            log.exception("engine loop crashed")
-            self._die(f"engine loop crashed: {exc}")
+        except Exception as exc:  # a bug in the step itself must not leave clients hanging
+            self._die(f"engine step failed: {type(exc).__name__}: {exc}", exc)
 
     def _drain_commands(self, timeout: float) -> None:
         try:
@@ -284,10 +295,17 @@ class EngineCore:
         if kind == "add":
             req: Request = payload
             self._requests[req.request_id] = req
-            self.scheduler.add(req)
+            try:
+                self.scheduler.add(req)
+            except Exception as exc:  # this request's failure, not the engine's
+                self._emit([self.scheduler.fail(req, "submission", exc, connector_saw_it=False)])
+                return
             log.debug("request %s queued (%d prompt tokens)", req.request_id, req.num_prompt)
         elif kind == "reject":
-            self._hooks.request_rejected(payload)
+            try:
+                self._hooks.request_rejected(payload)
+            except Exception:  # the producer's lease frees its blocks instead
+                log.exception("could not release the producer named by a rejected request's kv_transfer_params")
         elif kind == "wake":
             self._woken = True
         elif kind == "settle":
@@ -316,15 +334,22 @@ class EngineCore:
         now = time.monotonic()
         self.counters["steps"] += 1
         sampled: dict[str, int] = {}
+        outputs = list(sched_out.failed)
         logits = results[0].logits
         for i, c in enumerate(sched_out.chunks):
             req = self._requests.get(c.request_id)
             if req is None or logits is None:
                 continue
             self.counters["prompt_tokens"] += max(0, min(len(c.token_ids), req.num_prompt - c.start_pos))
-            sampled[c.request_id] = self._sampler.sample(c.request_id, logits[i], req.temperature, req.seed,
-                                                         position=len(req.output_ids))
-        outputs = self.scheduler.update_from_output(sampled, now)
+            try:
+                self._faults.check(FaultStage.SAMPLE, req)
+                if req.output_ids:
+                    self._faults.check(FaultStage.DECODE, req)
+                sampled[c.request_id] = self._sampler.sample(c.request_id, logits[i], req.temperature, req.seed,
+                                                             position=len(req.output_ids))
+            except Exception as exc:  # this request's failure, not the engine's
+                outputs.append(self.scheduler.fail(req, "sampling", exc))
+        outputs += self.scheduler.update_from_output(sampled, now)
         self.counters["generation_tokens"] += len(sampled)
         progressed = False
         if self._hooks is not None:
@@ -336,17 +361,22 @@ class EngineCore:
         for rank, r in enumerate(results):
             if r.routes is not None:
                 self.worker_routes[rank] = r.routes
+        self._emit(outputs)
+        return progressed
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        """Hand ``outputs`` to the HTTP side; a finished request is forgotten here."""
         for out in outputs:
             if out.finished:
                 self._requests.pop(out.request_id, None)
                 self._sampler.forget(out.request_id)
                 self.counters["requests_failed" if out.error else "requests_ok"] += 1
             self._on_output(out)
-        return progressed
 
-    def _die(self, message: str) -> None:
+    def _die(self, message: str, exc: Optional[BaseException] = None) -> None:
+        """Stop for good: one line saying why (a bug's traceback follows it), every request ended with a 503."""
         self.fatal = message
-        log.error("engine %s stopping: %s", self.engine_id, message)
+        log.error("engine %s stopping: %s", self.engine_id, message, exc_info=exc)
         for out in self.scheduler.fail_all(message):
             self._on_output(out)
         if self.on_fatal is not None:

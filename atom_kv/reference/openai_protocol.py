@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from atom_kv.reference.request import RequestError
+from atom_kv.reference.sampling_params import is_int, parse_sampling, shown
 from atom_kv.reference.tokenizer import ByteTokenizer
 
 __all__ = ["GenerateParams", "TokenizeParams", "parse_request", "parse_prompt", "parse_tokenize",
@@ -31,68 +32,28 @@ class TokenizeParams:
     prompt_ids: list[int]
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _int_field(body: dict, key: str, default: Optional[int], minimum: int) -> Optional[int]:
-    value = body.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise RequestError(f"`{key}` must be an integer >= {minimum}, got {value!r}", param=key)
-    return value
-
-
 def _bool_field(body: dict, key: str) -> bool:
     value = body.get(key)
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise RequestError(f"`{key}` must be true or false, got {value!r}", param=key)
+        raise RequestError(f"`{key}` must be true or false, got {shown(value)}", param=key)
     return value
 
 
-def _equals(*defaults: Any):
-    """A predicate: the value is one of ``defaults`` (compared with their types, so 0 != False)."""
-    return lambda v: any(type(v) is type(d) and v == d for d in defaults) or (
-        _is_number(v) and any(_is_number(d) and v == d for d in defaults))
+def _check_unicode(text: str, param: str) -> None:
+    """Text that is not valid Unicode (a lone surrogate, which a JSON ``\\uXXXX`` escape can
+    spell and UTF-8 cannot encode) is a 400 naming ``param``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"`{param}` is not valid Unicode text: it has a lone surrogate "
+                           f"(U+{ord(text[exc.start]):04X}) at character {exc.start}", param=param) from None
 
 
-#: Parameters this engine does not implement: (key, "is the value a default?", what is accepted).
-#: A default value (or null) is accepted; anything else is refused rather than ignored.
-_UNSUPPORTED: list[tuple[str, Any, str]] = [
-    ("logprobs", _equals(False), "null or false"),
-    ("top_logprobs", _equals(0), "null or 0"),
-    ("prompt_logprobs", lambda v: False, "null"),
-    ("echo", _equals(False), "null or false"),
-    ("logit_bias", lambda v: v == {}, "null or {}"),
-    ("best_of", _equals(1), "null or 1"),
-    ("suffix", _equals(""), 'null or ""'),
-    ("response_format", lambda v: v == {"type": "text"}, 'null or {"type": "text"}'),
-    ("tools", lambda v: v == [], "null or []"),
-    ("tool_choice", _equals("none", "auto"), 'null, "none" or "auto"'),
-    ("presence_penalty", _equals(0), "null or 0"),
-    ("frequency_penalty", _equals(0), "null or 0"),
-    ("repetition_penalty", _equals(1), "null or 1"),
-    ("top_p", _equals(1), "null or 1"),
-    ("top_k", _equals(0, -1), "null, 0 or -1"),
-    ("min_p", _equals(0), "null or 0"),
-    ("min_tokens", _equals(0), "null or 0"),
-    ("include_stop_str_in_output", _equals(False), "null or false"),
-]
-
-
-def _refuse_unsupported(body: dict) -> None:
-    for key, is_default, accepted in _UNSUPPORTED:
-        value = body.get(key)
-        if value is not None and not is_default(value):
-            raise RequestError(f"`{key}` is not supported by this engine (got {value!r}); send {accepted}",
-                               param=key)
+def _encoded(tokenizer: ByteTokenizer, text: str, param: str, *, add_bos: bool) -> list[int]:
+    _check_unicode(text, param)
+    return tokenizer.encode(text, add_bos=add_bos)
 
 
 def _model(body: dict, served_model: Optional[str]) -> None:
@@ -101,7 +62,7 @@ def _model(body: dict, served_model: Optional[str]) -> None:
     if model is None:
         return
     if not isinstance(model, str):
-        raise RequestError(f"`model` must be a string, got {model!r}", param="model")
+        raise RequestError(f"`model` must be a string, got {shown(model)}", param="model")
     if served_model is not None and model != served_model:
         raise RequestError(f"The model `{model}` does not exist.", status=404, param="model")
 
@@ -112,13 +73,13 @@ def parse_prompt(body: dict, tokenizer: ByteTokenizer, *, chat: bool, add_bos: b
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError("`messages` must be a non-empty list of {role, content} objects", param="messages")
-        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_bos=add_bos)
+        return _encoded(tokenizer, tokenizer.apply_chat_template(messages), "messages", add_bos=add_bos)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_bos=add_bos)
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return _encoded(tokenizer, prompt, "prompt", add_bos=add_bos)
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         if any(not 0 <= t < tokenizer.VOCAB_SIZE for t in prompt):
             raise RequestError(f"`prompt` token ids must be in 0..{tokenizer.VOCAB_SIZE - 1}", param="prompt")
         return list(prompt)
@@ -133,8 +94,10 @@ def _stop(body: dict) -> list[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise RequestError(f"`stop` must be a non-empty string or a list of non-empty strings, got {stop!r}",
+        raise RequestError(f"`stop` must be a non-empty string or a list of non-empty strings, got {shown(stop)}",
                            param="stop")
+    for s in stop:
+        _check_unicode(s, "stop")  # the stop checker matches their UTF-8 bytes
     return stop
 
 
@@ -142,8 +105,8 @@ def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
     ids = body.get("stop_token_ids")
     if ids is None:
         return []
-    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in ids):
-        raise RequestError(f"`stop_token_ids` must be a list of token ids in 0..{vocab_size - 1}, got {ids!r}",
+    if not isinstance(ids, list) or not all(is_int(t) and 0 <= t < vocab_size for t in ids):
+        raise RequestError(f"`stop_token_ids` must be a list of token ids in 0..{vocab_size - 1}, got {shown(ids)}",
                            param="stop_token_ids")
     return ids
 
@@ -152,24 +115,14 @@ def parse_request(body: Any, tokenizer: ByteTokenizer, *, chat: bool, default_ma
                   served_model: Optional[str] = None) -> GenerateParams:
     """Validate a completions/chat body; raise :class:`RequestError` naming the bad field.
 
-    An unknown ``model`` is a 404; a parameter this engine does not implement
-    is a 400 naming it (a default value is accepted)."""
+    An unknown ``model`` is a 404; the sampling fields are checked by
+    :func:`~atom_kv.reference.sampling_params.parse_sampling` (a parameter this
+    engine does not implement is a 400 naming it; its neutral value is accepted)."""
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
     _model(body, served_model)
     prompt_ids = parse_prompt(body, tokenizer, chat=chat)
-    max_tokens = _int_field(body, "max_completion_tokens", None, 1) if chat else None
-    if max_tokens is None:
-        max_tokens = _int_field(body, "max_tokens", default_max_tokens, 1) or default_max_tokens
-    n = _int_field(body, "n", 1, 1)
-    if n != 1:
-        raise RequestError("only `n` = 1 is supported", param="n")
-    temperature = body.get("temperature", 0.0)
-    if temperature is None:
-        temperature = 0.0
-    if not _is_number(temperature) or temperature < 0:
-        raise RequestError(f"`temperature` must be a number >= 0, got {temperature!r}", param="temperature")
-    seed = _int_field(body, "seed", None, 0)
+    sampling = parse_sampling(body, chat=chat, default_max_tokens=default_max_tokens)
     kv_params = body.get("kv_transfer_params")
     if kv_params is not None and not isinstance(kv_params, dict):
         raise RequestError("`kv_transfer_params` must be an object", param="kv_transfer_params")
@@ -178,14 +131,13 @@ def parse_request(body: Any, tokenizer: ByteTokenizer, *, chat: bool, default_ma
     if stream_options is None:
         stream_options = {}
     if not isinstance(stream_options, dict):
-        raise RequestError(f"`stream_options` must be an object, got {stream_options!r}", param="stream_options")
+        raise RequestError(f"`stream_options` must be an object, got {shown(stream_options)}", param="stream_options")
     include_usage = _bool_field(stream_options, "include_usage")
-    _refuse_unsupported(body)
     return GenerateParams(
         prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        temperature=float(temperature),
-        seed=seed,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        seed=sampling.seed,
         stream=stream,
         include_usage=include_usage,
         kv_transfer_params=kv_params,
@@ -204,7 +156,7 @@ def parse_tokenize(body: Any, tokenizer: ByteTokenizer, *, served_model: Optiona
         raise RequestError("send either `prompt` or `messages`", param="prompt")
     add_special = body.get("add_special_tokens", True)
     if not isinstance(add_special, bool):
-        raise RequestError(f"`add_special_tokens` must be true or false, got {add_special!r}",
+        raise RequestError(f"`add_special_tokens` must be true or false, got {shown(add_special)}",
                            param="add_special_tokens")
     return TokenizeParams(parse_prompt(body, tokenizer, chat="messages" in body, add_bos=add_special))
 

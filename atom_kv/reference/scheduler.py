@@ -7,6 +7,12 @@ per step) -> finished. A request reserves the blocks for its prompt plus
 when blocks run out, new requests wait in FIFO order. A request that could
 never fit is rejected up front. Blocks whose KV is lent to a remote reader
 (``delay_free``) stay allocated until the connector says they are free.
+
+An exception in one request's own processing (its admission, its token, its
+end) fails that request alone (:meth:`Scheduler.fail`): it ends as an abort
+does, so its blocks are freed (or, while a remote peer may still use them,
+held until the connector frees them) and the connector releases what it
+holds for it; its client gets a 500; every other request goes on.
 """
 
 from __future__ import annotations
@@ -19,10 +25,11 @@ from typing import Optional
 
 from atom_kv.engine_hooks import SchedulerEvents, SchedulerHooks
 from atom_kv.reference.block_manager import BlockManager
+from atom_kv.reference.faults import FaultInjector, FaultStage, InjectedFault
 from atom_kv.reference.first_token import prefilled_token
 from atom_kv.reference.request import Request, RequestError, RequestOutput, RequestState
 
-__all__ = ["Scheduler", "ScheduledChunk", "SchedulerOutput"]
+__all__ = ["ConnectorFinishFailed", "Scheduler", "ScheduledChunk", "SchedulerOutput"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,12 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
+    #: requests that failed while being admitted (each already ended)
+    failed: list[RequestOutput] = field(default_factory=list)
+
+
+class ConnectorFinishFailed(RuntimeError):
+    """The connector raised while a request was ended; its blocks were dealt with already."""
 
 
 class Scheduler:
@@ -55,8 +68,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         hooks: Optional[SchedulerHooks] = None,
         vocab_size: int = 256,
+        faults: FaultInjector = FaultInjector(),
     ) -> None:
         self.blocks = BlockManager(num_blocks, block_size)
+        self.faults = faults
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -113,6 +128,7 @@ class Scheduler:
         """Admit what fits, then return every running request's tokens for this step."""
         budget = self.max_num_batched_tokens - len(self.running)
         admitted = 0
+        failed: list[RequestOutput] = []
         while self.waiting and self._can_admit_head():
             head = self.waiting[0]
             if admitted and head.num_prompt > budget:
@@ -120,13 +136,18 @@ class Scheduler:
             self.waiting.popleft()
             head.block_ids = self.blocks.allocate(self.blocks.blocks_for(head.num_prompt + head.max_tokens))
             head.admitted_time = time.monotonic()
-            if self._start_remote_load(head):
+            try:
+                self.faults.check(FaultStage.ADMIT, head)
+                if self._start_remote_load(head):
+                    continue
+            except Exception as exc:  # this request's failure, not the engine's
+                failed.append(self.fail(head, "admission", exc, connector_saw_it=False))
                 continue
             head.state = RequestState.RUNNING
             self.running[head.request_id] = head
             budget -= head.num_prompt
             admitted += 1
-        out = SchedulerOutput()
+        out = SchedulerOutput(failed=failed)
         for req in self.running.values():
             ids = req.all_ids
             out.chunks.append(
@@ -161,8 +182,14 @@ class Scheduler:
             if req is None:
                 continue  # aborted during the step
             req.num_computed = req.num_prompt + len(req.output_ids)
-            outputs.append(self._append_token(req, token, now))
+            outputs.append(self._append_token_or_fail(req, token, now))
         return outputs
+
+    def _append_token_or_fail(self, req: Request, token: int, now: float) -> RequestOutput:
+        try:
+            return self._append_token(req, token, now)
+        except Exception as exc:  # this request's failure, not the engine's
+            return self.fail(req, "token handling", exc)
 
     def _append_token(self, req: Request, token: int, now: float) -> RequestOutput:
         """Record one new token of a running request; finish it on a stop or at ``max_tokens``."""
@@ -188,17 +215,23 @@ class Scheduler:
 
     # ------------------------------------------------------------------ ending
     def _finish(self, req: Request, *, aborted: bool) -> Optional[dict]:
-        """Remove ``req`` from every queue and free (or lend) its blocks."""
+        """Remove ``req`` from every queue and free (or lend) its blocks. Raises
+        :class:`ConnectorFinishFailed` (the blocks dealt with) when the connector raised."""
         self.running.pop(req.request_id, None)
         self.waiting_remote.pop(req.request_id, None)
         req.state = RequestState.FINISHED
-        delay, params = False, None
-        if self.hooks is not None:
-            # a producer's params (and the rendezvous) carry the token it sampled
-            first = req.output_ids[:1] if not aborted else []
-            delay, params = self.hooks.request_finished(
-                req.request_id, self._prompt_blocks(req), aborted=aborted, first_token_ids=first
-            )
+        delay, params, error = False, None, None
+        try:
+            self.faults.check(FaultStage.FINISH, req)
+            if self.hooks is not None:
+                # a producer's params (and the rendezvous) carry the token it sampled
+                first = req.output_ids[:1] if not aborted else []
+                delay, params = self.hooks.request_finished(
+                    req.request_id, self._prompt_blocks(req), aborted=aborted, first_token_ids=first
+                )
+        except Exception as exc:
+            error, params = exc, None
+            delay = self._abort_after_connector_error(req)
         if delay:
             keep = self._prompt_blocks(req)
             self.blocks.free(req.block_ids[len(keep) :])
@@ -207,7 +240,53 @@ class Scheduler:
         else:
             self.blocks.free(req.block_ids)
         req.block_ids = []
+        if error is not None:
+            kept = "its prompt blocks held until the connector frees them" if delay else "its blocks freed"
+            raise ConnectorFinishFailed(f"the KV connector raised while it ended ({type(error).__name__}: {error}); "
+                                        f"ended as an abort, {kept}") from error
         return params
+
+    def _abort_after_connector_error(self, req: Request) -> bool:
+        """The connector raised while ``req`` ended: ask it once more, as an abort (which answers
+        whether it lent the blocks, and drops any handoff). True: hold the prompt's blocks until
+        the connector frees them, because it lent them, or its state for them is unknown after
+        a second failure."""
+        if self.hooks is None:
+            return False
+        try:
+            delay, _ = self.hooks.request_finished(req.request_id, self._prompt_blocks(req), aborted=True)
+            return delay
+        except Exception as again:
+            log.error("request %s: the KV connector failed to abort it too (%s: %s)", req.request_id,
+                      type(again).__name__, again, exc_info=again)
+            return True
+
+    def fail(self, req: Request, stage: str, exc: BaseException, *, connector_saw_it: bool = True) -> RequestOutput:
+        """End ``req`` after an exception in its ``stage`` ("admission", "sampling", ...; the engine goes on): ended as
+        an abort is, so its blocks are freed (or held while a peer may still use them) and the
+        connector drops or releases what it holds for it. ``connector_saw_it=False`` (it failed on
+        admission): the producer its ``kv_transfer_params`` name is released too (sent once).
+        Returns the request's error output (500)."""
+        rid = req.request_id
+        detail = str(exc) if isinstance(exc, ConnectorFinishFailed) else f"{type(exc).__name__}: {exc}"
+        log.error("request %s failed in %s: %s", rid, stage, detail, exc_info=_traceback_of(exc))
+        if req.state is not RequestState.FINISHED:
+            for i, queued in enumerate(self.waiting):
+                if queued is req:
+                    del self.waiting[i]
+                    break
+            try:
+                self._finish(req, aborted=True)
+            except ConnectorFinishFailed as again:
+                log.error("request %s: %s", rid, again, exc_info=_traceback_of(again))
+        if not connector_saw_it and self.hooks is not None:
+            try:
+                self.hooks.request_rejected(req.kv_transfer_params)
+            except Exception:
+                log.exception("request %s: could not release the producer its kv_transfer_params name", rid)
+        return RequestOutput(rid, finished=True, error=f"this request failed in the engine's {stage} ({detail}); "
+                             f"the engine log has the details under request id {rid}", error_status=500,
+                             num_prompt_tokens=req.num_prompt, num_output_tokens=len(req.output_ids))
 
     def abort(self, request_id: str) -> bool:
         """Abort wherever the request is; returns False if it is unknown (already done)."""
@@ -216,12 +295,19 @@ class Scheduler:
                 self.waiting.remove(req)
                 req.state = RequestState.FINISHED
                 if self.hooks is not None:  # the connector never saw it: it may still name a producer's KV
-                    self.hooks.request_rejected(req.kv_transfer_params)
+                    try:
+                        self.hooks.request_rejected(req.kv_transfer_params)
+                    except Exception:
+                        log.exception("request %s: could not release the producer its kv_transfer_params name",
+                                      request_id)
                 return True
         req = self.running.get(request_id) or self.waiting_remote.get(request_id)
         if req is None:
             return False
-        self._finish(req, aborted=True)
+        try:
+            self._finish(req, aborted=True)
+        except ConnectorFinishFailed as exc:
+            log.error("request %s (aborted): %s", request_id, exc, exc_info=_traceback_of(exc))
         return True
 
     def fail_all(self, message: str) -> list[RequestOutput]:
@@ -230,7 +316,11 @@ class Scheduler:
         for req in [*self.waiting, *self.waiting_remote.values(), *self.running.values()]:
             outs.append(RequestOutput(req.request_id, finished=True, error=message, error_status=503))
             if self.hooks is not None:  # no read will happen here: release the producers' KV
-                self.hooks.request_rejected(req.kv_transfer_params)
+                try:
+                    self.hooks.request_rejected(req.kv_transfer_params)
+                except Exception:
+                    log.exception("request %s: could not release the producer its kv_transfer_params name",
+                                  req.request_id)
         self.waiting.clear()
         self.waiting_remote.clear()
         self.running.clear()
@@ -245,7 +335,7 @@ class Scheduler:
             token = tokens[0] if len(tokens) == 1 else None
             if req is None or req.output_ids or not isinstance(token, int) or not 0 <= token < self.vocab_size:
                 continue
-            outputs.append(self._append_token(req, token, time.monotonic()))
+            outputs.append(self._append_token_or_fail(req, token, time.monotonic()))
         for rid in events.ready:
             req = self.waiting_remote.pop(rid, None)
             if req is None:
@@ -260,7 +350,7 @@ class Scheduler:
             if first is not None:
                 # continue from the prefill's token: the next step computes its position
                 req.num_computed = req.num_prompt
-                outputs.append(self._append_token(req, first, req.kv_ready_time))
+                outputs.append(self._append_token_or_fail(req, first, req.kv_ready_time))
                 continue
             # All prompt KV is here; recompute only the last prompt token for the first logits.
             req.num_computed = min(req.num_external_tokens, req.num_prompt - 1)
@@ -294,3 +384,10 @@ class Scheduler:
         for blocks in self.held.values():
             self.blocks.free(blocks)
         self.held.clear()
+
+
+def _traceback_of(exc: BaseException) -> Optional[BaseException]:
+    """The exception whose traceback a log line should carry: the connector's own under a
+    :class:`ConnectorFinishFailed`; none for an injected fault (nothing to debug)."""
+    root = exc.__cause__ if isinstance(exc, ConnectorFinishFailed) and exc.__cause__ is not None else exc
+    return None if isinstance(root, InjectedFault) else root

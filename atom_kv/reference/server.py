@@ -4,6 +4,12 @@ The asyncio loop never touches the model: requests go to the
 :class:`EngineCore` loop thread, and outputs come back through an
 :class:`OutputRouter` (``call_soon_threadsafe`` into per-request queues).
 A client that disconnects gets its request aborted, which frees its blocks.
+
+A malformed body or field is a 400 naming it (:mod:`.request_body`,
+:mod:`.openai_protocol`); a request that fails inside the engine is a 500 in
+the OpenAI error shape (an error event, then ``[DONE]``, once its stream has
+begun); an unexpected exception in a handler is a 500 in that shape too,
+logged once with its traceback, and the engine goes on serving.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from atom_kv.reference.openai_protocol import (
     usage,
 )
 from atom_kv.reference.request import Request, RequestError, RequestOutput
+from atom_kv.reference.request_body import ClientGone, read_json_body
 from atom_kv.reference.tokenizer import ByteTokenizer, IncrementalDetokenizer
 from atom_kv.server_timing import HEADER as SERVER_TIMING
 from atom_kv.server_timing import format_server_timing
@@ -42,6 +49,7 @@ __all__ = ["OutputRouter", "OpenAIServer"]
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.5  # how often a waiting handler checks whether its client went away
+_MAX_REQUEST_ID_CHARS = 128  # a client's X-Request-Id longer than this (or not printable ASCII) is not used
 
 
 class OutputRouter:
@@ -98,13 +106,20 @@ def _timed(headers: dict[str, str], req: Request) -> dict[str, str]:
     return {**headers, SERVER_TIMING: format_server_timing(spans)} if spans else headers
 
 
-class _ClientGone(Exception):
-    pass
+def _client_request_id(request: web.Request) -> Optional[str]:
+    """The client's ``X-Request-Id`` when it is printable ASCII of at most 128 characters (it is
+    echoed in a header and logged), else None (the engine names the request itself)."""
+    value = request.headers.get("X-Request-Id")
+    if value and len(value) <= _MAX_REQUEST_ID_CHARS and value.isascii() and value.isprintable():
+        return value
+    return None
 
 
 @web.middleware
 async def _json_http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Unknown paths (404) and wrong methods (405) answer in the OpenAI error shape, not HTML."""
+    """Every error answers in the OpenAI error shape, not HTML: unknown paths (404), wrong methods
+    (405), aiohttp's own refusals, and a handler's unexpected exception (a 500, logged with its
+    traceback: a bug, not the client's mistake; the engine goes on)."""
     try:
         return await handler(request)
     except web.HTTPMethodNotAllowed as exc:
@@ -113,6 +128,13 @@ async def _json_http_errors(request: web.Request, handler: Any) -> web.StreamRes
                       headers={"Allow": allowed})
     except web.HTTPNotFound:
         return _error(f"no such endpoint: {request.method} {request.path}", 404)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.reason, exc.status)
+    except Exception:
+        log.exception("%s %s failed inside the engine's HTTP handler", request.method, request.path)
+        return _error("internal error in the engine's HTTP handler; the engine log has the details", 500)
 
 
 class OpenAIServer:
@@ -180,13 +202,13 @@ class OpenAIServer:
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``POST /tokenize``: what a prompt costs here, before spending a prefill on it."""
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error("request body is not valid JSON", 400)
-        try:
+            body = await read_json_body(request)
             params = parse_tokenize(body, self.tokenizer, served_model=self.model_id)
         except RequestError as exc:
             return _error(exc.message, exc.status, exc.param)
+        except ClientGone as exc:
+            log.info("POST /tokenize: %s", exc)
+            return web.Response(status=499)  # nobody reads it
         return _json({"count": len(params.prompt_ids), "max_model_len": self.engine.args.max_model_len,
                       "tokens": params.prompt_ids})
 
@@ -202,14 +224,17 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         arrival = time.monotonic()
-        client_rid = request.headers.get("X-Request-Id")
+        client_rid = _client_request_id(request)
         suffix = uuid.uuid4().hex[:12]
         rid = f"{client_rid}-{suffix}" if client_rid else f"{'chatcmpl' if chat else 'cmpl'}-{suffix}"
         headers = {"X-Request-Id": client_rid or rid}
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error("request body is not valid JSON", 400, headers=headers)
+            body = await read_json_body(request)
+        except RequestError as exc:
+            return _error(exc.message, exc.status, exc.param, headers=headers)
+        except ClientGone as exc:
+            log.info("request %s: %s", rid, exc)
+            return web.Response(status=499)  # nobody reads it
         try:
             params = parse_request(body, self.tokenizer, chat=chat, default_max_tokens=self.default_max_tokens,
                                    served_model=self.model_id)
@@ -238,7 +263,7 @@ class OpenAIServer:
                 return resp
             resp, finished = await self._collect(request, queue, req, params, chat, headers)
             return resp
-        except _ClientGone:
+        except ClientGone:
             log.info("request %s: client disconnected", rid)
             return web.Response(status=499)  # nobody reads it
         finally:
@@ -254,7 +279,7 @@ class OpenAIServer:
             except asyncio.TimeoutError:
                 transport = request.transport
                 if transport is None or transport.is_closing():
-                    raise _ClientGone() from None
+                    raise ClientGone() from None
 
     async def _collect(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", req: Request,
                        params: GenerateParams, chat: bool, headers: dict[str, str]) -> tuple[web.Response, bool]:
@@ -289,11 +314,11 @@ class OpenAIServer:
             try:
                 await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
             except (ConnectionResetError, ConnectionError) as exc:
-                raise _ClientGone() from exc
+                raise ClientGone() from exc
 
         try:
             await self._stream_body(resp, queue, request, out, rid, params, chat, created, send)
-        except _ClientGone:
+        except ClientGone:
             log.info("request %s: client disconnected mid-stream", rid)
             return resp, False
         return resp, True

@@ -1,10 +1,17 @@
-"""The reference engine's HTTP port answers malformed HTTP with 400, without a traceback (issue 27).
+"""The reference engine's HTTP port answers malformed HTTP and malformed bodies with 400, without a traceback.
 
-Reproduction before this change: a 30 s fuzz of the port logged 1,087 aiohttp tracebacks at ERROR."""
+Issue 27: a 30 s fuzz of the port logged 1,087 aiohttp tracebacks at ERROR.
+Issue 38: ``"temperature": 1e-310`` or ``NaN`` stopped the engine (F1); a
+5000-digit integer, a lone surrogate and a client reset mid-body were 500s
+with tracebacks (F10). The tests run in file order; the last one stops the
+engine to read its whole log."""
 
 from __future__ import annotations
 
+import json
 import socket
+import struct
+import time
 
 import pytest
 
@@ -40,6 +47,90 @@ def _exchange(port: int, data: bytes) -> bytes:
         while chunk := s.recv(65536):
             chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _post(port: int, body: bytes, path: str = "/v1/completions") -> tuple[int, dict]:
+    """POST ``body`` as it is (bytes no JSON encoder would write); the status and the JSON answer."""
+    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    answer = _exchange(port, head + body)
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split(b" ")[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def _serves(engine) -> None:
+    status, body = _post(engine.ports[0], b'{"prompt": "still here", "max_tokens": 2}')
+    assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+    assert engine.engines[0].alive()
+
+
+@pytest.mark.parametrize("body,param", [
+    (b'{"prompt": "hello", "max_tokens": 4, "temperature": 1e-310}', "temperature"),
+    (b'{"prompt": "hello", "max_tokens": 4, "temperature": 0.001, "seed": 3}', "temperature"),
+    (b'{"prompt": "hello", "max_tokens": 4, "temperature": NaN}', None),  # not JSON: refused by the parser
+    (b'{"prompt": "hello", "max_tokens": 4, "temperature": Infinity}', None),
+    (b'{"prompt": "hello", "max_tokens": 4, "temperature": 1e400}', None),
+    (b'{"prompt": "hello", "max_tokens": 4, "top_p": -1e-300}', "top_p"),
+    (b'{"prompt": "hello", "max_tokens": 4, "seed": 18446744073709551616}', "seed"),
+], ids=["temperature=1e-310", "temperature=0.001", "temperature=NaN", "temperature=Infinity",
+        "temperature=1e400", "top_p=-1e-300", "seed=2**64"])
+def test_sampling_values_that_stopped_the_engine_are_a_400_and_it_serves_the_next(engine, body, param):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        sent = body if path == "/v1/completions" else body.replace(
+            b'"prompt": "hello"', b'"messages": [{"role": "user", "content": "hello"}]')
+        status, answer = _post(engine.ports[0], sent, path)
+        assert status == 400 and answer["error"]["param"] == param, answer
+        _serves(engine)
+
+
+MALFORMED_BODIES = [
+    b'{"prompt": "hello", "max_tokens": ' + b"1" * 5000 + b"}",
+    b'{"prompt": "hello", "seed": -' + b"9" * 5000 + b"}",
+    b'{"prompt": "\\ud800", "max_tokens": 2}',
+    b'{"prompt": "hi", "max_tokens": 2, "stop": "\\udfff"}',
+    b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}',
+    b'{"prompt": "\xed\xa0\x80", "max_tokens": 2}',  # a surrogate spelt in UTF-8: not UTF-8
+    b"\xff\xfe{}",
+    b"[" * 100_000,
+    b'{"prompt": ' * 50_000,
+    b"",
+    b"{",
+    b'"just a string"',
+    b'{"prompt": "x", "max_tokens": 2}  trailing',
+]
+
+
+def test_malformed_bodies_are_a_400_naming_the_problem(engine):
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        for body in MALFORMED_BODIES:
+            status, answer = _post(engine.ports[0], body, path)
+            assert status == 400 and answer["error"]["message"], (path, body[:60], answer)
+    _serves(engine)
+
+
+def _send_then_drop(port: int, data: bytes, *, reset: bool) -> None:
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(data)
+    time.sleep(0.2)  # the engine is reading the body now
+    if reset:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends a RST
+    else:
+        s.shutdown(socket.SHUT_WR)
+        s.settimeout(10)
+        while s.recv(65536):
+            pass
+    s.close()
+
+
+def test_a_client_gone_mid_body_is_logged_in_one_line(engine):
+    port = engine.ports[0]
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+    chunked = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n"
+    for data in (head + b'{"prompt', chunked):
+        for reset in (True, False):
+            _send_then_drop(port, data, reset=reset)
+    _serves(engine)
+    assert engine.engines[0].log_text().count("went away while sending its body") == 4
 
 
 def test_malformed_http_is_a_400_and_no_traceback(engine):

@@ -134,6 +134,78 @@ def test_a_decode_requests_params_are_parsed_once(monkeypatch):
         sched.close()
 
 
+#: kv_transfer_params ATOM hands over as the client sent them; before, those that are not an object raised
+#: AttributeError in ATOM's scheduler (issue 38: a bad kv_transfer_params must fail its own request only)
+MALFORMED_PARAMS = [[1, 2], "do_remote_prefill", 5, True, 1.5, {"do_remote_prefill": "yes"},
+                    {"do_remote_prefill": True, "remote_block_ids": "abc"},
+                    {"do_remote_prefill": True, "remote_block_ids": [-1, 2**70], "remote_host": "127.0.0.1",
+                     "remote_handshake_port": 7000, "transfer_id": "t", "remote_engine_id": "P"},
+                    {"do_remote_decode": [1]}, {"do_remote_decode": True, "remote_tp_size": "x"}]
+
+
+def _good_decode_params(tid):
+    return {"do_remote_prefill": True, "remote_block_ids": [5, 6, 7], "remote_engine_id": "P",
+            "remote_host": "127.0.0.1", "remote_handshake_port": 7000, "transfer_id": tid}
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_malformed_kv_transfer_params_cost_only_their_request_its_transfer(role):
+    cfg = atom_config(role, tp=1, block_size=4, num_blocks=8, port=1, backend="tcp")
+    sched = AtomKVScheduler(cfg, host="127.0.0.1", block_manager=object())
+    try:
+        for params in MALFORMED_PARAMS:
+            seq = Sequence(list(range(12)), 4, kv_transfer_params=params)
+            assert sched.get_num_new_matched_tokens(seq) == (0, False), params
+            seq.block_table = [1, 2, 3]
+            sched.update_state_after_alloc(seq)
+            assert not sched.should_park_for_load_after_alloc(seq)
+            sched.build_connector_meta()
+            seq.append_token(42)
+            sched.request_finished(seq)
+            assert seq.kv_transfer_params_output is None
+        good = Sequence(list(range(12)), 4, kv_transfer_params=(
+            {"do_remote_decode": True} if role == "kv_producer" else _good_decode_params("t-good")))
+        expected = (0, False) if role == "kv_producer" else (12, True)
+        assert sched.get_num_new_matched_tokens(good) == expected  # the next request is served as before
+    finally:
+        sched.close()
+
+
+def test_a_connector_failure_on_one_request_leaves_atoms_scheduler_running(monkeypatch, caplog):
+    """A connector bug reached by one request (here: its hooks raise for that request) costs it its KV
+    transfer, prefilled locally, with the producer it names released; other requests load as before."""
+    cfg = atom_config("kv_consumer", tp=1, block_size=4, num_blocks=8, port=1, backend="tcp")
+    sched = AtomKVScheduler(cfg, host="127.0.0.1", block_manager=object())
+    real = sched._hooks.get_num_new_matched_tokens
+    ended = []
+    real_finished = sched._hooks.request_finished
+
+    def flaky(rid, *args, **kwargs):
+        if rid == str(bad.id):
+            raise RuntimeError("connector bug")
+        return real(rid, *args, **kwargs)
+
+    def finished(rid, *args, **kwargs):
+        ended.append((rid, kwargs.get("aborted")))
+        return real_finished(rid, *args, **kwargs)
+
+    monkeypatch.setattr(sched._hooks, "get_num_new_matched_tokens", flaky)
+    monkeypatch.setattr(sched._hooks, "request_finished", finished)
+    try:
+        bad = Sequence(list(range(12)), 4, kv_transfer_params=_good_decode_params("t-bad"))
+        good = Sequence(list(range(12)), 4, kv_transfer_params=_good_decode_params("t-good"))
+        assert sched.get_num_new_matched_tokens(bad) == (0, False)
+        assert (str(bad.id), True) in ended  # the connector drops (and releases) what it holds for it
+        assert "the KV connector failed on its kv_transfer_params" in caplog.text
+        assert sched.get_num_new_matched_tokens(good) == (12, True)
+        good.block_table = [1, 2, 3]
+        sched.update_state_after_alloc(good)
+        assert sched.should_park_for_load_after_alloc(good)
+        assert [x.transfer_id for x in sched.build_connector_meta().step.loads] == ["t-good"]
+    finally:
+        sched.close()
+
+
 def test_metadata_pickles_for_the_model_runners():
     cfg = atom_config("kv_producer", tp=1, block_size=4, num_blocks=8, port=1, backend="tcp")
     sched = AtomKVScheduler(cfg, host="127.0.0.1")

@@ -4,13 +4,13 @@ import pytest
 
 from atom_kv.openai_errors import error_body
 from atom_kv.reference.openai_protocol import (
-    _UNSUPPORTED,
     chunk_body,
     completion_body,
     parse_request,
     parse_tokenize,
 )
 from atom_kv.reference.request import RequestError
+from atom_kv.reference.sampling_params import MAX_SEED, UNSUPPORTED as REFUSED
 from atom_kv.reference.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -107,7 +107,7 @@ def test_parameters_not_implemented_are_refused_by_name(key, value, chat):
 
 
 def test_every_refused_parameter_is_covered_above():
-    assert {k for k, _, _ in _UNSUPPORTED} == {k for k, _ in UNSUPPORTED}
+    assert {k for k, _, _ in REFUSED} == {k for k, _ in UNSUPPORTED}
 
 
 def test_default_values_of_unimplemented_parameters_are_accepted():
@@ -168,3 +168,59 @@ def test_a_prefills_first_token_text_is_what_a_stream_shows_for_it_alone():
     assert with_first_token_text({"first_token_ids": [0xE2]})["first_token_text"] == ""  # a 3-byte character's first
     assert with_first_token_text({"transfer_id": "t"}) == {"transfer_id": "t"}
     assert with_first_token_text(None) is None
+
+
+NAN, INF = float("nan"), float("inf")
+#: values every sampling field refuses (issue 38, F1): before, a NaN or tiny temperature reached the
+#: sampler and stopped the engine
+OUT_OF_RANGE = [
+    ("temperature", 1e-310), ("temperature", 0.005), ("temperature", NAN), ("temperature", INF),
+    ("temperature", -INF), ("temperature", 100.5), ("temperature", -0.5),
+    ("seed", MAX_SEED + 1), ("seed", -1), ("seed", NAN),
+    ("max_tokens", NAN), ("max_tokens", INF), ("max_tokens", 2.0), ("n", NAN),
+    ("top_p", NAN), ("top_p", 0), ("top_p", INF), ("top_k", NAN), ("min_p", NAN),
+    ("presence_penalty", NAN), ("frequency_penalty", INF), ("repetition_penalty", NAN),
+]
+
+
+@pytest.mark.parametrize("key,value", OUT_OF_RANGE, ids=[f"{k}={v!r}" for k, v in OUT_OF_RANGE])
+def test_sampling_values_out_of_range_or_not_finite_are_refused_by_name(key, value):
+    with pytest.raises(RequestError) as info:
+        _parse({"prompt": "x", key: value})
+    assert (info.value.status, info.value.param) == (400, key)
+    assert f"`{key}`" in info.value.message
+
+
+def test_temperature_is_zero_or_in_its_stated_range():
+    for t in (0, 0.0, -0.0, 0.01, 1, 2.5, 100):
+        assert _parse({"prompt": "x", "temperature": t}).temperature == float(t)
+    with pytest.raises(RequestError, match=r"`temperature` must be 0 \(greedy\) or a number in 0.01..100, got 1e-310"):
+        _parse({"prompt": "x", "temperature": 1e-310})
+    assert _parse({"prompt": "x", "seed": MAX_SEED}).seed == MAX_SEED
+
+
+@pytest.mark.parametrize("body,param,chat", [
+    ({"prompt": "a\ud800b"}, "prompt", False),
+    ({"prompt": ["\udfff"]}, "prompt", False),
+    ({"prompt": "x", "stop": ["ok", "\ud800"]}, "stop", False),
+    ({"messages": [{"role": "user", "content": "\ud83d"}]}, "messages", True),
+    ({"messages": [{"role": "\udc00", "content": "hi"}]}, "messages", True),
+])
+def test_text_that_is_not_valid_unicode_is_refused_by_name(body, param, chat):
+    """A lone surrogate (JSON can spell one, UTF-8 cannot encode it) was a 500 from the tokenizer (F10)."""
+    with pytest.raises(RequestError) as info:
+        _parse(body, chat=chat)
+    assert (info.value.status, info.value.param) == (400, param)
+    assert "lone surrogate" in info.value.message
+    with pytest.raises(RequestError) as info:
+        parse_tokenize({"prompt": "\ud800"}, TOK)
+    assert info.value.param == "prompt"
+
+
+def test_an_error_never_echoes_a_huge_value_whole():
+    with pytest.raises(RequestError) as info:
+        _parse({"prompt": "x", "seed": 10**4000})
+    assert len(info.value.message) < 200 and "digits" in info.value.message
+    with pytest.raises(RequestError) as info:
+        _parse({"prompt": "x", "stop": ["a" * 100_000, 3]})
+    assert len(info.value.message) < 300

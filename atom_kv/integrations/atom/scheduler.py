@@ -48,6 +48,7 @@ import logging
 import math
 import sys
 import uuid
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from atom.kv_transfer.disaggregation.base import KVConnectorSchedulerBase
@@ -61,6 +62,7 @@ from atom_kv.engine_hooks.types import ConnectorMetadata, KVConnectorOutput
 from atom_kv.integrations.atom.contract import check_scheduler, constructing_scheduler
 from atom_kv.integrations.atom.metadata import AtomKVMetadata
 from atom_kv.integrations.atom.settings import AtomEngine, advertised_host, require_completion_contract
+from atom_kv.integrations.request_guard import asks, matched_tokens
 
 __all__ = ["AtomKVScheduler"]
 
@@ -131,22 +133,32 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
     def get_num_new_matched_tokens(self, seq: Any) -> tuple[int, bool]:
         """``(prompt tokens that arrive from the producer, True)`` for a consumer
         request with ``do_remote_prefill``; ``(0, False)`` otherwise (producer:
-        registers a request with ``do_remote_decode``)."""
+        registers a request with ``do_remote_decode``). ``kv_transfer_params``
+        that are not an object, or that the connector refuses, cost the request
+        its KV transfer only (one logged line), never ATOM's scheduler."""
+        return matched_tokens("ATOM seq", seq.id, lambda: self._matched_tokens(seq), on_error=lambda: self._drop(seq))
+
+    def _matched_tokens(self, seq: Any) -> tuple[int, bool]:
         sid = seq.id
         params = seq.kv_transfer_params
         if self.is_producer:
             self._hooks.get_num_new_matched_tokens(str(sid), seq.num_prompt_tokens, params)
-            if params and params.get("do_remote_decode"):
+            if asks(params, "do_remote_decode"):
                 self._matched[sid] = seq  # until allocated: an abort before that must unregister it
             return 0, False
-        if not params or not params.get("do_remote_prefill"):
-            return 0, False
+        if not params or (isinstance(params, Mapping) and not params.get("do_remote_prefill")):
+            return 0, False  # not a remote prefill (params that are not an object: the connector says why)
         if sid in self._local or sid in self._parked or sid in self._loaded or sid in self._draining:
             return 0, False  # loaded, failed or preempted before: its KV is computed here from now on
         n, is_async = self._hooks.get_num_new_matched_tokens(str(sid), seq.num_prompt_tokens, params)
         if is_async:
             self._matched[sid] = seq
         return n, is_async
+
+    def _drop(self, seq: Any) -> None:
+        """The connector raised on ``seq``: forget it, and have the connector drop (and release) what it holds."""
+        self._matched.pop(seq.id, None)
+        self._hooks.request_finished(str(seq.id), [], aborted=True)
 
     def update_state_after_alloc(self, seq: Any) -> None:
         """ATOM allocated the request's blocks: queue the load into ``seq.block_table``.
@@ -159,9 +171,15 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         if self._matched.pop(sid, None) is None or self.is_producer:
             return
         rid, cached = str(sid), int(seq.num_cached_tokens or 0)
-        remote, is_async = self._hooks.get_num_new_matched_tokens(rid, seq.num_prompt_tokens, seq.kv_transfer_params,
-                                                                  num_computed_tokens=cached)
-        self._hooks.update_state_after_alloc(rid, list(seq.block_table), remote)
+
+        def queue_load() -> tuple[int, bool]:
+            remote, is_async = self._hooks.get_num_new_matched_tokens(rid, seq.num_prompt_tokens,
+                                                                      seq.kv_transfer_params,
+                                                                      num_computed_tokens=cached)
+            self._hooks.update_state_after_alloc(rid, list(seq.block_table), remote)
+            return remote, is_async
+
+        _, is_async = matched_tokens("ATOM seq", sid, queue_load, on_error=lambda: self._drop(seq))
         if is_async:
             self._parked[sid] = seq
 

@@ -14,6 +14,7 @@ from atom_kv.engine_hooks import KVConnectorOutput
 from atom_kv.integrations.vllm.layout import kv_shape
 from atom_kv.integrations.vllm.ledger import SchedulerLedger
 from atom_kv.integrations.vllm.metadata import AtomKVConnectorMetadata, AtomKVWorkerMetadata
+from atom_kv.integrations.request_guard import matched_tokens
 from atom_kv.integrations.vllm.settings import _Place
 from atom_kv.wire import KV_FEATURE_RENDEZVOUS
 
@@ -57,6 +58,13 @@ class _SchedulerSide:
             self.pinger.start()  # pings once vLLM's API server accepts connections on host_ip:http_port
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Where a request's ``kv_transfer_params`` enter: any the connector refuses, or fails on, cost the
+        request its KV transfer (logged), never vLLM's engine core."""
+        return matched_tokens("vLLM", request.request_id,
+                              lambda: self._matched_tokens(request, num_computed_tokens),
+                              on_error=lambda: self._drop(request.request_id))
+
+    def _matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
         params = request.kv_transfer_params
         if self.config.is_producer:
@@ -70,6 +78,11 @@ class _SchedulerSide:
             return 0, False
         self._local_hits[rid] = num_computed_tokens
         return count, is_async
+
+    def _drop(self, rid: str) -> None:
+        """The connector raised on ``rid``: have it drop (and release) what it holds for it."""
+        self._local_hits.pop(rid, None)
+        self.hooks.request_finished(rid, [], aborted=True)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self.config.is_producer:
