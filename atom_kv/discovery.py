@@ -15,7 +15,9 @@ Each ping asks for an answer (``answers``): the proxy says registered,
 refused and why, or stale (:class:`~atom_kv.wire.RegisterAnswer`). The engine
 logs the first success once, then each change of state; a proxy that does
 not answer within ``registration_answer_timeout_s`` gets one WARNING naming
-the likely causes (address, firewall, a proxy listening on loopback only).
+the likely causes (address, firewall, a proxy listening on loopback only) and
+what the socket's monitor saw (:mod:`atom_kv._zmq_watch`): never connected
+(the attempt unanswered, or refused), or connected and nothing came back.
 
 An engine pings only once it serves: a pinger built with
 ``wait_until_serving`` first waits, in its own thread, until the engine's
@@ -36,6 +38,7 @@ import msgspec
 import zmq
 
 from atom_kv import wire
+from atom_kv._zmq_watch import ConnectionWatch
 from atom_kv.auth import PURPOSE_REGISTER, sign_fields
 from atom_kv.config import KVTransferConfig, is_port
 from atom_kv.wire import REGISTERED, STALE, RegisterAnswer, RegisterPing, WireError
@@ -76,15 +79,15 @@ SILENT = "silent"  # a link's state while its proxy does not answer
 
 
 class _ProxyLink:
-    """One proxy: its DEALER socket and what the engine has heard from it (for the log)."""
+    """One proxy: its DEALER socket, the socket's monitor and what the engine has heard from it (for the log)."""
 
     def __init__(self, host: str, port: int, sock: zmq.Socket) -> None:
         self.address = f"{host}:{port}"
         self.sock = sock
+        self.watch = ConnectionWatch(sock)
         self.state: Optional[tuple[str, str]] = None  # (status, reason) of the last answer, or (SILENT, "")
         self.registered_once = False
         self.awaiting_since: Optional[float] = None  # when the oldest unanswered ping was sent (or dropped)
-        self.dropped = 0  # pings that could not be queued since the last answer (no connection)
         self.unanswered = 0  # pings sent and not answered yet (bounded): an answer beyond them is not read
 
 
@@ -165,9 +168,11 @@ class RegistrationPinger:
                 sock.setsockopt(zmq.SNDTIMEO, 0)
                 sock.setsockopt(zmq.RCVHWM, 16)
                 sock.setsockopt(zmq.MAXMSGSIZE, _MAX_ANSWER_BYTES)
+                link = _ProxyLink(host, port, sock)  # its monitor first: it sees the first attempt
+                links.append(link)
                 sock.connect(f"tcp://{host}:{port}")
-                links.append(_ProxyLink(host, port, sock))
                 poller.register(sock, zmq.POLLIN)
+                poller.register(link.watch.monitor, zmq.POLLIN)
             next_ping = time.monotonic()
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -185,14 +190,17 @@ class RegistrationPinger:
                             deadline = min(deadline, due)
                 ready = dict(poller.poll(max(0.0, deadline - now) * 1000))
                 for link in links:
+                    if link.watch.monitor in ready:
+                        link.watch.read()
                     if link.sock in ready:
                         self._read_answers(link)
         except zmq.ZMQError as exc:
             logger.error("registration pinger stopped: %s", exc)
         finally:
             for link in links:
+                link.watch.close(link.sock)
                 link.sock.close(0)
-            ctx.term()
+            ctx.destroy(linger=0)  # also a socket that failed before it became a link
 
     def _send(self, link: _ProxyLink, now: float) -> None:
         if link.awaiting_since is None:
@@ -203,7 +211,6 @@ class RegistrationPinger:
             link.unanswered = min(link.unanswered + 1, _MAX_UNANSWERED)
         except zmq.Again:
             self.dropped += 1
-            link.dropped += 1
             logger.debug("proxy %s not reachable yet; ping dropped", link.address)
 
     def _read_answers(self, link: _ProxyLink) -> None:
@@ -224,13 +231,12 @@ class RegistrationPinger:
                 continue
             self.answers += 1
             link.awaiting_since = None
-            link.dropped = 0
             self._changed(link, (answer.status, answer.reason), answer.detail)
 
     def _silent(self, link: _ProxyLink) -> None:
-        how = (f"{link.dropped} pings could not even be sent: no connection to it" if link.dropped
-               else "connected, but nothing came back")
-        logger.warning("no answer from proxy %s in %.0f s (%s): check proxy_ip/proxy_ping_port (the proxy's "
+        link.watch.read()  # what the monitor said up to now
+        how = link.watch.describe()
+        logger.warning("no answer from proxy %s in %g s: %s; check proxy_ip/proxy_ping_port (the proxy's "
                        "--discovery-port), a firewall between this host and the proxy, and that the proxy's discovery "
                        "does not listen on loopback only (--discovery-host); a proxy older than this engine does "
                        "not answer", link.address, self.answer_timeout_s, how)

@@ -6,11 +6,11 @@ Each suite is a module ``atom_kv.bench.<suite>`` exposing
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import logging
 import sys
 
+from atom_kv._cli import OneLineParser
 from atom_kv.extras import MissingExtraError, require
 
 #: suites that need an optional dependency: suite -> (module, extra)
@@ -26,7 +26,7 @@ SUITES = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m atom_kv.bench", description=__doc__)
+    parser = OneLineParser(prog="python -m atom_kv.bench", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="suite", required=True, metavar="{" + ",".join(SUITES) + "}")
     argv = sys.argv[1:] if argv is None else argv

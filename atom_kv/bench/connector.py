@@ -22,6 +22,7 @@ import msgspec
 import torch
 import zmq
 
+from atom_kv._cli import OneLineParser
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.aggregator import KVOutputAggregator
 from atom_kv.connector.handshake import handshake_port, request_handshake
@@ -380,7 +381,7 @@ def handshake_line(r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run this suite alone: ``python -m atom_kv.bench.connector``."""
-    parser = argparse.ArgumentParser(prog="python -m atom_kv.bench.connector", description=__doc__)
+    parser = OneLineParser(prog="python -m atom_kv.bench.connector", description=__doc__)
     parser.add_argument("--log-level", default="WARNING")
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -41,6 +41,7 @@ from typing import Any, Awaitable, Callable
 
 import aiohttp
 
+from atom_kv._cli import OneLineParser
 from atom_kv.proxy.settings import POLICIES
 from atom_kv.testing.ports import free_port
 from atom_kv.testing.procfs import process_stats
@@ -114,7 +115,7 @@ def _baseline_app(prefill: str, decode: str) -> Any:
 
 
 def _serve_baseline(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="ATOM original-proxy baseline for the proxy bench")
+    parser = OneLineParser(description="ATOM original-proxy baseline for the proxy bench")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--prefill", required=True)
     parser.add_argument("--decode", required=True)

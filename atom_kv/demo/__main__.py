@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from atom_kv._cli import OneLineParser
 from atom_kv.extras import MissingExtraError, require
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.web import scrape_metrics
@@ -128,7 +129,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m atom_kv.demo", description=__doc__,
+    p = OneLineParser(prog="python -m atom_kv.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", default="auto", choices=["auto", "tcp", "cma", "gpu_ipc", "nixl"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],

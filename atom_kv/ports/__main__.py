@@ -11,12 +11,13 @@ import json
 import sys
 from typing import Optional
 
+from atom_kv._cli import OneLineParser
 from atom_kv.config import ConfigError, parse_kv_transfer_config
 from atom_kv.ports import firewall_rows, planned_ports
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m atom_kv.ports", description=__doc__,
+    p = OneLineParser(prog="python -m atom_kv.ports", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kv-transfer-config", required=True, help="the engine's JSON config")
     p.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1, help="tensor-parallel ranks")

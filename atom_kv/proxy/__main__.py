@@ -39,6 +39,7 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable, Coroutine
 
+from atom_kv._cli import OneLineParser
 from atom_kv.config import is_port
 from atom_kv.proxy.app import create_app
 from atom_kv.proxy.fleet.discovery import DiscoveryError
@@ -109,7 +110,7 @@ def _engine(role: str):
 
 def build_parser() -> argparse.ArgumentParser:
     d = ProxySettings()
-    p = argparse.ArgumentParser(prog="atom-kv-proxy", description="Prefill/decode proxy for ATOM-compatible engines.")
+    p = OneLineParser(prog="atom-kv-proxy", description="Prefill/decode proxy for ATOM-compatible engines.")
     g = p.add_argument_group("listening")
     g.add_argument("--host", default=d.host,
                    help="HTTP listen address (default %(default)s: loopback only); discovery follows it unless "

@@ -23,6 +23,7 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
+from atom_kv._cli import OneLineParser
 from atom_kv._netaddr import is_unspecified
 from atom_kv.config import ConfigError, is_port, parse_kv_transfer_config
 from atom_kv.gc_heap import freeze_startup_heap
@@ -34,7 +35,7 @@ log = logging.getLogger("atom_kv.reference")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m atom_kv.reference", description=__doc__,
+    p = OneLineParser(prog="python -m atom_kv.reference", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1",
                    help="address the HTTP server and the KV listeners bind (0.0.0.0: every interface)")

@@ -35,6 +35,7 @@ import zmq
 from aiohttp import web
 from multidict import CIMultiDict
 
+from atom_kv._cli import OneLineParser
 from atom_kv.auth import PURPOSE_REGISTER, sign_fields
 from atom_kv.openai_errors import error_bytes
 from atom_kv.wire import HelloPing, RegisterPing, encode
@@ -552,7 +553,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run fake prefill and decode engines (for proxy tests and benches).")
+    parser = OneLineParser(description="Run fake prefill and decode engines (for proxy tests and benches).")
     parser.add_argument("--discovery", default=None,
                         help="proxy discovery endpoint to ping, e.g. tcp://127.0.0.1:36367 (default: no pings)")
     parser.add_argument("--auth-token", default=None,

@@ -1,6 +1,7 @@
 import logging
 import random
 import socket
+import threading
 import time
 
 import msgspec
@@ -205,3 +206,94 @@ def test_the_pinger_logs_the_first_success_once_then_each_change_and_ignores_ans
     assert [r.levelname for r in caplog.records if "proxy 127.0.0.1" in r.getMessage()] == [
         "INFO", "WARNING", "INFO", "WARNING"]
     assert pinger.bad_answers >= 40
+
+
+def _silence_warning(caplog, port: int, timeout_s: float = 10.0) -> str:
+    """Ping 127.0.0.1:``port`` (answer timeout 0.3 s) until the pinger warns that nothing came back; that line."""
+    caplog.set_level(logging.WARNING, logger="atom_kv.discovery")
+    caplog.clear()
+    cfg = config("kv_producer", 6400, proxy_ip=f"127.0.0.1:{port}", ping_interval_s=0.1,
+                 registration_answer_timeout_s=0.3)
+    pinger = build_registration_pinger(cfg, role="P", index="0", http_host="127.0.0.1", http_port=8100,
+                                       tp_size=1, engine_id="P-1").start()
+    try:
+        lines = wait_until(lambda: [r.getMessage() for r in caplog.records if "no answer from proxy" in r.getMessage()],
+                           timeout_s, interval=0.02, what="the no-answer warning")
+    finally:
+        pinger.close()
+    assert lines[0].startswith(f"no answer from proxy 127.0.0.1:{port} in 0.3 s: ")
+    return lines[0]
+
+
+def test_no_answer_from_a_port_that_refuses_says_it_never_connected(caplog):
+    line = _silence_warning(caplog, non_ephemeral_port())
+    assert "never connected" in line and "refused" in line and "nothing came back" not in line, line
+
+
+def test_no_answer_to_a_connection_attempt_says_it_never_connected_and_why(caplog, unaccepting_port):
+    line = _silence_warning(caplog, unaccepting_port)
+    assert "never connected" in line and "has had no answer" in line and "firewall" in line, line
+    assert "nothing came back" not in line, line
+
+
+def test_a_proxy_that_takes_the_ping_and_answers_nothing_is_connected_with_nothing_back(caplog):
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    try:
+        line = _silence_warning(caplog, router.bind_to_random_port("tcp://127.0.0.1"))
+    finally:
+        router.close(0)
+        ctx.term()
+    assert "connected, but nothing came back" in line and "never connected" not in line, line
+
+
+def test_a_port_that_is_no_zeromq_socket_says_the_handshake_did_not_complete(caplog):
+    """A server that accepts and closes at once (no ZeroMQ greeting): connected, the handshake never done."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            conn.close()
+
+    thread = threading.Thread(target=serve, name="closing-server", daemon=True)
+    thread.start()
+    try:
+        line = _silence_warning(caplog, server.getsockname()[1])
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+    assert "connected, but the connection closed before ZeroMQ's handshake completed" in line, line
+    assert "never connected" not in line and "nothing came back" not in line, line
+
+
+def test_a_proxy_that_goes_away_after_the_ping_arrived_says_the_connection_was_lost(caplog):
+    caplog.set_level(logging.WARNING, logger="atom_kv.discovery")
+    port = non_ephemeral_port()  # closed later: a DEALER cannot connect to itself there
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    cfg = config("kv_producer", 6400, proxy_ip=f"127.0.0.1:{port}", ping_interval_s=0.1,
+                 registration_answer_timeout_s=1.0)
+    pinger = build_registration_pinger(cfg, role="P", index="0", http_host="127.0.0.1", http_port=8100,
+                                       tp_size=1, engine_id="P-1").start()
+    try:
+        assert router.poll(5000), "no ping arrived"
+        router.close(0)  # the proxy goes away without answering
+        lines = wait_until(lambda: [r.getMessage() for r in caplog.records if "no answer from proxy" in r.getMessage()],
+                           10, interval=0.02, what="the no-answer warning")
+    finally:
+        pinger.close()
+        ctx.destroy(linger=0)
+    assert "connected before, but the connection was lost" in lines[0], lines
+    assert "never connected" not in lines[0], lines

@@ -1,6 +1,7 @@
 """Registration that answers, end to end: a real reference engine process and a real proxy process on
 127.0.0.1. An engine with a wrong token, or pinging a port nobody serves, says so in one clear line within
-10 s of its first ping; a registered engine says so once."""
+10 s of its first ping (for the port: that it never connected); a registered engine says so once, and that
+its connection was lost when the proxy dies."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ def test_an_engine_pinging_a_port_nobody_serves_warns_within_10_s_naming_the_cau
         assert "WARNING" in silent and f"no answer from proxy 127.0.0.1:{port} in 5 s" in silent
         for cause in ("proxy_ip", "proxy_ping_port", "firewall", "loopback"):
             assert cause in silent, cause
+        assert "never connected" in silent and "nothing came back" not in silent, silent
         assert len(_lines(engine, "no answer from proxy")) == 1
     finally:
         engine.stop()
@@ -100,7 +102,7 @@ def test_a_registered_engine_says_so_once_then_notices_the_proxy_going_silent(lo
                    what="the proxy to list the engine")
         proxy.kill()
         silent = _line(engine, "no answer from proxy", 30)
-        assert "WARNING" in silent
+        assert "WARNING" in silent and "connected before, but the connection was lost" in silent, silent
         assert len(_lines(engine, "registered with proxy")) == 1
     finally:
         if engine is not None:

@@ -11,7 +11,9 @@ import msgspec
 import zmq
 
 from atom_kv.auth import PURPOSE_REGISTER, sign_fields
+from atom_kv.discovery import build_registration_pinger
 from atom_kv.wire import RegisterAnswer, decode
+from tests.connector.kvutil import config
 
 
 def _exchange(endpoint: str, pings: list[bytes], answers: int, timeout_s: float = 10.0) -> list[RegisterAnswer]:
@@ -123,3 +125,39 @@ async def test_an_engine_the_proxy_cannot_reach_is_told_so_in_its_answer(make_pr
     (later,) = await _answers(proxy, [_asking(fields)], 1)
     assert (later.status, later.reason) == ("registered", "unreachable")
     assert gone.base_url in later.detail and "cannot reach" in later.detail and "advertise" in later.detail
+
+
+async def test_an_unsigned_ping_to_a_proxy_with_a_token_is_told_the_engine_has_no_auth_token(make_proxy, make_engine):
+    """Unsigned (``mac`` null, as an engine without ``auth_token`` sends it, or absent): the answer says the
+    engine has no token and what to set, not that its MAC is wrong; a wrong MAC still says so."""
+    proxy = await make_proxy(registration_token="s3cret")
+    d = await make_engine("D")
+    fields = d.register_fields()
+    assert fields["mac"] is None  # the pinger's unsigned ping carries the null
+    bare = {k: v for k, v in fields.items() if k not in ("ts", "nonce", "mac")}
+    got = await _answers(proxy, [_asking(fields), _asking(bare), _asking(fields, "wrong")], 3)
+    assert [(a.status, a.reason) for a in got] == [("refused", "token")] * 3
+    for answer in got[:2]:
+        assert "no auth_token" in answer.detail and "--registration-token" in answer.detail, answer.detail
+        assert "wrong mac" not in answer.detail, answer.detail
+    assert "no auth_token" not in got[2].detail and "wrong mac" in got[2].detail
+    assert proxy.count("atom_kv_proxy_rejected_registrations_total", reason="auth") == 3
+    assert proxy.registry.known("D") == []
+
+
+async def test_an_engine_without_auth_token_logs_that_it_has_none(make_proxy, caplog):
+    """The engine's own pinger, unsigned, against a proxy with a token: its warning names the missing token."""
+    caplog.set_level(logging.WARNING, logger="atom_kv.discovery")
+    proxy = await make_proxy(registration_token="s3cret")
+    cfg = config("kv_consumer", 6400, proxy_ip=proxy.discovery_endpoint[len("tcp://"):], ping_interval_s=0.1)
+    pinger = build_registration_pinger(cfg, role="D", index="0", http_host="127.0.0.1", http_port=8200,
+                                       tp_size=1, engine_id="D-1").start()
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10.0
+        while pinger.answers == 0 and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+    finally:
+        await asyncio.to_thread(pinger.close)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "atom_kv.discovery"]
+    assert "(token)" in line and "no auth_token" in line and "set the engine's auth_token" in line, line

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
-from atom_kv.proxy.fleet.registry import CircuitBreaker, Registration, Registry, RegistryFull
+from atom_kv.proxy.fleet.registry import CircuitBreaker, ProbeFailure, Registration, Registry, RegistryFull
 from atom_kv.proxy.fleet.static import parse_engine_spec
 
 
@@ -124,3 +126,40 @@ async def test_wait_for_wakes_on_changes():
     r.upsert(_reg("P", 1))
     assert await asyncio.wait_for(waiter, 1.0)
     assert not await r.wait_for(lambda reg: len(reg.known("D")) == 1, 0.05)
+
+
+def test_a_probe_that_times_out_is_the_reason_and_one_warning_per_change(caplog):
+    """Pending or down, every failed probe sets ``down_reason``; a timeout is a WARNING once per change of
+    how probes fail, never once per probe; a probe that reaches the instance clears it all."""
+    caplog.set_level(logging.INFO, logger="atom_kv.proxy.fleet.registry")
+    r = Registry(heartbeat_timeout=5.0, circuit_failures=3, circuit_cooldown_s=1.0)
+    r.upsert(_reg("D", 2), now=0.0)
+    (inst,) = r.known("D")
+    caplog.clear()
+
+    def said() -> list[tuple[str, str]]:
+        lines = [(rec.levelname, rec.getMessage()) for rec in caplog.records]
+        caplog.clear()
+        return lines
+
+    for _ in range(3):
+        r.not_reached(inst, "health probe: refused", ProbeFailure.REFUSED)
+    assert [level for level, _ in said()] == ["INFO"]  # starting, once
+    for n in range(3):
+        r.not_reached(inst, f"health probe timed out after 2 s ({n})", ProbeFailure.TIMED_OUT)
+    (warning,) = said()
+    assert warning[0] == "WARNING" and "http://10.0.0.1:2 is not reachable: health probe timed out" in warning[1]
+    assert inst.state == "pending" and inst.down_reason == "health probe timed out after 2 s (2)"
+    assert r.snapshot(now=0.0)[0]["down_reason"] == "health probe timed out after 2 s (2)"
+
+    r.mark_up(inst, now=1.0)
+    assert inst.down_reason == "" and inst.probe_failure is None
+    r.mark_down(inst, "health probe: refused", ProbeFailure.REFUSED)
+    said()
+    r.not_reached(inst, "health probe: refused", ProbeFailure.REFUSED)
+    assert said() == []  # down already says it
+    for _ in range(3):
+        r.not_reached(inst, "health probe timed out after 2 s", ProbeFailure.TIMED_OUT)
+    (warning,) = said()
+    assert warning[0] == "WARNING" and "is still down: health probe timed out after 2 s" in warning[1]
+    assert inst.state == "down" and inst.down_reason == "health probe timed out after 2 s"

@@ -7,17 +7,17 @@ in this interpreter's site-packages, for installs that do not ship it
 
 from __future__ import annotations
 
-import argparse
 import sys
 import sysconfig
 from pathlib import Path
 from typing import Optional, Sequence
 
+from atom_kv._cli import OneLineParser
 from atom_kv.integrations.atom.hook import PTH_NAME, pth_text
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="python -m atom_kv.integrations.atom",
         description=f"Install or remove {PTH_NAME}, which registers the atom_kv KV connector in every ATOM "
                     "process. A wheel install ships it; `pip install -e` does not.",

@@ -55,6 +55,9 @@ _BURST = 256  # pings handled per wake-up before yielding to the loop
 #: what the operator must do when registration is refused for want of a token
 ENABLE_REGISTRATION = ("set --registration-token (the engines' auth_token), or --allow-open-registration to "
                        "accept unsigned pings from anyone who can reach the discovery port")
+#: why an unsigned ping is refused by a proxy with a token: the engine has none
+UNSIGNED = ("the ping is not signed: the engine has no auth_token, and this proxy accepts only pings signed with its "
+            "--registration-token; set the engine's auth_token to the proxy's --registration-token")
 
 
 def _peer(frame: zmq.Frame) -> Optional[str]:
@@ -268,6 +271,8 @@ class DiscoveryListener:
             if not isinstance(msg, RegisterPing):
                 return self._refuse(wants, "auth", who, "unsigned (MoRIIO) ping while --registration-token is set",
                                     "token")
+            if raw.get("mac") is None:  # no mac, or the null an engine without auth_token sends
+                return self._refuse(wants, "auth", who, UNSIGNED, "token")
             try:
                 verify_fields(self.registration_token, PURPOSE_REGISTER, raw, self.replay)
             except AuthError as exc:
@@ -302,7 +307,8 @@ class DiscoveryListener:
         if inst is not None and inst.state != UP and inst.down_reason:  # a probe or a request did not reach it
             return RegisterAnswer(status=REGISTERED, reason="unreachable", detail=(
                 f"but the proxy cannot reach {reg.base_url} ({inst.down_reason}): it gets no requests until it "
-                "can; the engine must advertise the address the proxy's host reaches it at")[:512])
+                "can; the engine must advertise the address the proxy's host reaches it at, and a firewall must let "
+                "the proxy reach that port")[:512])
         return RegisterAnswer(status=REGISTERED)
 
     def _auth_refusal(self, wants: bool, who: str, exc: AuthError) -> Optional[RegisterAnswer]:

@@ -17,8 +17,10 @@ from typing import Any
 import msgspec
 
 from atom_kv.proxy.fleet.breaker import RequestOutcomes
-from atom_kv.proxy.fleet.registry import DOWN, PENDING, ROLE_NAMES, Instance, Registry
-from atom_kv.proxy.http.upstream import UpstreamConnectionError, UpstreamError, UpstreamPool
+from atom_kv.proxy.fleet.registry import DOWN, PENDING, ROLE_NAMES, Instance, ProbeFailure, Registry
+from atom_kv.proxy.http.upstream import (
+    UpstreamConnectionError, UpstreamConnectTimeout, UpstreamError, UpstreamPool, UpstreamTimeout,
+)
 from atom_kv.proxy.observability.metrics import ProxyMetrics
 
 logger = logging.getLogger(__name__)
@@ -102,8 +104,8 @@ class UpstreamHealth:
         self.metrics.circuit_opened.labels(name).inc()
         logger.warning("circuit opened for %s instance %s after %s", name, inst.base_url, inst.breaker.trip_reason)
 
-    def mark_down(self, inst: Instance, reason: str) -> None:
-        if self.registry.mark_down(inst, reason):
+    def mark_down(self, inst: Instance, reason: str, failure: ProbeFailure | None = None) -> None:
+        if self.registry.mark_down(inst, reason, failure):
             self.metrics.marked_down.labels(ROLE_NAMES[inst.role]).inc()
 
 
@@ -115,8 +117,13 @@ class HealthMonitor:
     (it may register before its server listens: no "down" for that); any other answer (a 404 too: the server is there) marks it
     up, and fills in what the engine reports (``engine_id``, ``tp_size``,
     ``dp_size``, ``role``); ``GET /v1/models`` is asked once for ``max_model_len``.
-    A probe that times out changes nothing (a static engine then goes silent
-    and is evicted after the heartbeat timeout, like a discovered one).
+    A probe that times out (no connection within the connect timeout: a
+    firewall dropping packets; or no answer within ``timeout_s``) is the
+    ``down_reason`` of a pending or down instance ("health probe timed out
+    after N s", one WARNING per change, see :meth:`Registry.not_reached`), and
+    the engine hears it in its registration answer; it does not take an up
+    instance out of routing (a static engine then goes silent and is evicted
+    after the heartbeat timeout, like a discovered one).
     """
 
     def __init__(self, registry: Registry, health: UpstreamHealth, *,
@@ -202,13 +209,20 @@ class HealthMonitor:
             status, _, raw = await self._pool.fetch(inst.host, inst.http_port, b"GET", b"/health",
                                                     total_timeout=self._timeout_s)
         except UpstreamConnectionError as exc:
-            self._not_serving(inst, f"health probe: {exc or type(exc).__name__}")
+            self._not_serving(inst, f"health probe: {exc or type(exc).__name__}", ProbeFailure.REFUSED)
             return
-        except UpstreamError:  # timed out (connecting or answering): changes nothing
-            logger.debug("health probe of %s timed out", inst.base_url)
+        except UpstreamConnectTimeout as exc:
+            self._timed_out(inst, f"health probe timed out after {self._connect_timeout:g} s: {exc}")
+            return
+        except UpstreamTimeout:
+            self._timed_out(inst, f"health probe timed out after {self._timeout_s:g} s: connected to "
+                                  f"{inst.host}:{inst.http_port}, but GET /health was not answered")
+            return
+        except UpstreamError as exc:  # e.g. an answer over the size bounds: the server is there, changes nothing
+            logger.debug("health probe of %s failed: %s", inst.base_url, exc)
             return
         if status >= 500:
-            self._not_serving(inst, f"health probe answered {status}")
+            self._not_serving(inst, f"health probe answered {status}", ProbeFailure.ERROR)
             return
         info = self._decode(raw) if status == 200 else None
         if info is not None and not self._apply(inst, info):
@@ -217,12 +231,20 @@ class HealthMonitor:
             await self._learn_model(inst)  # before it is routable: the first request is checked too
         self.registry.mark_up(inst)
 
-    def _not_serving(self, inst: Instance, reason: str) -> None:
+    def _not_serving(self, inst: Instance, reason: str, failure: ProbeFailure) -> None:
         """A probe that found no serving engine: down, unless no probe ever reached it (then still starting)."""
-        if inst.state == PENDING:
-            self.registry.still_starting(inst, reason)
+        if inst.state in (PENDING, DOWN):
+            self.registry.not_reached(inst, reason, failure)
         else:
-            self.health.mark_down(inst, reason)
+            self.health.mark_down(inst, reason, failure)
+
+    def _timed_out(self, inst: Instance, reason: str) -> None:
+        """A probe that timed out: the reason of a pending or down instance; an up one stays up (one slow
+        answer is no proof; a static engine that stays silent is evicted after the heartbeat timeout)."""
+        if inst.state in (PENDING, DOWN):
+            self.registry.not_reached(inst, reason, ProbeFailure.TIMED_OUT)
+        else:
+            logger.debug("health probe of %s: %s", inst.base_url, reason)
 
     @staticmethod
     def _decode(raw: bytes) -> dict[str, Any] | None:

@@ -9,7 +9,11 @@ fail at the connection level). New instances start *pending* (starting)
 until a probe reaches them, whatever the probes before found: an engine may
 register before its server listens, and that is not "down". An instance that
 was up and whose connection is refused or reset goes *down* at once and comes
-back on the next successful probe.
+back on the next successful probe. Why a probe did not reach an instance is
+its ``down_reason`` and, as a kind, its ``probe_failure``
+(:class:`ProbeFailure`); a probe that times out (packets dropped on the way,
+or an engine that accepts and never answers) is logged as a WARNING once per
+instance and change, not once per probe.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable, Literal
 
 from yarl import URL
@@ -32,6 +37,14 @@ Role = Literal["P", "D"]
 ROLE_NAMES = {"P": "prefill", "D": "decode"}
 
 PENDING, UP, DOWN = "pending", "up", "down"
+
+
+class ProbeFailure(Enum):
+    """How a health probe failed to reach an instance (``down_reason`` says it in words)."""
+
+    REFUSED = "refused"  # refused, reset or closed: nothing serves at that address
+    ERROR = "error"  # the engine answered 5xx: there, but not serving
+    TIMED_OUT = "timed out"  # no connection or no answer in time: packets dropped (a firewall), or a hung engine
 
 
 class RegistryFull(Exception):
@@ -68,6 +81,7 @@ class Instance:
     state: str = PENDING
     down_reason: str = ""
     last_error: LastError | None = None  # the latest failed exchange with it (set by the relay)
+    probe_failure: ProbeFailure | None = None  # the kind of the last failed probe (None: reached, or not probed)
     expired: bool = False  # static only: silent past the heartbeat timeout (counted once)
     last_seen: float = 0.0
     last_seen_wall: float = 0.0
@@ -314,23 +328,38 @@ class Registry:
         return inst
 
     # ------------------------------------------------------------------ health
-    def mark_down(self, inst: Instance, reason: str) -> bool:
-        """Take ``inst`` out of routing until a probe reaches it; True if it was not down already."""
+    def mark_down(self, inst: Instance, reason: str, failure: ProbeFailure | None = None) -> bool:
+        """Take ``inst`` out of routing until a probe reaches it; True if it was not down already.
+        ``failure``: the kind of the probe that found it down (None: a request did)."""
         if inst.state == DOWN or self._instances.get(inst.key) is not inst:
             return False
         inst.state = DOWN
         inst.down_reason = reason
+        inst.probe_failure = failure
         self._changed()
         self.wakeup.set()
         self._warn.event("down", f"{ROLE_NAMES[inst.role]} instance {inst.base_url} is down: {reason}")
         return True
 
-    def still_starting(self, inst: Instance, reason: str) -> None:
-        """A probe did not reach ``inst``, which has never been up: it stays pending (not routed), said once."""
-        if not inst.down_reason:
-            self._info.event("starting", f"{ROLE_NAMES[inst.role]} instance {inst.base_url} is starting ({reason}); "
-                                         "routed once a health probe reaches it")
-        inst.down_reason = reason
+    def not_reached(self, inst: Instance, reason: str, failure: ProbeFailure) -> None:
+        """A probe did not reach ``inst``, pending (never up: it stays pending, not routed) or down (it stays
+        down): ``down_reason`` becomes ``reason``. Said once per change of ``failure``: a probe that timed
+        out as a WARNING (nothing else would tell), a pending instance's other failures as "starting"."""
+        changed = failure is not inst.probe_failure
+        if reason != inst.down_reason:
+            inst.down_reason = reason
+            self._notify()  # what wait_for() waiters look at changed
+        inst.probe_failure = failure
+        if not changed or inst.state == UP:
+            return
+        name = f"{ROLE_NAMES[inst.role]} instance {inst.base_url}"
+        if failure is ProbeFailure.TIMED_OUT:
+            self._warn.event("unreachable", (
+                f"{name} is {'still down' if inst.state == DOWN else 'not reachable'}: {reason}; check the "
+                "firewall between the proxy and that port (it must let the proxy's connections in) and the address "
+                "the engine advertises; routed once a health probe reaches it"))
+        elif inst.state == PENDING:
+            self._info.event("starting", f"{name} is starting ({reason}); routed once a health probe reaches it")
 
     def mark_up(self, inst: Instance, now: float | None = None) -> None:
         """A probe reached ``inst``: routable again (static instances also count it as a heartbeat)."""
@@ -343,6 +372,7 @@ class Registry:
             was = inst.state
             inst.state = UP
             inst.down_reason = ""
+            inst.probe_failure = None
             self._changed()
             if was == DOWN:
                 self._info.event("up", f"{ROLE_NAMES[inst.role]} instance {inst.base_url} is up again")
