@@ -21,9 +21,12 @@ from typing import Annotated, Any, Literal, Mapping, Optional, TypeVar, Union, g
 
 import msgspec
 
-from atom_kv.config import FieldError, NonEmptyStr, NonNegativeInt, PeerPort, PositiveInt, validate_fields
+from atom_kv.config import MAX_PORT, FieldError, PeerPort, validate_fields
 
 __all__ = [
+    "MAX_PARAMS_BLOCKS",
+    "MAX_PRODUCER_DP_SIZE",
+    "MAX_PRODUCER_RANKS",
     "MAX_TRANSFER_ID_CHARS",
     "KV_FEATURE_RENDEZVOUS",
     "BlocksAnswer",
@@ -705,7 +708,39 @@ TransferId = Annotated[
     msgspec.Meta(min_length=1, max_length=MAX_TRANSFER_ID_CHARS, pattern=r"\A[\x20-\x7e]+\Z",
                  description=f"1..{MAX_TRANSFER_ID_CHARS} printable ASCII characters"),
 ]
-BlockIds = Annotated[list[NonNegativeInt], msgspec.Meta(min_length=1, description="a non-empty list of block numbers")]
+
+# Bounds on kv_transfer_params, checked where they are decoded (any client of an engine's HTTP port may
+# send them; the proxy drops a client's own). A request whose params break one is refused for that key.
+#: most ranks (TP size times pipeline stages) of the producer kv_transfer_params may name, and so
+#: the most ranks one release goes to (``atom_kv.connector.release.MAX_RELEASE_RANKS``)
+MAX_PRODUCER_RANKS = 1024
+#: most DP ranks of the producer kv_transfer_params may name
+MAX_PRODUCER_DP_SIZE = 1024
+#: most blocks kv_transfer_params may name (a decode engine also refuses more than it allocated)
+MAX_PARAMS_BLOCKS = MAX_WIRE_BLOCKS
+#: the longest engine id and host name kv_transfer_params may carry
+MAX_PARAMS_NAME_CHARS = 256
+MAX_PARAMS_HOST_CHARS = 255
+BlockIds = Annotated[
+    list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]],
+    msgspec.Meta(min_length=1, max_length=MAX_PARAMS_BLOCKS,
+                 description=f"a list of 1..{MAX_PARAMS_BLOCKS} block numbers, each in 0..{(1 << 32) - 1}"),
+]
+#: a producer's TP size or pipeline stages (their product is checked too, by :meth:`KVTransferParams.parse`)
+ProducerSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_PRODUCER_RANKS,
+                                           description=f"an integer in 1..{MAX_PRODUCER_RANKS}")]
+ProducerDpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_PRODUCER_DP_SIZE,
+                                             description=f"an integer in 1..{MAX_PRODUCER_DP_SIZE}")]
+ProducerDpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_PRODUCER_DP_SIZE,
+                                             description=f"an integer in 0..{MAX_PRODUCER_DP_SIZE - 1}")]
+ParamsEngineId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PARAMS_NAME_CHARS,
+                                             description=f"1..{MAX_PARAMS_NAME_CHARS} characters")]
+ParamsHost = Annotated[str, msgspec.Meta(
+    min_length=1, max_length=MAX_PARAMS_HOST_CHARS,
+    description=f"a host name or address of 1..{MAX_PARAMS_HOST_CHARS} characters")]
+#: a transfer id as a decode leg names it: at most what the handshake port carries (:data:`WireTransferId`)
+ParamsTransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TRANSFER_ID_CHARS,
+                                               description=f"1..{MAX_TRANSFER_ID_CHARS} characters")]
 
 
 #: an engine's ``/health`` ``kv_features`` entry: as a decode engine it continues from
@@ -724,7 +759,10 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     names transfers, ``transfer_id``); the prefill's response and the decode
     request carry the producer's coordinates (``remote_*``, ``tp_size``,
     ``dp_rank``, ``transfer_id``). Every key is optional here; unknown keys
-    are ignored (other routers add their own). :meth:`from_dict` validates.
+    are ignored (other routers add their own). :meth:`from_dict` validates,
+    and bounds every key (any client of an engine's HTTP port may write
+    them): at most :data:`MAX_PRODUCER_RANKS` producer ranks, every rank's
+    port within 1..65535, at most :data:`MAX_PARAMS_BLOCKS` blocks, short strings.
     Hints the connector does not act on stay outside this schema, so a bad
     one never costs the request its remote KV: ``first_token_ids`` (the
     prefill's sampled token) and ``first_token_sent`` (the proxy streamed it),
@@ -733,18 +771,18 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
-    remote_engine_id: Optional[NonEmptyStr] = None
+    remote_engine_id: Optional[ParamsEngineId] = None
     remote_block_ids: Optional[BlockIds] = None
-    remote_host: Optional[NonEmptyStr] = None
+    remote_host: Optional[ParamsHost] = None
     remote_port: Optional[PeerPort] = None
     remote_handshake_port: Optional[PeerPort] = None
-    remote_dp_size: Optional[PositiveInt] = None
-    remote_tp_size: Optional[PositiveInt] = None
-    remote_dp_rank: Optional[NonNegativeInt] = None
-    remote_pp_size: Optional[PositiveInt] = None
-    tp_size: Optional[PositiveInt] = None
-    dp_rank: Optional[NonNegativeInt] = None
-    transfer_id: Optional[NonEmptyStr] = None
+    remote_dp_size: Optional[ProducerDpSize] = None
+    remote_tp_size: Optional[ProducerSize] = None
+    remote_dp_rank: Optional[ProducerDpRank] = None
+    remote_pp_size: Optional[ProducerSize] = None
+    tp_size: Optional[ProducerSize] = None
+    dp_rank: Optional[ProducerDpRank] = None
+    transfer_id: Optional[ParamsTransferId] = None
     #: a decode leg sent while its prefill computes: no ``remote_block_ids``
     #: yet; the decode's ranks learn them from the producer's handshake port
     #: (:class:`BlocksQuery`, keyed by ``transfer_id``; see :data:`KV_FEATURE_RENDEZVOUS`)
@@ -779,10 +817,38 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
             return cls(), [FieldError("kv_transfer_params",
                                       f"`kv_transfer_params` must be an object, got {type(data).__name__}")]
         try:
-            return msgspec.convert(data, cls), []
+            params, errors = msgspec.convert(data, cls), []
         except msgspec.ValidationError as exc:
             valid, errors = validate_fields(data, cls)
-            return cls(**valid), errors or [FieldError("kv_transfer_params", f"`kv_transfer_params`: {exc}")]
+            params = cls(**valid)
+            errors = [_clipped(e) for e in errors] or [
+                FieldError("kv_transfer_params", f"`kv_transfer_params`: {exc}")]
+        layout_error = params._producer_layout_error()
+        if layout_error is None:
+            return params, errors
+        return msgspec.structs.replace(params, **{layout_error.key: None}), [*errors, layout_error]
+
+    def _producer_layout_error(self) -> Optional[FieldError]:
+        """The key that places the producer's ranks where no rank can be, or None: its TP size
+        times its pipeline stages at most :data:`MAX_PRODUCER_RANKS`, and its last rank's
+        handshake port (:func:`handshake_port`) at most 65535. Each size is in range already."""
+        tp, pp = self.producer_tp_size, self.remote_pp_size or 1
+        if tp * pp > MAX_PRODUCER_RANKS:  # each is at most that: only a second stage gets here
+            tp_key = "remote_tp_size" if self.remote_tp_size is not None else "tp_size"
+            return FieldError("remote_pp_size", f"`remote_pp_size` times `{tp_key}` must be at most "
+                                                f"{MAX_PRODUCER_RANKS} (the producer ranks one request may name), "
+                                                f"got {pp} x {tp}")
+        base = self.producer_handshake_port
+        if base is None:
+            return None
+        dp = self.producer_dp_rank
+        last = handshake_port(base, dp, tp, tp - 1, pp_rank=pp - 1, dp_size=max(self.remote_dp_size or 1, dp + 1))
+        if last <= MAX_PORT:
+            return None
+        port_key = "remote_handshake_port" if self.remote_handshake_port is not None else "remote_port"
+        return FieldError(port_key, f"`{port_key}` must leave room for every producer rank it names: with "
+                                    f"{tp} TP rank(s), {pp} stage(s) and DP rank {dp} the last would listen on "
+                                    f"port {last}, past {MAX_PORT}")
 
     def to_dict(self) -> dict[str, Any]:
         """The params as a JSON-ready dict, without the keys that are unset (None)."""
@@ -812,6 +878,19 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
             "remote_handshake_port": self.producer_handshake_port,
         }
         return next((key for key, value in needed.items() if value is None), None)
+
+
+#: longest error line about one key of kv_transfer_params (the value shown is cut to fit)
+MAX_PARAMS_ERROR_CHARS = 300
+
+
+def _clipped(error: FieldError) -> FieldError:
+    """``error`` in at most :data:`MAX_PARAMS_ERROR_CHARS` characters (a value of a million
+    block numbers is shown by its start)."""
+    text = str(error)
+    if len(text) <= MAX_PARAMS_ERROR_CHARS:
+        return error
+    return FieldError(error.key, text[: MAX_PARAMS_ERROR_CHARS - 24] + f"... ({len(text)} characters)")
 
 
 def adoptable_transfer_id(value: Any) -> Optional[str]:

@@ -286,6 +286,53 @@ def test_bad_params_name_the_key(raw, key):
     assert info.value.key == key and f"`{key}`" in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "change,key,allowed",
+    [
+        ({"remote_tp_size": 2_000_000}, "remote_tp_size", "an integer in 1..1024"),
+        ({"tp_size": 1025}, "tp_size", "an integer in 1..1024"),
+        ({"remote_pp_size": 1025}, "remote_pp_size", "an integer in 1..1024"),
+        ({"remote_dp_size": 1025}, "remote_dp_size", "an integer in 1..1024"),
+        ({"remote_dp_rank": 1024}, "remote_dp_rank", "an integer in 0..1023"),
+        ({"dp_rank": 10**12}, "dp_rank", "an integer in 0..1023"),
+        ({"remote_handshake_port": 0}, "remote_handshake_port", "a TCP port in 1..65535"),
+        ({"remote_port": 65536}, "remote_port", "a TCP port in 1..65535"),
+        ({"remote_block_ids": [0] * ((1 << 20) + 1)}, "remote_block_ids", "a list of 1..1048576 block"),
+        ({"remote_block_ids": [1 << 32]}, "remote_block_ids", "each in 0..4294967295"),
+        ({"remote_block_ids": []}, "remote_block_ids", "a list of 1..1048576 block"),
+        ({"remote_host": "h" * 256}, "remote_host", "a host name or address of 1..255 characters"),
+        ({"remote_engine_id": "e" * 257}, "remote_engine_id", "1..256 characters"),
+        ({"transfer_id": "t" * 129}, "transfer_id", "1..128 characters"),
+        # sizes each in range whose ranks do not fit: the product, and the last rank's port
+        ({"remote_tp_size": 64, "remote_pp_size": 32}, "remote_pp_size", "at most 1024"),
+        ({"remote_handshake_port": 65535}, "remote_handshake_port", "past 65535"),
+        ({"remote_handshake_port": None, "remote_port": 65000, "remote_tp_size": 512}, "remote_port", "past 65535"),
+        ({"remote_handshake_port": 64000, "remote_tp_size": 4, "remote_pp_size": 2, "remote_dp_size": 512,
+          "remote_dp_rank": 0}, "remote_handshake_port", "port 66051"),
+    ],
+)
+def test_every_key_of_params_is_bounded_where_it_is_decoded(change, key, allowed):
+    """A client of a decode engine's HTTP port writes these: each key is bounded by what a producer can
+    have (MAX_PRODUCER_RANKS ranks, ports in 1..65535, MAX_PARAMS_BLOCKS blocks), in one line naming it."""
+    params, errors = wire.KVTransferParams.parse({**_producer_params(), **change})
+    (error,) = errors
+    text = str(error)
+    assert error.key == key and text.startswith(f"`{key}` ") and " must " in text and allowed in text, text
+    assert "\n" not in text and len(text) <= 300  # a million block numbers are shown by their start
+    assert getattr(params, key) is None  # refused: never used, for the load or for a release
+    assert params.remote_host == _producer_params()["remote_host"] or key == "remote_host"  # the rest stands
+
+
+def test_params_at_their_bounds_are_accepted():
+    edge = {**_producer_params(), "remote_tp_size": 512, "tp_size": 512, "remote_pp_size": 2, "remote_dp_size": 1,
+            "remote_dp_rank": 0, "dp_rank": 0, "remote_handshake_port": 65535 - 1023,
+            "remote_block_ids": list(range(1000)), "remote_host": "h" * 255, "remote_engine_id": "e" * 256,
+            "transfer_id": "t" * 128}
+    assert wire.KVTransferParams.parse(edge)[1] == []
+    assert wire.KVTransferParams.parse({**edge, "remote_handshake_port": 65535 - 1022})[1][0].key == \
+        "remote_handshake_port"
+
+
 def test_adoptable_transfer_ids():
     assert wire.adoptable_transfer_id("cmpl-1f2e 3d") == "cmpl-1f2e 3d"
     assert wire.adoptable_transfer_id("x" * wire.MAX_TRANSFER_ID_CHARS) is not None

@@ -16,6 +16,8 @@ Rules (one :class:`KVOutputAggregator` per engine, fed once per step):
 - ``first_tokens`` (the prefill's token a rank learned with the blocks) pass
   on as soon as any rank reports them (every rank learns the same token);
   the scheduler side takes each request's once.
+- ``reached`` (a rank completed a handshake with the load's producer) is
+  emitted with the request's finished or failed entry when any rank said so.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class KVOutputAggregator:
         self.world_size = world_size
         self._send = _Tracker("sending", world_size, max_remembered, max_pending)
         self._recv = _Tracker("receiving", world_size, max_remembered, max_pending)
+        self._reached: BoundedSet[str] = BoundedSet(max_pending)  # said by a rank, not emitted yet
 
     def aggregate(self, outputs: Sequence[Optional[KVConnectorOutput]]) -> KVConnectorOutput:
         """Fold one step's outputs (index = rank; ``None`` = nothing from that rank)."""
@@ -88,6 +91,8 @@ class KVOutputAggregator:
                 continue
             for rid, tokens in out.first_tokens.items():
                 first.setdefault(rid, tokens)
+            for rid in out.reached:
+                self._reached.add(rid)
             for tid in out.finished_sending:
                 done = self._send.report(rank, tid, None)
                 if done is not None:
@@ -96,8 +101,9 @@ class KVOutputAggregator:
                 self._collect(self._recv.report(rank, rid, None), recving, failed)
             for rid, reason in out.failed_recving.items():
                 self._collect(self._recv.report(rank, rid, reason or "load failed"), recving, failed)
+        reached = [rid for rid in [*recving, *failed] if self._reached.discard(rid)]
         return KVConnectorOutput(finished_sending=sending, finished_recving=recving, failed_recving=failed,
-                                 first_tokens=first)
+                                 first_tokens=first, reached=reached)
 
     @staticmethod
     def _collect(done: Optional[tuple[str, Optional[str]]], recving: list[str], failed: dict[str, str]) -> None:

@@ -3,8 +3,10 @@
 For each load the rank reads its head slice of every layer from the
 producer ranks holding it (one :class:`~atom_kv.connector.reads.RankRead`
 per producer rank, on a read pool; handshakes are cached per peer by
-:class:`~atom_kv.connector.peers.PeerTable`), then notifies every producer
-rank that it is done.
+:class:`~atom_kv.connector.peers.PeerTable`, which contacts a producer it has
+not met on one rank's port first), then notifies every producer rank that it
+is done. Each ended load says whether its producer answered a handshake here
+(``KVConnectorOutput.reached``), so the scheduler may release all its ranks.
 
 A successful load is only reported once every producer rank it read from
 confirmed, with a :class:`~atom_kv.wire.DoneAck`, that it had not released
@@ -36,7 +38,7 @@ import msgspec
 
 from atom_kv.connector.confirm import DoneAckClient
 from atom_kv.connector.layout import HeadOverlap, LayoutError, block_runs, head_overlaps
-from atom_kv.connector.peers import PeerTable, producer_port
+from atom_kv.connector.peers import PeerTable, producer_key, producer_port
 from atom_kv.connector.pipeline import check_stage_cover
 from atom_kv.connector.reads import LoadState, RankRead, ReadContext
 from atom_kv.connector.rendezvous import BlocksClient
@@ -139,7 +141,8 @@ class ConsumerWorker(ConnectorWorker):
             overlaps = [HeadOverlap(s * tp + o.remote_rank, o.local_first, o.remote_first, o.count)
                         for s in range(spec.remote_pp_size) for o in overlaps]
         ranks = {o.remote_rank for o in overlaps}
-        st = LoadState(spec, now, set(ranks), frozenset(ranks), lease_until=lease_until)
+        st = LoadState(spec, now, set(ranks), frozenset(ranks), lease_until=lease_until,
+                       first_rank=min(ranks, default=0))
         with self._lock:
             if rid in self._loads:
                 logger.warning("%s: request %s is already loading; ignoring the duplicate", self._name, rid)
@@ -254,12 +257,15 @@ class ConsumerWorker(ConnectorWorker):
             # the last read of this load (a read thread): the blocks only count
             # once every producer rank read from confirms it still held them
             error = self._confirm_reads(st)
+        reached = self._peers is not None and self._peers.knows(producer_key(st.spec))
         with self._lock:
             self._loads.pop(rid, None)
             if error is None:
                 self._finished_recv.append(rid)
             else:
                 self._failed_recv[rid] = error
+            if reached:
+                self._reached.append(rid)
         self._wake()
         if error is not None:
             logger.warning("%s: request %s: load of transfer %s failed: %s",

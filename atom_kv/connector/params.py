@@ -16,8 +16,8 @@ from typing import Any, Optional, Union
 import msgspec
 
 from atom_kv.config import FieldError
-from atom_kv.connector.release import MAX_RELEASE_RANKS, ReleaseSpec
-from atom_kv.wire import KVTransferParams, adoptable_transfer_id, handshake_port
+from atom_kv.connector.release import ReleaseSpec
+from atom_kv.wire import KVTransferParams, adoptable_transfer_id
 
 __all__ = ["RequestParams", "ParamsIn"]
 
@@ -74,18 +74,17 @@ class RequestParams(msgspec.Struct, frozen=True, kw_only=True):
         :data:`~atom_kv.connector.release.MAX_RELEASE_RANKS` ranks or ports
         beyond 65535. Each key counts on its own, so params refused for another
         key still say whom to release; the pipeline and DP sizes only add ports,
-        so when unreadable at least the first stage is released."""
+        so when unreadable at least the first stage is released. (The scheduler
+        sends to the first rank only of a producer its ranks never reached:
+        :mod:`atom_kv.connector.known_producers`.)"""
         p = self.wire
         if not p.do_remote_prefill or self._unreadable_whom():
             return None
         port = p.producer_handshake_port
         if p.transfer_id is None or p.remote_host is None or port is None:
             return None
-        tp, dp, pp = p.producer_tp_size, p.producer_dp_rank, p.remote_pp_size or 1
-        dp_size = max(p.remote_dp_size or 1, dp + 1)
-        if tp * pp > MAX_RELEASE_RANKS or handshake_port(port, dp, tp, tp - 1, pp_rank=pp - 1, dp_size=dp_size) > 65535:
-            return None
-        return ReleaseSpec(p.transfer_id, p.remote_host, port, tp, dp, pp, dp_size)
+        return ReleaseSpec.bounded(p.transfer_id, p.remote_host, port, p.producer_tp_size, p.producer_dp_rank,
+                                   p.remote_pp_size or 1, p.remote_dp_size or 1)
 
     def _unreadable_whom(self) -> bool:
         """True when the first given key of a :data:`_WHOM` group failed validation."""

@@ -5,6 +5,15 @@ small named pool and its result is cached; consecutive failures are counted,
 and a peer that reaches ``peer_failure_threshold`` is dropped (from the
 backend too), so its next use handshakes again. A failed handshake is never
 cached.
+
+A producer's ports come from a request's ``kv_transfer_params``, which any
+client of the engine may write. Until one handshake with a producer (engine
+id, host, base port, DP rank, TP size, stages) succeeded, only one of its
+ranks is contacted: the first a load reads from. Its reply says which TP
+rank, stage and DP rank it is, and is refused unless that is what the params
+placed on its port; the load's other ranks handshake only once it was
+accepted, and never when it failed. So a host a client named gets one
+bounded handshake attempt per load, never one on every port of a range.
 """
 
 from __future__ import annotations
@@ -14,11 +23,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Optional
 
 import msgspec
 import zmq
 
+from atom_kv._lru import BoundedSet
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.handshake import HandshakeError, HandshakeRejected, compat_mismatch, handshake_port, request_handshake
 from atom_kv.connector.kv_caches import peer_layouts
@@ -30,12 +41,22 @@ from atom_kv.transfer import TransferBackend
 from atom_kv.transfer.memory import pair_refusal
 from atom_kv.wire import HandshakeRequest
 
-__all__ = ["Peer", "PeerKey", "PeerTable", "producer_port"]
+__all__ = ["Peer", "PeerKey", "PeerTable", "ProducerKey", "producer_key", "producer_port"]
 
 logger = logging.getLogger(__name__)
 
 #: (remote engine id, host, handshake port of one producer rank)
 PeerKey = tuple[str, str, int]
+#: a producer as a load names it: (remote engine id, host, base handshake port, DP rank, TP size, stages, DP size)
+ProducerKey = tuple[str, str, int, int, int, int, int]
+#: producers a rank remembers having completed a handshake with (least recently used forgotten first)
+MAX_KNOWN_PRODUCERS = 4096
+
+
+def producer_key(spec: LoadSpec) -> ProducerKey:
+    """The producer whose ranks ``spec`` reads from."""
+    return (spec.remote_engine_id, spec.remote_host, spec.remote_handshake_port, spec.remote_dp_rank,
+            spec.remote_tp_size, spec.remote_pp_size, spec.remote_dp_size)
 
 
 def producer_port(spec: LoadSpec, rank: int) -> int:
@@ -94,6 +115,7 @@ class PeerTable:
         self._lock = threading.Lock()
         self._peers: dict[PeerKey, cf.Future] = {}
         self._failures: dict[PeerKey, int] = {}
+        self._known: BoundedSet[ProducerKey] = BoundedSet(MAX_KNOWN_PRODUCERS)  # a handshake with it succeeded
         self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix=thread_prefix)
 
     def rename(self, engine_id: str, name: str) -> None:
@@ -107,16 +129,56 @@ class PeerTable:
         with self._lock:
             self._request = msgspec.structs.replace(self._request, memory=list(memory))
 
-    def get(self, spec: LoadSpec, remote_rank: int) -> tuple[PeerKey, cf.Future]:
-        """The peer's key and its (maybe still running) handshake; starts one if none is cached."""
-        key = (spec.remote_engine_id, spec.remote_host, producer_port(spec, remote_rank))
+    def get(self, spec: LoadSpec, remote_rank: int, first_rank: Optional[int] = None) -> tuple[PeerKey, cf.Future]:
+        """The peer's key and its (maybe still running) handshake; starts one if none is cached.
+
+        ``first_rank``: the rank the load reads from first (``remote_rank`` when None).
+        Until a handshake with the producer succeeded, another rank's handshake starts only
+        once ``first_rank``'s succeeded, and fails when it failed (module docstring)."""
         with self._lock:
-            fut = self._peers.get(key)
-            if fut is None or (fut.done() and fut.exception() is not None):
-                fut = self._pool.submit(self._handshake, key, remote_rank, spec.remote_tp_size, spec.remote_dp_rank,
-                                        spec.remote_pp_size)
-                self._peers[key] = fut
+            return self._get_locked(spec, remote_rank, remote_rank if first_rank is None else first_rank)
+
+    def _get_locked(self, spec: LoadSpec, rank: int, first_rank: int) -> tuple[PeerKey, cf.Future]:
+        key = (spec.remote_engine_id, spec.remote_host, producer_port(spec, rank))
+        fut = self._peers.get(key)
+        if fut is not None and not _failed(fut):
             return key, fut
+        producer = producer_key(spec)
+        run = partial(self._handshake, key, producer, rank, spec.remote_tp_size, spec.remote_dp_rank,
+                      spec.remote_pp_size)
+        if rank == first_rank or producer in self._known:
+            fut = self._pool.submit(run)
+        else:
+            first_key, first = self._get_locked(spec, first_rank, first_rank)
+            fut = cf.Future()
+            first.add_done_callback(partial(self._after_first, fut, run, first_key))
+        self._peers[key] = fut
+        return key, fut
+
+    def _after_first(self, fut: cf.Future, run, first_key: PeerKey, first: cf.Future) -> None:
+        """``first`` (the producer's first rank's handshake) ended: start ``run`` into ``fut``, or fail it.
+        Runs on the thread that ended ``first`` (or the caller's, with the table's lock held): it
+        takes no lock."""
+        _, host, port = first_key
+        if first.cancelled():
+            fut.cancel()
+            return
+        exc = first.exception()
+        if exc is not None:
+            why = f"not contacted: the producer's first rank at {host}:{port} did not complete its handshake ({exc})"
+            fut.set_exception(HandshakeRejected(why) if isinstance(exc, HandshakeRejected) else HandshakeError(why))
+            return
+        try:
+            inner = self._pool.submit(run)
+        except RuntimeError:  # the table closed meanwhile
+            fut.cancel()
+            return
+        inner.add_done_callback(partial(_settle, fut))
+
+    def knows(self, producer: ProducerKey) -> bool:
+        """Whether a handshake with a rank of ``producer`` succeeded (recently: the set is bounded)."""
+        with self._lock:
+            return producer in self._known
 
     def succeeded(self, key: PeerKey) -> None:
         """A read from the peer worked: its failure count starts over."""
@@ -152,7 +214,7 @@ class PeerTable:
         """Stop the pool; running handshakes end with the connector's stop event."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _handshake(self, key: PeerKey, remote_rank: int, remote_tp: int, remote_dp: int = 0,
+    def _handshake(self, key: PeerKey, producer: ProducerKey, remote_rank: int, remote_tp: int, remote_dp: int = 0,
                    remote_pp: int = 1) -> Peer:
         _, host, port = key
         t0 = time.perf_counter()
@@ -191,9 +253,26 @@ class PeerTable:
             self._stats.add(handshake_failures=1)
             raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
         elapsed = time.perf_counter() - t0
+        with self._lock:
+            self._known.add(producer)  # it answered as the rank its port places: its other ranks may be contacted
         self._stats.add(handshakes=1, handshake_seconds=elapsed)
         self._routes.record(key, peer=reply.engine_id or key[0], peer_dp_rank=reply.dp_rank, peer_rank=remote_rank,
                             memory=reply.memory, backend=backend_for_peer(self._backend, peer_id))
         logger.info("%s: handshake with engine %s rank %d at %s:%d took %.1f ms",
                     self._name, reply.engine_id, reply.tp_rank, host, port, elapsed * 1e3)
         return Peer(key, peer_id, reply.tp_rank, peer_layouts(reply.regions))
+
+
+def _failed(fut: cf.Future) -> bool:
+    """Whether a handshake ended without a peer (failed, or cancelled when the table closed)."""
+    return fut.done() and (fut.cancelled() or fut.exception() is not None)
+
+
+def _settle(fut: cf.Future, inner: cf.Future) -> None:
+    """Give ``fut`` the outcome of ``inner``."""
+    if inner.cancelled():
+        fut.cancel()
+    elif inner.exception() is not None:
+        fut.set_exception(inner.exception())
+    else:
+        fut.set_result(inner.result())

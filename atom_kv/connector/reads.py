@@ -51,6 +51,8 @@ class LoadState:
     stage_layers: dict[int, list[int]] = field(default_factory=dict)
     #: a rendezvous load: until when (monotonic, slack taken off) the producer promised to hold the blocks
     lease_until: Optional[float] = None
+    #: the producer rank this rank handshakes with first, while the producer is unknown to it (``PeerTable.get``)
+    first_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,7 +137,7 @@ class RankRead:
 
     # -- one attempt ------------------------------------------------------
     def _attempt(self, attempt: int) -> None:
-        key, fut = self._ctx.peers.get(self.load.spec, self.remote_rank)
+        key, fut = self._ctx.peers.get(self.load.spec, self.remote_rank, first_rank=self.load.first_rank)
         peer = self._await_peer(key, fut)
         ops = self._plan(key, peer)
         self._read(key, fut, peer, ops, attempt)

@@ -32,6 +32,7 @@ from atom_kv import wire
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.auth import PURPOSE_ISSUED, PURPOSE_RELEASE, new_nonce, same_mac, sign_struct
+from atom_kv.config import MAX_PORT
 from atom_kv.connector.confirm import DealerCache
 from atom_kv.connector.handshake_auth import peer_proof
 from atom_kv.connector.types import LoadSpec
@@ -49,8 +50,9 @@ __all__ = ["MAX_RELEASE_RANKS", "NoticeSender", "ReleaseSpec", "engine_sender"]
 
 logger = logging.getLogger(__name__)
 
-#: most producer ranks one release goes to (a client names ``remote_tp_size``)
-MAX_RELEASE_RANKS = 1024
+#: most producer ranks one release goes to (a client names ``remote_tp_size``): what
+#: ``kv_transfer_params`` may name (:data:`~atom_kv.wire.MAX_PRODUCER_RANKS`)
+MAX_RELEASE_RANKS = wire.MAX_PRODUCER_RANKS
 #: how long a producer rank that proved the token is trusted without asking again
 PROVEN_TTL_S = 600.0
 _MAX_TARGETS = 4096        # producer ranks with releases waiting for their proof
@@ -60,7 +62,11 @@ _MAX_PROVEN = 4096
 
 @dataclass(frozen=True)
 class ReleaseSpec:
-    """A transfer and where its producer ranks listen (``handshake_port`` is the base port)."""
+    """A transfer and where its producer ranks listen (``handshake_port`` is the base port).
+
+    Never more than :data:`MAX_RELEASE_RANKS` ranks, every port within 1..65535:
+    building one that breaks either raises ``ValueError`` (:meth:`bounded`
+    answers None instead)."""
 
     transfer_id: str
     host: str
@@ -70,16 +76,52 @@ class ReleaseSpec:
     pp_size: int = 1
     dp_size: int = 1
 
+    def __post_init__(self) -> None:
+        why = self._out_of_bounds()
+        if why is not None:
+            raise ValueError(f"release of transfer {self.transfer_id!r} to {self.host}: {why}")
+
+    def _out_of_bounds(self) -> Optional[str]:
+        if self.tp_size < 1 or self.pp_size < 1 or self.dp_rank < 0 or self.dp_size < 1:
+            return f"sizes and ranks out of range (tp {self.tp_size}, pp {self.pp_size}, dp rank {self.dp_rank} " \
+                   f"of {self.dp_size})"
+        if self.tp_size * self.pp_size > MAX_RELEASE_RANKS:
+            return f"{self.tp_size * self.pp_size} producer ranks, more than {MAX_RELEASE_RANKS}"
+        last = handshake_port(self.handshake_port, self.dp_rank, self.tp_size, self.tp_size - 1,
+                              pp_rank=self.pp_size - 1, dp_size=self.dp_size)
+        if self.handshake_port < 1 or last > MAX_PORT:
+            return f"ports {self.handshake_port}..{last} are not all within 1..{MAX_PORT}"
+        return None
+
+    @classmethod
+    def bounded(cls, transfer_id: str, host: str, port: int, tp_size: int = 1, dp_rank: int = 0, pp_size: int = 1,
+                dp_size: int = 1) -> Optional["ReleaseSpec"]:
+        """The spec, or None when it would name more than :data:`MAX_RELEASE_RANKS` ranks or a port past 65535."""
+        try:
+            return cls(transfer_id, host, port, tp_size, dp_rank, pp_size, max(dp_size, dp_rank + 1))
+        except ValueError:
+            return None
+
     def targets(self) -> list[tuple[str, int]]:
         """(host, port) of every producer rank of the DP rank: each TP rank of each pipeline stage."""
         return [(self.host, handshake_port(self.handshake_port, self.dp_rank, self.tp_size, r, pp_rank=s,
                                            dp_size=self.dp_size))
                 for s in range(self.pp_size) for r in range(self.tp_size)]
 
+    def first_rank(self) -> "ReleaseSpec":
+        """The same release to the first rank only (TP rank 0 of the first stage of the DP rank): where a
+        load's first handshake goes, and all a producer no rank of this engine completed a handshake
+        with is sent (:mod:`atom_kv.connector.known_producers`)."""
+        if self.tp_size == self.pp_size == 1:
+            return self
+        return ReleaseSpec(self.transfer_id, self.host, handshake_port(self.handshake_port, self.dp_rank,
+                                                                       self.tp_size, 0, dp_size=self.dp_size))
+
     @classmethod
-    def from_load(cls, spec: LoadSpec) -> "ReleaseSpec":
-        return cls(spec.transfer_id, spec.remote_host, spec.remote_handshake_port, spec.remote_tp_size,
-                   spec.remote_dp_rank, spec.remote_pp_size, spec.remote_dp_size)
+    def from_load(cls, spec: LoadSpec) -> Optional["ReleaseSpec"]:
+        """The producer ranks a load reads from (None when out of bounds: its params were checked already)."""
+        return cls.bounded(spec.transfer_id, spec.remote_host, spec.remote_handshake_port, spec.remote_tp_size,
+                           spec.remote_dp_rank, spec.remote_pp_size, spec.remote_dp_size)
 
 
 #: a notice and the purpose its signature is made for

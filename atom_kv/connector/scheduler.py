@@ -36,7 +36,9 @@ Consumer (``kv_consumer``)::
     any point, skipped, params refused, request rejected by the engine:
     ``request_rejected``) sends one release to every producer rank
     (:mod:`atom_kv.connector.release`), so the producer frees the blocks at
-    once instead of at its lease's end. Releases are idempotent.
+    once instead of at its lease's end: to every rank of a producer a rank of
+    this engine completed a handshake with, to the first rank only of any
+    other (:mod:`atom_kv.connector.known_producers`). Releases are idempotent.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from atom_kv._lru import BoundedDict, BoundedSet
 from atom_kv.addresses import kv_addresses
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.base import SchedulerHooks
+from atom_kv.connector.known_producers import KnownProducers
 from atom_kv.connector.params import ParamsIn, RequestParams
 from atom_kv.connector.release import NoticeSender, ReleaseSpec, engine_sender
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput, LoadSpec, SchedulerEvents, SendSpec
@@ -203,6 +206,7 @@ class ConnectorScheduler(SchedulerHooks):
         self._announce_sends = announce_sends
         self._sender: Optional[NoticeSender] = None
         self._releases_sent: BoundedSet[tuple[str, str, int]] = BoundedSet(MAX_RECENT_TRANSFERS)
+        self._known = KnownProducers()  # how far a release fans out
         # timers (lazy deletion: a timer fires only if its state still matches)
         self._timers: list[_Timer] = []
         self._seq = itertools.count()
@@ -361,12 +365,16 @@ class ConnectorScheduler(SchedulerHooks):
         if spec is not None:
             self._release(spec, reason)
 
-    def _release(self, spec: ReleaseSpec, reason: str) -> None:
-        """Tell every producer rank of ``spec`` that this engine will not read it (once)."""
+    def _release(self, spec: Optional[ReleaseSpec], reason: str) -> None:
+        """Tell the producer ranks of ``spec`` that this engine will not read it (once): every
+        rank of a producer a rank of this engine completed a handshake with, else the first rank only."""
+        if spec is None:
+            return
         key = (spec.transfer_id, spec.host, spec.handshake_port)
         if not spec.transfer_id or not spec.host or not spec.handshake_port or key in self._releases_sent:
             return
         self._releases_sent.add(key)
+        spec = self._known.reach(spec)
         if self._release_to is not None:
             self._release_to(spec, reason)
             return
@@ -435,10 +443,14 @@ class ConnectorScheduler(SchedulerHooks):
             if load is not None:
                 events.ready.append(rid)
                 logger.debug("request %s: remote KV loaded in %.3f s", rid, now - load.started)
+                self._answered(load.spec)  # every rank read from answered its handshake
                 self._release(ReleaseSpec.from_load(load.spec), "read")
+        reached = set(output.reached)
         for rid, reason in output.failed_recving.items():
             load = self._ended_load(rid, events, reason)
             if load is not None:
+                if rid in reached:  # a rank completed a handshake with the producer: its ranks are known
+                    self._answered(load.spec)
                 self._apply_policy(rid, reason, events, load)
         for rid, reason in self._failed_now.items():
             load = self._loads.pop(rid, None)
@@ -447,6 +459,12 @@ class ConnectorScheduler(SchedulerHooks):
         self._failed_now.clear()
         self._expire(now, events)
         return events
+
+    def _answered(self, spec: LoadSpec) -> None:
+        """A rank completed a handshake with the producer ``spec`` reads from: releases go to all its ranks."""
+        producer = ReleaseSpec.from_load(spec)
+        if producer is not None:
+            self._known.answered(producer)
 
     def _ended_load(self, rid: str, events: SchedulerEvents, failure: Optional[str]) -> Optional[_Load]:
         """The ranks reported the request's load ended (``failure``: why it failed): the load is
@@ -571,8 +589,10 @@ class ConnectorScheduler(SchedulerHooks):
         self._lease_by_req[rid] = tid
         self._pending_sends.append(SendSpec(transfer_id=tid, block_ids=blocks, first_token_ids=first))
         if self._announce_sends:  # the ranks may see this step's metadata only with the next batch
-            self._notices().issue(ReleaseSpec(tid, self.host, self.config.handshake_port, self.tp_size, self.dp_rank,
-                                              self.pp_size, max(self.dp_size, self.dp_rank + 1)), blocks)
+            own = ReleaseSpec.bounded(tid, self.host, self.config.handshake_port, self.tp_size, self.dp_rank,
+                                      self.pp_size, self.dp_size)
+            if own is not None:  # None: an OS-assigned handshake port (tests), where no notice can go
+                self._notices().issue(own, blocks)
         self._add_timer(deadline, "lease", tid)
         if self._early_done.pop(tid, None) is not None:
             self._leases[tid].deadline = 0.0  # already read or released: free on the next update

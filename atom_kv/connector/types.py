@@ -68,9 +68,14 @@ class KVConnectorOutput(msgspec.Struct, kw_only=True):
     failed_recving: dict[str, str] = {}    # consumer request id -> reason
     #: consumer request id -> the prefill's first token, learned with the blocks (the rendezvous)
     first_tokens: dict[str, list[int]] = {}
+    #: consumer request ids (finished or failed, here or before) whose producer answered a handshake of
+    #: this rank as the rank the params placed on its port: its other ranks may be released
+    #: (:mod:`atom_kv.connector.known_producers`)
+    reached: list[str] = []
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.failed_recving or self.first_tokens)
+        return not (self.finished_sending or self.finished_recving or self.failed_recving or self.first_tokens
+                    or self.reached)
 
 
 @dataclass

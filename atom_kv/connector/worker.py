@@ -107,6 +107,7 @@ class ConnectorWorker(WorkerHooks):
         self._finished_recv: list[str] = []
         self._failed_recv: dict[str, str] = {}
         self._first_tokens: dict[str, list[int]] = {}
+        self._reached: list[str] = []
         self._waker: Optional[Callable[[], None]] = None
         self.backend = backend or create_backend(
             config.backend, config, host=self.host, bind_host=self.bind_host,
@@ -180,9 +181,10 @@ class ConnectorWorker(WorkerHooks):
     def get_finished(self) -> KVConnectorOutput:
         with self._lock:
             out = KVConnectorOutput(finished_sending=self._finished_send, finished_recving=self._finished_recv,
-                                    failed_recving=self._failed_recv, first_tokens=self._first_tokens)
+                                    failed_recving=self._failed_recv, first_tokens=self._first_tokens,
+                                    reached=self._reached)
             self._finished_send, self._finished_recv, self._failed_recv = [], [], {}
-            self._first_tokens = {}
+            self._first_tokens, self._reached = {}, []
             self._expire_locked(time.monotonic())
         self.stats_.maybe_log()
         return out

@@ -76,3 +76,12 @@ def test_the_prefills_first_token_passes_on_from_the_first_rank_that_learned_it(
     out = agg.aggregate([Out(finished_recving=["d"]),
                          Out(finished_recving=["d"], first_tokens={"d": [65]})])
     assert out.finished_recving == ["d"] and out.first_tokens == {"d": [65]}  # the scheduler side takes it once
+
+
+def test_a_handshake_one_rank_completed_is_said_with_the_loads_end():
+    agg = KVOutputAggregator(2)
+    assert agg.aggregate([Out(failed_recving={"a": "boom"}, reached=["a"]), None]).reached == []  # not ended yet
+    out = agg.aggregate([None, Out(failed_recving={"a": "boom too"})])
+    assert list(out.failed_recving) == ["a"] and out.reached == ["a"]
+    out = agg.aggregate([Out(failed_recving={"b": "no reply"}), Out(failed_recving={"b": "no reply"})])
+    assert list(out.failed_recving) == ["b"] and out.reached == []  # no rank got an answer

@@ -66,8 +66,8 @@ def test_releases_come_from_the_parsed_params(decodes):
     s.update_state_after_alloc("d2", [1, 2, 3], 0)
     s.request_finished("d3", [])
     assert decodes.params == 0 and decodes.keys == 0  # nothing read the client's dict again
-    assert [spec for spec, _ in s.sent] == [ReleaseSpec(tid, "10.0.0.1", 7000, tp_size=2, dp_rank=1, dp_size=2)
-                                            for tid in ("t-ended", "t-none", "t-cached")]
+    # a producer this engine never read from: its first rank only (TP rank 0 of DP rank 1)
+    assert [spec for spec, _ in s.sent] == [ReleaseSpec(tid, "10.0.0.1", 7002) for tid in ("t-ended", "t-none", "t-cached")]
 
 
 @pytest.mark.parametrize("change", [{"remote_block_ids": "abc"}, {"remote_engine_id": 7},
@@ -77,8 +77,7 @@ def test_refused_params_are_parsed_once_and_still_release(decodes, change, caplo
     decodes.reset()  # building the scheduler's config converts too
     assert s.get_num_new_matched_tokens("d1", 40, {**params(), **change}) == (0, False)
     assert decodes.params == 1
-    assert [(spec.transfer_id, spec.targets()) for spec, _ in s.sent] == [("P-r1", [("10.0.0.1", 7002),
-                                                                                   ("10.0.0.1", 7003)])]
+    assert [(spec.transfer_id, spec.targets()) for spec, _ in s.sent] == [("P-r1", [("10.0.0.1", 7002)])]
     assert "d1" in caplog.text and "prefilling locally" in caplog.text
 
 
@@ -122,16 +121,19 @@ def test_release_spec_checks_each_key_on_its_own():
     assert spec_of({**base, "remote_tp_size": 2, "tp_size": "x"}) == ReleaseSpec("t", "h", 9000, 2)
     for bad in ({"remote_tp_size": 0}, {"remote_tp_size": "2"}, {"dp_rank": -1}, {"remote_dp_rank": "a"},
                 {"transfer_id": ""}, {"remote_host": 5}, {"do_remote_prefill": "true"}, {"do_remote_prefill": False},
-                {"remote_tp_size": 1025}, {"remote_tp_size": 32, "remote_pp_size": 64},
-                {"remote_handshake_port": 65535, "remote_tp_size": 2}):
+                {"remote_tp_size": 1025}, {"remote_tp_size": 2_000_000}, {"remote_dp_rank": 1024},
+                {"remote_handshake_port": 65535, "remote_tp_size": 2},
+                {"remote_handshake_port": 65000, "remote_tp_size": 512, "remote_dp_rank": 2}):
         assert spec_of({**base, **bad}) is None, bad
+    # too many stages for the TP size: the first stage is still released
+    assert spec_of({**base, "remote_tp_size": 32, "remote_pp_size": 64}) == ReleaseSpec("t", "h", 9000, 32)
     assert spec_of(None) is None and spec_of([1, 2]) is None and spec_of("x") is None
 
 
 def test_refusals_name_the_first_bad_key_and_a_bad_transfer_id_never_refuses_a_send():
     p = RequestParams.parse({"do_remote_decode": True, "transfer_id": 42, "remote_tp_size": 0})
     assert p.refusal == "`transfer_id` must be a string or null, got 42"
-    assert p.send_refusal == "`remote_tp_size` must be >= 1, got 0"
+    assert p.send_refusal == "`remote_tp_size` must be an integer in 1..1024, got 0"
     q = RequestParams.parse({"do_remote_decode": True, "transfer_id": ""})
     assert q.refusal is not None and q.send_refusal is None and q.adoptable_transfer_id is None
     assert q.offered_transfer_id == ""

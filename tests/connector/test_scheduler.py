@@ -245,10 +245,19 @@ def warning_for(caplog, raw: dict) -> str:
     "change,key",
     [
         ({"remote_handshake_port": 0}, "`remote_handshake_port` must be a TCP port in 1..65535, got 0"),
-        ({"remote_tp_size": 0}, "`remote_tp_size` must be >= 1, got 0"),
-        ({"remote_block_ids": []}, "`remote_block_ids` must be a non-empty list of block numbers"),
-        ({"remote_block_ids": [1, -2]}, "`remote_block_ids` must be a non-empty list of block numbers"),
-        ({"remote_host": ""}, "`remote_host` must be a non-empty string"),
+        ({"remote_tp_size": 0}, "`remote_tp_size` must be an integer in 1..1024, got 0"),
+        ({"remote_tp_size": 2_000_000}, "`remote_tp_size` must be an integer in 1..1024, got 2000000"),
+        ({"remote_pp_size": 64, "remote_tp_size": 32},
+         "`remote_pp_size` times `remote_tp_size` must be at most 1024 (the producer ranks one request may name)"),
+        ({"remote_handshake_port": 65535}, "`remote_handshake_port` must leave room for every producer rank it names"),
+        ({"remote_dp_size": 5000}, "`remote_dp_size` must be an integer in 1..1024, got 5000"),
+        ({"remote_block_ids": []}, "`remote_block_ids` must be a list of 1..1048576 block numbers"),
+        ({"remote_block_ids": [1, -2]}, "`remote_block_ids` must be a list of 1..1048576 block numbers"),
+        ({"remote_block_ids": [1, 1 << 40]}, "`remote_block_ids` must be a list of 1..1048576 block numbers"),
+        ({"remote_host": ""}, "`remote_host` must be a host name or address of 1..255 characters"),
+        ({"remote_host": "h" * 256}, "`remote_host` must be a host name or address of 1..255 characters"),
+        ({"remote_engine_id": "e" * 257}, "`remote_engine_id` must be 1..256 characters"),
+        ({"transfer_id": "t" * 129}, "`transfer_id` must be 1..128 characters"),
         ({"transfer_id": None}, "missing `transfer_id`"),
         ({"remote_port": None, "remote_handshake_port": None}, "missing `remote_handshake_port`"),
     ],
@@ -296,8 +305,8 @@ def test_whole_prompt_cached_loads_nothing_and_releases_the_transfer():
     meta = s.build_connector_meta()
     assert meta.loads == []
     ((spec, reason),) = s.sent
-    assert (spec.transfer_id, spec.host, spec.handshake_port, spec.tp_size, spec.dp_rank) == (
-        "P-r1", "10.0.0.1", 7000, 2, 1)
+    # a producer never read from: its first rank only (TP rank 0 of DP rank 1)
+    assert (spec.transfer_id, spec.targets()) == ("P-r1", [("10.0.0.1", 7002)])
     assert "cached" in reason and not s.has_pending()
     assert s.request_finished("d1", [1, 2, 3]) == (False, None)
     assert len(s.sent) == 1  # once
@@ -375,7 +384,7 @@ def test_release_when_aborted_before_the_load_started():
     s.update_state_after_alloc("d1", [1, 2, 3], 40)
     assert s.request_finished("d1", [1, 2, 3], aborted=True) == (False, None)
     ((spec, reason),) = s.sent
-    assert spec.targets() == [("10.0.0.1", 7002), ("10.0.0.1", 7003)]  # dp rank 1 of tp 2: both ranks
+    assert spec.targets() == [("10.0.0.1", 7002)]  # dp rank 1 of tp 2, never read from: its first rank
     assert "aborted before its load started" in reason and s.build_connector_meta().loads == []
 
 
@@ -425,6 +434,52 @@ def test_release_for_a_request_the_engine_rejected_before_scheduling():
     s.request_rejected({**params(tid="P-r5"), "remote_block_ids": "not a list", "remote_dp_size": "x"})
     assert _released(s) == [("P-r9", "the decode engine rejected the request"),
                             ("P-r5", "the decode engine rejected the request")]
+
+
+def _read(s: Consumer, rid: str, raw: dict) -> None:
+    """A load of ``raw`` that every rank read."""
+    s.get_num_new_matched_tokens(rid, 40, raw)
+    s.update_state_after_alloc(rid, [1, 2, 3], 40)
+    s.build_connector_meta()
+    assert s.update_connector_output(Out(finished_recving=[rid])).ready == [rid]
+
+
+def test_releases_reach_every_rank_only_of_a_producer_this_engine_read_from():
+    s = consumer()
+    s.request_rejected(params(tid="before"))  # the params are a client's word: the first rank only
+    _read(s, "d1", params(tid="read"))        # every rank answered its handshake: all of them from now on
+    s.request_rejected(params(tid="after"))
+    # the same host and port with another layout was never read: its first rank only
+    s.request_rejected({**params(tid="other"), "remote_tp_size": 8, "tp_size": 8})
+    s.request_rejected({**params(tid="dp0"), "remote_dp_rank": 0, "dp_rank": 0})
+    assert [(spec.transfer_id, [p for _, p in spec.targets()]) for spec, _ in s.sent] == [
+        ("before", [7002]), ("read", [7002, 7003]), ("after", [7002, 7003]), ("other", [7008]), ("dp0", [7000])]
+
+
+def test_a_failed_load_of_a_producer_never_read_from_releases_one_port_whatever_the_params_say():
+    s = consumer()
+    raw = {**params(tid="wide"), "remote_tp_size": 1024, "tp_size": 1024, "remote_dp_rank": 0, "dp_rank": 0}
+    s.get_num_new_matched_tokens("d1", 40, raw)
+    s.update_state_after_alloc("d1", [1, 2, 3], 40)
+    (load,) = s.build_connector_meta().loads
+    assert load.remote_tp_size == 1024  # in bounds: the workers may try it (one handshake first)
+    s.update_connector_output(Out(failed_recving={"d1": "the layouts do not match"}))
+    ((spec, reason),) = s.sent
+    assert spec.targets() == [("10.0.0.1", 7000)] and reason.startswith("the load failed")
+
+
+def test_a_failed_load_whose_producer_answered_a_handshake_releases_every_rank():
+    """The ranks report a load whose producer answered a handshake (``reached``): the layout its
+    params named is where a producer listens, so its other ranks are released too."""
+    s = consumer()
+    for rid in ("d1", "d2"):
+        s.get_num_new_matched_tokens(rid, 40, params(tid=f"t-{rid}"))
+        s.update_state_after_alloc(rid, [1, 2, 3], 40)
+    s.build_connector_meta()
+    s.update_connector_output(Out(failed_recving={"d1": "read failed"}))  # no rank reached the producer
+    s.update_connector_output(Out(failed_recving={"d2": "read failed"}, reached=["d2"]))
+    assert [(spec.transfer_id, [p for _, p in spec.targets()]) for spec, _ in s.sent] == [
+        ("t-d1", [7002]), ("t-d2", [7002, 7003])]
 
 
 def test_release_after_every_end_of_a_load():
