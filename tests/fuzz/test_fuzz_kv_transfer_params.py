@@ -6,8 +6,8 @@ keys of the real schema with random values, and valid params with one key
 broken, through the calls an engine makes for one request (match, allocate,
 a step's metadata and output, finish or reject). Asserted: nothing raises,
 and a request that matched nothing loads nothing. A recording release sender
-stands in for the network (how far a release may fan out is bounded, and
-tested, where ``kv_transfer_params`` are decoded). Bounded: a few hundred
+stands in for the network, and every release it records names at most
+``MAX_RELEASE_RANKS`` ports within 1..65535 (the F2 bound). Bounded: a few hundred
 examples, a few seconds."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from atom_kv.config import KVTransferConfig
+from atom_kv.connector.release import MAX_RELEASE_RANKS
 from atom_kv.connector.scheduler import ConnectorScheduler
 from atom_kv.engine_hooks import KVConnectorOutput
 from atom_kv.wire import KVTransferParams
@@ -36,16 +37,17 @@ _params = (_values
            | st.tuples(st.sampled_from(KEYS), _values).map(lambda kv: {**VALID, kv[0]: kv[1]}))
 
 
-def _hooks(role: str) -> ConnectorScheduler:
+def _hooks(role: str, sent: list) -> ConnectorScheduler:
     return ConnectorScheduler(KVTransferConfig(kv_role=role, abort_timeout_s=5.0), engine_id="E", host="127.0.0.1",
-                              tp_size=1, block_size=4, release_sender=lambda spec, reason: None)
+                              tp_size=1, block_size=4, release_sender=lambda spec, reason: sent.append(spec))
 
 
 @FUZZ
 @given(params=_params, role=st.sampled_from(["kv_producer", "kv_consumer"]), reject=st.booleans(),
        blocks=st.lists(st.integers(0, 31), max_size=5))
 def test_no_kv_transfer_params_make_the_scheduler_hooks_raise(params, role, reject, blocks):
-    h = _hooks(role)
+    sent: list = []
+    h = _hooks(role, sent)
     if reject:
         h.request_rejected(params)
     else:
@@ -58,3 +60,6 @@ def test_no_kv_transfer_params_make_the_scheduler_hooks_raise(params, role, reje
         h.update_connector_output(KVConnectorOutput(failed_recving={"r": "fuzz"}))
         h.request_finished("r", blocks, aborted=bool(blocks), first_token_ids=[65])
     h.close()
+    for spec in sent:  # whatever the client named, a release reaches a bounded set of real ports
+        targets = spec.targets()
+        assert len(targets) <= MAX_RELEASE_RANKS and all(1 <= port <= 65535 for _, port in targets), spec
