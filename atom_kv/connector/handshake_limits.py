@@ -8,7 +8,8 @@
   it ZeroMQ stops reading that connection (TCP backpressure), so one
   connection holds at most ``(RECEIVE_HWM + 1) * largest_message_bytes()``.
 - :class:`ConnectionGuard`: connections, counted per peer address from the
-  socket's monitor (accepted / disconnected, with the file descriptor). A
+  socket's monitor (accepted / disconnected, with the file descriptor), with the
+  policy the discovery port shares (:mod:`atom_kv._connection_caps`). A
   source holds at most ``per_source`` connections that have not proven the
   token (sent a valid proof or signed notice); one more shuts that source's
   oldest unproven connection down, so a stranger sharing a legitimate peer's
@@ -16,7 +17,7 @@
   well-formed message counts as the proof: a decode host's cached connections
   are never cut, and the cap still bounds connections that say nothing.) At most ``max_connections``
   in all: past it, the oldest unproven connection of the source holding the
-  most goes (when it holds at least two more than the newcomer's source),
+  most goes (when it holds more than the newcomer's source),
   otherwise the newcomer. So pre-authentication memory is at most
   ``max_connections * (RECEIVE_HWM + 1) * largest_message_bytes()``, and a
   connection that never completes ZeroMQ's own handshake is dropped after
@@ -29,13 +30,13 @@ import functools
 import logging
 from dataclasses import dataclass
 import struct
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from atom_kv import wire
-from atom_kv._sockfd import peer_of, shutdown
+from atom_kv._connection_caps import CapNames, ConnectionCaps
 
 __all__ = ["ConnectionGuard", "PortLimits", "RECEIVE_HWM", "largest_message_bytes"]
 
@@ -91,44 +92,20 @@ class PortLimits:
                    zmq_handshake_s=cfg.handshake_timeout_s)
 
 
-class _Conn:
-    __slots__ = ("source", "proven")
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.proven = False
-
-
-class ConnectionGuard:
-    """Owns the counts of a ROUTER socket's connections by peer address (see
-    the module doc). ``on_refuse(reason, message)`` counts and logs a
-    connection it shut down. Runs on the socket's serving thread: call
-    :meth:`poll_events` when the monitor socket is readable."""
+class ConnectionGuard(ConnectionCaps):
+    """The handshake port's :class:`~atom_kv._connection_caps.ConnectionCaps` (a newcomer pushes out
+    connections that proved nothing: the port knows which connection proved the token), plus the
+    ROUTER socket's monitor it follows. ``on_refuse(reason, message)`` counts and logs a connection
+    it shut down. Runs on the socket's serving thread: call :meth:`poll_events` when the monitor
+    socket is readable; :meth:`close` closes the monitor."""
 
     def __init__(self, sock: zmq.Socket, *, max_connections: int, per_source: int,
                  on_refuse: Callable[[str, str], None]) -> None:
-        self.max_connections = max_connections
-        self.per_source = per_source
-        self._on_refuse = on_refuse
-        self._conns: dict[int, _Conn] = {}  # fd -> connection
-        self._unproven: dict[str, dict[int, None]] = {}  # source -> its unproven connections' fds, oldest first
-        self._closing: set[int] = set()  # shut down, until ZeroMQ reports them disconnected
+        # the port is set once the socket is bound: a descriptor from an event is acted on only while it
+        # is still a connection on it (atom_kv._sockfd)
+        super().__init__(None, max_connections=max_connections, per_source=per_source, displace=True,
+                         names=_NAMES, on_refuse=on_refuse)
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        #: the port the socket listens on, once bound: a descriptor from an event is acted on only while it
-        #: is still a connection on it (:mod:`atom_kv._sockfd`)
-        self.port: Optional[int] = None
-
-    def __len__(self) -> int:
-        return len(self._conns) - len(self._closing)
-
-    def sources(self) -> dict[str, int]:
-        """Open connections by peer address (tests, metrics; from any thread)."""
-        out: dict[str, int] = {}
-        closing = set(self._closing)
-        for fd, conn in list(self._conns.items()):  # one copy, atomic for a dict
-            if fd not in closing:
-                out[conn.source] = out.get(conn.source, 0) + 1
-        return out
 
     def poll_events(self) -> None:
         """Handle every monitor event waiting (never blocks)."""
@@ -145,65 +122,13 @@ class ConnectionGuard:
                 continue
             event, fd = int(msg["event"]), int(msg["value"])
             if event == zmq.EVENT_ACCEPTED:
-                self._accepted(fd)
+                self.accepted(fd)
             elif event == zmq.EVENT_DISCONNECTED:
-                self._gone(fd)
-
-    def proven(self, fd: Optional[int]) -> None:
-        """The connection on ``fd`` delivered a message that proved the token."""
-        conn = self._conns.get(fd) if fd is not None else None
-        if conn is None or conn.proven:
-            return
-        conn.proven = True
-        self._forget_unproven(conn.source, fd)  # type: ignore[arg-type]
-
-    def _accepted(self, fd: int) -> None:
-        source = peer_of(fd, self.port) or ""
-        self._closing.discard(fd)
-        old = self._conns.pop(fd, None)  # a reused descriptor whose disconnect we missed
-        if old is not None and not old.proven:
-            self._forget_unproven(old.source, fd)
-        conn = self._conns[fd] = _Conn(source)
-        mine = self._unproven.setdefault(source, {})
-        if len(mine) >= self.per_source:
-            victim = next(iter(mine))
-            self._shut(victim, "connections_source", f"closed the oldest of {len(mine)} connections from {source} "
-                                                     "that have not proven the token (a newer one came)")
-        if len(self) > self.max_connections:
-            largest = max(self._unproven.items(), key=lambda kv: len(kv[1]), default=("", {}))
-            if largest[1] and len(largest[1]) > len(mine):
-                self._shut(next(iter(largest[1])), "connections_full",
-                           f"closed the oldest unproven connection from {largest[0]} (it holds the most of "
-                           f"{self.max_connections} connections)")
-            else:
-                self._shut(fd, "connections_full", f"closed a connection from {source}: {len(self._conns)} "
-                                                   f"connections open (handshake_max_connections)")
-                return
-        mine[fd] = None
-        del conn
-
-    def _gone(self, fd: int) -> None:
-        self._closing.discard(fd)
-        conn = self._conns.pop(fd, None)
-        if conn is not None and not conn.proven:
-            self._forget_unproven(conn.source, fd)
-
-    def _forget_unproven(self, source: str, fd: int) -> None:
-        mine = self._unproven.get(source)
-        if mine is not None:
-            mine.pop(fd, None)
-            if not mine:
-                del self._unproven[source]
-
-    def _shut(self, fd: int, reason: str, why: str) -> None:
-        """Shut the connection on ``fd`` down (ZeroMQ then closes it and reports it disconnected)."""
-        conn = self._conns.get(fd)
-        if conn is not None and not conn.proven:
-            self._forget_unproven(conn.source, fd)
-        if conn is not None:
-            self._closing.add(fd)
-        shutdown(fd, self.port)
-        self._on_refuse(reason, why)
+                self.disconnected(fd)
 
     def close(self) -> None:
         self.monitor.close(0)
+
+
+_NAMES = CapNames(what="handshake connections", total_key="handshake_max_connections",
+                  per_source_key="handshake_max_unproven_connections_per_source")

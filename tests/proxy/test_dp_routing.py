@@ -9,7 +9,7 @@ import random
 import aiohttp
 import pytest
 
-from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance
+from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance, Registration
 from atom_kv.proxy.fleet.static import parse_engine_spec
 from atom_kv.proxy.routing.policies import LeastLoaded, RouteContext
 from tests.proxy.fake_engine import register
@@ -76,9 +76,8 @@ async def test_metrics_show_requests_and_outstanding_tokens_per_instance_and_ran
 
 
 def _inst(n: int, dp: int) -> Instance:
-    return Instance(role="D", base_url=f"http://10.0.0.{n}:8000", host=f"10.0.0.{n}", http_port=8000,
-                    handshake_port=6000, dp_size=dp, tp_size=1, breaker=CircuitBreaker(3, 1.0),
-                    outstanding_tokens=[0] * dp, outstanding_requests=[0] * dp)
+    return Instance(Registration(role="D", base_url=f"http://10.0.0.{n}:8000", host=f"10.0.0.{n}", http_port=8000,
+                                 handshake_port=6000, dp_size=dp, tp_size=1), breaker=CircuitBreaker(3, 1.0))
 
 
 def test_least_loaded_balances_outstanding_tokens_per_rank():
@@ -91,11 +90,11 @@ def test_least_loaded_balances_outstanding_tokens_per_rank():
     for i in range(64):
         tokens = rng.randint(5, 60)
         inst, rank = policy.choose(insts, RouteContext(text="", prompt_tokens=tokens))
-        inst.charge(rank, tokens)
+        inst.add_load(rank, tokens)
         live.append((inst, rank, tokens))
         if i % 8 == 7:  # a few finish
             done = live.pop(rng.randrange(len(live)))
-            done[0].credit(done[1], done[2])
+            done[0].remove_load(done[1], done[2])
     loads = [t for inst in insts for t in inst.outstanding_tokens]
     mean = sum(loads) / len(loads)
     assert all(abs(x - mean) <= 0.25 * mean for x in loads), loads

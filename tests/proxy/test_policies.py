@@ -8,7 +8,7 @@ import collections
 import aiohttp
 import pytest
 
-from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance
+from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance, Registration
 from atom_kv.proxy.routing.policies import (
     CacheAware, LeastLoaded, PowerOfTwo, PrefixHash, RandomChoice, RouteContext, RoundRobin, estimate_prompt_tokens,
     make_policy, prompt_text,
@@ -22,9 +22,8 @@ CTX = RouteContext(text="", prompt_tokens=10)
 
 
 def _inst(role: str, n: int, dp: int = 1) -> Instance:
-    return Instance(role=role, base_url=f"http://10.0.0.{n}:8000", host=f"10.0.0.{n}", http_port=8000,
-                    handshake_port=6000, dp_size=dp, tp_size=1, breaker=CircuitBreaker(3, 1.0),
-                    outstanding_tokens=[0] * dp)
+    return Instance(Registration(role=role, base_url=f"http://10.0.0.{n}:8000", host=f"10.0.0.{n}", http_port=8000,
+                                 handshake_port=6000, dp_size=dp, tp_size=1), breaker=CircuitBreaker(3, 1.0))
 
 
 def _ctx(text: str) -> RouteContext:
@@ -74,7 +73,7 @@ def test_least_loaded_charge_and_credit():
     picks = []
     for tokens in (100, 50, 10):
         inst, rank = policy.choose([a, b], CTX)
-        inst.charge(rank, tokens)
+        inst.add_load(rank, tokens)
         picks.append((inst.host, rank, tokens))
     # three empty slots get one request each
     assert {(h, r) for h, r, _ in picks} == {("10.0.0.1", 0), ("10.0.0.1", 1), ("10.0.0.2", 0)}
@@ -85,7 +84,7 @@ def test_least_loaded_charge_and_credit():
     # crediting the 100-token slot makes it the emptiest
     host100, rank100, _ = next(p for p in picks if p[2] == 100)
     owner = a if host100 == a.host else b
-    owner.credit(rank100, 100)
+    owner.remove_load(rank100, 100)
     assert owner.outstanding_tokens[rank100] == 0
     inst, r = policy.choose([a, b], CTX)
     assert (inst.host, r) == (host100, rank100)

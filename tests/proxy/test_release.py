@@ -194,26 +194,26 @@ async def test_graceful_shutdown_with_a_prefill_outstanding_still_releases_it(ma
 
 
 def test_producer_address_from_the_answer_else_the_registration():
-    from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance
+    from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance, Registration
 
-    inst = Instance(role="P", base_url="http://10.0.0.5:8000", host="10.0.0.5", http_port=8000, handshake_port=7000,
-                    dp_size=4, tp_size=2, breaker=CircuitBreaker(3, 1.0))
+    inst = Instance(Registration(role="P", base_url="http://10.0.0.5:8000", host="10.0.0.5", http_port=8000,
+                                 handshake_port=7000, dp_size=4, tp_size=2), breaker=CircuitBreaker(3, 1.0))
     assert ProducerAddress.of(None, inst, 3).targets() == [("10.0.0.5", 7006), ("10.0.0.5", 7007)]
     answered = {"remote_host": "10.0.0.6", "remote_handshake_port": 9000, "tp_size": 1, "dp_rank": 0}
     assert ProducerAddress.of(answered, inst, 3).targets() == [("10.0.0.6", 9000)]
     assert ProducerAddress.of({"remote_port": 9100, "remote_tp_size": "x"}, inst, 0) is not None
-    inst.handshake_port = None
+    inst.learn(handshake_port=None)
     assert ProducerAddress.of(None, inst, 0) is None
-    inst.handshake_port = 65535
+    inst.learn(handshake_port=65535)
     assert ProducerAddress.of(None, inst, 1) is None  # ports past 65535
 
 
 def test_producer_address_of_a_dp_rank_with_pipeline_stages():
     """An abandoned prefill is released on every stage of the DP rank that ran it, and on no other rank."""
-    from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance
+    from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance, Registration
 
-    inst = Instance(role="P", base_url="http://10.0.0.5:8000", host="10.0.0.5", http_port=8000, handshake_port=7000,
-                    dp_size=4, tp_size=2, breaker=CircuitBreaker(3, 1.0))
+    inst = Instance(Registration(role="P", base_url="http://10.0.0.5:8000", host="10.0.0.5", http_port=8000,
+                                 handshake_port=7000, dp_size=4, tp_size=2), breaker=CircuitBreaker(3, 1.0))
     answered = {"remote_handshake_port": 7000, "tp_size": 2, "dp_rank": 1, "remote_pp_size": 2}
     # stage s, DP rank 1 of 4, TP rank r: 7000 + s*8 + 1*2 + r
     assert ProducerAddress.of(answered, inst, 0).targets() == [("10.0.0.5", p) for p in (7002, 7003, 7010, 7011)]

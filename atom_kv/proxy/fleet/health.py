@@ -263,15 +263,15 @@ class HealthMonitor:
             return False
         features = info.get("kv_features")
         if isinstance(features, list):
-            inst.features = frozenset(f for f in features[:32] if isinstance(f, str) and len(f) <= 64)
+            inst.learn(features=frozenset(f for f in features[:32] if isinstance(f, str) and len(f) <= 64))
         if not inst.static:
             return True
         engine_id = info.get("engine_id")
         if "engine_id" not in inst.pinned and isinstance(engine_id, str) and engine_id:
-            inst.engine_id = engine_id
+            inst.learn(engine_id=engine_id)
         tp = info.get("tp_size")
         if "tp_size" not in inst.pinned and isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 4096:
-            inst.tp_size = tp
+            inst.learn(tp_size=tp)
         dp = info.get("dp_size")
         if isinstance(dp, int) and not isinstance(dp, bool) and dp != inst.health_dp_size:
             inst.health_dp_size = dp  # acted on (and logged) once per value it reports
@@ -314,4 +314,4 @@ class HealthMonitor:
         if isinstance(length, int) and not isinstance(length, bool) and length > 0:
             inst.max_model_len = length
         if inst.model is None and isinstance(first.get("id"), str):
-            inst.model = first["id"]
+            inst.learn(model=first["id"])

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Callable, Literal
 
@@ -60,9 +60,11 @@ class LastError:
     at: float  # wall-clock seconds
 
 
-@dataclass
-class Instance:
-    """One engine (rank 0 of a P or D deployment): what it serves, its health and its live load."""
+@dataclass(frozen=True)
+class Registration:
+    """What an instance is, as its ping, its ``--prefill``/``--decode`` spec or its probes say (format-independent).
+
+    An :class:`Instance` holds one and replaces it whole when it learns more (:meth:`Instance.learn`)."""
 
     role: Role
     base_url: str
@@ -71,13 +73,22 @@ class Instance:
     handshake_port: int | None
     dp_size: int
     tp_size: int
-    breaker: CircuitBreaker
     index: str = "0"
     engine_id: str | None = None
     model: str | None = None
     notify_port: int | None = None
     source: str = "atom"  # "atom" / "moriio" ping, or "static"
-    static: bool = False
+    features: frozenset[str] | None = None  # ``kv_features`` (ping or /health); None: nothing said yet
+
+
+@dataclass
+class Instance:
+    """One engine (rank 0 of a P or D deployment): what it is (its :class:`Registration`), its health and its
+    live load (the in-flight legs and their tokens per DP rank, changed only through
+    :class:`~atom_kv.proxy.routing.pick.Charge`)."""
+
+    reg: Registration
+    breaker: CircuitBreaker
     state: str = PENDING
     down_reason: str = ""
     last_error: LastError | None = None  # the latest failed exchange with it (set by the relay)
@@ -86,7 +97,6 @@ class Instance:
     last_seen: float = 0.0
     last_seen_wall: float = 0.0
     max_model_len: int | None = None  # from the engine's /v1/models
-    features: frozenset[str] = frozenset()  # ``kv_features`` from its /health or its ping (e.g. "first_token")
     tokenize: bool | None = None  # None: not asked yet; False: the engine has no /tokenize
     inflight: int = 0
     outstanding_tokens: list[int] = field(default_factory=list)
@@ -98,6 +108,89 @@ class Instance:
     pinned: frozenset[str] = frozenset()  # fields given by flag: never overwritten by what the engine reports
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        self._fit_loads()
+
+    # ------------------------------------------------------------------ what it is (its registration)
+    @property
+    def role(self) -> Role:
+        return self.reg.role
+
+    @property
+    def base_url(self) -> str:
+        return self.reg.base_url
+
+    @property
+    def host(self) -> str:
+        return self.reg.host
+
+    @property
+    def http_port(self) -> int:
+        return self.reg.http_port
+
+    @property
+    def handshake_port(self) -> int | None:
+        return self.reg.handshake_port
+
+    @property
+    def dp_size(self) -> int:
+        return self.reg.dp_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.reg.tp_size
+
+    @property
+    def index(self) -> str:
+        return self.reg.index
+
+    @property
+    def engine_id(self) -> str | None:
+        return self.reg.engine_id
+
+    @property
+    def model(self) -> str | None:
+        return self.reg.model
+
+    @property
+    def notify_port(self) -> int | None:
+        return self.reg.notify_port
+
+    @property
+    def source(self) -> str:
+        return self.reg.source
+
+    @property
+    def features(self) -> frozenset[str]:
+        return self.reg.features or frozenset()
+
+    @property
+    def static(self) -> bool:
+        """Given by flag: probed, never evicted."""
+        return self.reg.source == "static"
+
+    def learn(self, **changes: object) -> None:
+        """Take what a probe learnt (``/health``, ``/v1/models``): a new registration with ``changes``."""
+        if all(getattr(self.reg, key) == value for key, value in changes.items()):
+            return  # what the last probe said, again
+        self.reg = replace(self.reg, **changes)  # type: ignore[arg-type]
+        self._fit_loads()
+
+    def register(self, reg: Registration) -> None:
+        """A new ping: its registration replaces the old one (the ``kv_features`` known stay when it names none)."""
+        if reg.features is None and self.reg.features is not None:
+            reg = replace(reg, features=self.reg.features)
+        self.reg = reg
+        self._fit_loads()
+
+    def _fit_loads(self) -> None:
+        dp = self.reg.dp_size
+        if len(self.outstanding_tokens) != dp:
+            self.outstanding_tokens = (self.outstanding_tokens + [0] * dp)[:dp]
+        if len(self.outstanding_requests) != dp:
+            self.outstanding_requests = (self.outstanding_requests + [0] * dp)[:dp]
+
+    # ------------------------------------------------------------------ routing
     def url(self, path: str) -> URL:
         """The upstream URL for ``path`` (parsed once, not on every request)."""
         url = self._urls.get(path)
@@ -124,23 +217,35 @@ class Instance:
 
     def resize_dp(self, dp_size: int) -> None:
         if dp_size != self.dp_size:
-            self.dp_size = dp_size
-            self.outstanding_tokens = (self.outstanding_tokens + [0] * dp_size)[:dp_size]
-            self.outstanding_requests = (self.outstanding_requests + [0] * dp_size)[:dp_size]
+            self.learn(dp_size=dp_size)
 
-    def charge(self, dp_rank: int, tokens: int) -> None:
+    def add_load(self, dp_rank: int, tokens: int) -> None:
+        """One more leg in flight on ``dp_rank`` (only :class:`~atom_kv.proxy.routing.pick.LoadLedger` calls this)."""
         self.inflight += 1
         if dp_rank < len(self.outstanding_tokens):  # dp_size may change on re-registration
             self.outstanding_tokens[dp_rank] += tokens
         if dp_rank < len(self.outstanding_requests):
             self.outstanding_requests[dp_rank] += 1
 
-    def credit(self, dp_rank: int, tokens: int) -> None:
-        self.inflight = max(0, self.inflight - 1)
+    def remove_load(self, dp_rank: int, tokens: int) -> list[str]:
+        """One leg on ``dp_rank`` ended; returns the names of the counters that were already at 0, which are
+        left there (the caller counts it: :class:`~atom_kv.proxy.routing.pick.LoadLedger`)."""
+        below: list[str] = []
+        if self.inflight > 0:
+            self.inflight -= 1
+        else:
+            below.append("inflight")
         if dp_rank < len(self.outstanding_tokens):
-            self.outstanding_tokens[dp_rank] = max(0, self.outstanding_tokens[dp_rank] - tokens)
+            left = self.outstanding_tokens[dp_rank] - tokens
+            if left < 0:
+                below.append("outstanding_tokens")
+            self.outstanding_tokens[dp_rank] = max(0, left)
         if dp_rank < len(self.outstanding_requests):
-            self.outstanding_requests[dp_rank] = max(0, self.outstanding_requests[dp_rank] - 1)
+            if self.outstanding_requests[dp_rank] > 0:
+                self.outstanding_requests[dp_rank] -= 1
+            else:
+                below.append("outstanding_requests")
+        return below
 
     def describe(self, now: float) -> dict:
         return {
@@ -170,25 +275,6 @@ class Instance:
             "dp_rank_field": self.takes_dp_rank_field,
             "circuit": self.breaker.state(now),
         }
-
-
-@dataclass(frozen=True)
-class Registration:
-    """What a valid ping says about an instance (format-independent)."""
-
-    role: Role
-    base_url: str
-    host: str
-    http_port: int
-    handshake_port: int | None
-    dp_size: int
-    tp_size: int
-    index: str = "0"
-    engine_id: str | None = None
-    model: str | None = None
-    notify_port: int | None = None
-    source: str = "atom"
-    features: frozenset[str] | None = None  # the ping's ``kv_features``; None: the ping said nothing
 
 
 class Registry:
@@ -240,13 +326,8 @@ class Registry:
             if not fut.done():
                 fut.set_result(None)
 
-    def _new_instance(self, role: Role, base_url: str, host: str, http_port: int, handshake_port: int | None,
-                      dp_size: int, tp_size: int) -> Instance:
-        return Instance(
-            role=role, base_url=base_url, host=host, http_port=http_port, handshake_port=handshake_port,
-            dp_size=dp_size, tp_size=tp_size, breaker=self._breaker(),
-            outstanding_tokens=[0] * dp_size, outstanding_requests=[0] * dp_size,
-        )
+    def _new_instance(self, reg: Registration) -> Instance:
+        return Instance(reg, breaker=self._breaker())
 
     def _breaker(self) -> CircuitBreaker:
         min_requests, ratio, window_s = self._circuit_window
@@ -280,22 +361,11 @@ class Registry:
         if inst is None:
             if self.discovered >= self.max_instances:
                 self._make_room(now)
-            inst = self._new_instance(reg.role, reg.base_url, reg.host, reg.http_port, reg.handshake_port,
-                                      reg.dp_size, reg.tp_size)
-            self._instances[key] = inst
+            inst = self._instances[key] = self._new_instance(reg)
             self.discovered += 1
             self.wakeup.set()
-        if not inst.static:
-            inst.handshake_port = reg.handshake_port
-            inst.tp_size = reg.tp_size
-            inst.resize_dp(reg.dp_size)
-            inst.index = reg.index
-            inst.engine_id = reg.engine_id
-            inst.model = reg.model
-            inst.notify_port = reg.notify_port
-            inst.source = reg.source
-            if reg.features is not None:  # else what the engine's /health says, if anything
-                inst.features = reg.features
+        elif not inst.static:  # a static engine's record is its spec's and its probes'
+            inst.register(reg)
         inst.last_seen = now
         inst.last_seen_wall = time.time()
         if not new:
@@ -313,12 +383,10 @@ class Registry:
 
     def add_static(self, engine: StaticEngine) -> Instance:
         """Register an engine given by flag; it is probed, never evicted."""
-        inst = self._new_instance(engine.role, engine.base_url, engine.host, engine.http_port,  # type: ignore[arg-type]
-                                  engine.handshake_port, engine.dp_size or 1, engine.tp_size or 1)
-        inst.static = True
-        inst.source = "static"
-        inst.engine_id = engine.engine_id
-        inst.notify_port = engine.notify_port
+        inst = self._new_instance(Registration(
+            role=engine.role, base_url=engine.base_url, host=engine.host,  # type: ignore[arg-type]
+            http_port=engine.http_port, handshake_port=engine.handshake_port, dp_size=engine.dp_size or 1,
+            tp_size=engine.tp_size or 1, engine_id=engine.engine_id, notify_port=engine.notify_port, source="static"))
         inst.dp_rank_field = engine.dp_rank_field
         inst.spec_dp_size = engine.dp_size
         inst.pinned = frozenset(k for k, v in (("tp_size", engine.tp_size), ("engine_id", engine.engine_id)) if v)

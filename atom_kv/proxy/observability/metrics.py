@@ -125,6 +125,11 @@ class ProxyMetrics:
             "--allowed-hosts (host: 421) or a completion body not declared application/json (content_type: 415)",
             ["reason"], registry=r,
         )
+        self.charge_underflows = Counter(
+            "atom_kv_proxy_charge_underflows", "Legs' loads not given back because that would count them twice, "
+            "by role and reason: a charge released again (double_release: a proxy bug) or an instance's counter "
+            "already at 0 (below_zero: its DP size changed while the leg ran)", ["role", "reason"], registry=r,
+        )
         for reason in ("host", "content_type"):
             self.refused_requests.labels(reason)
         for outcome in ("sent", "dropped", "no_address"):
@@ -133,6 +138,8 @@ class ProxyMetrics:
             self.instances.labels(role)
             self.evictions.labels(role)
             self.marked_down.labels(role)
+            for reason in ("double_release", "below_zero"):
+                self.charge_underflows.labels(role, reason)
         self._children: dict[tuple[str, ...], Any] = {}  # labelled children, looked up once (hot path)
 
     def child(self, metric: Any, *labels: str) -> Any:

@@ -20,7 +20,7 @@ from atom_kv.proxy.relay.attempt import PairRequest, RelayResult, Retryable, aba
 from atom_kv.proxy.relay.first_token import FirstTokenStream, forwardable_request, promised_first_events
 from atom_kv.proxy.relay.pair_legs import PairLegs
 from atom_kv.proxy.relay.stream import ResponseStream
-from atom_kv.proxy.routing.pick import Pick
+from atom_kv.proxy.routing.pick import Charge, Pick
 from atom_kv.proxy.settings import ProxySettings
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN, KV_FEATURE_RENDEZVOUS
 
@@ -63,14 +63,16 @@ class ConcurrentPairs:
             return False
         return True
 
-    async def run(self, req: PairRequest, p: Pick, d: Pick) -> RelayResult:
+    async def run(self, req: PairRequest, p: Charge, d: Charge) -> RelayResult:
         """One attempt on one pair with both legs sent at once: the decode leg names the prefill's
         ranks and the transfer, not its blocks (``remote_blocks_pending``); the decode engine admits
         and allocates while the prefill computes, then learns the blocks from the prefill's ranks,
         with the prefill's first token, which a decode engine announcing ``first_token`` streams at
         once and continues from (else it computes the first token itself).
 
-        Owns both picks' credits, both legs until one fails (the other is then closed) and the
+        Holds the prefill charge ``p`` until the prefill leg is sent, then gives it to that leg's
+        task (released when the leg ends, here or in the background); the caller's block holds ``d``,
+        which an answer's stream takes over. Owns both legs until one fails (the other is then closed) and the
         abandon hook: any end before the decode engine owns the KV releases the prefill's blocks,
         which also ends the decode's wait at once. A decode stream whose head comes first goes to
         the client at once: the decode engine only answers once it learned the blocks, so the
@@ -78,14 +80,15 @@ class ConcurrentPairs:
         (:meth:`_collect_prefill`) and never a reason to release a transfer that is being read."""
         transfer_id = os.urandom(16).hex()
         stage = "check"
-        result: RelayResult | None = None
         prefill_kv: dict[str, Any] | None = None
         legs: list[asyncio.Future[Any]] = []
         forward = self._forwards_concurrently(req, p, d)
         try:
-            await self.legs.check_context(req, p, d)
-            stage = "prefill"
-            prefill_leg = asyncio.ensure_future(self.legs.prefill(req, p, d, transfer_id))
+            with p:
+                await self.legs.check_context(req, p, d)
+                stage = "prefill"
+                prefill_leg = asyncio.ensure_future(self.legs.prefill(req, p, d, transfer_id))
+                p.hand_over().release_when_done(prefill_leg)
             decode_leg = asyncio.ensure_future(self.legs.open_decode(req, p, d, {}, transfer_id, pending=True,
                                                                  first_token_sent=forward))
             legs = [prefill_leg, decode_leg]
@@ -94,10 +97,7 @@ class ConcurrentPairs:
                 if decode_leg.done() and decode_leg.exception() is not None:
                     stage = "decode"
                     decode_leg.result()  # raises: the decode engine refused the request
-                try:
-                    prefill_kv, prompt_tokens, answer = await prefill_leg
-                finally:
-                    p.credit()
+                prefill_kv, prompt_tokens, answer = await prefill_leg
                 self._check_adopted(prefill_kv, p, transfer_id, req)
                 early = promised_first_events(answer, req.path.endswith("/chat/completions"), prefill_kv,
                                               self.settings.max_first_token_text_bytes)
@@ -108,9 +108,10 @@ class ConcurrentPairs:
                         f"prefill instance {p.inst.base_url} answered without a usable choice", req.request_id),
                         p.inst, "bad_response")
                 stage = "handed_off"  # the decode leg's own task abandons the prefill if it fails
+                opening = d.hand_over()  # the task opening the decode stream holds it
                 result = RelayResult(200, "text/event-stream", spans=req.spans, stream=FirstTokenStream(
-                    early, self._decode_after_prefill(req, p, d, decode_leg, prefill_kv, transfer_id,
-                                                      prompt_tokens), req.request_id))
+                    early, self._decode_after_prefill(req, p, opening, decode_leg, prefill_kv, transfer_id,
+                                                      prompt_tokens), req.request_id, holds=opening))
                 req.spans.ready()
                 self.metrics.first_tokens_forwarded.inc()
                 self.metrics.concurrent_dispatches.inc()
@@ -126,10 +127,7 @@ class ConcurrentPairs:
                     self.metrics.concurrent_dispatches.inc()
                     return result
                 stage = "prefill"
-            try:
-                prefill_kv, prompt_tokens, _ = await prefill_leg
-            finally:
-                p.credit()
+            prefill_kv, prompt_tokens, _ = await prefill_leg
             self._check_adopted(prefill_kv, p, transfer_id, req)
             stage = "decode"
             resp = await decode_leg
@@ -144,11 +142,6 @@ class ConcurrentPairs:
             if stage in ("prefill", "decode"):
                 self.legs.abandon_prefill(transfer_id, p, abandon_reason(stage, exc), prefill_kv)
             raise
-        finally:
-            if stage != "handed_off" or prefill_kv is not None:
-                p.credit()
-            if result is None or result.stream is None:
-                d.credit()
 
     def _forwards_concurrently(self, req: PairRequest, p: Pick, d: Pick) -> bool:
         """Whether a concurrent pair's client gets the first token from the prefill's answer: the
@@ -167,24 +160,26 @@ class ConcurrentPairs:
                 f"(answered {str(used)[:160]!r})", req.request_id), p.inst, "bad_response")
 
     async def _decode_after_prefill(
-        self, req: PairRequest, p: Pick, d: Pick, decode_leg: "asyncio.Future[UpstreamResponse]",
+        self, req: PairRequest, p: Pick, d: Charge, decode_leg: "asyncio.Future[UpstreamResponse]",
         prefill_kv: dict[str, Any], transfer_id: str, prompt_tokens: int | None,
     ) -> ResponseStream:
-        """The decode leg (sent with the prefill leg) of a request whose first token is out: owns the
-        abandon and the decode pick's credit until its stream takes them over. Any failure abandons
-        the prefill and ends the client's stream with an error event."""
-        try:
-            resp = await decode_leg
-        except BaseException as exc:
-            self.legs.abandon_prefill(transfer_id, p, abandon_reason("decode", exc), prefill_kv)
-            d.credit()
-            raise
-        return await self.legs.forwarded_decode_stream(resp, req, p, d, prefill_kv, transfer_id, prompt_tokens)
+        """The decode leg (sent with the prefill leg) of a request whose first token is out. Runs as
+        the first-token stream's opening task, which holds ``d`` until the stream takes it over; owns
+        the abandon until then. Any failure abandons the prefill and ends the client's stream with an
+        error event."""
+        with d:
+            try:
+                resp = await decode_leg
+            except BaseException as exc:
+                self.legs.abandon_prefill(transfer_id, p, abandon_reason("decode", exc), prefill_kv)
+                raise
+            return await self.legs.forwarded_decode_stream(resp, req, p, d, prefill_kv, transfer_id, prompt_tokens)
 
     def _collect_prefill(self, leg: "asyncio.Future[Any]", p: Pick, req: PairRequest, transfer_id: str) -> None:
         """The prefill leg of a pair whose decode stream already went to the client: its answer is
-        awaited in the background (a task the relay owns, cancelled on close) for the pick's
-        credit, the instance's health and the log; it releases nothing (the decode reads the KV)."""
+        awaited in the background (a task the relay owns, cancelled on close) for the instance's
+        health and the log (the leg's own end gives its charge back); it releases nothing (the
+        decode reads the KV)."""
         async def collect() -> None:
             try:
                 await leg
@@ -195,8 +190,6 @@ class ConcurrentPairs:
                 err = exc.error.logged if isinstance(exc, Retryable) else str(exc) or type(exc).__name__
                 logger.warning("[%s] prefill leg of transfer %s failed after its decode stream began: %s",
                                req.request_id, transfer_id, err)
-            finally:
-                p.credit()
 
         task = asyncio.ensure_future(collect())
         self._background.add(task)

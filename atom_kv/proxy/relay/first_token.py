@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable
+from typing import TYPE_CHECKING, Any, Awaitable
 
 import msgspec
 
@@ -42,6 +42,9 @@ from atom_kv.openai_errors import sse_error_event
 from atom_kv.proxy.relay.errors import ProxyError, UpstreamResponseError
 from atom_kv.proxy.relay.stream import ResponseStream, StreamSink
 from atom_kv.wire import KV_FEATURE_FIRST_TOKEN, MAX_FIRST_TOKENS
+
+if TYPE_CHECKING:
+    from atom_kv.proxy.routing.pick import Charge
 
 __all__ = ["first_token_events", "forwardable", "forwardable_request", "promised_first_events", "FirstTokenStream",
            "bounded_first_token", "MAX_TOKEN_ID"]
@@ -177,13 +180,18 @@ def _error_event(exc: BaseException) -> bytes:
 
 class FirstTokenStream:
     """Owns the client's answer from the first event on: writes it, then pipes the decode leg's
-    stream once ``open_decode`` (already running) has it. ``open_decode`` owns the decode leg's
-    failures (it abandons the prefill and credits the decode pick before it raises); this
-    stream turns them into an error event. ``aclose()`` before the decode leg answered cancels it."""
+    stream once ``open_decode`` (already running, as the task this stream owns) has it.
+    ``open_decode`` owns the decode leg's failures (it abandons the prefill before it raises);
+    this stream turns them into an error event. ``aclose()`` before the decode leg answered
+    cancels it. ``holds``: the decode leg's charge, held by that task until the decode stream
+    takes it over (released when the task ends otherwise, even if it is cancelled before it ran)."""
 
-    def __init__(self, first: bytes, open_decode: Awaitable[ResponseStream], request_id: str) -> None:
+    def __init__(self, first: bytes, open_decode: Awaitable[ResponseStream], request_id: str,
+                 holds: Charge | None = None) -> None:
         self._first = first
         self._opening = asyncio.ensure_future(open_decode)
+        if holds is not None:
+            holds.release_when_done(self._opening)
         self._request_id = request_id
         self._inner: ResponseStream | None = None
         self._closed = False

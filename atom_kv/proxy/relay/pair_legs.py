@@ -32,7 +32,7 @@ from atom_kv.proxy.relay.legs import decode_request, prefill_request, wants_stre
 from atom_kv.proxy.relay.release import ProducerAddress, Releaser
 from atom_kv.proxy.relay.stream import DecodeStream, ResponseStream
 from atom_kv.proxy.relay.validation import context_length_error, could_overflow
-from atom_kv.proxy.routing.pick import Pick
+from atom_kv.proxy.routing.pick import Charge, Pick
 from atom_kv.proxy.routing.policies import token_id_prompt_lengths
 from atom_kv.proxy.settings import ProxySettings
 from atom_kv.server_timing import HEADER as SERVER_TIMING
@@ -86,19 +86,14 @@ class PairLegs:
             raise ProxyError(503, "proxy is not started")
         return self._pool
 
-    async def forwarded_decode_stream(self, resp: UpstreamResponse, req: PairRequest, p: Pick, d: Pick,
+    async def forwarded_decode_stream(self, resp: UpstreamResponse, req: PairRequest, p: Pick, d: Charge,
                                        prefill_kv: dict[str, Any], transfer_id: str,
                                        prompt_tokens: int | None) -> ResponseStream:
         """The decode answer of a request whose first token is out, as the stream that follows it
-        (the decode pick's credit goes with the stream, or back here if there is none)."""
-        try:
-            result = await self.respond(resp, req, d, prompt_tokens, lambda: self.abandon_prefill(
-                transfer_id, p, "client_stalled", prefill_kv))
-        except BaseException:
-            d.credit()
-            raise
+        (which takes the decode charge over; without a stream, the caller's block keeps it)."""
+        result = await self.respond(resp, req, d, prompt_tokens, lambda: self.abandon_prefill(
+            transfer_id, p, "client_stalled", prefill_kv))
         if result.stream is None:
-            d.credit()
             raise self.failures.error(
                 502, d.inst, "answered a streamed request without a stream",
                 f"decode instance {d.inst.base_url} answered a streamed request without a stream", req.request_id)
@@ -314,8 +309,10 @@ class PairLegs:
         raise Retryable(self.failures.error(502, p.inst, "could not hand its KV cache to the decode engine", detail,
                                             req.request_id), p.inst, "kv_transfer")
 
-    async def respond(self, resp: UpstreamResponse, req: PairRequest, d: Pick,
+    async def respond(self, resp: UpstreamResponse, req: PairRequest, d: Charge,
                        prompt_tokens: int | None, on_release: Callable[[], None] | None = None) -> RelayResult:
+        """The decode leg's answer for the client: read whole (the caller's block holds ``d`` meanwhile),
+        or a :class:`~atom_kv.proxy.relay.stream.DecodeStream`, which takes ``d`` over."""
         ctype = resp.header("content-type", "application/json")
         if not ctype.startswith("text/event-stream"):
             try:
@@ -336,10 +333,9 @@ class PairLegs:
             return RelayResult(resp.status, ctype, body=data, spans=req.spans)
         framer = EventFramer(prompt_tokens if prompt_tokens is not None and wants_stream_usage(req.body) else None,
                              self.settings.max_upstream_body_bytes)
-        return RelayResult(resp.status, ctype, stream=DecodeStream(resp, req.request_id, d, self.health, framer,
-                                                                   self.settings.sse_split_max, on_release,
-                                                                   failures=self.failures),
-                           spans=req.spans)
+        stream = DecodeStream(resp, req.request_id, d.hand_over(), self.health, framer, self.settings.sse_split_max,
+                              on_release, failures=self.failures)
+        return RelayResult(resp.status, ctype, stream=stream, spans=req.spans)
 
     @staticmethod
     def _patch_json_usage(data: bytes, prompt_tokens: int) -> bytes:

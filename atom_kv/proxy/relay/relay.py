@@ -42,7 +42,7 @@ from atom_kv.proxy.relay.first_token import FirstTokenStream, first_token_events
 from atom_kv.proxy.relay.pair_legs import PairLegs
 from atom_kv.proxy.relay.stream import ResponseStream
 from atom_kv.proxy.relay.validation import requested_max_tokens
-from atom_kv.proxy.routing.pick import Pick
+from atom_kv.proxy.routing.pick import Charge, LoadLedger, Pick
 from atom_kv.proxy.routing.policies import Policy, RouteContext, estimate_prompt_tokens, prompt_text
 from atom_kv.proxy.settings import ProxySettings
 
@@ -57,7 +57,8 @@ logger = logging.getLogger(__name__)
 class Relay:
     """Runs requests through P then D: picks the pair, re-plans it after a retryable failure and
     chooses its path. Owns the :class:`~atom_kv.proxy.relay.pair_legs.PairLegs` (the upstream pool,
-    the releaser) and the :class:`~atom_kv.proxy.relay.concurrent.ConcurrentPairs` (its background tasks)."""
+    the releaser), the :class:`~atom_kv.proxy.relay.concurrent.ConcurrentPairs` (its background tasks)
+    and the :class:`~atom_kv.proxy.routing.pick.LoadLedger` its legs' charges come from."""
 
     def __init__(self, settings: ProxySettings, registry: Registry, policies: dict[str, Policy],
                  health: UpstreamHealth, metrics: ProxyMetrics) -> None:
@@ -68,6 +69,7 @@ class Relay:
         self.metrics = metrics
         self.legs = PairLegs(settings, health, metrics)
         self.concurrent = ConcurrentPairs(self.legs, settings, health, metrics)
+        self.charges = LoadLedger(metrics, log_interval_s=settings.log_summary_interval_s)
         self._models_rr = 0
         self._request_keys = itertools.count(1)
 
@@ -79,7 +81,8 @@ class Relay:
         await self.legs.close()
 
     # ------------------------------------------------------------------ routing
-    def _pick(self, role: Role, exclude: set[tuple[str, str]], ctx: RouteContext, tokens: int) -> Pick | None:
+    def _pick(self, role: Role, exclude: set[tuple[str, str]], ctx: RouteContext, tokens: int) -> Charge | None:
+        """Route one leg of ``role``: the charge its holder releases when the leg ends (None: no instance)."""
         now = time.monotonic()
         live = self.registry.live(role, now)
         healthy = [i for i in live if i.breaker.allows(now)]
@@ -90,9 +93,8 @@ class Relay:
         fresh = [i for i in healthy if i.key not in exclude] if exclude else healthy
         inst, rank = self.policies[role].choose(fresh or healthy, ctx)
         inst.breaker.on_dispatch(now)
-        inst.charge(rank, tokens)
         self.metrics.routed(role, inst.base_url, rank)
-        return Pick(inst, rank, tokens)
+        return self.charges.take(inst, rank, tokens)
 
     def _least_recently_failed(self, role: Role, live: list[Instance], exclude: set[tuple[str, str]]) -> Instance:
         """Every circuit of ``role`` is open: refusing every client helps nobody, so the leg goes to
@@ -141,12 +143,12 @@ class Relay:
             d = self._pick("D", exclude["D"], req.ctx, tokens)
             if d is None:
                 raise last_error or self._no_instance("D")
-            p = self._pick("P", exclude["P"], req.ctx, tokens)
-            if p is None:
-                d.credit()
-                raise last_error or self._no_instance("P")
             try:
-                return await self._run_pair(req, p, d)
+                with d:  # until a non-streamed answer is read; a stream takes it over (hand_over)
+                    p = self._pick("P", exclude["P"], req.ctx, tokens)
+                    if p is None:
+                        raise last_error or self._no_instance("P")
+                    return await self._run_pair(req, p, d)
             except Retryable as exc:
                 exclude[exc.inst.role].add(exc.inst.key)
                 last_error = exc.error
@@ -166,21 +168,19 @@ class Relay:
         rejected.append(exc)
         return bool(same)
 
-    async def _run_pair(self, req: PairRequest, p: Pick, d: Pick) -> RelayResult:
-        """One attempt on one pair. Owns both picks' credits and the abandon hook."""
+    async def _run_pair(self, req: PairRequest, p: Charge, d: Charge) -> RelayResult:
+        """One attempt on one pair. Holds the prefill charge ``p`` until its leg ends (its caller's block
+        holds ``d``, which an answer's stream takes over) and owns the abandon hook."""
         if self.concurrent.applies(p, d):
             return await self.concurrent.run(req, p, d)
         transfer_id = os.urandom(16).hex()  # one id for both legs, known before the prefill answers
         stage = "check"
-        result: RelayResult | None = None
         prefill_kv: dict[str, Any] | None = None
         try:
-            await self.legs.check_context(req, p, d)
-            stage = "prefill"
-            try:
+            with p:
+                await self.legs.check_context(req, p, d)
+                stage = "prefill"
                 prefill_kv, prompt_tokens, answer = await self.legs.prefill(req, p, d, transfer_id)
-            finally:
-                p.credit()
             used = prefill_kv.get("transfer_id")
             if isinstance(used, str) and used:
                 transfer_id = used  # the producer's own id if it did not adopt ours
@@ -188,25 +188,21 @@ class Relay:
             early = self._first_token_events(req, d, prefill_kv, answer)
             if early is not None:
                 stage = "handed_off"  # the decode leg's own task abandons the prefill if it fails
+                opening = d.hand_over()  # the task opening the decode leg holds it
                 result = RelayResult(200, "text/event-stream", spans=req.spans, stream=FirstTokenStream(
-                    early, self._decode_after_first_token(req, p, d, prefill_kv, transfer_id, prompt_tokens),
-                    req.request_id))
+                    early, self._decode_after_first_token(req, p, opening, prefill_kv, transfer_id, prompt_tokens),
+                    req.request_id, holds=opening))
                 req.spans.ready()
                 self.metrics.first_tokens_forwarded.inc()
                 return result
             resp = await self.legs.open_decode(req, p, d, prefill_kv, transfer_id)
             stage = "handed_off"  # the decode engine owns the prefill's KV from here on
-            result = await self.legs.respond(resp, req, d, prompt_tokens, lambda: self.legs.abandon_prefill(
+            return await self.legs.respond(resp, req, d, prompt_tokens, lambda: self.legs.abandon_prefill(
                 transfer_id, p, "client_stalled", prefill_kv))
-            return result
         except BaseException as exc:
             if stage in ("prefill", "decode"):
                 self.legs.abandon_prefill(transfer_id, p, abandon_reason(stage, exc), prefill_kv)
             raise
-        finally:
-            p.credit()
-            if result is None or result.stream is None:
-                d.credit()
 
     # ------------------------------------------------------------------ first-token forwarding
     def _first_token_events(self, req: PairRequest, d: Pick, prefill_kv: dict[str, Any],
@@ -217,37 +213,39 @@ class Relay:
         return first_token_events(answer, chat=req.path.endswith("/chat/completions"), prefill_kv=prefill_kv,
                                   max_text_bytes=self.settings.max_first_token_text_bytes)
 
-    async def _decode_after_first_token(self, req: PairRequest, p: Pick, d: Pick, prefill_kv: dict[str, Any],
+    async def _decode_after_first_token(self, req: PairRequest, p: Pick, d: Charge, prefill_kv: dict[str, Any],
                                         transfer_id: str, prompt_tokens: int | None) -> ResponseStream:
-        """The decode leg of a request whose first token is out: owns the abandon and the decode
-        pick's credit until its stream takes them over. The client has seen a byte, so the pair
-        is not re-planned; a decode engine that cannot be reached is replaced by another one
-        reading the same prefill (it never saw the request, so the blocks are still held), up to
-        ``max_retries``. Any other failure abandons the prefill and ends the stream with an error."""
+        """The decode leg of a request whose first token is out. Runs as the first-token stream's
+        opening task, which holds ``d``; each attempt's block holds its decode charge until the
+        stream takes it over. The client has seen a byte, so the pair is not re-planned; a decode
+        engine that cannot be reached is replaced by another one reading the same prefill (it never
+        saw the request, so the blocks are still held), up to ``max_retries``. Any other failure
+        abandons the prefill and ends the stream with an error."""
         exclude: set[tuple[str, str]] = set()
         for attempt in range(self.settings.max_retries + 1):
-            try:
-                resp = await self.legs.open_decode(req, p, d, prefill_kv, transfer_id, first_token_sent=True)
-                break
-            except Retryable as exc:
-                d.credit()
-                exclude.add(d.inst.key)
-                nxt = (self._pick("D", exclude, req.ctx, d.tokens)
-                       if exc.kind == "unreachable" and attempt < self.settings.max_retries else None)
-                if nxt is None or nxt.inst.key in exclude:
-                    if nxt is not None:
-                        nxt.credit()
+            with d:
+                try:
+                    resp = await self.legs.open_decode(req, p, d, prefill_kv, transfer_id, first_token_sent=True)
+                except Retryable as exc:
+                    exclude.add(d.inst.key)
+                    nxt = (self._pick("D", exclude, req.ctx, d.tokens)
+                           if exc.kind == "unreachable" and attempt < self.settings.max_retries else None)
+                    if nxt is None or nxt.inst.key in exclude:
+                        if nxt is not None:
+                            nxt.release()
+                        self.legs.abandon_prefill(transfer_id, p, abandon_reason("decode", exc), prefill_kv)
+                        raise
+                    self.metrics.retries.inc()
+                    logger.warning("[%s] decode leg failed after the first token (%s); trying %s", req.request_id,
+                                   exc.error.logged, nxt.inst.base_url)
+                    d = nxt  # held by the next attempt's block; this block gives the failed one back
+                    continue
+                except BaseException as exc:
                     self.legs.abandon_prefill(transfer_id, p, abandon_reason("decode", exc), prefill_kv)
                     raise
-                self.metrics.retries.inc()
-                logger.warning("[%s] decode leg failed after the first token (%s); trying %s", req.request_id,
-                               exc.error.logged, nxt.inst.base_url)
-                d = nxt
-            except BaseException as exc:
-                self.legs.abandon_prefill(transfer_id, p, abandon_reason("decode", exc), prefill_kv)
-                d.credit()
-                raise
-        return await self.legs.forwarded_decode_stream(resp, req, p, d, prefill_kv, transfer_id, prompt_tokens)
+                return await self.legs.forwarded_decode_stream(resp, req, p, d, prefill_kv, transfer_id,
+                                                               prompt_tokens)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     # ------------------------------------------------------------------ /v1/models
     async def models(self, request_id: str, auth: str | None) -> RelayResult:

@@ -11,7 +11,7 @@ from atom_kv.proxy.fleet.health import UpstreamHealth
 from atom_kv.proxy.http.sse import DONE_EVENT, EventFramer, EventTooLarge
 from atom_kv.proxy.http.upstream import UpstreamError, UpstreamResponse, UpstreamTimeout
 from atom_kv.proxy.relay.errors import EngineFailures
-from atom_kv.proxy.routing.pick import Pick
+from atom_kv.proxy.routing.pick import Charge
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,9 @@ class ResponseStream(Protocol):
 
 
 class DecodeStream:
-    """Owns the decode leg's answer until it ends: writes its events to the client.
+    """Owns the decode leg's answer until it ends, and the leg's charge: writes its events to the client,
+    and gives the charge back once, when the upstream answer is over (read to its end, failed, or
+    dropped by :meth:`aclose`).
 
     The upstream connection delivers each read from its own callbacks
     (:meth:`body_received`), and the events in it are written at once, one
@@ -63,7 +65,7 @@ class DecodeStream:
     request; it is idempotent and safe at any point.
     """
 
-    def __init__(self, resp: UpstreamResponse, request_id: str, d: Pick, health: UpstreamHealth,
+    def __init__(self, resp: UpstreamResponse, request_id: str, d: Charge, health: UpstreamHealth,
                  framer: EventFramer, split_max: int = 4, on_release: Callable[[], None] | None = None, *,
                  failures: EngineFailures | None = None) -> None:
         self._resp = resp
@@ -91,16 +93,23 @@ class DecodeStream:
             await self._done
 
     def aclose(self, release: bool = False) -> None:
-        if self._upstream_over:
-            return
         if self.complete:
             return  # only the upstream's tail is still being read; it ends by itself (or times out)
-        self._upstream_over = True
+        if not self._leg_over():
+            return
         self._resp.close()
-        self._d.credit()
         if release and self._on_release is not None:
             self._on_release()
         logger.info("[%s] decode leg cancelled (the client went away mid-stream)", self._request_id)
+
+    def _leg_over(self) -> bool:
+        """The upstream answer is over (read to its end, failed, or dropped by us): True the one time
+        that happens, which is when the leg's charge goes back."""
+        if self._upstream_over:
+            return False
+        self._upstream_over = True
+        self._d.release()
+        return True
 
     # ------------------------------------------------------------------ back-pressure
     def pause_reading(self) -> None:
@@ -128,9 +137,8 @@ class DecodeStream:
             sink.write(piece)
 
     def body_complete(self) -> None:
-        if self._upstream_over:
+        if not self._leg_over():
             return
-        self._upstream_over = True
         if not self.complete:
             tail = self._framer.flush()
             if tail:
@@ -143,18 +151,14 @@ class DecodeStream:
                                            self._request_id)
                 logger.warning("[%s] %s", self._request_id, err.logged)
                 self._end_client(sse_error_event(err.status, err.message))
-                self._d.credit()
                 return
             else:
                 self._end_client(b"")
         self._health.succeeded(self._d.inst)
-        self._d.credit()
 
     def body_failed(self, exc: UpstreamError) -> None:
-        if self._upstream_over:
+        if not self._leg_over():
             return
-        self._upstream_over = True
-        self._d.credit()
         if self.complete:
             return  # the client has its whole answer; only the tail's read failed
         timeout = isinstance(exc, UpstreamTimeout)
@@ -170,9 +174,9 @@ class DecodeStream:
     def _event_too_large(self, exc: EventTooLarge) -> None:
         """The engine sent an event over the bound: the stream ends here with an error event (a
         request can ask for huge events, e.g. prompt logprobs: judged like a 500, not a dead engine)."""
-        self._upstream_over = True
+        if not self._leg_over():
+            return
         self._resp.close()
-        self._d.credit()
         self._health.failed(self._d.inst, "too_large", suspect=True)
         over = f"sent {exc}, over --max-upstream-body-bytes"  # the proxy's words: the client may read them
         err = self._failures.error(
