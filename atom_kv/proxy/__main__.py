@@ -5,7 +5,9 @@ vLLM MoRIIO's format), from ``--prefill URL[,HANDSHAKE_PORT]`` /
 ``--decode URL`` flags, or both; flagged engines are health-probed.
 Clients use the HTTP port like any OpenAI-compatible server
 (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``), and
-operators use ``/health``, ``/instances`` and ``/metrics``. Served by the
+operators use ``/health``, ``/readiness``, ``/liveness``, ``/instances`` and
+``/metrics``; ``--log-format json`` writes one JSON object a log line
+(:mod:`atom_kv.logfmt`). Served by the
 proxy's own HTTP/1.1 server (:mod:`atom_kv.proxy.http.httpserver`, on uvloop when
 installed); SIGINT or SIGTERM shuts it down gracefully (in-flight requests
 get ``--shutdown-timeout`` seconds).
@@ -41,6 +43,7 @@ from typing import Any, Callable, Coroutine
 
 from atom_kv._cli import OneLineParser
 from atom_kv.config import is_port
+from atom_kv.logfmt import add_log_format_argument, configure_logging
 from atom_kv.proxy.app import create_app
 from atom_kv.proxy.fleet.discovery import DiscoveryError
 from atom_kv.proxy.fleet.static import parse_engine_spec
@@ -137,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backlog", type=int, default=d.backlog, help="listen backlog (default %(default)s)")
     g.add_argument("--admin-token", default=None,
                    help="the management routes (/instances, /metrics) answer only requests with "
-                        "'Authorization: Bearer <this token>' (default: open; /health always is); "
+                        "'Authorization: Bearer <this token>' (default: open; /health, /readiness and "
+                        "/liveness always are); "
                         "--admin-token-file keeps it out of the process list")
     g.add_argument("--allowed-hosts", type=_host_list, default=None, metavar="HOST[:PORT],...",
                    help="the Host header values the proxy answers, every route (a name alone: any port; '*': any "
@@ -283,11 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",
                    help="event loop: uvloop when installed (auto), or asyncio's own (default %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_log_format_argument(p)
     return p
 
 
 #: the parser's options that are not proxy settings (every other one is a ProxySettings field of its name)
-_NOT_SETTINGS = frozenset({"loop", "log_level"})
+_NOT_SETTINGS = frozenset({"loop", "log_level", "log_format"})
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
@@ -337,7 +342,7 @@ def _loop_runner(loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         settings = settings_from_args(args)
     except TokenSourceError as exc:

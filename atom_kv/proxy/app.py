@@ -14,6 +14,7 @@ import msgspec
 from quart import Quart, Response, request
 
 from atom_kv.auth import same_mac
+from atom_kv.logfmt import REQUEST_ID
 from atom_kv.proxy.fleet.discovery import DiscoveryError, DiscoveryListener
 from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
 from atom_kv.proxy.fleet.registry import Instance, Registry
@@ -123,6 +124,18 @@ class ProxyState:
             await tracer.aclose(self.settings.shutdown_timeout)
 
 
+def _not_ready_reason(registry: Registry, counts: dict[str, int]) -> str:
+    """Why no pair is usable, one clause per role that has no usable engine."""
+    clauses = []
+    for role, name in (("P", "prefill"), ("D", "decode")):
+        if counts[name] > 0:
+            continue
+        known = len(registry.known(role))  # type: ignore[arg-type]
+        clauses.append(f"no {name} engine known" if known == 0 else
+                       f"none of the {known} known {name} engine(s) is usable (/instances has each one's state)")
+    return "; ".join(clauses)
+
+
 def _json_response(status: int, payload: Any, request_id: str | None = None) -> Response:
     headers = {"X-Request-Id": request_id} if request_id else None
     return Response(_json_encoder.encode(payload), status=status, headers=headers, content_type="application/json")
@@ -163,6 +176,7 @@ def create_app(settings: ProxySettings) -> Quart:
     async def models() -> Response:
         record = RequestRecord(metrics, "/v1/models")
         request_id = valid_request_id(request.headers.get("X-Request-Id"))
+        REQUEST_ID.set(request_id)  # this exchange runs in its own task: its log lines carry the id
         try:
             result = await state.relay.models(request_id, request.headers.get("Authorization"))
         except ProxyError as err:
@@ -178,6 +192,23 @@ def create_app(settings: ProxySettings) -> Quart:
         counts = state.registry.counts()
         ok = counts["prefill"] > 0 and counts["decode"] > 0
         return _json_response(200 if ok else 503, {"status": "ok" if ok else "unavailable", **counts})
+
+    # The probes, open like /health (a kubelet's or a balancer's probe carries no token; they tell only
+    # whether the proxy can serve), and behind the Host check like every route.
+    @app.get("/readiness")
+    async def readiness() -> Response:
+        """200 while a request can be routed (what /health counts: a usable prefill and decode engine),
+        else 503 with the reason in one line."""
+        counts = state.registry.counts()
+        if counts["prefill"] > 0 and counts["decode"] > 0:
+            return _json_response(200, {"status": "ready", **counts})
+        return _json_response(503, {"status": "not ready", "reason": _not_ready_reason(state.registry, counts),
+                                    **counts})
+
+    @app.get("/liveness")
+    async def liveness() -> Response:
+        """200 whenever the event loop gets to answer: the process serves (it says nothing about engines)."""
+        return _json_response(200, {"status": "alive"})
 
     def _admin_refusal() -> Response | None:
         """With ``--admin-token``, the management routes answer only ``Authorization: Bearer <token>``."""

@@ -10,6 +10,9 @@ tells others: the registration ping's address and ``remote_host`` for KV
 reads. An unspecified address (``0.0.0.0``, ``::``) is never advertised:
 ``--host 0.0.0.0`` without ``--advertise-host`` is refused in one line.
 
+``--log-format json`` writes one JSON object a log line, in the TP rank
+processes too (:mod:`atom_kv.logfmt`).
+
 SIGINT/SIGTERM: the first shuts down in order, a second hurries it (exit
 status still 0), a third exits at once (:mod:`atom_kv.reference.shutdown`).
 """
@@ -27,6 +30,7 @@ from atom_kv._cli import OneLineParser
 from atom_kv._netaddr import is_unspecified
 from atom_kv.config import ConfigError, is_port, parse_kv_transfer_config
 from atom_kv.gc_heap import freeze_startup_heap
+from atom_kv.logfmt import ENGINE, add_log_format_argument, configure_logging
 from atom_kv.reference.faults import FLAG as FAULT_FLAG
 from atom_kv.reference.faults import FaultInjector
 from atom_kv.reference.shutdown import SIGNALS, ShutdownSignals
@@ -79,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--instance-index", default=None,
                    help="index to register with the proxy (default: the bound HTTP port)")
     p.add_argument("--log-level", default="INFO")
+    add_log_format_argument(p)  # --log-format text|json; the TP rank processes log the same way
     p.add_argument(FAULT_FLAG, dest="inject_request_fault", action="append", default=[], metavar="STAGE=MARKER",
                    help="TESTING ONLY: fail every request whose prompt contains MARKER at STAGE (admit, sample, "
                         "decode or finish), to show one request's failure stays its own; repeatable")
@@ -159,7 +164,7 @@ def _plan_error(kv_config: Any, args: argparse.Namespace) -> Optional[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     # before the config: reading it may warn (an inline auth_token)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level.upper(), args.log_format)
     try:
         kv_config = parse_kv_transfer_config(args.kv_transfer_config)
     except ConfigError as exc:
@@ -221,6 +226,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                    hurry_timeout_s=args.hurry_timeout, faults=faults),
         kv_config, router.deliver, dp_size=args.dp,
     )
+    ENGINE.set(engine.engine_id)  # this thread's log lines (and the HTTP server's) name the engine
     if faults:
         log.warning("%s is set (%s): requests whose prompt contains its marker fail on purpose", FAULT_FLAG,
                     ", ".join(args.inject_request_fault))

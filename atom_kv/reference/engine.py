@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from atom_kv.config import KVTransferConfig
+from atom_kv.logfmt import ENGINE
 from atom_kv.reference.faults import FaultInjector, FaultStage
 from atom_kv.reference.model_config import ModelConfig
 from atom_kv.reference.request import Request, RequestError, RequestOutput
@@ -248,6 +249,7 @@ class EngineCore:
         # whose connector does not wake it): fast right after a load starts or
         # an event arrives, then doubling up to idle_tick_s. The waits block
         # on the command queue, so new requests and wake-ups end them at once.
+        ENGINE.set(self.engine_id)  # this thread's log lines name its engine core (its DP rank's id)
         last_tick = time.monotonic()
         tick = self.args.fast_tick_s
         try:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from aiohttp import web
 
+from atom_kv.logfmt import REQUEST_ID
 from atom_kv.openai_errors import KV_TRANSFER_FAILURE_HEADER, error_body
 from atom_kv.reference.dp import DataParallelEngine
 from atom_kv.reference.first_token import FEATURE as FIRST_TOKEN
@@ -116,6 +117,16 @@ def _client_request_id(request: web.Request) -> Optional[str]:
 
 
 @web.middleware
+async def _request_id_in_logs(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every line logged while a request is served carries its ``X-Request-Id`` (``--log-format json``)."""
+    token = REQUEST_ID.set(_client_request_id(request))
+    try:
+        return await handler(request)
+    finally:
+        REQUEST_ID.reset(token)
+
+
+@web.middleware
 async def _json_http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every error answers in the OpenAI error shape, not HTML: unknown paths (404), wrong methods
     (405), aiohttp's own refusals, and a handler's unexpected exception (a 500, logged with its
@@ -147,7 +158,7 @@ class OpenAIServer:
         self.model_id = engine.args.model_id
         self.default_max_tokens = default_max_tokens
         self.metrics = EngineMetrics(engine)
-        self.app = web.Application(client_max_size=64 * 2**20, middlewares=[_json_http_errors])
+        self.app = web.Application(client_max_size=64 * 2**20, middlewares=[_request_id_in_logs, _json_http_errors])
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/tokenize", self.tokenize)
@@ -228,6 +239,8 @@ class OpenAIServer:
         suffix = uuid.uuid4().hex[:12]
         rid = f"{client_rid}-{suffix}" if client_rid else f"{'chatcmpl' if chat else 'cmpl'}-{suffix}"
         headers = {"X-Request-Id": client_rid or rid}
+        if client_rid is None:
+            REQUEST_ID.set(rid)  # the engine named it: its lines carry that name (the middleware resets it)
         try:
             body = await read_json_body(request)
         except RequestError as exc:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 
 from atom_kv.engine_hooks import ConnectorMetadata
 from atom_kv.gc_heap import freeze_startup_heap
+from atom_kv.logfmt import configure_logging, root_format
 from atom_kv.reference.rank_io import ChunkTuple, RankSpec, StepResult
 
 __all__ = ["WorkerFailure", "LocalExecutor", "ProcessExecutor", "WakePipes", "create_executor"]
@@ -183,14 +184,16 @@ def _remove_quietly(path: Any) -> None:
 
 
 def _worker_main(spec: RankSpec, conn: Connection, wake_conn: Connection, threads: int, parent_pid: int,
-                 log_level: int, collective_timeout_s: float, startup_timeout_s: float) -> None:
+                 log_level: int, log_format: str, collective_timeout_s: float, startup_timeout_s: float) -> None:
     """Entry point of a TP worker process."""
     _die_with_parent()
     # The engine decides when a rank stops (a "stop" message, then SIGKILL); a Ctrl-C or a
     # SIGTERM sent to the whole process group must not kill a rank in the middle of a step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp{spec.tp_rank} %(name)s: %(message)s")
+    # the engine's --log-format; every line of this process is its engine's rank
+    configure_logging(log_level, log_format, fields={"engine": spec.engine_id, "tp_rank": spec.tp_rank},
+                      text_format=f"%(asctime)s %(levelname)s tp{spec.tp_rank} %(name)s: %(message)s")
     runner = None
     try:
         from datetime import timedelta
@@ -249,14 +252,15 @@ class ProcessExecutor:
         self._conns: list[Connection] = []
         self._closed = False
         self._broken: Optional[str] = None
-        level = logging.getLogger().getEffectiveLevel()
+        level, log_format = logging.getLogger().getEffectiveLevel(), root_format()  # the ranks log as the engine
         wake_readers: list[Connection] = []
         for spec in specs:
             parent_conn, child_conn = ctx.Pipe()
             wake_r, wake_w = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=_worker_main,
-                args=(spec, child_conn, wake_w, threads, os.getpid(), level, step_timeout_s, startup_timeout_s),
+                args=(spec, child_conn, wake_w, threads, os.getpid(), level, log_format, step_timeout_s,
+                      startup_timeout_s),
                 name=f"atom-kv-dp{spec.dp_rank}-tp{spec.tp_rank}",
                 daemon=True,
             )

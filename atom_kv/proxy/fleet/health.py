@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from atom_kv.logfmt import INSTANCE
 from atom_kv.proxy.fleet.breaker import RequestOutcomes
 from atom_kv.proxy.fleet.registry import DOWN, PENDING, ROLE_NAMES, Instance, ProbeFailure, Registry
 from atom_kv.proxy.http.upstream import (
@@ -192,6 +193,7 @@ class HealthMonitor:
             self._next_probe = {k: v for k, v in self._next_probe.items() if k in known}
 
     async def _probe_one(self, inst: Instance) -> None:
+        INSTANCE.set(inst.base_url)  # this probe's task: its log lines name the instance
         try:
             async with self._limit:
                 await self.probe(inst)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from atom_kv.logfmt import REQUEST_ID
 from atom_kv.proxy.http.guard import json_body_problem
 from atom_kv.proxy.http.httpserver import Exchange
 from atom_kv.proxy.observability.metrics import CLIENT_CLOSED, ProxyMetrics, RequestRecord
@@ -111,6 +112,7 @@ class CompletionsHandler:
         path = exchange.path
         record = RequestRecord(self.metrics, path)
         request_id = valid_request_id(exchange.header(b"x-request-id"))
+        REQUEST_ID.set(request_id)  # for the log lines of this exchange's task and its legs' (its own context)
         if exchange.refusal is not None:  # too big, or too slow to arrive: the server read no further
             self._send_error(exchange, ProxyError(*exchange.refusal), request_id, record, close=True)
             return
