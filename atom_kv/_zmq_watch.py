@@ -52,6 +52,11 @@ class ConnectionWatch:
         self.failed = 0  # attempts that failed since the socket was last ready
         self.bad_events = 0
 
+    @property
+    def connected_once(self) -> bool:
+        """Whether a TCP connection to the peer was made at some point (a connection attempt was answered)."""
+        return self.reach not in (Reach.CONNECTING, Reach.REFUSED)
+
     def read(self) -> None:
         """Apply the events waiting on the monitor (never blocks)."""
         for _ in range(_READ_BURST):

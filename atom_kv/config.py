@@ -288,6 +288,9 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     ping_interval_s: PositiveSeconds = 3.0
     registration_answer_timeout_s: PositiveSeconds = 5.0
     handshake_timeout_s: PositiveSeconds = 10.0
+    # a decode rank's TCP connection to a producer rank (handshake port, tcp read port): not connected by then,
+    # the load fails at once, without the retries (a firewall dropping the SYNs, nothing listening there)
+    connect_timeout_s: PositiveSeconds = 5.0
     transfer_timeout_s: PositiveSeconds = 30.0
     abort_timeout_s: PositiveSeconds = 120.0
     release_close_wait_s: NonNegativeFloat = 2.0

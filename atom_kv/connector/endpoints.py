@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import Callable, Optional
 
 import zmq
 
@@ -30,8 +31,10 @@ def tcp_endpoint(host: str, port: int) -> tuple[str, bool]:
     return f"tcp://{addr}:{port}", False
 
 
-def connect_socket(ctx: zmq.Context, kind: int, host: str, port: int, options: dict[int, int]) -> zmq.Socket:
-    """A new socket of ``kind`` with ``LINGER`` 0 and ``options``, connected to ``host:port``."""
+def connect_socket(ctx: zmq.Context, kind: int, host: str, port: int, options: dict[int, int],
+                   before_connect: Optional[Callable[[zmq.Socket], None]] = None) -> zmq.Socket:
+    """A new socket of ``kind`` with ``LINGER`` 0 and ``options``, connected to ``host:port``;
+    ``before_connect`` is called with it just before it connects (a monitor sees the first attempt)."""
     endpoint, ipv6 = tcp_endpoint(host, port)
     sock = ctx.socket(kind)
     try:
@@ -40,6 +43,8 @@ def connect_socket(ctx: zmq.Context, kind: int, host: str, port: int, options: d
             sock.setsockopt(zmq.IPV6, 1)
         for option, value in options.items():
             sock.setsockopt(option, value)
+        if before_connect is not None:
+            before_connect(sock)
         sock.connect(endpoint)
     except BaseException:
         sock.close(0)

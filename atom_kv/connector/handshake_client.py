@@ -2,7 +2,12 @@
 asks a producer rank for its descriptor and regions (proving the auth token
 both ways when there is one, :mod:`atom_kv.connector.handshake_auth`), over
 one DEALER connection with bounded receives; and what both halves share
-(the errors, the version refusal, the checked decoder)."""
+(the errors, the version refusal, the checked decoder).
+
+A DEALER connects in the background and never says that it could not: with a
+``connect_timeout_s``, the connection's monitor (:mod:`atom_kv._zmq_watch`)
+tells, and a handshake whose connection was never made within it ends with
+:class:`HandshakeUnreachable` rather than waiting out ``timeout_s``."""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import msgspec
 import zmq
 
 from atom_kv import wire
+from atom_kv._zmq_watch import ConnectionWatch
 from atom_kv.auth import new_nonce, same_mac
 from atom_kv.connector.endpoints import connect_socket
 from atom_kv.connector.handshake_auth import client_proof, reply_mac, server_proof
@@ -27,8 +33,8 @@ from atom_kv.wire import (
     WireError,
 )
 
-__all__ = ["HandshakeError", "HandshakeRejected", "MAX_MESSAGE_BYTES", "decode_checked", "request_handshake",
-           "version_refusal"]
+__all__ = ["HandshakeError", "HandshakeRejected", "HandshakeUnreachable", "MAX_MESSAGE_BYTES", "decode_checked",
+           "request_handshake", "version_refusal"]
 
 #: Largest frame a consumer accepts from a handshake port (a handshake reply names every region).
 MAX_MESSAGE_BYTES = 1 << 20
@@ -41,6 +47,12 @@ class HandshakeError(RuntimeError):
 class HandshakeRejected(HandshakeError):
     """The peer answered and refused (auth, compat, version), or did not prove
     the auth token; retrying won't help."""
+
+
+class HandshakeUnreachable(HandshakeError):
+    """No connection to the peer could be made within the connect timeout (its
+    packets dropped, or refused): the path to it is closed, so the load that
+    needed it fails at once instead of trying again."""
 
 
 def version_refusal(peer_version: Any) -> str:
@@ -65,16 +77,36 @@ def decode_checked(data: bytes, type_: Any) -> Any:
 
 
 class _Exchange:
-    """One handshake connection: a DEALER socket and bounded receives."""
+    """One handshake connection: a DEALER socket, bounded receives and, with a connect timeout,
+    the socket's monitor (owned here, closed with the socket)."""
 
     def __init__(self, ctx: zmq.Context, host: str, port: int, timeout_s: float,
-                 stop: Optional[threading.Event]) -> None:
+                 stop: Optional[threading.Event], connect_timeout_s: Optional[float] = None) -> None:
         self.where = f"{host}:{port}"
         self._timeout_s = timeout_s
-        self._deadline = time.monotonic() + timeout_s
+        now = time.monotonic()
+        self._deadline = now + timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._connect_deadline = now + connect_timeout_s if connect_timeout_s is not None else None
         self._stop = stop
+        self.watch: Optional[ConnectionWatch] = None
+
+        def watch(sock: zmq.Socket) -> None:
+            self.watch = ConnectionWatch(sock)
+
         # a handshake has two answers: a peer (any host a client named) can make it queue no more than 4
-        self.sock = connect_socket(ctx, zmq.DEALER, host, port, {zmq.MAXMSGSIZE: 64 * MAX_MESSAGE_BYTES, zmq.RCVHWM: 4})
+        try:
+            self.sock = connect_socket(ctx, zmq.DEALER, host, port,
+                                       {zmq.MAXMSGSIZE: 64 * MAX_MESSAGE_BYTES, zmq.RCVHWM: 4},
+                                       before_connect=watch if connect_timeout_s is not None else None)
+        except BaseException:
+            if self.watch is not None:
+                self.watch.monitor.close(0)
+            raise
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        if self.watch is not None:
+            self._poller.register(self.watch.monitor, zmq.POLLIN)
 
     def send(self, msg: msgspec.Struct) -> bytes:
         data = wire.encode(msg)
@@ -83,15 +115,39 @@ class _Exchange:
 
     def receive(self) -> Any:
         while True:
-            left = self._deadline - time.monotonic()
+            now = time.monotonic()
+            left = self._deadline - now
             if left <= 0 or (self._stop is not None and self._stop.is_set()):
                 raise HandshakeError(f"no handshake reply from {self.where} within {self._timeout_s:g} s")
-            if self.sock.poll(min(left, 0.25) * 1000, zmq.POLLIN):
+            left = min(left, self._connect_left(now))
+            ready = dict(self._poller.poll(min(left, 0.25) * 1000))
+            if self.watch is not None and self.watch.monitor in ready:
+                self.watch.read()
+            if self.sock in ready:
                 frames = self.sock.recv_multipart()
                 try:
                     return decode_checked(frames[-1], wire.HandshakeReplyMessage)
                 except WireError as exc:
                     raise HandshakeError(f"bad handshake reply from {self.where}: {exc}") from None
+
+    def _connect_left(self, now: float) -> float:
+        """Seconds left for the connection to be made (infinite once it was, or without a connect
+        timeout); raises :class:`HandshakeUnreachable` when none are left."""
+        watch, deadline = self.watch, self._connect_deadline
+        if watch is None or deadline is None or watch.connected_once:
+            return float("inf")
+        if now < deadline:
+            return deadline - now
+        watch.read()  # events that arrived with the deadline
+        if watch.connected_once:
+            return float("inf")
+        raise HandshakeUnreachable(f"cannot connect to {self.where} within {self._connect_timeout_s:g} s "
+                                   f"(connect_timeout_s): {watch.describe()}")
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.close(self.sock)
+        self.sock.close(0)
 
 
 def request_handshake(
@@ -102,8 +158,10 @@ def request_handshake(
     timeout_s: float,
     stop: Optional[threading.Event] = None,
     auth_token: Optional[str] = None,
+    connect_timeout_s: Optional[float] = None,
 ) -> HandshakeReply:
-    """Handshake with the producer rank at ``host:port`` (at most ``timeout_s``).
+    """Handshake with the producer rank at ``host:port`` (at most ``timeout_s``; with
+    ``connect_timeout_s``, :class:`HandshakeUnreachable` when no connection was made by then).
 
     With ``auth_token``: the request carries a fresh nonce, and nothing derived
     from the token is sent unless the peer first proves it knows the token
@@ -113,7 +171,7 @@ def request_handshake(
     if auth_token is not None:
         request = msgspec.structs.replace(request, nonce=new_nonce())
     try:
-        ex = _Exchange(ctx, host, port, timeout_s, stop)
+        ex = _Exchange(ctx, host, port, timeout_s, stop, connect_timeout_s)
     except (zmq.ZMQError, ValueError) as exc:
         raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
     try:
@@ -130,7 +188,7 @@ def request_handshake(
     except zmq.ZMQError as exc:
         raise HandshakeError(f"handshake with {host}:{port} failed: {exc}") from None
     finally:
-        ex.sock.close(0)
+        ex.close()
 
 
 def _proven_handshake(ex: _Exchange, token: str, request: HandshakeRequest, sent: bytes, first: Any) -> HandshakeReply:

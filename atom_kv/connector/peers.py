@@ -4,7 +4,9 @@ One handshake per peer (remote engine id, host, handshake port) runs on a
 small named pool and its result is cached; consecutive failures are counted,
 and a peer that reaches ``peer_failure_threshold`` is dropped (from the
 backend too), so its next use handshakes again. A failed handshake is never
-cached.
+cached. A peer that cannot be connected to within ``connect_timeout_s`` (its
+handshake port, or the backend's data port when the backend connects while
+adding the peer) fails its handshake with :class:`HandshakeUnreachable`.
 
 A producer's ports come from a request's ``kv_transfer_params``, which any
 client of the engine may write. Until one handshake with a producer (engine
@@ -31,13 +33,15 @@ import zmq
 
 from atom_kv._lru import BoundedSet
 from atom_kv.config import KVTransferConfig
-from atom_kv.connector.handshake import HandshakeError, HandshakeRejected, compat_mismatch, handshake_port, request_handshake
+from atom_kv.connector.handshake import (
+    HandshakeError, HandshakeRejected, HandshakeUnreachable, compat_mismatch, handshake_port, request_handshake,
+)
 from atom_kv.connector.kv_caches import peer_layouts
 from atom_kv.connector.layout import HeadOverlap, ReadPlanner, TensorLayout
 from atom_kv.connector.routes_view import RouteView, backend_for_peer
 from atom_kv.connector.stats import TransferStats
 from atom_kv.connector.types import LoadSpec
-from atom_kv.transfer import TransferBackend
+from atom_kv.transfer import PeerUnreachable, TransferBackend
 from atom_kv.transfer.memory import pair_refusal
 from atom_kv.wire import HandshakeRequest
 
@@ -220,7 +224,8 @@ class PeerTable:
         t0 = time.perf_counter()
         try:
             reply = request_handshake(self._ctx, host, port, self._request, self._config.handshake_timeout_s,
-                                      self._stop, auth_token=self._config.auth_token)
+                                      self._stop, auth_token=self._config.auth_token,
+                                      connect_timeout_s=self._config.connect_timeout_s)
             if not reply.ok:
                 raise HandshakeRejected(f"handshake with {host}:{port} refused: {reply.error}")
             if reply.compat is not None and (err := compat_mismatch(self._request.compat, reply.compat, "decode", "prefill")):
@@ -245,7 +250,10 @@ class PeerTable:
             if reply.dp_rank != remote_dp:
                 raise HandshakeRejected(f"{host}:{port} is DP rank {reply.dp_rank}, expected DP rank {remote_dp} "
                                         "(the rank that prefilled this request)")
-            peer_id = self._backend.add_peer(reply.descriptor)
+            try:
+                peer_id = self._backend.add_peer(reply.descriptor)
+            except PeerUnreachable as exc:  # the data port is closed where the handshake port is open
+                raise HandshakeUnreachable(f"handshake with {host}:{port}: {exc}") from None
         except HandshakeError:
             self._stats.add(handshake_failures=1)
             raise

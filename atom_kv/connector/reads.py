@@ -5,8 +5,10 @@ load's budget. Between attempts it backs off exponentially; before each it
 stops early if the load was cancelled, the connector is closing or time is
 up. An attempt waits for the peer's handshake, plans the byte ranges (once
 per peer: a re-handshaked peer may number its regions anew), and reads. A
-failed read is not retried, nor its blocks handed back, until the backend
-has stopped writing them (the handle *settled*).
+peer that refused the handshake, or that could not be connected to within
+``connect_timeout_s``, ends the load at its first attempt. A failed read is
+not retried, nor its blocks handed back, until the backend has stopped
+writing them (the handle *settled*).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Optional
 import numpy as np
 
 from atom_kv.config import KVTransferConfig
-from atom_kv.connector.handshake import HandshakeError, HandshakeRejected
+from atom_kv.connector.handshake import HandshakeError, HandshakeRejected, HandshakeUnreachable
 from atom_kv.connector.layout import HeadOverlap, LayoutError, TensorLayout
 from atom_kv.connector.peers import Peer, PeerKey, PeerTable
 from atom_kv.connector.stats import TransferStats
@@ -147,6 +149,9 @@ class RankRead:
         try:
             return fut.result(timeout=min(self._ctx.config.handshake_timeout_s + 0.5, self._time_left()))
         except HandshakeRejected as exc:
+            raise _AttemptFailed(str(exc), final=True) from None
+        except HandshakeUnreachable as exc:  # the path is closed: another attempt now would wait as long again
+            self._ctx.peers.failed(key, fut, None)
             raise _AttemptFailed(str(exc), final=True) from None
         except cf.CancelledError:
             raise _AttemptFailed("connector closing", final=True) from None

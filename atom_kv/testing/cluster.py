@@ -50,6 +50,7 @@ class EngineSpec:
     extra_config: dict = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     register: bool = True  # P/D engines: register with the cluster's proxy
+    host: Optional[str] = None  # what this engine binds and advertises (a loopback address); None: the cluster's
 
 
 class Cluster:
@@ -106,7 +107,7 @@ class Cluster:
     def engine_argv(self, i: int, port: int = 0) -> list[str]:
         """Engine ``i``'s command line: HTTP on ``port`` (0: the OS picks), reported in its port file."""
         spec = self.specs[i]
-        return [sys.executable, "-m", "atom_kv.reference", "--host", self.engine_host, "--port", str(port),
+        return [sys.executable, "-m", "atom_kv.reference", "--host", self.host_of(i), "--port", str(port),
                 "--port-file", self._port_file(i), "--tp", str(spec.tp), "--data-parallel-size", str(spec.dp),
                 "--num-blocks", str(spec.num_blocks),
                 "--log-level", "INFO", "--instance-index", str(i), *spec.extra_args, *self._configs[i]]
@@ -218,8 +219,12 @@ class Cluster:
     def extra_proxy_urls(self) -> list[str]:
         return [f"http://127.0.0.1:{port}" for port, _ in self.extra_ports]
 
+    def host_of(self, i: int) -> str:
+        """The address engine ``i`` binds and advertises: its spec's ``host``, else the cluster's ``engine_host``."""
+        return self.specs[i].host or self.engine_host
+
     def engine_url(self, i: int) -> str:
-        return f"http://{self.engine_host}:{self.ports[i]}"
+        return f"http://{self.host_of(i)}:{self.ports[i]}"
 
     def engine_health(self, i: int, timeout: float = 5.0) -> dict:
         """Engine ``i``'s ``/health`` answer (asserted 200)."""

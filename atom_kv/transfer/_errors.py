@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-__all__ = ["BackendUnavailable", "TransferError", "UnsupportedMemory"]
+__all__ = ["BackendUnavailable", "PeerUnreachable", "TransferError", "UnsupportedMemory"]
 
 
 class TransferError(RuntimeError):
     """A transfer could not be performed; the message says why."""
+
+
+class PeerUnreachable(TransferError):
+    """No connection to the peer could be made (refused, or not answered within the connect
+    timeout): the path to it is closed, and trying again at once will not open it."""
 
 
 class BackendUnavailable(TransferError):

@@ -23,13 +23,14 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-from atom_kv.transfer._errors import BackendUnavailable, TransferError, UnsupportedMemory
+from atom_kv.transfer._errors import BackendUnavailable, PeerUnreachable, TransferError, UnsupportedMemory
 from atom_kv.transfer.memory import HOST, MemoryKind, check_memory
 
 __all__ = [
     "MAX_REGION_BYTES",
     "TransferError",
     "BackendUnavailable",
+    "PeerUnreachable",
     "UnsupportedMemory",
     "ReadOp",
     "ReadHandle",

@@ -28,6 +28,7 @@ from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.proxy.relay.attempt import PairRequest, RelayResult, Retryable
 from atom_kv.proxy.relay.errors import EngineFailures, ProxyError, UpstreamResponseError, engine_text
 from atom_kv.proxy.relay.first_token import bounded_first_token
+from atom_kv.proxy.relay.kv_path import KV_PATH_FAILED
 from atom_kv.proxy.relay.legs import decode_request, prefill_request, wants_stream_usage
 from atom_kv.proxy.relay.release import ProducerAddress, Releaser
 from atom_kv.proxy.relay.stream import DecodeStream, ResponseStream
@@ -307,7 +308,7 @@ class PairLegs:
         detail = (f"decode instance {d.inst.base_url} could not read the KV of prefill instance {p.inst.base_url}: "
                   f"{engine_text(body)}")
         raise Retryable(self.failures.error(502, p.inst, "could not hand its KV cache to the decode engine", detail,
-                                            req.request_id), p.inst, "kv_transfer")
+                                            req.request_id, prefix=KV_PATH_FAILED), p.inst, "kv_transfer")
 
     async def respond(self, resp: UpstreamResponse, req: PairRequest, d: Charge,
                        prompt_tokens: int | None, on_release: Callable[[], None] | None = None) -> RelayResult:

@@ -10,9 +10,11 @@ abandoned (:meth:`~atom_kv.proxy.relay.pair_legs.PairLegs.abandon_prefill`): its
 producer ranks get a release (:mod:`atom_kv.proxy.relay.release`), so its blocks are free at once.
 
 A decode engine that answers an error with ``X-KV-Transfer-Failure: prefill``
-could not read the prefill's KV (handshake refused, read failed, lease
-expired): the failure is charged to the prefill instance, not to the decode
-engine, and the pair is re-planned with a different prefill.
+could not read the prefill's KV (cannot connect, handshake refused, read
+failed, lease expired): the failure is charged to the prefill instance, not
+to the decode engine, and the pair is re-planned only when another pair
+exists, a different prefill or decode instance (:mod:`atom_kv.proxy.relay.kv_path`);
+the same pair again would fail the same way, after a fresh prefill.
 
 Three pair paths: sequential (prefill, then decode) and first-token (the
 prefill's token goes to the client while the decode leg is on its way) live
@@ -39,6 +41,7 @@ from atom_kv.proxy.relay.attempt import PairRequest, RelayResult, Retryable, aba
 from atom_kv.proxy.relay.concurrent import ConcurrentPairs
 from atom_kv.proxy.relay.errors import ProxyError
 from atom_kv.proxy.relay.first_token import FirstTokenStream, first_token_events, forwardable
+from atom_kv.proxy.relay.kv_path import another_pair
 from atom_kv.proxy.relay.pair_legs import PairLegs
 from atom_kv.proxy.relay.stream import ResponseStream
 from atom_kv.proxy.relay.validation import requested_max_tokens
@@ -155,8 +158,20 @@ class Relay:
                 logger.warning("[%s] attempt %d failed: %s", request_id, attempt + 1, exc.error.logged)
                 if exc.kind in ("rejected", "too_large") and self._request_failure(exc, rejected):
                     break
+                if exc.kind == "kv_transfer" and not self._pair_left(exclude, d.inst.key, request_id):
+                    break
         assert last_error is not None
         raise last_error
+
+    def _pair_left(self, exclude: dict[str, set[tuple[str, str]]], decode: tuple[str, str], request_id: str) -> bool:
+        """After a failure of the pair's KV path: whether another pair is left to try (the decode
+        instance is excluded too, so the next pair differs in its prefill, its decode or both)."""
+        exclude["D"].add(decode)
+        if another_pair(self.registry, exclude):
+            return True
+        logger.warning("[%s] not retried: the decode-to-prefill KV path failed and no other prefill or decode "
+                       "instance is left to pair with", request_id)
+        return False
 
     @staticmethod
     def _request_failure(exc: Retryable, rejected: list[Retryable]) -> bool:

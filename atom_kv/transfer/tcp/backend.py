@@ -76,7 +76,8 @@ class TcpBackend(ServedBackend):
     def _setup(self, cfg: "KVTransferConfig") -> None:
         self._settings = TcpServerSettings.from_config(cfg)
         self._streams = cfg.tcp_streams
-        self._connect_timeout = cfg.handshake_timeout_s
+        self._connect_timeout = cfg.connect_timeout_s
+        self._hello_timeout = cfg.handshake_timeout_s
         self._io_timeout = cfg.transfer_timeout_s
         pairs = cfg.staging_pool_pairs or cfg.tcp_server_threads + cfg.tcp_streams
         self._regions = RegionTable(staging_pairs=pairs, staging_bytes=cfg.staging_piece_bytes)
@@ -110,7 +111,8 @@ class TcpBackend(ServedBackend):
         peer_id = f"tcp:{desc.key or desc.host}:{desc.port}#{next(self._peer_seq)}"
         peer = TcpPeer(
             peer_id, desc, self._regions, key=self._key, auth_token=self._token, streams=self._streams,
-            connect_timeout_s=self._connect_timeout, io_timeout_s=self._io_timeout, events=self.reader_events,
+            connect_timeout_s=self._connect_timeout, hello_timeout_s=self._hello_timeout, io_timeout_s=self._io_timeout,
+            events=self.reader_events,
         )
         self._keep_peer(peer_id, peer, TcpPeer.close)
         log.info("tcp %s: added peer %s", self._key, peer_id)

@@ -21,7 +21,7 @@ from atom_kv.transfer._jobs import JobWorkers, ReadState
 from atom_kv.transfer._regions import RegionTable
 from atom_kv.transfer._sockio import HELLO_FRAME_MAX, PeerClosed, frame, recv_frame, recv_views
 from atom_kv.transfer._trust import PURPOSE_TCP_READ, ReaderProof, version_refusal
-from atom_kv.transfer.base import TransferError
+from atom_kv.transfer.base import PeerUnreachable, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class TcpPeer:
         streams: int,
         connect_timeout_s: float,
         io_timeout_s: float,
+        hello_timeout_s: Optional[float] = None,
         events: EndpointEvents,
     ) -> None:
         self.peer_id = peer_id
@@ -68,6 +69,7 @@ class TcpPeer:
         self._key = key
         self._token = auth_token
         self._connect_timeout = connect_timeout_s
+        self._hello_timeout = hello_timeout_s if hello_timeout_s is not None else connect_timeout_s
         self._io_timeout = io_timeout_s
         self._events = events
         self._lock = threading.Lock()
@@ -87,11 +89,15 @@ class TcpPeer:
 
     def _connect(self) -> socket.socket:
         where = f"{self.desc.host}:{self.desc.port}"
-        deadline = time.monotonic() + self._connect_timeout
         try:
             sock = socket.create_connection((self.desc.host, self.desc.port), timeout=self._connect_timeout)
+        except TimeoutError:
+            raise PeerUnreachable(f"tcp: cannot connect to peer {where} within {self._connect_timeout:g} s "
+                                  "(connect_timeout_s): the connection attempt had no answer (a firewall dropping "
+                                  "it, or no host at that address)") from None
         except OSError as exc:
-            raise TransferError(f"tcp: cannot connect to peer {where}: {exc}") from None
+            raise PeerUnreachable(f"tcp: cannot connect to peer {where}: {exc}") from None
+        deadline = time.monotonic() + self._hello_timeout
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.max_ranges = self._authenticate(sock, where, deadline)
@@ -108,7 +114,7 @@ class TcpPeer:
                 greeting = decode(recv_frame(sock, deadline, HELLO_FRAME_MAX), wire.TcpServerHello)
             except TimeoutError:
                 raise TransferError(
-                    f"tcp: peer {where} sent no server hello within {self._connect_timeout:g}s "
+                    f"tcp: peer {where} sent no server hello within {self._hello_timeout:g}s "
                     "(an atom-kv older than protocol v2 does not speak first?)"
                 ) from None
             if greeting.v != wire.TCP_PROTOCOL_VERSION:
