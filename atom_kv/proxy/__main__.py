@@ -25,6 +25,11 @@ silence from the decode engine (before its headers or between two chunks), so
 long generations are not cut off; ``--header-timeout`` and ``--body-timeout``
 bound slow clients.
 
+Admission control (off by default): ``--max-concurrent-per-engine`` caps each
+engine's legs in flight, ``--queue-size`` / ``--queue-timeout`` bound the FIFO
+queue of requests waiting for an engine under it (429 with ``Retry-After``,
+503), ``--rate-limit RPS[,BURST]`` caps each client (:mod:`atom_kv.proxy.admission`).
+
 Tokens: ``--registration-token-file`` and ``--admin-token-file`` (or the
 variables ``ATOM_KV_REGISTRATION_TOKEN`` / ``ATOM_KV_ADMIN_TOKEN``) keep them
 out of the process list (:mod:`atom_kv.proxy.token_flags`).

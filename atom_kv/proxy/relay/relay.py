@@ -87,7 +87,8 @@ class Relay:
 
     # ------------------------------------------------------------------ routing
     def _pick(self, role: Role, exclude: set[tuple[str, str]], ctx: RouteContext, tokens: int) -> Charge | None:
-        """Route one leg of ``role``: the charge its holder releases when the leg ends (None: no instance)."""
+        """Route one leg of ``role``: the charge its holder releases when the leg ends (None: no instance,
+        or none under ``--max-concurrent-per-engine``)."""
         now = time.monotonic()
         live = self.registry.live(role, now)
         if self.admission.cap:  # --max-concurrent-per-engine: only engines under their cap
