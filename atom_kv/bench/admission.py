@@ -15,8 +15,8 @@ streaming ``--tokens`` tokens ``--token-delay`` apart) and the proxy (``python -
 
 ``python -m atom_kv.bench proxy --admission`` measures what admission control costs: the proxy's CPU
 per request with it on (caps, queue and rate limit set far above the load, so all the bookkeeping runs
-and nothing is refused) against it off, in alternated slices of one run (:func:`cpu_on_vs_off`).
-Target: at most ``CPU_RATIO_TARGET`` x.
+and nothing is refused) against it off, in alternated slices of one run
+(:func:`atom_kv.bench.proxy.admission_cpu_on_vs_off`). Target: at most 1.1x.
 """
 
 from __future__ import annotations
@@ -31,14 +31,9 @@ from typing import Any
 
 import aiohttp
 
-from atom_kv.bench.proxy import (Load, Target, _alternated, _fake_engines, _pct, _start_ours, _stop,
-                                 _wait_healthy)
+from atom_kv.bench.proxy import Target, _fake_engines, _pct, _start_ours, _stop, _wait_healthy
 
 TRANSPORT_SLACK_S = 0.05
-CPU_RATIO_TARGET = 1.1
-#: admission control on but never binding: what its bookkeeping costs per request
-ADMISSION_ON = ("--max-concurrent-per-engine", "100000", "--queue-size", "1024", "--queue-timeout", "30",
-                "--rate-limit", "1000000,1000000")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -168,20 +163,3 @@ def run(args: argparse.Namespace) -> int:
               f"answered 503; wait p50 {t['p50_wait_ms']} ms, p99 {t['p99_wait_ms']} ms")
         print("targets: " + ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in result["targets"].items()))
     return 0 if all(result["targets"].values()) else 2
-
-
-async def cpu_on_vs_off(args: argparse.Namespace, off: Target, on: Target, prefill: str, decode: str,
-                        concurrency: int = 64) -> dict[str, Any]:
-    """The proxy's CPU per request with admission control on (``on``, started with :data:`ADMISSION_ON`)
-    against off, in alternated slices at ``concurrency``; for ``bench proxy --admission``."""
-    await _wait_healthy(on.url, args.startup_timeout, on.proc)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
-        load = Load(session, prefill, decode, args.tokens)
-        await _alternated(off, on, load.via(off.url), load.via(on.url), 8, 0.5, 1)  # warm-up
-        row_off, row_on = await _alternated(off, on, load.via(off.url), load.via(on.url), concurrency,
-                                            args.duration, max(2, args.rounds))
-    a, b = row_off.get("proxy_cpu_ms_per_req"), row_on.get("proxy_cpu_ms_per_req")
-    ratio = round(b / a, 3) if a and b is not None else None
-    return {"flags": " ".join(ADMISSION_ON), "concurrency": concurrency, "off": row_off, "on": row_on,
-            "cpu_ratio": ratio, "cpu_ratio_target": CPU_RATIO_TARGET}
