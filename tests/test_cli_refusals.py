@@ -18,6 +18,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize(("module", "args", "prog", "names"), [
     ("atom_kv.proxy", ["--host", "10.77.0.5"], "atom-kv-proxy", "--registration-token"),
     ("atom_kv.proxy", ["--no-such-flag"], "atom-kv-proxy", "--no-such-flag"),
+    ("atom_kv.proxy", ["--max-concurrent-per-engine", "-1"], "atom-kv-proxy", "--max-concurrent-per-engine"),
+    ("atom_kv.proxy", ["--queue-timeout", "0"], "atom-kv-proxy", "--queue-timeout"),
+    ("atom_kv.proxy", ["--rate-limit", "5,0"], "atom-kv-proxy", "BURST"),
     ("atom_kv.reference", ["--tp", "two"], "python -m atom_kv.reference", "--tp"),
     ("atom_kv.ports", [], "python -m atom_kv.ports", "--kv-transfer-config"),
     ("atom_kv.bench", ["transfer", "--backend", "carrier-pigeon"], "python -m atom_kv.bench transfer", "--backend"),

@@ -20,6 +20,7 @@ SUITES = {
     "transfer": "raw backend read throughput (tcp, cma) against memcpy and socket ceilings",
     "connector": "connector transfer GB/s, handshake latency and per-request CPU overhead",
     "proxy": "proxy-added latency and throughput in front of fake engines",
+    "admission": "admission control under a burst: queued in order, 429 past the queue, waits within the timeout",
     "e2e": "TTFT and tokens/s, P/D versus colocated, with the reference engine",
     "vllm": "TTFT through the proxy and two real vLLM servers (P/D) versus one plain vLLM server",
 }

@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", action="store_true",
                         help="also measure a minimal re-implementation of ATOM's original proxy behaviour "
                              "(Quart's built-in server, a new HTTP session per request) side by side")
+    parser.add_argument("--admission", action="store_true",
+                        help="also measure the proxy's CPU per request with admission control on (caps, queue and "
+                             "rate limit far above the load) against off, alternated at c=64")
 
 
 # ---------------------------------------------------------------------- ATOM's original proxy, for comparison
@@ -164,10 +167,10 @@ class Target:
 
 
 def _start_ours(log: Any, prefills: list[str], decodes: list[str], prefill_policy: str,
-                decode_policy: str) -> Target:
+                decode_policy: str, extra: tuple[str, ...] = ()) -> Target:
     port = free_port()
     cmd = [sys.executable, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(port), "--no-discovery",
-           "--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--log-level", "WARNING"]
+           "--prefill-policy", prefill_policy, "--decode-policy", decode_policy, "--log-level", "WARNING", *extra]
     for url in prefills:
         cmd += ["--prefill", url]
     for url in decodes:
@@ -393,6 +396,31 @@ async def _measure(args: argparse.Namespace, targets: list[Target], prefill: str
     return result
 
 
+# ---------------------------------------------------------------------- admission control's cost
+#: admission control on but never binding: what its bookkeeping costs per request (atom_kv.bench.admission
+#: shows what it does under a burst)
+ADMISSION_ON = ("--max-concurrent-per-engine", "100000", "--queue-size", "1024", "--queue-timeout", "30",
+                "--rate-limit", "1000000,1000000")
+ADMISSION_CPU_RATIO_TARGET = 1.1
+
+
+async def admission_cpu_on_vs_off(args: argparse.Namespace, off: Target, on: Target, prefill: str,
+                                  decode: str, concurrency: int = 64) -> dict[str, Any]:
+    """The proxy's CPU per request with admission control on (``on``, started with :data:`ADMISSION_ON`)
+    against off, in alternated slices at ``concurrency``; for ``bench proxy --admission``."""
+    await _wait_healthy(on.url, args.startup_timeout, on.proc)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        load = Load(session, prefill, decode, args.tokens)
+        await _alternated(off, on, load.via(off.url), load.via(on.url), 8, 0.5, 1)  # warm-up
+        row_off, row_on = await _alternated(off, on, load.via(off.url), load.via(on.url), concurrency,
+                                            args.duration, max(2, args.rounds))
+    a, b = row_off.get("proxy_cpu_ms_per_req"), row_on.get("proxy_cpu_ms_per_req")
+    ratio = round(b / a, 3) if a and b is not None else None
+    return {"flags": " ".join(ADMISSION_ON), "concurrency": concurrency, "off": row_off, "on": row_on,
+            "cpu_ratio": ratio, "cpu_ratio_target": ADMISSION_CPU_RATIO_TARGET}
+
+
 # ---------------------------------------------------------------------- prefix-cache hit rate
 def _conversations(sessions: int, turns: int, seed: int = 7) -> list[list[str]]:
     """Each conversation: a system prompt shared by a group of conversations, then turns that
@@ -515,6 +543,12 @@ def _print(result: dict[str, Any]) -> None:
         for name, row in h["policies"].items():
             print(f"  {name:<26} hit rate {row['hit_rate']:.1%}  requests per engine {row['requests_per_engine']}"
                   f"  errors {row['errors']}")
+    if "admission" in result:
+        a = result["admission"]
+        print(f"admission control on ({a['flags']}) vs off, c={a['concurrency']}: CPU "
+              f"{a['on'].get('proxy_cpu_ms_per_req', 'n/a')} vs {a['off'].get('proxy_cpu_ms_per_req', 'n/a')} "
+              f"ms/request ({a['cpu_ratio']}x), {a['on']['req_per_s']} vs {a['off']['req_per_s']} req/s, "
+              f"errors {a['on']['errors'] + a['off']['errors']}")
     print("targets: " + ", ".join(f"{k}={'n/a' if v is None else ('yes' if v else 'NO')}"
                                   for k, v in result["targets"].items()))
 
@@ -558,6 +592,11 @@ def run(args: argparse.Namespace) -> int:
                 [sys.executable, "-m", "atom_kv.bench.proxy", "--port", str(port), "--prefill", prefills[0],
                  "--decode", decodes[0]], log))
         result = asyncio.run(_measure(args, targets, prefills[0], decodes[0], baseline))
+        if args.admission:
+            on = _start_ours(log, prefills, decodes, args.policy, args.policy, extra=ADMISSION_ON)
+            targets.append(on)
+            result["admission"] = asyncio.run(admission_cpu_on_vs_off(args, targets[0], on, prefills[0],
+                                                                      decodes[0]))
     except Exception as exc:
         log.seek(0)
         print(f"proxy bench failed: {exc}\n{log.read()[-4000:]}", file=sys.stderr)
@@ -582,6 +621,10 @@ def run(args: argparse.Namespace) -> int:
         "added_p50_le_2ms": result["c1_added_p50_ms"] <= 2.0,
         "c512_zero_errors": by_c[512]["errors"] == 0 if 512 in by_c else None,
     }
+    if "admission" in result:
+        ratio = result["admission"]["cpu_ratio"]
+        result["targets"]["admission_cpu_le_1.1x"] = (None if ratio is None
+                                                      else ratio <= ADMISSION_CPU_RATIO_TARGET)
     if "peer" in result:
         result["ratio"] = _ratios(result)
         peer64 = {t["concurrency"]: t for t in result["peer"]["throughput"]}.get(64)
@@ -595,6 +638,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(result)
     errors = result["c1_errors"] + sum(t["errors"] for t in result["throughput"])
+    if "admission" in result:
+        errors += result["admission"]["on"]["errors"] + result["admission"]["off"]["errors"]
     return 0 if errors == 0 else 2
 
 

@@ -25,6 +25,11 @@ silence from the decode engine (before its headers or between two chunks), so
 long generations are not cut off; ``--header-timeout`` and ``--body-timeout``
 bound slow clients.
 
+Admission control (off by default): ``--max-concurrent-per-engine`` caps each
+engine's legs in flight, ``--queue-size`` / ``--queue-timeout`` bound the FIFO
+queue of requests waiting for an engine under it (429 with ``Retry-After``,
+503), ``--rate-limit RPS[,BURST]`` caps each client (:mod:`atom_kv.proxy.admission`).
+
 Tokens: ``--registration-token-file`` and ``--admin-token-file`` (or the
 variables ``ATOM_KV_REGISTRATION_TOKEN`` / ``ATOM_KV_ADMIN_TOKEN``) keep them
 out of the process list (:mod:`atom_kv.proxy.token_flags`).
@@ -44,6 +49,7 @@ from typing import Any, Callable, Coroutine
 from atom_kv._cli import OneLineParser
 from atom_kv.config import is_port
 from atom_kv.logfmt import add_log_format_argument, configure_logging
+from atom_kv.proxy.admission.buckets import parse_rate_limit
 from atom_kv.proxy.app import create_app
 from atom_kv.proxy.fleet.discovery import DiscoveryError
 from atom_kv.proxy.fleet.static import parse_engine_spec
@@ -87,6 +93,13 @@ def _ratio(text: str) -> float:
     if value > 1:
         raise argparse.ArgumentTypeError(f"must be a fraction > 0 and <= 1, got {text}")
     return value
+
+
+def _rate_limit(text: str) -> tuple[float, int]:
+    try:
+        return parse_rate_limit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _host_list(text: str) -> tuple[str, ...]:
@@ -231,6 +244,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="... and max > min x this (default %(default)s)")
     g.add_argument("--cache-max-chars", type=_pos_int, default=d.cache_max_chars,
                    help="cache_aware: prompt characters remembered per engine, LRU beyond (default %(default)s)")
+
+    g = p.add_argument_group("admission control (off by default)")
+    g.add_argument("--max-concurrent-per-engine", type=_nonneg_int, default=d.max_concurrent_per_engine,
+                   metavar="N", help="send an engine (prefill or decode) at most N legs at once; a request that "
+                                     "finds no pair under this waits in the admission queue (default 0: no cap)")
+    g.add_argument("--queue-size", type=_nonneg_int, default=d.queue_size,
+                   help="requests that may wait for an engine under --max-concurrent-per-engine, first come first "
+                        "served; one more is answered 429 with Retry-After (default %(default)s)")
+    g.add_argument("--queue-timeout", type=_positive, default=d.queue_timeout,
+                   help="seconds a request may wait in the admission queue, then 503; also the Retry-After of a "
+                        "429 for a full queue, rounded up (default %(default)s)")
+    g.add_argument("--rate-limit", type=_rate_limit, default=None, metavar="RPS[,BURST]",
+                   help="per client (its bearer token, else its address): at most RPS completion requests a second "
+                        "on average and BURST at once (default BURST: RPS rounded up); past it 429 with Retry-After "
+                        "(default: off)")
+    g.add_argument("--rate-limit-clients", type=_pos_int, default=d.rate_limit_clients,
+                   help="--rate-limit: clients whose buckets are kept, least recently seen out (default %(default)s)")
 
     g = p.add_argument_group("upstream requests")
     g.add_argument("--expose-upstream-errors", action="store_true",

@@ -15,6 +15,7 @@ from quart import Quart, Response, request
 
 from atom_kv.auth import same_mac
 from atom_kv.logfmt import REQUEST_ID
+from atom_kv.proxy.admission.buckets import ClientBuckets
 from atom_kv.proxy.fleet.discovery import DiscoveryError, DiscoveryListener
 from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
 from atom_kv.proxy.fleet.registry import Instance, Registry
@@ -77,7 +78,9 @@ class ProxyState:
                 log_interval_s=settings.log_summary_interval_s,
             )
         self.relay = Relay(settings, self.registry, self.policies, self.health, self.metrics)
-        self.completions = CompletionsHandler(self.relay, self.metrics)
+        buckets = None if settings.rate_limit is None else ClientBuckets(
+            *settings.rate_limit, max_clients=settings.rate_limit_clients)
+        self.completions = CompletionsHandler(self.relay, self.metrics, buckets)
         # --otlp-traces-endpoint: made at start (a test may set its own before); None: tracing is off
         self.tracer: ProxyTracer | None = None
         self.started = asyncio.Event()

@@ -88,6 +88,14 @@ class ProxySettings:
     max_server_timing_bytes: int = 4096  # a longer Server-Timing header is dropped unparsed
     max_first_token_text_bytes: int = 1024  # a prefill's first_token_text (longer: the sequential path)
     max_inflight_body_bytes: int = 1 << 30  # request bodies held at once, all clients together (more: 503)
+    # admission control (atom_kv.proxy.admission): a leg goes only to an engine with fewer than this many legs
+    # in flight (0: no cap); a request finding no pair under its caps waits, FIFO, in a queue of ``queue_size``
+    # (one more: 429) for at most ``queue_timeout`` seconds (then 503)
+    max_concurrent_per_engine: int = 0
+    queue_size: int = 256
+    queue_timeout: float = 30.0
+    rate_limit: tuple[float, int] | None = None  # (requests a second, burst) per client: bearer token, else address
+    rate_limit_clients: int = 65536  # token buckets kept (least recently used out)
     sse_split_max: int = 4  # SSE events arriving together are written one by one up to this many
     # HTTP server
     header_timeout: float = 10.0  # request head must arrive within this (also the idle keep-alive limit)
@@ -113,20 +121,23 @@ class ProxySettings:
             "heartbeat_timeout", "connect_timeout", "prefill_timeout", "decode_timeout", "models_timeout",
             "tokenize_timeout", "circuit_cooldown_s", "discovery_poll_s", "shutdown_timeout", "probe_interval_s",
             "probe_timeout", "header_timeout", "body_timeout", "stall_timeout", "registration_window_s",
-            "log_summary_interval_s", "balance_rel_threshold", "otlp_timeout_s", "circuit_window_s",
+            "log_summary_interval_s", "balance_rel_threshold", "otlp_timeout_s", "circuit_window_s", "queue_timeout",
         )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max",
-                     "concurrent_max_queued_tokens", "max_server_timing_bytes", "max_first_token_text_bytes"):
+                     "concurrent_max_queued_tokens", "max_server_timing_bytes", "max_first_token_text_bytes",
+                     "max_concurrent_per_engine", "queue_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
                      "cache_max_chars", "discovery_max_connections", "discovery_max_connections_per_source",
-                     "circuit_min_requests", "max_upstream_body_bytes"):
+                     "circuit_min_requests", "max_upstream_body_bytes", "rate_limit_clients"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
+        if self.rate_limit is not None and not (self.rate_limit[0] > 0 and self.rate_limit[1] >= 1):
+            raise ValueError(f"rate_limit: needs requests a second > 0 and a burst >= 1, got {self.rate_limit!r}")
         if not 0.0 < self.circuit_failure_ratio <= 1.0:
             raise ValueError(f"circuit_failure_ratio: must be > 0 and <= 1, got {self.circuit_failure_ratio!r}")
         if self.max_upstream_head_bytes < 1024:

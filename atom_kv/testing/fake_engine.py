@@ -155,6 +155,7 @@ class FakeEngine:
         self.fail_count: int | None = None  # None: every request fails while fail_status is set
         self.fail_prompt: str | None = None  # a prompt containing this always gets a 500 (a "poison" request)
         self.hang = False
+        self.gate: asyncio.Event | None = None  # set: each completion waits for it before it answers
         self.drop_after_chunks: int | None = None
         self.empty_response = False  # answer 200 with no body (non-stream) or no events (stream)
         self.health_status = 200
@@ -171,6 +172,8 @@ class FakeEngine:
         self.cancelled: list[str] = []
         self.completed: list[str] = []
         self.health_checks = 0
+        self.active = 0  # completion requests in its handler now, and the most there ever were at once
+        self.max_active = 0
         self.tokenize_calls = 0
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -309,6 +312,8 @@ class FakeEngine:
             self.received.append(Received(request.path, CIMultiDict(request.headers), body, request_id,
                                           tuple(peer[:2]) if peer else None))
         self._notify()
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
         try:
             if self._should_fail():
                 assert self.fail_status is not None
@@ -317,6 +322,8 @@ class FakeEngine:
                 return _vllm_error(500, "fake engine failure: this prompt always fails")
             if self.hang:
                 await asyncio.sleep(3600)
+            if self.gate is not None:
+                await self.gate.wait()
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             kv = body.get("kv_transfer_params") or {}
@@ -344,6 +351,8 @@ class FakeEngine:
                 self.cancelled.append(request_id)
             self._notify()
             raise
+        finally:
+            self.active -= 1
 
     def _n_tokens(self, body: dict[str, Any]) -> int:
         n = body.get("max_tokens") or body.get("max_completion_tokens") or self.default_tokens

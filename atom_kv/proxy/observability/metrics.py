@@ -130,6 +130,22 @@ class ProxyMetrics:
             "by role and reason: a charge released again (double_release: a proxy bug) or an instance's counter "
             "already at 0 (below_zero: its DP size changed while the leg ran)", ["role", "reason"], registry=r,
         )
+        # admission control (atom_kv.proxy.admission)
+        self.admission_queue_depth = Gauge(
+            "atom_kv_proxy_admission_queue_depth", "Requests waiting for an engine under --max-concurrent-per-engine",
+            registry=r,
+        )
+        self.admission_wait = Histogram(
+            "atom_kv_proxy_admission_wait_seconds", "Time requests waited in the admission queue (admitted or "
+            "timed out)", buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.admission_rejections = Counter(
+            "atom_kv_proxy_admission_rejections", "Requests refused by admission control: the queue full "
+            "(queue_full: 429), --queue-timeout passed (queue_timeout: 503), over --rate-limit (rate_limited: 429)",
+            ["reason"], registry=r,
+        )
+        for reason in ("queue_full", "queue_timeout", "rate_limited"):
+            self.admission_rejections.labels(reason)
         for reason in ("host", "content_type"):
             self.refused_requests.labels(reason)
         for outcome in ("sent", "dropped", "no_address"):

@@ -24,10 +24,13 @@ _LAST_ERROR_CHARS = 600
 class ProxyError(Exception):
     """A failure the client should see as ``status`` with a vLLM-shaped body: ``message``.
     ``detail`` is the operator's account (engine address, engine text) when it differs;
-    ``str(err)`` and :attr:`logged` give it, so logs carry what the client is not told."""
+    ``str(err)`` and :attr:`logged` give it, so logs carry what the client is not told.
+    ``retry_after``: seconds for a ``Retry-After`` header (admission control's 429s)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, *, detail: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, *, detail: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(detail or message)
+        self.retry_after = retry_after
         self.status = status
         self.message = message
         self.param = param

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from atom_kv.logfmt import REQUEST_ID
+from atom_kv.proxy.admission.buckets import ClientBuckets, client_key
 from atom_kv.proxy.http.guard import json_body_problem
 from atom_kv.proxy.http.httpserver import Exchange
 from atom_kv.proxy.observability.metrics import CLIENT_CLOSED, ProxyMetrics, RequestRecord
@@ -100,9 +102,10 @@ class _RecordedSink:
 class CompletionsHandler:
     """Serves the two completion routes through the :class:`Relay` (one call per exchange)."""
 
-    def __init__(self, relay: Relay, metrics: ProxyMetrics) -> None:
+    def __init__(self, relay: Relay, metrics: ProxyMetrics, buckets: ClientBuckets | None = None) -> None:
         self.relay = relay
         self.metrics = metrics
+        self.buckets = buckets  # --rate-limit: one token bucket per client (None: off)
         self.tracer: ProxyTracer | None = None  # set while the proxy exports traces (--otlp-traces-endpoint)
 
     def routes(self) -> dict[str, Any]:
@@ -125,6 +128,16 @@ class CompletionsHandler:
             self.metrics.refused_requests.labels("content_type").inc()
             self._send_error(exchange, ProxyError(415, problem), request_id, record)
             return
+        if self.buckets is not None:
+            client = exchange.client
+            wait = self.buckets.take(client_key(exchange.header(b"authorization"), client[0] if client else None))
+            if wait:
+                self.metrics.admission_rejections.labels("rate_limited").inc()
+                after = max(1, math.ceil(wait))
+                self._send_error(exchange, ProxyError(
+                    429, f"this client is over the proxy's rate limit of {self.buckets.rps:g} requests a second "
+                         f"(burst {self.buckets.burst}); retry after {after}s", retry_after=after), request_id, record)
+                return
         tracer = self.tracer  # None unless --otlp-traces-endpoint: then one trace per request
         trace = None if tracer is None else tracer.begin(path, request_id, record.t0, exchange.header(b"traceparent"),
                                                          exchange.header(b"tracestate"))
@@ -167,7 +180,10 @@ class CompletionsHandler:
                     close: bool = False) -> None:
         record.finish(err.status)
         logger.info("[%s] %s -> %d: %s", request_id, record.endpoint, err.status, err.logged)
-        exchange.respond(err.status, _headers("application/json", request_id), err.body(), close=close)
+        headers = _headers("application/json", request_id)
+        if err.retry_after is not None:
+            headers.append((b"retry-after", str(err.retry_after).encode("ascii")))
+        exchange.respond(err.status, headers, err.body(), close=close)
 
     @staticmethod
     async def _send_stream(exchange: Exchange, result: RelayResult, request_id: str, record: RequestRecord) -> None:

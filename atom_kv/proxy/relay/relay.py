@@ -31,6 +31,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from atom_kv.proxy.admission.queue import AdmissionQueue, Refused
 from atom_kv.proxy.fleet.breaker import RequestOutcomes
 from atom_kv.proxy.fleet.health import UpstreamHealth
 from atom_kv.proxy.fleet.registry import ROLE_NAMES, Instance, Registry, Role
@@ -73,6 +74,10 @@ class Relay:
         self.legs = PairLegs(settings, health, metrics)
         self.concurrent = ConcurrentPairs(self.legs, settings, health, metrics)
         self.charges = LoadLedger(metrics, log_interval_s=settings.log_summary_interval_s)
+        self.admission = AdmissionQueue(registry, metrics, cap=settings.max_concurrent_per_engine,
+                                        size=settings.queue_size, timeout_s=settings.queue_timeout)
+        if settings.max_concurrent_per_engine:
+            self.charges.on_release = self.admission.wake  # a released charge may free a pair for the queue
         self._models_rr = 0
         self._request_keys = itertools.count(1)
 
@@ -85,9 +90,12 @@ class Relay:
 
     # ------------------------------------------------------------------ routing
     def _pick(self, role: Role, exclude: set[tuple[str, str]], ctx: RouteContext, tokens: int) -> Charge | None:
-        """Route one leg of ``role``: the charge its holder releases when the leg ends (None: no instance)."""
+        """Route one leg of ``role``: the charge its holder releases when the leg ends (None: no instance,
+        or none under ``--max-concurrent-per-engine``)."""
         now = time.monotonic()
         live = self.registry.live(role, now)
+        if self.admission.cap:  # --max-concurrent-per-engine: only engines under their cap
+            live = self.admission.under_cap(live)
         healthy = [i for i in live if i.breaker.allows(now)]
         if not healthy:
             if not live:
@@ -143,6 +151,11 @@ class Relay:
             if attempt:
                 self.metrics.retries.inc()
                 await asyncio.sleep(self.settings.retry_backoff_s * (2 ** (attempt - 1)))
+            if self.admission.cap:  # --max-concurrent-per-engine: wait for a pair under its caps, then pick it at once
+                try:
+                    await self.admission.admit(request_id)
+                except Refused as refused:
+                    raise ProxyError(refused.status, str(refused), retry_after=refused.retry_after) from None
             d = self._pick("D", exclude["D"], req.ctx, tokens)
             if d is None:
                 raise last_error or self._no_instance("D")

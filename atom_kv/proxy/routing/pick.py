@@ -25,6 +25,7 @@ import asyncio
 import enum
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.proxy.fleet.registry import ROLE_NAMES, Instance
@@ -106,6 +107,7 @@ class LoadLedger:
         self.held = 0
         self.idle = asyncio.Event()
         self.idle.set()
+        self.on_release: Callable[[], None] | None = None  # told after each release (admission control's queue)
         self._warn = RateLimitedLog(logger, "charge underflows", interval_s=log_interval_s)
 
     def take(self, inst: Instance, rank: int, tokens: int) -> Charge:
@@ -124,6 +126,8 @@ class LoadLedger:
         if below:
             self.underflow(charge, "below_zero", f"giving back a leg's load found {' and '.join(below)} already at 0 "
                                                  "(left at 0)")
+        if self.on_release is not None:
+            self.on_release()
 
     def underflow(self, charge: Charge, reason: str, detail: str) -> None:
         role = ROLE_NAMES[charge.inst.role]
