@@ -11,6 +11,12 @@
 set -euo pipefail
 : "${MODEL:?set MODEL to a model path or name ATOM can load}"
 PY=${PY:-python}
+# ATOM first: without it nothing below can start (and the hook check would point at the wrong fix)
+command -v "$PY" >/dev/null || { echo "error: no Python at PY=$PY: set PY to the Python that has ATOM and atom-kv" >&2; exit 1; }
+"$PY" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("atom") is None)' 2>/dev/null || {
+  echo "error: ATOM is not installed for $PY (no module named atom): install ATOM into this environment, or set PY to a Python that has it (docs/atom.md)" >&2
+  exit 1
+}
 HOST_IP=${HOST_IP:-$("$PY" -c 'from atom.utils.network import get_ip; print(get_ip())')}
 PROXY_PORT=${PROXY_PORT:-10001}
 DISCOVERY_PORT=${DISCOVERY_PORT:-36367}

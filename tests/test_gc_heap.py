@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gc
 
-from atom_kv.bench.connector import TARGET_HANDSHAKE_MS, handshake_line
+from atom_kv.bench.connector import TARGET_HANDSHAKE_MS, handshake_target
 from atom_kv.gc_heap import FullCollections, freeze_startup_heap
 
 
@@ -35,9 +35,9 @@ def test_freeze_moves_the_live_heap_out_of_collections():
 
 
 def test_bench_line_says_whether_the_first_contact_target_was_met():
-    met = handshake_line({"tp": 1, "handshake_ms": TARGET_HANDSHAKE_MS / 2})
-    missed = handshake_line({"tp": 2, "handshake_ms": 80.0, "first_contact_full_gc_ms": 70.0})
-    edge = handshake_line({"tp": 1, "handshake_ms": TARGET_HANDSHAKE_MS})
-    assert met.startswith("TP 1: first-contact handshake") and f"target < {TARGET_HANDSHAKE_MS:g} ms: met" in met
+    met = handshake_target({"tp": 1, "handshake_ms": TARGET_HANDSHAKE_MS / 2}).line()
+    missed = handshake_target({"tp": 2, "handshake_ms": 80.0, "first_contact_full_gc_ms": 70.0}).line()
+    edge = handshake_target({"tp": 1, "handshake_ms": TARGET_HANDSHAKE_MS}).line()
+    assert met.startswith("target TP 1 first-contact handshake:") and f"< {TARGET_HANDSHAKE_MS:g} ms: met" in met
     assert "MISSED" in missed and "full garbage collection took 70.0 ms" in missed
     assert "garbage" not in met and "MISSED" in edge

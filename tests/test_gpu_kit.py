@@ -228,7 +228,7 @@ def test_summary_reads_the_targets_and_bases_the_bench_prints():
     if nixl_unavailable_reason():  # `make test` installs NIXL: its host-memory rows carry a target
         pytest.skip(nixl_unavailable_reason())
     out = subprocess.run([sys.executable, "-m", "atom_kv.bench", "transfer", "--backend", "nixl", "--total-mb", "4",
-                          "--block-kb", "64", "--repeat", "1", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          "--block-kb", "64", "--repeat", "1", "--json", "--explore"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     (row,) = transfer_figures(out.stdout)["rows"]

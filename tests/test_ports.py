@@ -155,7 +155,7 @@ def test_an_unspecified_advertise_host_is_refused(host):
 
 
 def test_firewall_rows_merge_ranks_into_ranges():
-    rows = {name: ports for name, ports, _ in firewall_rows(planned_ports(cfg(handshake_port=6301), dp_size=2,
+    rows = {row.listener: row.ports for row in firewall_rows(planned_ports(cfg(handshake_port=6301), dp_size=2,
                                                                           tp_size=4, http_port=8100))}
     assert rows == {"http": "8100", "handshake": "6301-6308", "tcp": "7301-7308", "cma": "8301-8308",
                     "gpu_ipc": "9301-9308", "ucx": "OS-assigned (not planned)"}
@@ -183,3 +183,25 @@ def test_the_cli_refuses_a_colliding_plan_in_one_line():
     out = _cli("--kv-transfer-config", json.dumps({"kv_role": "kv_producer", "tcp_port": 6302}), "--tp", "2")
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "`tcp_port`" in out.stderr and "`handshake_port`" in out.stderr
+
+
+def test_the_cli_firewall_rows_say_who_must_reach_each_port():
+    """deploy.md's table: the proxy reaches the engine's HTTP port and a prefill's handshake ports (releases)."""
+    out = _cli("--kv-transfer-config", json.dumps({"kv_role": "kv_producer", "backend": "tcp"}), "--tp", "2",
+               "--http-port", "8100")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# firewall"))
+    rows = {line.split()[0]: line for line in lines[start + 1:]}
+    assert "from the proxy:" in rows["http"]
+    assert "6301-6302" in rows["handshake"] and "from decode engines, and the proxy (releases" in rows["handshake"]
+    assert "from decode engines:" in rows["tcp"]
+
+
+def test_a_collision_of_one_rank_is_counted_in_the_singular():
+    with pytest.raises(ConfigError) as err:
+        planned_ports(cfg(handshake_port=6301, tcp_port=6301))
+    assert "overlap (1 rank);" in str(err.value) and "at least 1 port apart" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        planned_ports(cfg(handshake_port=6301, tcp_port=6302), tp_size=2)
+    assert "overlap (2 ranks);" in str(err.value) and "at least 2 ports apart" in str(err.value)

@@ -8,6 +8,8 @@ TTFT and time to the second token; the spans come from the proxy's
 ``atom_kv_proxy_span_seconds`` histogram (deltas of sum/count over each P/D
 batch), the decode engine's transfer statistics (handshake, KV read) and, for
 colocated, the engine's own ``Server-Timing`` header (queue, compute).
+It holds nothing to a target (it explains; the e2e bench without
+``--breakdown`` has the target) and says so.
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from atom_kv.bench.client import in_threads, stream_completion
+from atom_kv.bench.targets import report
 from atom_kv.proxy.observability.spans import SPANS
 from atom_kv.testing.web import scrape_metrics
 
 __all__ = ["MODES", "p50", "run_breakdown", "span_totals"]
+
+#: why --breakdown prints no target
+NO_TARGETS = "--breakdown shows where the time goes; without it, e2e holds P/D to colocated text"
 
 _WORDS = "prefill computes the prompt once and decode reads it block by block "
 
@@ -200,10 +206,10 @@ def run_breakdown(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"suite": "e2e-breakdown", "max_tokens": args.max_tokens, "rounds": args.rounds,
                           "results": results}, indent=2))
-        return 0
+        return report([], explore=args.explore, json_output=True, none_reason=NO_TARGETS)
     print(f"e2e breakdown: backend={args.backend} P TP={args.tp_prefill} D TP={args.tp_decode}, "
           f"{args.max_tokens} tokens, {args.rounds} rounds, each P/D mode's and colocated rounds interleaved")
     _print(results)
     print("\nspans: see atom_kv.proxy.spans; handshake and kv_read from the decode engine's transfer stats "
           "(per read, per rank); colocated http = TTFT - queue - compute")
-    return 0
+    return report([], explore=args.explore, none_reason=NO_TARGETS)

@@ -5,6 +5,10 @@ and the connector's CPU time per request with many requests in flight.
 Producer TP ranks run as separate processes holding a realistic KV cache
 (32 layers, K+V, 8 KV heads x 128, float16, block 16 by default); the
 consumer's TP ranks run in this process, driven exactly as an engine does.
+
+Targets, each printed with met or MISSED (exit status 1 on a miss, unless
+``--explore``): the connector at >= 0.8 x the bare backend's GB/s at every
+prompt length, first contact < 15 ms, < 200 us of CPU per request.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import torch
 import zmq
 
 from atom_kv._cli import OneLineParser
+from atom_kv.bench import targets as bench_targets
+from atom_kv.bench.targets import Target
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.aggregator import KVOutputAggregator
 from atom_kv.connector.handshake import handshake_port, request_handshake
@@ -63,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run without an auth_token (by default both sides share a random one, so the "
                              "handshake is the challenge-response of a secured cluster)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    bench_targets.add_arguments(parser)
 
 
 def _caches(compat: CompatInfo, tp: int, num_blocks: int, fill: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -337,9 +344,8 @@ def _run_tp(args: argparse.Namespace, tp: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     results = [_run_tp(args, tp) for tp in args.tp]
-    ok = all(
-        row["ratio"] >= TARGET_RATIO for r in results for row in r["rows"]
-    ) and all(r["handshake_met"] and r["overhead_us"] < TARGET_OVERHEAD_US for r in results)
+    targets = connector_targets(results, args.inflight)
+    ok = all(t.met for t in targets)
     doc = {"backend": args.backend, "shape": {"layers": args.layers, "kv_heads": args.kv_heads,
                                               "head_dim": args.head_dim, "block_size": args.block_size,
                                               "dtype": "float16"},
@@ -347,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
            "results": results, "meets_targets": ok}
     if args.json:
         print(json.dumps(doc, indent=2))
-        return 0
+        return bench_targets.report(targets, explore=args.explore, json_output=True)
     print(f"connector bench, backend={args.backend}, {args.layers} layers x K+V x {args.kv_heads} heads x "
           f"{args.head_dim} dim, float16, block {args.block_size}")
     print(f"{'TP':>3} {'tokens':>7} {'MiB':>7} {'connector GB/s':>15} {'bare GB/s':>10} {'ratio':>6}")
@@ -356,27 +362,40 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r['tp']:>3} {row['tokens']:>7} {row['mib']:>7.0f} {row['connector_gbps']:>15.2f} "
                   f"{row['bare_gbps']:>10.2f} {row['ratio']:>6.2f}")
     for r in results:
-        print(handshake_line(r))
-    for r in results:
         print(f"TP {r['tp']}: connector CPU {r['overhead_us']:.0f} us/request at {args.inflight} in flight "
-              f"(hooks {r['overhead_hooks_us']:.0f} + read planning {r['overhead_plan_us']:.0f}; "
-              f"target < {TARGET_OVERHEAD_US:g}); an empty engine step costs {r['idle_step_us']:.0f} us")
-    print("meets targets" if ok else "MISSES a target")
-    return 0
+              f"(hooks {r['overhead_hooks_us']:.0f} + read planning {r['overhead_plan_us']:.0f}); "
+              f"an empty engine step costs {r['idle_step_us']:.0f} us")
+    return bench_targets.report(targets, explore=args.explore)
+
+
+def connector_targets(results: list[dict[str, Any]], inflight: int) -> list[Target]:
+    """Every TP size's targets: the connector's rate against the bare backend at each prompt length, the
+    first-contact handshake and the CPU per request with ``inflight`` requests in flight."""
+    out = []
+    for r in results:
+        for row in r["rows"]:
+            out.append(Target(f"TP {r['tp']} {row['tokens']} tokens",
+                              f"connector / bare backend {row['ratio']:.2f} >= {TARGET_RATIO:g} (connector "
+                              f"{row['connector_gbps']:.2f} GB/s, bare {row['bare_gbps']:.2f} GB/s)",
+                              row["ratio"] >= TARGET_RATIO))
+        out.append(handshake_target(r))
+        out.append(Target(f"TP {r['tp']} CPU per request",
+                          f"{r['overhead_us']:.0f} us at {inflight} in flight < {TARGET_OVERHEAD_US:g} us",
+                          r["overhead_us"] < TARGET_OVERHEAD_US))
+    return out
 
 
 def handshake_met(ms: float) -> bool:
     return ms < TARGET_HANDSHAKE_MS
 
 
-def handshake_line(r: dict[str, Any]) -> str:
+def handshake_target(r: dict[str, Any]) -> Target:
     """One TP size's first-contact handshake against its target, and the
     full garbage collections that ran meanwhile (they are not the handshake's)."""
     gc_ms = r.get("first_contact_full_gc_ms", 0.0)
     gc_note = f" (a full garbage collection took {gc_ms:.1f} ms of the first load)" if gc_ms > 0 else ""
-    verdict = "met" if handshake_met(r["handshake_ms"]) else "MISSED"
-    return (f"TP {r['tp']}: first-contact handshake {r['handshake_ms']:.2f} ms "
-            f"(target < {TARGET_HANDSHAKE_MS:g} ms: {verdict}){gc_note}")
+    return Target(f"TP {r['tp']} first-contact handshake",
+                  f"{r['handshake_ms']:.2f} ms < {TARGET_HANDSHAKE_MS:g} ms{gc_note}", handshake_met(r["handshake_ms"]))
 
 
 def main(argv: list[str] | None = None) -> int:

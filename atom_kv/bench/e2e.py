@@ -17,7 +17,7 @@ through those buffers and decoded at 0.6x colocated speed on 8 KiB prompts.)
 
 Every P/D answer is also compared with the colocated engine's answer to the
 same prompt (greedy): at equal TP the target is the same text, token for
-token (exit 1 otherwise). ``--device cuda`` puts every engine's model and KV
+token (exit 1 otherwise, unless ``--explore``). ``--device cuda`` puts every engine's model and KV
 cache on the GPU (CUDA or ROCm torch).
 """
 
@@ -31,6 +31,8 @@ import time
 import urllib.request
 from typing import Any, Callable, Optional
 
+from atom_kv.bench import targets as bench_targets
+from atom_kv.bench.targets import Target
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.procfs import process_stats
 from atom_kv.testing.web import scrape_metrics
@@ -40,6 +42,7 @@ _TEXT = ("Prefill computes the prompt's keys and values once; decode reads them 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    bench_targets.add_arguments(parser)
     parser.add_argument("--sizes", default="512,2048,8192", help="prompt sizes in bytes (comma separated)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
@@ -204,10 +207,13 @@ def run(args: argparse.Namespace) -> int:
     doc = {"suite": "e2e", "backend": args.backend, "device": args.device, "tp_prefill": args.tp_prefill,
            "tp_decode": args.tp_decode, "max_tokens": args.max_tokens, "repeats": args.repeats,
            "pd_equals_colocated": equal, "results": results}
-    failed = equal_tp and not equal
+    targets = [Target(f"TP {args.tp_prefill}/{args.tp_decode}", "P/D text == colocated text, greedy, token for token",
+                      equal)] if equal_tp else []
+    none_reason = (f"P/D text == colocated text: {equal}; a target only at equal TP, the reduction order differs "
+                   f"at TP {args.tp_prefill}/{args.tp_decode}")
     if args.json:
         print(json.dumps(doc, indent=2))
-        return 1 if failed else 0
+        return bench_targets.report(targets, explore=args.explore, json_output=True, none_reason=none_reason)
     print(f"e2e: backend={args.backend} device={args.device} P TP={args.tp_prefill} D TP={args.tp_decode}, "
           f"{args.max_tokens} tokens, mean of {args.repeats} sequential streamed requests")
     head = (f"{'bytes':>6} {'TTFT P/D':>10} {'TTFT colo':>10} {'tok/s P/D':>10} {'tok/s colo':>10} "
@@ -222,9 +228,4 @@ def run(args: argparse.Namespace) -> int:
               f"{r['kv_share_of_ttft'] * 100:>7.1f}%")
     print("tok/s: decode tokens per wall second (sensitive to other load on the machine); CPUms/tok: CPU time "
           "the generating engine spent per decoded token (P/D: the decode engine)")
-    if equal_tp:
-        print(f"target: P/D text == colocated text, greedy, token for token at TP {args.tp_prefill}/{args.tp_decode}: "
-              f"{'met' if equal else 'MISSED'}")
-    else:
-        print(f"P/D text == colocated text: {equal} (not a target where TP differs: the reduction order differs)")
-    return 1 if failed else 0
+    return bench_targets.report(targets, explore=args.explore, none_reason=none_reason)

@@ -21,6 +21,11 @@ generator does to the machine.
 against several prefill engines that model a prefix cache, once per prefill
 policy (and through the peer with its ``cache_aware``), and reports the share
 of prompt characters that were already cached on the engine that got them.
+
+Targets, each printed with met or MISSED (exit status 1 on a miss unless
+``--explore``; 2 when a request failed): proxy-added p50 <= 2 ms at
+concurrency 1, no errors at 512, and with ``--peer`` at least the peer's
+req/s and at most its CPU per request at 64.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from typing import Any, Awaitable, Callable
 import aiohttp
 
 from atom_kv._cli import OneLineParser
+from atom_kv.bench import targets as bench_targets
 from atom_kv.proxy.settings import POLICIES
 from atom_kv.testing.ports import free_port
 from atom_kv.testing.procfs import process_stats
@@ -53,6 +59,7 @@ HIT_RATE_CACHE_BLOCKS = 400  # per prefill engine: room for about two active con
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    bench_targets.add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--prefill-delay", type=float, default=0.002, help="fake prefill delay in seconds")
     parser.add_argument("--tokens", type=int, default=32, help="tokens streamed by the fake decode")
@@ -549,8 +556,6 @@ def _print(result: dict[str, Any]) -> None:
               f"{a['on'].get('proxy_cpu_ms_per_req', 'n/a')} vs {a['off'].get('proxy_cpu_ms_per_req', 'n/a')} "
               f"ms/request ({a['cpu_ratio']}x), {a['on']['req_per_s']} vs {a['off']['req_per_s']} req/s, "
               f"errors {a['on']['errors'] + a['off']['errors']}")
-    print("targets: " + ", ".join(f"{k}={'n/a' if v is None else ('yes' if v else 'NO')}"
-                                  for k, v in result["targets"].items()))
 
 
 def _ratios(result: dict[str, Any]) -> dict[str, Any]:
@@ -637,10 +642,26 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         _print(result)
+    missed = bench_targets.report(proxy_targets(result), explore=args.explore, json_output=args.json)
     errors = result["c1_errors"] + sum(t["errors"] for t in result["throughput"])
     if "admission" in result:
         errors += result["admission"]["on"]["errors"] + result["admission"]["off"]["errors"]
-    return 0 if errors == 0 else 2
+    return 2 if errors else missed
+
+
+#: each of ``result["targets"]``'s keys: what it claims
+TARGET_TEXT = {"added_p50_le_2ms": "proxy-added latency p50 <= 2 ms at concurrency 1",
+               "c512_zero_errors": "no errors at concurrency 512",
+               "c64_req_per_s_ge_peer": "req/s at concurrency 64 >= the peer's",
+               "c64_cpu_per_req_le_peer": "CPU per request at concurrency 64 <= the peer's",
+               "admission_cpu_le_1.1x": "CPU per request with admission control on <= 1.1x off"}
+
+
+def proxy_targets(result: dict[str, Any]) -> list[bench_targets.Target]:
+    """``result["targets"]`` (None: not measured, e.g. no concurrency 512 or no peer) with the figures."""
+    figures = {"added_p50_le_2ms": f" ({result['c1_added_p50_ms']} ms)"}
+    return [bench_targets.Target("proxy", TARGET_TEXT.get(k, k) + figures.get(k, ""), v)
+            for k, v in result["targets"].items()]
 
 
 if __name__ == "__main__":

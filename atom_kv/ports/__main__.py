@@ -1,7 +1,8 @@
 """``python -m atom_kv.ports --kv-transfer-config JSON [--tp N] [--dp N] [--pp N] [--http-port P]``
 
 Prints the port plan of one engine: each rank's listeners and ports, then the
-same as firewall rows (one range per listener kind). Nothing is bound.
+same as firewall rows (one range per listener kind, with who must reach it:
+the proxy, decode engines, peer engines). Nothing is bound.
 """
 
 from __future__ import annotations
@@ -50,9 +51,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         ports = "OS-assigned" if not p.ports else (str(p.port) if len(p.ports) == 1 else
                                                    f"{p.ports[0]}-{p.ports[-1]}")
         print(f"{rank:<14} {p.name:<10} {ports:<12} {p.key}")
-    print("# firewall: allow from peer engines (and the proxy for http) to this host")
-    for name, ports, what in firewall_rows(plan):
-        print(f"{name:<10} {ports:<26} {what}")
+    print("# firewall: allow to this host, from whom each row says (docs/deploy.md, \"Firewall table\")")
+    for row in firewall_rows(plan):
+        print(f"{row.listener:<10} {row.ports:<26} from {row.allow_from}: {row.what}")
     return 0
 
 

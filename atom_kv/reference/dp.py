@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
+from atom_kv._plural import counted
 from atom_kv.config import KVTransferConfig
 from atom_kv.reference.engine import EngineArgs, EngineCore
 from atom_kv.reference.request import Request, RequestError, RequestOutput
@@ -102,7 +103,7 @@ class DataParallelEngine:
         if raw is not None:
             if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw < self.dp_size:
                 raise RequestError(f"`{DP_RANK_FIELD}` must be an integer in {allowed} (this engine has "
-                                   f"{self.dp_size} data-parallel ranks), got {raw!r}", param=DP_RANK_FIELD)
+                                   f"{counted(self.dp_size, 'data-parallel rank')}), got {raw!r}", param=DP_RANK_FIELD)
             return raw
         header = headers.get(DP_RANK_HEADER)
         if header is not None:
@@ -112,7 +113,7 @@ class DataParallelEngine:
                 rank = -1
             if not 0 <= rank < self.dp_size:
                 raise RequestError(f"header {DP_RANK_HEADER} must be an integer in {allowed} (this engine has "
-                                   f"{self.dp_size} data-parallel ranks), got {header!r}", param=DP_RANK_HEADER)
+                                   f"{counted(self.dp_size, 'data-parallel rank')}), got {header!r}", param=DP_RANK_HEADER)
             return rank
         start = self._next
         self._next = (start + 1) % self.dp_size

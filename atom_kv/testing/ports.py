@@ -50,8 +50,8 @@ def free_plan_base(n: int, blocks: int = 4, attempts: int = 200) -> int:
 
 
 def free_ephemeral_window(n: int, attempts: int = 200) -> int:
-    """The first of ``n`` consecutive free ports *inside* the kernel's ephemeral range (UCX takes its
-    TCP port range only there)."""
+    """The first of ``n`` consecutive free ports *inside* the kernel's ephemeral range (where the OS would
+    pick a listener's port; a range below it, :func:`free_port_range`, serves UCX as well)."""
     low, high = _ephemeral_range()
     for _ in range(attempts):
         first = random.randint(low, high - n)

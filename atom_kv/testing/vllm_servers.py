@@ -14,7 +14,8 @@ import json
 import os
 import subprocess
 import sys
-from typing import Optional, Sequence
+import time
+from typing import Any, Callable, Optional, Sequence
 
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.ports import free_plan_base, free_port
@@ -124,8 +125,9 @@ class VllmServers:
             argv += ["--kv-transfer-config", json.dumps(kv)]
         self.procs[name] = ManagedProcess(name, argv, self.log_dir)
 
-    def start(self, timeout: float) -> None:
-        """Start everything and wait until each engine serves and both are registered with every proxy."""
+    def start(self, timeout: float, progress: Optional[Callable[[str], None]] = None) -> None:
+        """Start everything and wait until each engine serves and both are registered with every proxy.
+        ``progress`` hears one line as each server is up, and every :data:`PROGRESS_EVERY_S` seconds of a wait."""
         for name, args in self.proxies.items():
             self.procs[name] = ManagedProcess(name, [
                 self.proxy_python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports[name]),
@@ -142,10 +144,15 @@ class VllmServers:
         self._vllm("plain", None)
         if self.nixl_pair:
             self._start_nixl_pair()
+        note = _Progress(progress)
         for name in self.engines:
-            wait_until(lambda n=name: self._serving(n), timeout, interval=2.0, what=f"vLLM {name} /health")
+            wait_until(note.polling(lambda n=name: self._serving(n), f"vLLM {name} to serve /health"), timeout,
+                       interval=2.0, what=f"vLLM {name} /health")
+            note.done(f"vLLM {name} serves")
         for name in (*self.proxies, *self.fronts):
-            wait_until(lambda n=name: self._proxy_ready(n), 60, what=f"both engines registered with {name}")
+            wait_until(note.polling(lambda n=name: self._proxy_ready(n), f"both engines to register with {name}"), 60,
+                       what=f"both engines registered with {name}")
+            note.done(f"proxy {name} has both engines")
 
     def _start_nixl_pair(self) -> None:
         """vLLM's own P/D: ``NixlConnector`` with host KV buffers (``kv_buffer_device: cpu``, DRAM over UCX),
@@ -188,3 +195,36 @@ class VllmServers:
             proc = self.procs.get(name)
             if proc is not None:
                 proc.stop(timeout=20)
+
+
+#: seconds between two "still waiting" lines of :meth:`VllmServers.start`
+PROGRESS_EVERY_S = 30.0
+
+
+class _Progress:
+    """The progress lines of one start-up: each step done, and a reminder while one step keeps waiting."""
+
+    def __init__(self, sink: Optional[Callable[[str], None]]) -> None:
+        self._sink = sink
+        self._t0 = time.monotonic()
+        self._last = self._t0
+
+    def _say(self, line: str) -> None:
+        self._last = time.monotonic()
+        if self._sink is not None:
+            self._sink(f"{line} ({self._last - self._t0:.0f} s)")
+
+    def done(self, what: str) -> None:
+        self._say(what)
+
+    def polling(self, predicate: Callable[[], Any], waiting_for: str) -> Callable[[], Any]:
+        """``predicate``, noting every :data:`PROGRESS_EVERY_S` seconds that it is still false."""
+        def check() -> Any:
+            try:
+                value = predicate()
+            except OSError:  # not listening yet (urllib's URLError too): "not yet", as wait_until takes it
+                value = None
+            if not value and time.monotonic() - self._last >= PROGRESS_EVERY_S:
+                self._say(f"still waiting for {waiting_for}")
+            return value
+        return check

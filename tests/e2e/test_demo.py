@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,8 +39,9 @@ def test_demo_runs_and_cleans_up():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all 2 outputs identical" in proc.stdout
     assert proc.stdout.count(" yes ") == 2
-    log_dir = re.search(r"\(logs: (\S+)\)", proc.stdout).group(1)
-    assert os.listdir(log_dir)  # the proxy and engines did write there
+    log_dir = re.search(r"\(logs: (\S+) removed at the end", proc.stdout).group(1)
+    assert log_dir.startswith(tempfile.gettempdir()) and "atom-kv-cluster-" in log_dir
+    assert not os.path.exists(log_dir)  # a run that succeeded leaves nothing behind
     assert _processes_writing_into(log_dir) == []
 
 
@@ -72,5 +74,7 @@ def test_startup_failure_exits_with_one_line_and_leaves_no_process_behind(tmp_pa
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == ["error: timed out after 0.5 s waiting for engine0-P /health"]
-    assert os.listdir(tmp_path)  # it did start processes
+    (kept,) = os.listdir(tmp_path)  # it did start processes, and keeps their logs: it failed
+    assert f"logs kept in {tmp_path / kept} (remove the folder when done)" in proc.stdout
+    assert os.listdir(tmp_path / kept)
     assert _processes_writing_into(str(tmp_path)) == []

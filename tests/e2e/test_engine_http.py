@@ -52,6 +52,13 @@ def test_request_that_never_fits_gets_a_400_in_vllm_shape(engine):
     assert "prompt needs 126 blocks" in err["message"] and "only 64" in err["message"]
 
 
+def test_a_rank_beyond_one_data_parallel_rank_is_named_in_the_singular(engine):
+    status, body = http_json("POST", engine.engine_url(0) + "/v1/completions",
+                             {"prompt": "hi", "max_tokens": 1, "data_parallel_rank": 1})
+    assert status == 400 and body["error"]["param"] == "data_parallel_rank"
+    assert "in 0..0 (this engine has 1 data-parallel rank)" in body["error"]["message"], body
+
+
 def test_bad_fields_are_named(engine):
     status, body = http_json("POST", engine.engine_url(0) + "/v1/completions", {"prompt": "hi", "max_tokens": 0})
     assert status == 400 and body["error"]["param"] == "max_tokens"

@@ -129,8 +129,31 @@ def test_targets_compare_our_modes_with_the_nixl_pair_and_plain_and_check_the_kv
     lines = target_lines(_level(4, {"sequential": 30.0, "concurrent": 18.0, "nixl": 25.0}))
     assert any(line.startswith("target concurrent: TTFT p50 18.0 ms <= 2x plain (20.0 ms) and <= nixl 25.0 ms: met")
                for line in lines), lines
-    assert any(line.startswith("target sequential:") and line.endswith("missed") for line in lines)  # 30 > 20, 25
+    assert any(line.startswith("target sequential:") and line.endswith(": MISSED") for line in lines)  # 30 > 20, 25
     assert sum("prompt tokens from the remote KV: met" in line for line in lines) == 3
     starved = target_lines(_level(1, {"concurrent": 12.0}, external=150.0))
     assert "target concurrent: TTFT p50 12.0 ms <= 2x plain (20.0 ms): met" in starved
-    assert "target concurrent: decode took 150 of 200 prompt tokens from the remote KV: missed" in starved
+    assert "target concurrent: decode took 150 of 200 prompt tokens from the remote KV: MISSED" in starved
+
+
+def test_start_up_progress_says_what_is_awaited_and_what_is_up(monkeypatch):
+    """``bench vllm`` prints these while the servers start (two minutes of silence before)."""
+    from atom_kv.testing import vllm_servers
+
+    monkeypatch.setattr(vllm_servers, "PROGRESS_EVERY_S", 0.0)  # every poll a reminder
+    lines: list[str] = []
+    note = vllm_servers._Progress(lines.append)
+    answers = iter([None, False, True])
+
+    def not_up_then_up():
+        value = next(answers)
+        if value is None:
+            raise ConnectionRefusedError  # not listening yet: "not yet", as wait_until takes it
+        return value
+
+    check = note.polling(not_up_then_up, "vLLM decode to serve /health")
+    assert [check(), check(), check()] == [None, False, True]
+    note.done("vLLM decode serves")
+    assert [line.rsplit(" (", 1)[0] for line in lines] == ["still waiting for vLLM decode to serve /health"] * 2 + [
+        "vLLM decode serves"]
+    assert all(line.endswith(" s)") for line in lines)

@@ -16,7 +16,7 @@ def test_bench_proxy_prints_one_json_result_without_errors():
     out = subprocess.run(
         [sys.executable, "-m", "atom_kv.bench", "proxy", "--json", "--latency-requests", "10",
          "--duration", "0.3", "--concurrency", "4", "--tokens", "4", "--peer", "vllm-router",
-         "--hit-rate", "--sessions", "4", "--turns", "2"],
+         "--hit-rate", "--sessions", "4", "--turns", "2", "--explore"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_cli_prints_verified_json_lines() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "atom_kv.bench", "transfer", "--backend", "tcp", "--total-mb", "4",
-         "--block-kb", "4,64", "--scattered", "--repeat", "1", "--json"],
+         "--block-kb", "4,64", "--scattered", "--repeat", "1", "--json", "--explore"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stderr
@@ -78,7 +78,7 @@ def test_kv_transfer_config_passthrough_reaches_the_backend(monkeypatch: pytest.
         return real(name, config, **kw)
 
     monkeypatch.setattr(atom_kv.transfer, "create_backend", recording)
-    args = _args("--backend", "tcp", "--total-mb", "1", "--block-kb", "64", "--repeat", "1", "--json",
+    args = _args("--backend", "tcp", "--total-mb", "1", "--block-kb", "64", "--repeat", "1", "--json", "--explore",
                  "--timeout-s", "7", "--kv-transfer-config",
                  '{"kv_role": "kv_producer", "auth_token": "s3cret", "tcp_streams": 2, "qp_per_transfer": 4}')
     assert bench.bench_config(args) == {"auth_token": "s3cret", "tcp_streams": 2, "qp_per_transfer": 4,
@@ -138,7 +138,7 @@ def test_bench_nixl_rows_carry_raw_nixl_next_to_ours() -> None:
         pytest.skip(nixl_unavailable_reason())
     out = subprocess.run(
         [sys.executable, "-m", "atom_kv.bench", "transfer", "--backend", "nixl", "--total-mb", "4",
-         "--block-kb", "4,64", "--scattered", "--repeat", "2", "--json"],
+         "--block-kb", "4,64", "--scattered", "--repeat", "2", "--json", "--explore"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from atom_kv.testing.listeners import listeners
-from atom_kv.testing.ports import free_ephemeral_window
+from atom_kv.testing.ports import free_ephemeral_window, free_port_range
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import BackendUnavailable, ChunkedRegion, create_backend, split_pair
 from atom_kv.transfer.nixl import probe as nixl_probe
@@ -103,6 +103,20 @@ def test_unknown_plugin_is_refused_in_one_line():
     with pytest.raises(BackendUnavailable, match="NO_SUCH_PLUGIN") as info:
         create_backend("nixl", KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "nixl", "nixl_plugins": ["NO_SUCH_PLUGIN"]}))
     assert "\n" not in str(info.value)
+
+
+@needs_nixl
+def test_ucx_without_a_usable_device_names_the_variables_to_look_at(monkeypatch):
+    """An RDMA port this host lacks (as on an Ethernet host): the refusal is one line naming UCX_NET_DEVICES,
+    with its value, and UCX_TLS."""
+    monkeypatch.setenv("UCX_NET_DEVICES", "atomkv_no_such_nic0:1")  # restored when the test ends
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    with pytest.raises(BackendUnavailable) as info:
+        create_backend("nixl", KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "nixl"}))
+    message = str(info.value)
+    assert "\n" not in message and "the NIXL agent did not start" in message
+    assert "UCX_NET_DEVICES='atomkv_no_such_nic0:1'" in message and "UCX_TLS unset" in message
+    assert "look at UCX_NET_DEVICES" in message and "Choosing UCX_NET_DEVICES" in message
 
 
 _EXIT_SCRIPT = textwrap.dedent("""
@@ -194,12 +208,14 @@ def _listening_tcp_ports() -> set[int]:
 
 
 @needs_nixl
-def test_ucx_listens_only_inside_the_planned_port_range(monkeypatch):
+@pytest.mark.parametrize("where", ["inside", "below"])
+def test_ucx_listens_only_inside_the_planned_port_range(monkeypatch, where):
+    """Inside the kernel's ephemeral range or wholly below it (docs/nixl.md, "Ports"): UCX takes the range."""
     from atom_kv.ports import rank_ports
 
     monkeypatch.delenv("UCX_TCP_PORT_RANGE", raising=False)  # both restored when the test ends
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
-    first = free_ephemeral_window(32)
+    first = free_ephemeral_window(32) if where == "inside" else free_port_range(32)
     span = f"{first}-{first + 31}"
     cfg = KVTransferConfig.from_dict({"kv_role": "kv_producer", "backend": "nixl", "nixl_ucx_tcp_port_range": span})
     before = _listening_tcp_ports()

@@ -116,7 +116,7 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
         except Exception as exc:  # the native library refused (no usable transport, ...)
             logger.debug("NIXL agent start failed", exc_info=True)
             raise BackendUnavailable(f"transfer backend 'nixl' is unavailable: the NIXL agent did not start: "
-                                     f"{nixl_error(exc)}") from None
+                                     f"{nixl_error(exc)}{ucx_hint(self.config.nixl_plugins)}") from None
         self._lock = threading.RLock()
         self._closed = False
         self._regions = Regions()
@@ -315,6 +315,19 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
             self._local.clear()
         self._finalizer()
         logger.info("NIXL agent of %s closed", self.key)
+
+
+def ucx_hint(plugins: Any) -> str:
+    """What to look at when a UCX plugin could not start: the two variables that decide which devices and
+    transports UCX may use, with their values here (a device this host lacks, e.g. an RDMA port on an
+    Ethernet host, leaves UCX no transport)."""
+    if "UCX" not in plugins:
+        return ""
+    values = ", ".join(f"{name}={os.environ[name]!r}" if name in os.environ else f"{name} unset"
+                       for name in ("UCX_NET_DEVICES", "UCX_TLS"))
+    return (f"; where UCX finds no device or transport it can use, look at UCX_NET_DEVICES (this host's devices: "
+            f"`ibv_devices` for RDMA ports, `ip -br link` for interfaces, or `ucx_info -d`) and UCX_TLS ({values}; "
+            f"docs/nixl.md, 'Choosing UCX_NET_DEVICES')")
 
 
 def _ucx_port_range(config: KVTransferConfig, ports: Optional[RankPorts]) -> Optional[str]:
