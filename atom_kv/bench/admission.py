@@ -31,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from atom_kv.bench import targets as bench_targets
 from atom_kv.bench.proxy import Target, _fake_engines, _pct, _start_ours, _stop, _wait_healthy
 
 TRANSPORT_SLACK_S = 0.05
@@ -38,6 +39,7 @@ TRANSPORT_SLACK_S = 0.05
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    bench_targets.add_arguments(parser)
     parser.add_argument("--cap", type=int, default=4, help="--max-concurrent-per-engine of the proxy (default 4)")
     parser.add_argument("--over", type=int, default=4, help="the burst, in multiples of --cap (default 4)")
     parser.add_argument("--queue-size", type=int, default=None,
@@ -161,5 +163,10 @@ def run(args: argparse.Namespace) -> int:
               f"first bytes in the order {b['first_byte_order']}")
         print(f"timeout run (--queue-timeout {t['queue_timeout_s']}s): {t['served']} served, {t['refused_503']} "
               f"answered 503; wait p50 {t['p50_wait_ms']} ms, p99 {t['p99_wait_ms']} ms")
-        print("targets: " + ", ".join(f"{k}={'met' if v else 'MISSED'}" for k, v in result["targets"].items()))
-    return 0 if all(result["targets"].values()) else 2
+    return bench_targets.report([bench_targets.Target("admission", _TARGET_TEXT[k], v)
+                                 for k, v in result["targets"].items()], explore=args.explore, json_output=args.json)
+
+
+_TARGET_TEXT = {"burst_queued_and_served_in_order": "a burst over capacity is queued and served in arrival order",
+                "429_only_past_the_queue": "429 with Retry-After only past the queue",
+                "p99_wait_le_queue_timeout": "p99 queue wait <= --queue-timeout"}
