@@ -57,5 +57,7 @@ async def read_json_body(request: web.Request) -> Any:
     except msgspec.DecodeError as exc:  # ValidationError (a number out of range) included
         raise RequestError(f"request body is not valid JSON (RFC 8259: UTF-8, no NaN or Infinity, no lone "
                            f"surrogates, numbers in range): {exc}") from None
+    except UnicodeDecodeError as exc:  # bad UTF-8 in a string: msgspec < 0.23 raises this, 0.23 DecodeError
+        raise RequestError(f"request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
     except RecursionError:
         raise RequestError("request body is not valid JSON here: its arrays or objects nest too deeply") from None

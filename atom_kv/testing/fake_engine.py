@@ -266,7 +266,7 @@ class FakeEngine:
         self.tokenize_calls += 1
         try:
             body = _dec.decode(await request.read())
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             return _vllm_error(400, "invalid JSON")
         n = self._prompt_tokens(body)
         answer = {"count": n, "max_model_len": self.max_model_len, "tokens": list(range(n))}
@@ -305,7 +305,7 @@ class FakeEngine:
         request_id = request.headers.get("X-Request-Id", "")
         try:
             body = _dec.decode(await request.read())
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError):
             return _vllm_error(400, "invalid JSON")
         if self.record:
             peer = request.transport.get_extra_info("peername") if request.transport is not None else None
