@@ -4,7 +4,8 @@ ping). An unspecified address (``0.0.0.0``, ``::``) may be bound, never
 advertised: it is refused in one line saying which setting to give. A
 listener beyond loopback needs the cluster token (``auth_token``), unless the
 operator says ``allow_open_listeners``: without it, whoever reaches the port
-may read the engine's KV cache.
+may read the engine's KV cache (the same rule covers the reference engine's
+KV events endpoint, :mod:`atom_kv.reference.kv_events.config`).
 """
 
 from __future__ import annotations
@@ -41,12 +42,16 @@ def kv_addresses(config: "KVTransferConfig", host: str, bind_host: Optional[str]
     return advertise, bind
 
 
-def check_listeners_secured(config: "KVTransferConfig", bind: str) -> None:
+def check_listeners_secured(config: "KVTransferConfig", bind: str, *,
+                            what: str = "kv-transfer-config: the KV listeners",
+                            exposes: str = "read this engine's KV cache") -> None:
     """Refuse listeners on ``bind`` beyond loopback without ``auth_token`` (one line naming both keys),
-    unless the config says ``allow_open_listeners``."""
+    unless the config says ``allow_open_listeners``. ``what`` names the listeners, ``exposes``
+    says what a stranger who reaches them could do (the KV listeners by default; the reference
+    engine's KV events endpoint too)."""
     if config.auth_token is not None or config.allow_open_listeners or is_loopback(bind):
         return
-    raise ConfigError(f"kv-transfer-config: the KV listeners would bind {bind!r}, beyond loopback, with no "
-                      "`auth_token`: anyone who reaches them could read this engine's KV cache; set `auth_token` "
+    raise ConfigError(f"{what} would bind {bind!r}, beyond loopback, with no "
+                      f"`auth_token`: anyone who reaches them could {exposes}; set `auth_token` "
                       "(the same on every engine and as the proxy's --registration-token), or "
                       "`allow_open_listeners: true` on a network only the cluster can reach")

@@ -289,12 +289,16 @@ def build_registration_pinger(
     model: Optional[str] = None,
     wait_until_serving: bool = False,
     kv_features: Sequence[str] = (),
+    kv_events_endpoint: Optional[str] = None,
+    kv_events_replay_endpoint: Optional[str] = None,
 ) -> RegistrationPinger:
     """A pinger for every address in ``config.proxy_ip`` (call ``.start()``; no proxies: a no-op).
 
     ``wait_until_serving``: its thread pings only once ``http_host:http_port`` accepts connections.
     ``kv_features``: what the connector takes part in, announced in the ping (for engines whose
-    ``/health`` cannot say it, e.g. ``"rendezvous"``)."""
+    ``/health`` cannot say it, e.g. ``"rendezvous"``). ``kv_events_endpoint`` and
+    ``kv_events_replay_endpoint``: where proxies subscribe to the engine's KV cache events
+    (DP rank 0's; rank N's are on port + N)."""
     if role not in ("P", "D"):
         raise ValueError(f"role must be 'P' or 'D', got {role!r}")
     proxies = [parse_proxy_address(a, config.proxy_ping_port) for a in config.proxy_addresses]
@@ -310,6 +314,8 @@ def build_registration_pinger(
         model=model,
         kv_features=list(kv_features) or None,
         answers=True,
+        kv_events_endpoint=kv_events_endpoint,
+        kv_events_replay_endpoint=kv_events_replay_endpoint,
     )
     return RegistrationPinger(ping, proxies, config.ping_interval_s, auth_token=config.auth_token,
                               serving_at=(http_host, http_port) if wait_until_serving else None,

@@ -8,8 +8,9 @@ so a receive loop can ``except WireError``, count it and carry on.
 
 Every message carries ``v`` (protocol version). The registration ping keeps
 ATOM's msgpack map layout exactly (``type``/``role``/``index``/...), so ATOM's
-proxy accepts our engines and our proxy accepts ATOM's; ``v``, ``engine_id``
-and the signature keys ``ts``/``nonce``/``mac`` are extra keys older peers ignore.
+proxy accepts our engines and our proxy accepts ATOM's; ``v``, ``engine_id``,
+the signature keys ``ts``/``nonce``/``mac`` and the KV events endpoints are extra
+keys older peers ignore.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ MAX_KV_FEATURES = 32
 HostName = Annotated[str, msgspec.Meta(max_length=255)]
 #: an http URL an engine advertises
 UrlText = Annotated[str, msgspec.Meta(max_length=1024)]
+#: a ZeroMQ endpoint an engine advertises (``tcp://`` + a host name + ``:`` + a port)
+EndpointText = Annotated[str, msgspec.Meta(max_length=272)]
 #: a rank, a size, a count: never negative, never huge
 Rank = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 #: a transfer id as it travels on the handshake port (at most 128 characters, as adopted from a request)
@@ -136,6 +139,10 @@ class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=Tru
     ts: Optional[float] = None
     nonce: Optional[Name] = None
     mac: Optional[Name] = None
+    #: where the engine publishes its KV cache events (vLLM's wire: PUB, ``tcp://host:port``; DP rank N on
+    #: port + N), and their replay ROUTER; None: it publishes none (or does not say)
+    kv_events_endpoint: Optional[EndpointText] = None
+    kv_events_replay_endpoint: Optional[EndpointText] = None
 
 
 #: a human-readable explanation on the wire (one log line)

@@ -33,6 +33,7 @@ from atom_kv.gc_heap import freeze_startup_heap
 from atom_kv.logfmt import ENGINE, add_log_format_argument, configure_logging
 from atom_kv.reference.faults import FLAG as FAULT_FLAG
 from atom_kv.reference.faults import FaultInjector
+from atom_kv.reference.kv_events.config import check_kv_events_listeners, parse_kv_events_config
 from atom_kv.reference.shutdown import SIGNALS, ShutdownSignals
 
 log = logging.getLogger("atom_kv.reference")
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="index to register with the proxy (default: the bound HTTP port)")
     p.add_argument("--log-level", default="INFO")
     add_log_format_argument(p)  # --log-format text|json; the TP rank processes log the same way
+    # the prefix cache and its KV events (docs/kv-events.md)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes already computed or loaded (default: on)")
+    p.add_argument("--kv-events-config", default=None,
+                   help="JSON with vLLM's KVEventsConfig keys, e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"endpoint\": \"tcp://127.0.0.1:5557\"}'; see docs/kv-events.md")
     p.add_argument(FAULT_FLAG, dest="inject_request_fault", action="append", default=[], metavar="STAGE=MARKER",
                    help="TESTING ONLY: fail every request whose prompt contains MARKER at STAGE (admit, sample, "
                         "decode or finish), to show one request's failure stays its own; repeatable")
@@ -167,6 +174,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     configure_logging(args.log_level.upper(), args.log_format)
     try:
         kv_config = parse_kv_transfer_config(args.kv_transfer_config)
+        kv_events = parse_kv_events_config(args.kv_events_config)
+        if kv_events is not None:
+            check_kv_events_listeners(kv_events, kv_config, dp_size=args.dp, http_port=args.port)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -223,7 +233,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                    host=advertise, bind_host=args.host, threads=args.threads, device=args.device, startup_timeout_s=args.startup_timeout,
                    step_timeout_s=args.step_timeout, drain_timeout_s=args.drain_timeout,
-                   hurry_timeout_s=args.hurry_timeout, faults=faults),
+                   hurry_timeout_s=args.hurry_timeout, faults=faults,
+                   enable_prefix_caching=args.enable_prefix_caching, kv_events=kv_events),
         kv_config, router.deliver, dp_size=args.dp,
     )
     ENGINE.set(engine.engine_id)  # this thread's log lines (and the HTTP server's) name the engine
@@ -236,10 +247,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             return None
         from atom_kv import engine_hooks
 
+        events, replay = engine.cores[0].kv_events_endpoints  # DP rank 0's (None until started)
         return engine_hooks.build_registration_pinger(
             kv_config, role="P" if kv_config.is_producer else "D",
             index=args.instance_index or str(http_port), http_host=advertise, http_port=http_port,
             tp_size=args.tp, dp_size=args.dp, engine_id=engine.engine_id, model=args.model_id,
+            kv_events_endpoint=events, kv_events_replay_endpoint=replay,
         )
 
     try:

@@ -12,6 +12,10 @@ a TP rank that died, failed or hung (:class:`WorkerFailure`), or an exception
 in the step itself (the forward, the connector's per-step calls), after which
 the ranks' and the connector's state is unknown. It says so in one line
 (``engine ... stopping: ...``) and ends every request with a 503.
+
+With ``--kv-events-config``, each step's changes to the prefix cache go to the
+core's :class:`~atom_kv.reference.kv_events.publisher.KVEventPublisher` as one
+batch, queued without waiting (events never stall a step).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from atom_kv.config import KVTransferConfig
 from atom_kv.logfmt import ENGINE
 from atom_kv.reference.faults import FaultInjector, FaultStage
+from atom_kv.reference.kv_events.config import KVEventsConfig
 from atom_kv.reference.model_config import ModelConfig
 from atom_kv.reference.request import Request, RequestError, RequestOutput
 from atom_kv.reference.rank_io import RankSpec
@@ -66,6 +71,8 @@ class EngineArgs:
     drain_timeout_s: float = 2.0  # close(): a decode engine's wait for its ended loads to stop
     hurry_timeout_s: float = 1.0  # every close() wait once the shutdown is hurried (hurry())
     faults: FaultInjector = FaultInjector()  # test-only (--inject-request-fault): nothing by default
+    enable_prefix_caching: bool = True  # --no-enable-prefix-caching turns it off
+    kv_events: Optional[KVEventsConfig] = None  # --kv-events-config: None or not publishing, no events
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(seed=self.seed, num_layers=self.num_layers)
@@ -100,6 +107,7 @@ class EngineCore:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._executor: Any = None
+        self._publisher: Any = None  # the KV event publisher (start() binds it), when events are on
         self._hooks: Any = None
         self._aggregator: Any = None
         self._sampler = Sampler()
@@ -123,6 +131,8 @@ class EngineCore:
             max_num_batched_tokens=args.max_num_batched_tokens,
             vocab_size=args.model_config().vocab_size,
             faults=args.faults,
+            enable_prefix_caching=args.enable_prefix_caching,
+            record_events=self.publishes_events,
         )
         self._closed = False
 
@@ -133,9 +143,24 @@ class EngineCore:
             return "colocated"
         return "producer" if self.kv_config.is_producer else "consumer"
 
+    @property
+    def publishes_events(self) -> bool:
+        return self.args.kv_events is not None and self.args.kv_events.publishing
+
+    @property
+    def kv_events_endpoints(self) -> tuple[Optional[str], Optional[str]]:
+        """Where subscribers connect for this core's events and their replay (None: not published)."""
+        pub = self._publisher
+        return (pub.endpoint, pub.replay_endpoint) if pub is not None else (None, None)
+
     def start(self) -> None:
-        """Build the ranks (blocking: TP>1 waits for every rank to load), then start the loop thread."""
+        """Bind the KV event endpoints (when on), build the ranks (blocking: TP>1 waits for every
+        rank to load), then start the loop thread."""
         a = self.args
+        if self.publishes_events:
+            from atom_kv.reference.kv_events.publisher import KVEventPublisher
+
+            self._publisher = KVEventPublisher(a.kv_events, dp_rank=self.dp_rank, advertise_host=a.host).start()
         cfg_json = self.kv_config.to_json() if self.kv_config else None
         specs = [
             RankSpec(model=a.model_config(), model_id=a.model_id, num_blocks=a.num_blocks,
@@ -181,6 +206,8 @@ class EngineCore:
             self._hooks.close()  # sends the releases still queued
         if self._executor is not None:
             self._executor.close(self.args.hurry_timeout_s if self.hurried else 5.0)
+        if self._publisher is not None:
+            self._publisher.close(self.args.hurry_timeout_s if self.hurried else 2.0)
 
     def hurry(self, end_requests: bool = True) -> None:
         """Hurry the shutdown: end every request now (the HTTP side answers 503 at once instead
@@ -216,6 +243,7 @@ class EngineCore:
         return {
             "kv_total": s.blocks.num_blocks,
             "kv_free": s.blocks.num_free,
+            "kv_cached": s.blocks.num_cached,
             "kv_held": sum(len(b) for b in list(s.held.values())),
             "running": len(s.running),
             "waiting": len(s.waiting),
@@ -363,8 +391,14 @@ class EngineCore:
         for rank, r in enumerate(results):
             if r.routes is not None:
                 self.worker_routes[rank] = r.routes
+        if self._publisher is not None:
+            self._publisher.publish(self.scheduler.blocks.take_events())
         self._emit(outputs)
         return progressed
+
+    def event_stats(self) -> Optional[dict[str, int]]:
+        """The KV event publisher's counters (None: events are off)."""
+        return self._publisher.snapshot() if self._publisher is not None else None
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         """Hand ``outputs`` to the HTTP side; a finished request is forgotten here."""

@@ -31,10 +31,12 @@ FEATURE = KV_FEATURE_FIRST_TOKEN
 
 
 def prefilled_token(req: Request, vocab_size: int) -> Optional[int]:
-    """The prefill's first token for a consumer request whose whole prompt was loaded, else None
-    (absent or malformed: the engine then computes the first token itself, as before)."""
+    """The prefill's first token for a consumer request whose whole prompt is here (loaded, or
+    cached locally and loaded), else None (absent or malformed: the engine then computes the
+    first token itself, as before)."""
     params = req.kv_transfer_params
-    if not isinstance(params, dict) or req.num_external_tokens < req.num_prompt or req.output_ids:
+    whole = req.num_cached_tokens + req.num_external_tokens >= req.num_prompt
+    if not isinstance(params, dict) or not whole or req.output_ids:
         return None
     ids = params.get("first_token_ids")
     if not isinstance(ids, list) or len(ids) != 1:

@@ -30,6 +30,8 @@ class _EngineCollector:
             "atom_kv_kv_blocks_used": ("KV cache blocks allocated (including held)",
                                        lambda s: s["kv_total"] - s["kv_free"]),
             "atom_kv_kv_blocks_held": ("KV blocks held for remote readers", lambda s: s["kv_held"]),
+            "atom_kv_kv_blocks_cached": ("KV blocks in the prefix cache (held by requests or not)",
+                                         lambda s: s["kv_cached"]),
             "atom_kv_requests_running": ("requests running", lambda s: s["running"]),
             "atom_kv_requests_waiting": ("requests waiting for blocks or a slot", lambda s: s["waiting"]),
             "atom_kv_requests_waiting_remote_kv": ("requests waiting for remote KV", lambda s: s["waiting_remote"]),
@@ -55,6 +57,7 @@ class _EngineCollector:
             for rank, core in enumerate(e.cores):
                 fam.add_metric([str(rank)], float(dict(core.counters).get(key, 0)))
             yield fam
+        yield from _cache_metrics(e)
         per_key: dict[str, GaugeMetricFamily] = {}
         for dp_rank, core in enumerate(e.cores):
             for rank, stats in enumerate(list(core.worker_stats)):
@@ -68,6 +71,39 @@ class _EngineCollector:
                     fam.add_metric([str(dp_rank), str(rank)], float(value))
         yield from per_key.values()
         yield from _route_metrics(e)
+
+
+def _cache_metrics(e: "DataParallelEngine") -> Iterator[Metric]:
+    """The prefix cache's queries and hits (in tokens, as vLLM counts them), the blocks read from
+    producers, and the KV event publisher's counters (only where events are on)."""
+    for name, doc, value in (
+        ("prefix_cache_queries", "prompt tokens looked up in the prefix cache", lambda st: st.queries),
+        ("prefix_cache_hits", "prompt tokens found in the prefix cache", lambda st: st.hits),
+        ("kv_load_blocks", "prompt blocks read from a producer (blocks cached here are not read)",
+         lambda st: st.loaded_blocks),
+    ):
+        fam = CounterMetricFamily(f"atom_kv_{name}", doc, labels=["dp_rank"])
+        for rank, core in enumerate(e.cores):
+            fam.add_metric([str(rank)], float(value(core.scheduler.stats)))
+        yield fam
+    stats = [(rank, core.event_stats()) for rank, core in enumerate(e.cores)]
+    stats = [(rank, st) for rank, st in stats if st is not None]
+    if not stats:
+        return
+    for key, doc in (
+        ("batches_published", "KV event batches sent"),
+        ("events_published", "KV events sent"),
+        ("batches_dropped", "KV event batches dropped because the sender's queue was full (their seq is a gap)"),
+        ("events_dropped", "KV events dropped with their batches"),
+        ("replay_requests", "KV event replay requests served"),
+        ("replayed_batches", "KV event batches sent again by replays"),
+        ("bad_replay_requests", "malformed KV event replay requests ignored"),
+        ("replays_cut", "KV event replays cut short (the peer's queue was full, or it left)"),
+    ):
+        fam = CounterMetricFamily(f"atom_kv_kv_events_{key}", doc, labels=["dp_rank"])
+        for rank, st in stats:
+            fam.add_metric([str(rank)], float(st[key]))
+        yield fam
 
 
 def _route_metrics(e: "DataParallelEngine") -> Iterator[Metric]:

@@ -161,14 +161,18 @@ def parse_tokenize(body: Any, tokenizer: ByteTokenizer, *, served_model: Optiona
     return TokenizeParams(parse_prompt(body, tokenizer, chat="messages" in body, add_bos=add_special))
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's ``usage``; ``prompt_tokens_details.cached_tokens``: prompt tokens this engine found
+    in its own prefix cache (tokens read from a producer are not counted)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_body(*, rid: str, model: str, chat: bool, text: str, finish_reason: Optional[str],
                     prompt_tokens: int, completion_tokens: int, created: int,
-                    kv_transfer_params: Optional[dict], stop_reason: Union[str, int, None] = None) -> dict[str, Any]:
+                    kv_transfer_params: Optional[dict], stop_reason: Union[str, int, None] = None,
+                    cached_tokens: int = 0) -> dict[str, Any]:
     """A whole answer; ``kv_transfer_params`` appears only when the request was one leg of a
     P/D exchange that produced them (a prefill answer), as in vLLM's P/D answers."""
     if chat:
@@ -183,7 +187,7 @@ def completion_body(*, rid: str, model: str, chat: bool, text: str, finish_reaso
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
     if kv_transfer_params is not None:
         body["kv_transfer_params"] = kv_transfer_params

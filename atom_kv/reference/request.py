@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from atom_kv.reference.block_hash import BlockKey
 from atom_kv.reference.stopping import StopChecker
 
 __all__ = ["RequestState", "Request", "RequestOutput", "RequestError"]
@@ -46,6 +47,12 @@ class Request:
     num_computed: int = 0
     output_ids: list[int] = field(default_factory=list)
     num_external_tokens: int = 0
+    #: prompt tokens found in the local prefix cache at admission (whole blocks; never the last token)
+    num_cached_tokens: int = 0
+    #: the prefix-cache keys of the request's full blocks (prompt, then output), as far as computed
+    block_keys: list[BlockKey] = field(default_factory=list)
+    #: the first blocks the prefix cache was offered (their KV computed or loaded)
+    num_cached_blocks: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     admitted_time: Optional[float] = None  # blocks allocated
     kv_ready_time: Optional[float] = None  # consumer: every rank finished reading the remote KV
@@ -99,3 +106,5 @@ class RequestOutput:
     kv_transfer_params: Optional[dict] = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    #: prompt tokens this engine found in its own prefix cache (``usage.prompt_tokens_details.cached_tokens``)
+    num_cached_tokens: int = 0

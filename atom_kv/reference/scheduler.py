@@ -8,6 +8,14 @@ when blocks run out, new requests wait in FIFO order. A request that could
 never fit is rejected up front. Blocks whose KV is lent to a remote reader
 (``delay_free``) stay allocated until the connector says they are free.
 
+Prefix caching (on unless ``enable_prefix_caching=False``): at admission a
+request takes the longest run of its prompt's full blocks found in the
+:class:`BlockManager`'s index (never the block of the last prompt token, so
+at least one token is computed and logits exist), and only the rest is
+computed, or, on a decode engine, read from the producer: the connector is
+told those tokens are here (``num_computed_tokens``). Blocks enter the index
+once their KV is there: computed by a step, or loaded from a producer.
+
 An exception in one request's own processing (its admission, its token, its
 end) fails that request alone (:meth:`Scheduler.fail`): it ends as an abort
 does, so its blocks are freed (or, while a remote peer may still use them,
@@ -24,12 +32,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from atom_kv.engine_hooks import SchedulerEvents, SchedulerHooks
+from atom_kv.reference.block_hash import BlockHasher
 from atom_kv.reference.block_manager import BlockManager
 from atom_kv.reference.faults import FaultInjector, FaultStage, InjectedFault
 from atom_kv.reference.first_token import prefilled_token
 from atom_kv.reference.request import Request, RequestError, RequestOutput, RequestState
 
-__all__ = ["ConnectorFinishFailed", "Scheduler", "ScheduledChunk", "SchedulerOutput"]
+__all__ = ["CacheStats", "ConnectorFinishFailed", "Scheduler", "ScheduledChunk", "SchedulerOutput"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +60,15 @@ class SchedulerOutput:
     failed: list[RequestOutput] = field(default_factory=list)
 
 
+@dataclass
+class CacheStats:
+    """What the prefix cache and the KV loads did (tokens, as vLLM counts its prefix cache)."""
+
+    queries: int = 0  # prompt tokens of admitted requests
+    hits: int = 0     # of those, found in the prefix cache
+    loaded_blocks: int = 0  # prompt blocks read from a producer (a decode engine)
+
+
 class ConnectorFinishFailed(RuntimeError):
     """The connector raised while a request was ended; its blocks were dealt with already."""
 
@@ -69,8 +87,13 @@ class Scheduler:
         hooks: Optional[SchedulerHooks] = None,
         vocab_size: int = 256,
         faults: FaultInjector = FaultInjector(),
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+        hash_seed: Optional[bytes] = None,
     ) -> None:
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, caching=enable_prefix_caching, record_events=record_events)
+        self.hasher = BlockHasher(block_size, hash_seed)
+        self.stats = CacheStats()
         self.faults = faults
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -121,7 +144,16 @@ class Scheduler:
         if len(self.running) + len(self.waiting_remote) >= self.max_num_seqs:
             return False
         head = self.waiting[0]
-        return self.blocks.can_allocate(self.blocks.blocks_for(head.num_prompt + head.max_tokens))
+        hit = self._prefix_hit(head)
+        return self.blocks.can_allocate(self.blocks.blocks_for(head.num_prompt + head.max_tokens) - len(hit), hit)
+
+    def _prefix_hit(self, req: Request) -> list[int]:
+        """The cached blocks holding the longest prefix of ``req``'s prompt, short of its last token."""
+        if not self.blocks.caching:
+            return []
+        if not req.block_keys:
+            self.hasher.extend(req.block_keys, req.prompt_ids)
+        return self.blocks.match(req.block_keys[: (req.num_prompt - 1) // self.blocks.block_size])
 
     # ------------------------------------------------------------------ step
     def schedule(self) -> SchedulerOutput:
@@ -131,10 +163,17 @@ class Scheduler:
         failed: list[RequestOutput] = []
         while self.waiting and self._can_admit_head():
             head = self.waiting[0]
-            if admitted and head.num_prompt > budget:
+            hit = self._prefix_hit(head)
+            cached = len(hit) * self.blocks.block_size
+            if admitted and head.num_prompt - cached > budget:
                 break  # this step already carries a prefill; the next one waits a step
             self.waiting.popleft()
-            head.block_ids = self.blocks.allocate(self.blocks.blocks_for(head.num_prompt + head.max_tokens))
+            head.block_ids = self.blocks.allocate(self.blocks.blocks_for(head.num_prompt + head.max_tokens) - len(hit),
+                                                  hit)
+            head.num_cached_tokens = head.num_computed = cached
+            head.num_cached_blocks = len(hit)
+            self.stats.queries += head.num_prompt
+            self.stats.hits += cached
             head.admitted_time = time.monotonic()
             try:
                 self.faults.check(FaultStage.ADMIT, head)
@@ -145,7 +184,7 @@ class Scheduler:
                 continue
             head.state = RequestState.RUNNING
             self.running[head.request_id] = head
-            budget -= head.num_prompt
+            budget -= head.num_prompt - cached
             admitted += 1
         out = SchedulerOutput(failed=failed)
         for req in self.running.values():
@@ -159,7 +198,7 @@ class Scheduler:
         if self.hooks is None:
             return False
         n, is_async = self.hooks.get_num_new_matched_tokens(
-            req.request_id, req.num_prompt, req.kv_transfer_params
+            req.request_id, req.num_prompt, req.kv_transfer_params, req.num_cached_tokens
         )
         if n <= 0 or not is_async:
             return False
@@ -173,6 +212,17 @@ class Scheduler:
     def _prompt_blocks(self, req: Request) -> list[int]:
         return req.block_ids[: self.blocks.blocks_for(req.num_prompt)]
 
+    def _cache_computed(self, req: Request) -> None:
+        """Offer the prefix cache ``req``'s full blocks whose KV is now here (its first ``num_computed`` tokens)."""
+        if not self.blocks.caching:
+            return
+        full = req.num_computed // self.blocks.block_size
+        if full <= req.num_cached_blocks:
+            return
+        self.hasher.extend(req.block_keys, req.all_ids[: full * self.blocks.block_size])
+        self.blocks.cache(req.block_ids, req.block_keys[:full], req.num_cached_blocks)
+        req.num_cached_blocks = full
+
     def update_from_output(self, sampled: dict[str, int], now: float) -> list[RequestOutput]:
         """Record one sampled token per computed request; finish those that hit a stop
         string or stop token id (``finish_reason`` "stop") or ``max_tokens`` ("length")."""
@@ -182,6 +232,7 @@ class Scheduler:
             if req is None:
                 continue  # aborted during the step
             req.num_computed = req.num_prompt + len(req.output_ids)
+            self._cache_computed(req)
             outputs.append(self._append_token_or_fail(req, token, now))
         return outputs
 
@@ -203,6 +254,7 @@ class Scheduler:
             new_token_ids=step.release,
             num_prompt_tokens=req.num_prompt,
             num_output_tokens=len(req.output_ids),
+            num_cached_tokens=req.num_cached_tokens,
         )
         if step.stopped:
             out.finished, out.finish_reason, out.stop_reason = True, "stop", step.stop_reason
@@ -343,23 +395,28 @@ class Scheduler:
             req.kv_ready_time = time.monotonic()
             req.state = RequestState.RUNNING
             self.running[rid] = req
+            bs = self.blocks.block_size
+            self.stats.loaded_blocks += self.blocks.blocks_for(req.num_prompt) - req.num_cached_tokens // bs
             if req.output_ids:  # the prefill's token came with the blocks: its position is next
                 req.num_computed = req.num_prompt
+                self._cache_computed(req)
                 continue
             first = prefilled_token(req, self.vocab_size)
             if first is not None:
                 # continue from the prefill's token: the next step computes its position
                 req.num_computed = req.num_prompt
+                self._cache_computed(req)
                 outputs.append(self._append_token_or_fail(req, first, req.kv_ready_time))
                 continue
             # All prompt KV is here; recompute only the last prompt token for the first logits.
-            req.num_computed = min(req.num_external_tokens, req.num_prompt - 1)
+            req.num_computed = min(req.num_cached_tokens + req.num_external_tokens, req.num_prompt - 1)
+            self._cache_computed(req)
         for rid in events.recompute:
             req = self.waiting_remote.pop(rid, None)
             if req is None:
                 continue
             log.warning("request %s: remote KV load failed; recomputing the prefill locally", rid)
-            req.num_computed = 0
+            req.num_computed = req.num_cached_tokens  # the cached prefix was never written
             req.state = RequestState.RUNNING
             self.running[rid] = req
         for rid, reason in events.failed.items():

@@ -116,6 +116,14 @@ def _client_request_id(request: web.Request) -> Optional[str]:
     return None
 
 
+def _events_of(core: Any) -> Optional[dict[str, str]]:
+    """Where a DP rank's KV events are published (None: not published)."""
+    endpoint, replay = core.kv_events_endpoints
+    if endpoint is None:
+        return None
+    return {"endpoint": endpoint, "replay_endpoint": replay} if replay else {"endpoint": endpoint}
+
+
 @web.middleware
 async def _request_id_in_logs(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every line logged while a request is served carries its ``X-Request-Id`` (``--log-format json``)."""
@@ -189,13 +197,16 @@ class OpenAIServer:
             "tp_size": self.engine.args.tp,
             "dp_size": self.engine.dp_size,
             "kv_features": [FIRST_TOKEN, KV_FEATURE_RENDEZVOUS] if self.engine.role != "colocated" else [],
-            "kv_blocks": {"total": total("kv_total"), "free": total("kv_free"), "held": total("kv_held")},
+            "kv_blocks": {"total": total("kv_total"), "free": total("kv_free"), "held": total("kv_held"),
+                          "cached": total("kv_cached")},
             "requests": {"running": total("running"), "waiting": total("waiting"),
                          "waiting_remote_kv": total("waiting_remote")},
             "dp_ranks": [{
                 "dp_rank": rank,
                 "engine_id": self.engine.cores[rank].engine_id,
-                "kv_blocks": {"total": s["kv_total"], "free": s["kv_free"], "held": s["kv_held"]},
+                "kv_blocks": {"total": s["kv_total"], "free": s["kv_free"], "held": s["kv_held"],
+                              "cached": s["kv_cached"]},
+                "kv_events": _events_of(self.engine.cores[rank]),
                 "requests": {"running": s["running"], "waiting": s["waiting"],
                              "waiting_remote_kv": s["waiting_remote"]},
                 "load": {"requests": s["load_requests"], "prompt_tokens": s["load_prompt_tokens"]},
@@ -308,7 +319,8 @@ class OpenAIServer:
                     rid=rid, model=self.model_id, chat=chat, text=self.tokenizer.decode(token_ids),
                     finish_reason=out.finish_reason, prompt_tokens=len(params.prompt_ids),
                     completion_tokens=out.num_output_tokens, created=now_s(),
-                    kv_transfer_params=with_first_token_text(out.kv_transfer_params), stop_reason=out.stop_reason)
+                    kv_transfer_params=with_first_token_text(out.kv_transfer_params), stop_reason=out.stop_reason,
+                    cached_tokens=out.num_cached_tokens)
                 return _json(body, headers=_timed(headers, req)), True
 
     async def _stream(self, request: web.Request, queue: "asyncio.Queue[RequestOutput]", req: Request,
@@ -370,7 +382,8 @@ class OpenAIServer:
                 if params.include_usage:
                     await send({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                                 "created": created, "model": self.model_id, "choices": [],
-                                "usage": usage(len(params.prompt_ids), out.num_output_tokens)})
+                                "usage": usage(len(params.prompt_ids), out.num_output_tokens,
+                                               out.num_cached_tokens)})
                 break
             out = await self._next(request, queue)
         try:

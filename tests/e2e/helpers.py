@@ -82,6 +82,14 @@ def generate(base_url: str, prompt: str, *, chat: bool, stream: bool, max_tokens
         return Result(resp.status, "".join(pieces), finish_reason=finish, usage=usage)
 
 
+def kv_read_floor(before: dict, after: dict, chars: int) -> float:
+    """The fewest KV bytes a decode engine read, between two scrapes of its ``/metrics``, for
+    prompts of ``chars`` characters in all: 4 KiB a token and at least a token a character (the
+    byte tokenizer), less the tokens its own prefix cache held (it reads only the blocks it lacks)."""
+    key = "atom_kv_prefix_cache_hits_total"
+    return (chars - (after.get(key, 0.0) - before.get(key, 0.0))) * 4096
+
+
 def get_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as resp:

@@ -70,7 +70,8 @@ def test_request_id_usage_models_and_metrics(engine):
     status, body = http_json("POST", engine.engine_url(0) + "/v1/completions",
                              {"prompt": "abc", "max_tokens": 3}, headers={"X-Request-Id": "rid-42"})
     assert status == 200
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # a prompt shorter than a block
     assert body["id"].startswith("rid-42")
     status, models = get_json(engine.engine_url(0) + "/v1/models")
     assert status == 200 and models["data"][0]["id"] == "atom-kv-tiny"

@@ -15,7 +15,7 @@ from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.transfer.memory import gpu_unavailable_reason
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json, scrape_metrics
-from tests.e2e.helpers import PROMPTS, generate, get_json
+from tests.e2e.helpers import PROMPTS, generate, get_json, kv_read_floor
 
 _NO_GPU = gpu_unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_NO_GPU is not None, reason=_NO_GPU or "")]
@@ -79,13 +79,15 @@ def _free(c: Cluster, i: int) -> tuple[int, int]:
 def test_pd_on_gpu_equals_colocated_on_gpu(gpu_cluster, colocated_gpu, chat, stream):
     c, route = gpu_cluster
     d = c.index_of("D")
-    before = scrape_metrics(c.engine_url(d) + "/metrics").get("atom_kv_transfer_bytes", 0.0)
+    m0 = scrape_metrics(c.engine_url(d) + "/metrics")
     for prompt in PROMPTS:
         res = generate(c.proxy_url, prompt, chat=chat, stream=stream)
         assert res.status == 200 and res.error is None, res
         assert res.text == colocated_gpu(prompt, chat)
-    after = scrape_metrics(c.engine_url(d) + "/metrics").get("atom_kv_transfer_bytes", 0.0)
-    assert after - before >= sum(len(p) for p in PROMPTS) * 4096  # the KV really moved
+    m1 = scrape_metrics(c.engine_url(d) + "/metrics")
+    moved = m1.get("atom_kv_transfer_bytes", 0.0) - m0.get("atom_kv_transfer_bytes", 0.0)
+    # the KV really moved, but for what the decode engine's prefix cache held
+    assert moved > 0 and moved >= kv_read_floor(m0, m1, sum(len(p) for p in PROMPTS))
     log = c.engines[d].log_text()
     assert "gpu:0 memory" in log  # the decode engine registered its KV cache as GPU memory
     if route == "gpu_ipc":

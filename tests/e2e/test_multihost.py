@@ -37,7 +37,7 @@ from atom_kv.ports import planned_ports
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json, scrape_metrics
 from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
-from tests.e2e.helpers import PROMPTS, Result, generate
+from tests.e2e.helpers import PROMPTS, Result, generate, kv_read_floor
 from tests.e2e.netns import NIC, Hosts, NsProcess, stop_all, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
@@ -188,7 +188,8 @@ def test_pd_across_hosts_equals_colocated_and_listens_only_on_planned_ports(flee
             assert res.text == colocated.text(prompt, chat=chat), (backend, prompt, chat, stream)
     after = fleet.client(scrape_metrics, fleet.url("D") + "/metrics")
     moved = after.get("atom_kv_transfer_bytes", 0.0) - before.get("atom_kv_transfer_bytes", 0.0)
-    assert moved >= 2 * sum(len(p) for p in PROMPTS) * 4096, moved  # the decode host really read the KV
+    # the decode host really read the KV, but for what its prefix cache held
+    assert moved > 0 and moved >= kv_read_floor(before, after, 2 * sum(len(p) for p in PROMPTS)), moved
     logs = {role: _log(fleet.engines[role]) for role in ("P", "D")}
     for role, log in logs.items():  # the proxy answered the signed pings, and the engine said so
         assert f"registered with proxy {fleet.hosts.addr['proxy']}:{DISCOVERY_PORT}" in log, (role, log[-2000:])

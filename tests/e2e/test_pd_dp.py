@@ -13,7 +13,7 @@ import pytest
 
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.web import scrape_metrics
-from tests.e2e.helpers import PROMPTS, generate, get_json
+from tests.e2e.helpers import PROMPTS, generate, get_json, kv_read_floor
 
 # (prefill DP, prefill TP, decode DP, decode TP)
 CONFIGS = [
@@ -87,9 +87,9 @@ def test_pd_equals_colocated_on_every_rank(cluster, colocated):
         served = _per_rank(cluster.engine_url(i), "atom_kv_requests_ok_total", cluster.dp[role])
         assert all(a > b for a, b in zip(served, served_before[i])), (role, served)
     m1 = scrape_metrics(cluster.engine_url(d) + "/metrics")
-    # the decode engine really read every prompt's KV (4 KiB per token in total)
-    assert m1.get("atom_kv_transfer_bytes", 0) - m0.get("atom_kv_transfer_bytes", 0) >= 2 * 4096 * sum(
-        len(x) for x in PROMPTS)
+    # the decode engine really read every prompt's KV (4 KiB per token in total), but for what it had cached
+    moved = m1.get("atom_kv_transfer_bytes", 0) - m0.get("atom_kv_transfer_bytes", 0)
+    assert moved > 0 and moved >= kv_read_floor(m0, m1, 2 * sum(len(x) for x in PROMPTS))
     _wait_all_free(cluster)
 
 

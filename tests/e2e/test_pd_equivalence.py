@@ -20,7 +20,7 @@ import pytest
 from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.web import scrape_metrics
 from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
-from tests.e2e.helpers import PROMPTS, generate, get_json
+from tests.e2e.helpers import PROMPTS, generate, get_json, kv_read_floor
 
 COMBOS = [
     pytest.param((tp_p, tp_d, backend), id=f"P{tp_p}-D{tp_d}-{backend}")
@@ -84,9 +84,9 @@ def test_pd_output_equals_colocated(cluster, colocated, chat, stream, mode):
         assert res.usage is not None and res.usage["completion_tokens"] == 12, res
         assert res.usage["prompt_tokens"] == colocated.usage(prompt, chat=chat)["prompt_tokens"], res
     after = scrape_metrics(cluster.engine_url(d) + "/metrics")
-    # the decode engine really read the prompts' KV (4 KiB per token in total)
-    n_tokens = sum(len(p) for p in PROMPTS)
-    assert after.get("atom_kv_transfer_bytes", 0.0) - before.get("atom_kv_transfer_bytes", 0.0) >= n_tokens * 4096
+    # the decode engine really read the prompts' KV (4 KiB per token in total), but for what it had cached
+    moved = after.get("atom_kv_transfer_bytes", 0.0) - before.get("atom_kv_transfer_bytes", 0.0)
+    assert moved > 0 and moved >= kv_read_floor(before, after, sum(len(p) for p in PROMPTS))
     # continuing from the prefill's token (first-token forwarding, or the rendezvous), the decode engine samples
     # 11 of the 12 tokens; sequential, all 12
     per_request = 11 if mode in ("first_token", "concurrent") else 12
