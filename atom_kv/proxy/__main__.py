@@ -351,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if not settings.discovery and not (settings.static_prefill and settings.static_decode):
-        parser.error("--no-discovery needs at least one --prefill and one --decode")
+        logger.warning("no discovery and no static prefill/decode pair: requests get 503 until engines are added "
+                       "with POST /workers (or /add_worker)")
     problem = tracing_problem(settings)
     if problem is not None:
         print(f"atom-kv-proxy: {problem}", file=sys.stderr)
