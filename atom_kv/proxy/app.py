@@ -17,6 +17,7 @@ from atom_kv._netaddr import is_loopback
 from atom_kv.auth import same_mac
 from atom_kv.logfmt import REQUEST_ID
 from atom_kv.proxy.fleet.discovery import DiscoveryError, DiscoveryListener
+from atom_kv.proxy.fleet.dns import DnsDiscovery, SystemResolver, UdpResolver
 from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
 from atom_kv.proxy.fleet.registry import Instance, Registry
 from atom_kv.proxy.fleet.workers import WorkerError, Workers
@@ -79,6 +80,11 @@ class ProxyState:
                 log_interval_s=settings.log_summary_interval_s,
             )
         self.relay = Relay(settings, self.registry, self.policies, self.health, self.metrics)
+        self.dns = DnsDiscovery(
+            [*settings.prefill_dns, *settings.decode_dns], self.registry,
+            UdpResolver(settings.dns_server, settings.dns_timeout) if settings.dns_server is not None
+            else SystemResolver(settings.dns_timeout), settings.dns_interval_s,
+            log_interval_s=settings.log_summary_interval_s)
         self.workers = Workers(self.registry, max_tp_size=settings.max_tp_size, max_dp_size=settings.max_dp_size,
                                max_instances=settings.max_instances)
         self.completions = CompletionsHandler(self.relay, self.metrics)
@@ -105,6 +111,7 @@ class ProxyState:
             await self.monitor.start()
             if self.discovery is not None:
                 await self.discovery.start()  # raises DiscoveryError with a one-line reason
+            await self.dns.start()
         except BaseException:
             await self.stop()
             raise
@@ -118,6 +125,7 @@ class ProxyState:
         self.started.set()
 
     async def stop(self) -> None:
+        await self.dns.close()
         if self.discovery is not None:
             await self.discovery.close()
         await self.monitor.close()
