@@ -94,6 +94,7 @@ class _ProxyLink:
         self.registered_once = False
         self.awaiting_since: Optional[float] = None  # when the oldest unanswered ping was sent (or dropped)
         self.unanswered = 0  # pings sent and not answered yet (bounded): an answer beyond them is not read
+        self.before_draining = 0  # answers still due to pings sent before the engine started leaving
 
 
 class RegistrationPinger:
@@ -142,8 +143,11 @@ class RegistrationPinger:
         self.leaving()
         return self.left.wait(timeout_s) and self._leaving.is_set()
 
-    def _start_draining(self) -> None:
-        """On the pinger's thread: the ping becomes a draining one."""
+    def _start_draining(self, links: list[_ProxyLink]) -> None:
+        """On the pinger's thread: the ping becomes a draining one (the answers still due to earlier pings
+        do not say a proxy heard it)."""
+        for link in links:
+            link.before_draining = link.unanswered
         self.ping = msgspec.structs.replace(self.ping, draining=True)
         self._fields = msgspec.to_builtins(self.ping)
         self._payload = wire.encode(self.ping)
@@ -223,7 +227,7 @@ class RegistrationPinger:
                 if self._waker_r.fileno() in ready:
                     self._waker_r.recv(64)
                     if self._leaving.is_set() and not self.ping.draining:
-                        self._start_draining()
+                        self._start_draining(links)
                         next_ping = time.monotonic()  # say it now, not at the next interval
                 for link in links:
                     if link.watch.monitor in ready:
@@ -268,7 +272,9 @@ class RegistrationPinger:
                 continue
             self.answers += 1
             link.awaiting_since = None
-            if self.ping.draining:
+            if link.before_draining:
+                link.before_draining -= 1
+            elif self.ping.draining:
                 self.left.set()
             self._changed(link, (answer.status, answer.reason), answer.detail)
 
