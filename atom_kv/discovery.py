@@ -24,6 +24,11 @@ An engine pings only once it serves: a pinger built with
 HTTP address accepts connections (engines that build their connector before
 their HTTP server listens: vLLM, ATOM), so a proxy never probes an engine
 that is still starting.
+
+An engine that is shutting down calls :meth:`RegistrationPinger.leaving`: its
+pings then say ``draining`` (the first at once), and the proxy routes it no
+new legs while the ones it has finish; :attr:`RegistrationPinger.left` is set
+once a proxy answered one.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class _ProxyLink:
         self.registered_once = False
         self.awaiting_since: Optional[float] = None  # when the oldest unanswered ping was sent (or dropped)
         self.unanswered = 0  # pings sent and not answered yet (bounded): an answer beyond them is not read
+        self.before_draining = 0  # answers still due to pings sent before the engine started leaving
 
 
 class RegistrationPinger:
@@ -116,6 +122,35 @@ class RegistrationPinger:
         self._waker_r, self._waker_w = socket.socketpair()  # close() wakes the thread's poll through it
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        self._leaving = threading.Event()  # leaving() was called: the thread turns its pings into draining ones
+        self.left = threading.Event()  # a proxy answered a draining ping (or there is no thread to send one)
+
+    def leaving(self) -> None:
+        """The engine is shutting down: from now on every ping says ``draining`` (the proxy routes it no new
+        legs), the first one at once. Thread-safe; wait on :attr:`left` (bounded) for a proxy to have heard it."""
+        if self._thread is None or self._closed:
+            self.left.set()
+            return
+        self._leaving.set()
+        try:
+            self._waker_w.send(b"d")
+        except OSError:
+            self.left.set()
+
+    def leave(self, timeout_s: float) -> bool:
+        """:meth:`leaving`, then wait up to ``timeout_s`` for a proxy to answer it (blocking: not on a loop);
+        True if one did."""
+        self.leaving()
+        return self.left.wait(timeout_s) and self._leaving.is_set()
+
+    def _start_draining(self, links: list[_ProxyLink]) -> None:
+        """On the pinger's thread: the ping becomes a draining one (the answers still due to earlier pings
+        do not say a proxy heard it)."""
+        for link in links:
+            link.before_draining = link.unanswered
+        self.ping = msgspec.structs.replace(self.ping, draining=True)
+        self._fields = msgspec.to_builtins(self.ping)
+        self._payload = wire.encode(self.ping)
 
     def payload(self) -> bytes:
         """The next ping's bytes: signed with a fresh timestamp and nonce when a token is set."""
@@ -189,6 +224,11 @@ class RegistrationPinger:
                         else:
                             deadline = min(deadline, due)
                 ready = dict(poller.poll(max(0.0, deadline - now) * 1000))
+                if self._waker_r.fileno() in ready:
+                    self._waker_r.recv(64)
+                    if self._leaving.is_set() and not self.ping.draining:
+                        self._start_draining(links)
+                        next_ping = time.monotonic()  # say it now, not at the next interval
                 for link in links:
                     if link.watch.monitor in ready:
                         link.watch.read()
@@ -197,6 +237,7 @@ class RegistrationPinger:
         except zmq.ZMQError as exc:
             logger.error("registration pinger stopped: %s", exc)
         finally:
+            self.left.set()  # nothing more is sent: nobody waits on it
             for link in links:
                 link.watch.close(link.sock)
                 link.sock.close(0)
@@ -231,6 +272,10 @@ class RegistrationPinger:
                 continue
             self.answers += 1
             link.awaiting_since = None
+            if link.before_draining:
+                link.before_draining -= 1
+            elif self.ping.draining:
+                self.left.set()
             self._changed(link, (answer.status, answer.reason), answer.detail)
 
     def _silent(self, link: _ProxyLink) -> None:

@@ -143,6 +143,8 @@ class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=Tru
     #: port + N), and their replay ROUTER; None: it publishes none (or does not say)
     kv_events_endpoint: Optional[EndpointText] = None
     kv_events_replay_endpoint: Optional[EndpointText] = None
+    #: the engine is leaving (its first SIGTERM): the proxy gives it no new legs; its in-flight ones finish
+    draining: bool = False
 
 
 #: a human-readable explanation on the wire (one log line)
@@ -155,7 +157,7 @@ class RegisterAnswer(msgspec.Struct, tag_field="type", tag="register_answer", kw
     """The proxy's answer to a :class:`RegisterPing` that set ``answers`` (proxy ROUTER -> engine DEALER).
 
     ``status``: ``registered`` (``reason`` ``unreachable`` while the proxy cannot reach the engine's
-    URL); ``refused`` with ``reason`` one of ``token``, ``limits``, ``format``,
+    URL); ``refused`` with ``reason`` one of ``token``, ``limits``, ``format``, ``withdrawn``,
     ``address``, ``version``; or ``stale`` (a signed ping whose timestamp is outside the proxy's window:
     the two clocks differ). ``detail`` says why in one line. Informational only: the engine logs it."""
 

@@ -52,6 +52,7 @@ from atom_kv.logfmt import add_log_format_argument, configure_logging
 from atom_kv.proxy.admission.buckets import parse_rate_limit
 from atom_kv.proxy.app import create_app
 from atom_kv.proxy.fleet.discovery import DiscoveryError
+from atom_kv.proxy.fleet.dns import parse_dns_server, parse_dns_spec
 from atom_kv.proxy.fleet.static import parse_engine_spec
 from atom_kv.proxy.http.guard import allowed_host_problem
 from atom_kv.proxy.server import listen_socket, serve_until_signalled
@@ -124,6 +125,23 @@ def _engine(role: str):
     return parse
 
 
+def _dns(role: str):
+    def parse(text: str):
+        try:
+            return parse_dns_spec(role, text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parse.__name__ = "DNS name"
+    return parse
+
+
+def _dns_server(text: str) -> tuple[str, int]:
+    try:
+        return parse_dns_server(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ProxySettings()
     p = OneLineParser(prog="atom-kv-proxy", description="Prefill/decode proxy for ATOM-compatible engines.")
@@ -172,6 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "over dp=)")
     g.add_argument("--decode", dest="static_decode", action="append", type=_engine("D"), default=[], metavar="URL",
                    help="a decode engine (repeatable); optional ,key=value as for --prefill")
+    g.add_argument("--prefill-dns", action="append", type=_dns("P"), default=[], metavar="NAME:PORT[,HANDSHAKE_PORT]",
+                   help="prefill engines at every A record of NAME (repeatable; e.g. a Kubernetes headless "
+                        "service), re-resolved every --dns-interval: new addresses are probed, then routed; gone "
+                        "ones are drained, then removed")
+    g.add_argument("--decode-dns", action="append", type=_dns("D"), default=[], metavar="NAME:PORT",
+                   help="decode engines at every A record of NAME, as for --prefill-dns")
+    g.add_argument("--dns-interval", dest="dns_interval_s", type=_positive, default=d.dns_interval_s,
+                   help="seconds between resolutions of the --prefill-dns/--decode-dns names (default %(default)s)")
+    g.add_argument("--dns-timeout", type=_positive, default=d.dns_timeout,
+                   help="timeout of one resolution (default %(default)s); a failed one keeps the last answer")
+    g.add_argument("--dns-server", type=_dns_server, default=None, metavar="IPV4:PORT",
+                   help="ask this DNS server over UDP instead of the system resolver")
     g.add_argument("--probe-interval", dest="probe_interval_s", type=_positive, default=d.probe_interval_s,
                    help="seconds between /health probes of flagged, new and down engines (default %(default)s)")
     g.add_argument("--probe-timeout", type=_positive, default=d.probe_timeout,
@@ -334,6 +364,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     values = {name: value for name, value in vars(args).items() if name not in _NOT_SETTINGS}
     values["static_prefill"] = tuple(values["static_prefill"])
     values["static_decode"] = tuple(values["static_decode"])
+    values["prefill_dns"] = tuple(values["prefill_dns"])
+    values["decode_dns"] = tuple(values["decode_dns"])
     return ProxySettings(**values)
 
 
@@ -380,8 +412,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except ValueError as exc:
         parser.error(str(exc))
-    if not settings.discovery and not (settings.static_prefill and settings.static_decode):
-        parser.error("--no-discovery needs at least one --prefill and one --decode")
+    if not settings.discovery and not ((settings.static_prefill or settings.prefill_dns)
+                                       and (settings.static_decode or settings.decode_dns)):
+        logger.warning("no discovery and no static prefill/decode pair: requests get 503 until engines are added "
+                       "with POST /workers (or /add_worker)")
     problem = tracing_problem(settings)
     if problem is not None:
         print(f"atom-kv-proxy: {problem}", file=sys.stderr)

@@ -13,12 +13,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from quart import Quart, Response, request
 
+from atom_kv._netaddr import is_loopback
 from atom_kv.auth import same_mac
 from atom_kv.logfmt import REQUEST_ID
 from atom_kv.proxy.admission.buckets import ClientBuckets
 from atom_kv.proxy.fleet.discovery import DiscoveryError, DiscoveryListener
+from atom_kv.proxy.fleet.dns import DnsDiscovery, SystemResolver, UdpResolver
 from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
 from atom_kv.proxy.fleet.registry import Instance, Registry
+from atom_kv.proxy.fleet.workers import WorkerError, Workers
 from atom_kv.proxy.observability.metrics import ProxyMetrics, RequestRecord
 from atom_kv.proxy.relay.errors import ProxyError
 from atom_kv.proxy.relay.fastpath import CompletionsHandler, valid_request_id
@@ -80,6 +83,13 @@ class ProxyState:
         self.relay = Relay(settings, self.registry, self.policies, self.health, self.metrics)
         buckets = None if settings.rate_limit is None else ClientBuckets(
             *settings.rate_limit, max_clients=settings.rate_limit_clients)
+        self.dns = DnsDiscovery(
+            [*settings.prefill_dns, *settings.decode_dns], self.registry,
+            UdpResolver(settings.dns_server, settings.dns_timeout) if settings.dns_server is not None
+            else SystemResolver(settings.dns_timeout), settings.dns_interval_s,
+            log_interval_s=settings.log_summary_interval_s)
+        self.workers = Workers(self.registry, max_tp_size=settings.max_tp_size, max_dp_size=settings.max_dp_size,
+                               max_instances=settings.max_instances)
         self.completions = CompletionsHandler(self.relay, self.metrics, buckets)
         # --otlp-traces-endpoint: made at start (a test may set its own before); None: tracing is off
         self.tracer: ProxyTracer | None = None
@@ -104,6 +114,7 @@ class ProxyState:
             await self.monitor.start()
             if self.discovery is not None:
                 await self.discovery.start()  # raises DiscoveryError with a one-line reason
+            await self.dns.start()
         except BaseException:
             await self.stop()
             raise
@@ -117,6 +128,7 @@ class ProxyState:
         self.started.set()
 
     async def stop(self) -> None:
+        await self.dns.close()
         if self.discovery is not None:
             await self.discovery.close()
         await self.monitor.close()
@@ -227,6 +239,87 @@ def create_app(settings: ProxySettings) -> Quart:
     @app.get("/instances")
     async def instances() -> Response:
         return _admin_refusal() or _json_response(200, state.registry.snapshot())
+
+    # ------------------------------------------------------------------ the worker API (atom_kv.proxy.fleet.workers)
+    def _change_refusal() -> Response | None:
+        """The routes that change the engines: the admin token, and without one only on a loopback proxy
+        (anyone who reaches a wider address could otherwise send every client's requests to an engine of theirs)."""
+        if settings.admin_token is None and not is_loopback(settings.host):
+            return _error_response(ProxyError(403, f"{request.path} changes the proxy's engines: it needs "
+                                                   "--admin-token-file when the proxy listens beyond loopback"))
+        return _admin_refusal()
+
+    def _workers_error(err: WorkerError) -> Response:
+        return _error_response(ProxyError(err.status, err.message))
+
+    async def _json_body() -> object:
+        data = await request.get_data()
+        try:
+            return msgspec.json.decode(data) if data else None
+        except msgspec.DecodeError:
+            raise WorkerError(400, f"{request.method} {request.path}: the body is not JSON") from None
+
+    @app.get("/workers")
+    async def list_workers() -> Response:
+        return _admin_refusal() or _json_response(200, {"workers": state.workers.list()})
+
+    @app.post("/workers")
+    async def add_worker() -> Response:
+        if (refusal := _change_refusal()) is not None:
+            return refusal
+        try:
+            return _json_response(201, state.workers.add_body(await _json_body()))
+        except WorkerError as err:
+            return _workers_error(err)
+
+    @app.post("/workers/drain")
+    async def drain_worker() -> Response:
+        if (refusal := _change_refusal()) is not None:
+            return refusal
+        try:
+            return _json_response(200, {"workers": state.workers.drain(await _json_body())})
+        except WorkerError as err:
+            return _workers_error(err)
+
+    @app.delete("/workers")
+    async def remove_worker() -> Response:
+        if (refusal := _change_refusal()) is not None:
+            return refusal
+        try:
+            return _json_response(200, {"removed": state.workers.remove(
+                request.args.get("url"), request.args.get("role"))})
+        except WorkerError as err:
+            return _workers_error(err)
+
+    # sglang-router's forms: /add_worker?url=...&worker_type=prefill|decode[&bootstrap_port=N],
+    # /remove_worker?url=..., /list_workers
+    @app.post("/add_worker")
+    async def sglang_add_worker() -> Response:
+        if (refusal := _change_refusal()) is not None:
+            return refusal
+        try:
+            return _json_response(200, state.workers.add_query(request.args))
+        except WorkerError as err:
+            return _workers_error(err)
+
+    @app.post("/remove_worker")
+    async def sglang_remove_worker() -> Response:
+        if (refusal := _change_refusal()) is not None:
+            return refusal
+        try:
+            return _json_response(200, {"removed": state.workers.remove(
+                request.args.get("url"), request.args.get("worker_type"), "/remove_worker")})
+        except WorkerError as err:
+            return _workers_error(err)
+
+    @app.get("/list_workers")
+    async def sglang_list_workers() -> Response:
+        if (refusal := _admin_refusal()) is not None:
+            return refusal
+        workers = state.workers.list()
+        return _json_response(200, {"urls": sorted({w["url"] for w in workers}),
+                                    "prefill": [w["url"] for w in workers if w["role"] == "prefill"],
+                                    "decode": [w["url"] for w in workers if w["role"] == "decode"]})
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

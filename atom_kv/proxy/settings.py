@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from atom_kv._netaddr import is_loopback
+from atom_kv.proxy.fleet.dns import DnsTarget
 from atom_kv.proxy.fleet.static import StaticEngine
 from atom_kv.proxy.http.guard import allowed_host_problem
 
@@ -61,6 +62,13 @@ class ProxySettings:
     max_dp_size: int = 512
     static_prefill: tuple[StaticEngine, ...] = ()
     static_decode: tuple[StaticEngine, ...] = ()
+    # DNS discovery (--prefill-dns/--decode-dns): names re-resolved every dns_interval_s, each resolution
+    # bounded by dns_timeout; dns_server: (IPv4, port) queried over UDP (None: the system resolver)
+    prefill_dns: tuple[DnsTarget, ...] = ()
+    decode_dns: tuple[DnsTarget, ...] = ()
+    dns_interval_s: float = 5.0
+    dns_timeout: float = 2.0
+    dns_server: tuple[str, int] | None = None
     probe_interval_s: float = 2.0  # health probes of static, new and down engines
     probe_timeout: float = 2.0
     # relay
@@ -122,6 +130,7 @@ class ProxySettings:
             "tokenize_timeout", "circuit_cooldown_s", "discovery_poll_s", "shutdown_timeout", "probe_interval_s",
             "probe_timeout", "header_timeout", "body_timeout", "stall_timeout", "registration_window_s",
             "log_summary_interval_s", "balance_rel_threshold", "otlp_timeout_s", "circuit_window_s", "queue_timeout",
+            "dns_interval_s", "dns_timeout",
         )
         for name in positive:
             if not getattr(self, name) > 0:

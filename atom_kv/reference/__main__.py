@@ -146,6 +146,9 @@ async def _serve(args: argparse.Namespace, engine, router, make_pinger: Callable
         if args.port_file:
             _write_port_file(args.port_file, port)
         await stop.wait()
+        if pinger is not None:  # the proxies first: they stop routing here before the server stops accepting
+            pinger.leaving()
+            await loop.run_in_executor(None, pinger.left.wait, pinger.answer_timeout_s)
     finally:
         if pinger is not None:
             pinger.close()

@@ -297,3 +297,39 @@ def test_a_proxy_that_goes_away_after_the_ping_arrived_says_the_connection_was_l
         ctx.destroy(linger=0)
     assert "connected before, but the connection was lost" in lines[0], lines
     assert "never connected" not in lines[0], lines
+
+
+def test_leaving_sends_a_signed_draining_ping_at_once_and_waits_for_its_answer():
+    """A real ROUTER plays the proxy; pings are 30 s apart, so only leaving() explains a second one now."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    cfg = config("kv_consumer", 6400, proxy_ip=f"127.0.0.1:{port}", ping_interval_s=30.0, auth_token="s3cret",
+                 registration_answer_timeout_s=30.0)
+    pinger = build_registration_pinger(cfg, role="D", index="0", http_host="127.0.0.1", http_port=8200,
+                                       tp_size=1, engine_id="D-1").start()
+    window = ReplayWindow(60.0)
+    try:
+        assert router.poll(5000), "no first ping"
+        first = router.recv_multipart()
+        assert msgspec.msgpack.decode(first[-1])["draining"] is False
+        pinger.leaving()
+        assert router.poll(5000), "no draining ping before the next interval"
+        frames = router.recv_multipart()
+        fields = msgspec.msgpack.decode(frames[-1])
+        assert fields["draining"] is True and wire.decode(frames[-1], wire.RegistrationMessage).draining
+        verify_fields("s3cret", PURPOSE_REGISTER, fields, window)  # signed like every ping
+        with pytest.raises(AuthError):  # ... and the mark is covered by the MAC
+            verify_fields("s3cret", PURPOSE_REGISTER, dict(fields, draining=False, nonce="other"), window)
+        # the answer to the ping sent before leaving() says nothing about the draining one
+        router.send_multipart([first[0], wire.encode(wire.RegisterAnswer(status="registered"))])
+        wait_until(lambda: pinger.answers == 1, 5, interval=0.02, what="the first answer")
+        assert not pinger.left.is_set()
+        router.send_multipart([frames[0], wire.encode(wire.RegisterAnswer(status="registered"))])
+        assert pinger.left.wait(5)
+    finally:
+        pinger.close()
+        router.close(0)
+        ctx.destroy(linger=0)
+    assert pinger.left.is_set()

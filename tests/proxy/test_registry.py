@@ -163,3 +163,45 @@ def test_a_probe_that_times_out_is_the_reason_and_one_warning_per_change(caplog)
     (warning,) = said()
     assert warning[0] == "WARNING" and "is still down: health probe timed out after 2 s" in warning[1]
     assert inst.state == "down" and inst.down_reason == "health probe timed out after 2 s"
+
+
+def _pinged(url: str = "http://10.0.0.7:8200", **kw) -> Registration:
+    return Registration(role="D", base_url=url, host="10.0.0.7", http_port=8200, handshake_port=6301, dp_size=1,
+                        tp_size=1, **kw)
+
+
+async def test_removed_pinged_engine_comes_back_unless_drained():
+    from atom_kv.proxy.fleet.registry import UP, Drain, Withdrawn
+
+    r = Registry(heartbeat_timeout=5.0, circuit_failures=3, circuit_cooldown_s=1.0)
+    r.upsert(_pinged(), now=100.0)
+    inst = r.get("D", "http://10.0.0.7:8200")
+    r.mark_up(inst, now=100.0)
+    assert r.live("D", now=100.0) == [inst]
+    r.remove(inst)  # not drained: its next ping registers it again
+    assert r.upsert(_pinged(), now=101.0) is True
+    inst = r.get("D", "http://10.0.0.7:8200")
+    r.mark_up(inst, now=101.0)
+    r.set_drain(inst, Drain.OPERATOR)
+    assert r.live("D", now=101.0) == [] and inst.state == UP
+    r.upsert(_pinged(), now=102.0)  # a ping does not end an operator's drain
+    assert inst.draining and r.live("D", now=102.0) == []
+    r.remove(inst)
+    with pytest.raises(Withdrawn):
+        r.upsert(_pinged(), now=103.0)  # drained and removed: stays out while it pings
+    with pytest.raises(Withdrawn):
+        r.upsert(_pinged(), now=107.0)
+    assert r.get("D", "http://10.0.0.7:8200") is None
+    r.evict_expired(now=112.5)  # silent past the heartbeat timeout: a later ping is a new engine
+    assert r.upsert(_pinged(), now=113.0) is True
+
+
+async def test_a_draining_ping_takes_the_engine_out_of_routing_and_a_fresh_one_back():
+    r = Registry(heartbeat_timeout=5.0, circuit_failures=3, circuit_cooldown_s=1.0)
+    r.upsert(_pinged(), now=100.0)
+    inst = r.get("D", "http://10.0.0.7:8200")
+    r.mark_up(inst, now=100.0)
+    r.upsert(_pinged(draining=True), now=100.5)
+    assert inst.draining and r.live("D", now=100.5) == [] and r.counts(now=100.5)["decode"] == 0
+    r.upsert(_pinged(), now=101.0)  # restarted: its new process pings without it
+    assert not inst.draining and r.live("D", now=101.0) == [inst]

@@ -421,4 +421,7 @@ class _Announcer:
         ).start()
 
     def close(self) -> None:
+        # ATOM tells the connector nothing before it stops: its close is the first word; a draining ping
+        # still takes the engine out of routing now instead of at the proxy's heartbeat timeout
+        self._pinger.leave(min(1.0, self._pinger.answer_timeout_s))
         self._pinger.close()

@@ -142,6 +142,9 @@ class _SchedulerSide:
 
     def close(self) -> None:
         if self.pinger is not None:
+            # vLLM tells the connector nothing before it stops: its shutdown is the first word; a draining
+            # ping still takes the engine out of routing now instead of at the proxy's heartbeat timeout
+            self.pinger.leave(min(1.0, self.pinger.answer_timeout_s))
             self.pinger.close()
         self.hooks.close()
 

@@ -39,7 +39,7 @@ from atom_kv.proxy.fleet.pings import (  # noqa: F401 - re-exported: the names t
     MAX_PING_BYTES, REQUIRED_TRANSFER_MODE, DiscoveryMessage, MoriioDecodePing, MoriioPrefillPing,
     UnspecifiedAddress, decode_discovery, decode_discovery_map, decode_raw, to_message, to_registration,
 )
-from atom_kv.proxy.fleet.registry import UP, Registry, RegistryFull
+from atom_kv.proxy.fleet.registry import UP, Registry, RegistryFull, Withdrawn
 from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.wire import (
     PROTOCOL_VERSION, REFUSED, REGISTERED, STALE, HelloPing, RegisterAnswer, RegisterPing, WireError, encode,
@@ -299,6 +299,8 @@ class DiscoveryListener:
             self.registry.upsert(reg)
         except RegistryFull as exc:
             return self._refuse(wants, "capacity", who, str(exc), "limits")
+        except Withdrawn as exc:
+            return self._refuse(wants, "withdrawn", who, str(exc), "withdrawn")
         if self.guard is not None and peer:
             self.guard.trust(peer)
         if not wants:

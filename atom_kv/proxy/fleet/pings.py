@@ -151,6 +151,7 @@ def to_registration(msg: RegisterPing | _MoriioPing) -> Registration:
             handshake_port=msg.handshake_port, dp_size=msg.dp_size, tp_size=msg.tp_size, index=msg.index,
             engine_id=msg.engine_id, model=msg.model, source="atom",
             features=None if msg.kv_features is None else frozenset(msg.kv_features),
+            draining=msg.draining,
         )
     _check_sizes(msg.dp_size, msg.tp_size)
     host, sep, port_text = msg.http_address.rpartition(":")

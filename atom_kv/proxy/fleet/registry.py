@@ -9,7 +9,9 @@ fail at the connection level). New instances start *pending* (starting)
 until a probe reaches them, whatever the probes before found: an engine may
 register before its server listens, and that is not "down". An instance that
 was up and whose connection is refused or reset goes *down* at once and comes
-back on the next successful probe. Why a probe did not reach an instance is
+back on the next successful probe. A *draining* instance (:class:`Drain`: the operator's
+``POST /workers/drain``, its own ping saying it is leaving, or its DNS name no longer naming it)
+gets no new legs; the legs it has finish. Why a probe did not reach an instance is
 its ``down_reason`` and, as a kind, its ``probe_failure``
 (:class:`ProbeFailure`); a probe that times out (packets dropped on the way,
 or an engine that accepts and never answers) is logged as a WARNING once per
@@ -47,6 +49,26 @@ class ProbeFailure(Enum):
     TIMED_OUT = "timed out"  # no connection or no answer in time: packets dropped (a firewall), or a hung engine
 
 
+class Origin(Enum):
+    """Where the proxy learnt of an instance (``source`` in ``GET /workers``)."""
+
+    STATIC = "static"  # --prefill/--decode
+    PING = "ping"  # a registration ping (ATOM or MoRIIO format)
+    DNS = "dns"  # an A record of --prefill-dns/--decode-dns
+    API = "api"  # POST /workers (or /add_worker)
+
+
+class Drain(Enum):
+    """Why an instance takes no new legs while its in-flight ones finish."""
+
+    OPERATOR = "operator"  # POST /workers/drain: kept across its pings until it is removed
+    DNS = "dns"  # its address left its DNS name: removed once idle
+
+
+class Withdrawn(Exception):
+    """A ping from an engine the operator drained and removed: not registered again while it keeps pinging."""
+
+
 class RegistryFull(Exception):
     """No room for another discovered instance (``max_instances`` live and up)."""
 
@@ -79,6 +101,8 @@ class Registration:
     notify_port: int | None = None
     source: str = "atom"  # "atom" / "moriio" ping, or "static"
     features: frozenset[str] | None = None  # ``kv_features`` (ping or /health); None: nothing said yet
+    draining: bool = False  # its latest ping said it is leaving (first SIGTERM): no new legs
+    events: str | None = None  # its KV events endpoint (POST /workers ``events``), for KV-aware routing
 
 
 @dataclass
@@ -90,6 +114,8 @@ class Instance:
     reg: Registration
     breaker: CircuitBreaker
     state: str = PENDING
+    origin: Origin = Origin.PING
+    drain: Drain | None = None  # drained by the operator or by DNS (a ping's ``draining`` is ``reg.draining``)
     down_reason: str = ""
     last_error: LastError | None = None  # the latest failed exchange with it (set by the relay)
     probe_failure: ProbeFailure | None = None  # the kind of the last failed probe (None: reached, or not probed)
@@ -163,6 +189,11 @@ class Instance:
     @property
     def features(self) -> frozenset[str]:
         return self.reg.features or frozenset()
+
+    @property
+    def draining(self) -> bool:
+        """Takes no new legs: drained (:class:`Drain`) or leaving by its own ping."""
+        return self.drain is not None or self.reg.draining
 
     @property
     def static(self) -> bool:
@@ -263,6 +294,7 @@ class Instance:
             "model": self.model,
             "source": self.source,
             "state": self.state,
+            "draining": self.draining,
             "down_reason": self.down_reason or None,
             "last_error": None if self.last_error is None else {"message": self.last_error.message,
                                                                 "at": self.last_error.at},
@@ -306,6 +338,8 @@ class Registry:
         self._waiters: list[asyncio.Future] = []
         self.wakeup = asyncio.Event()
         self.discovered = 0  # instances that came from pings (the ones max_instances bounds)
+        # pinged engines drained and then removed by the operator: role, URL -> when last heard (bounded, expiring)
+        self._withdrawn: dict[tuple[str, str], float] = {}
         # a flood of registrations must not become a flood of log lines
         self._info = RateLimitedLog(logger, "instance changes", level=logging.INFO, burst=32)
         self._warn = RateLimitedLog(logger, "instance problems", level=logging.WARNING, burst=16)
@@ -356,6 +390,10 @@ class Registry:
         """Add or refresh an instance from a ping; True when it is new. Raises :class:`RegistryFull`."""
         now = time.monotonic() if now is None else now
         key = (reg.role, reg.base_url)
+        if key in self._withdrawn:
+            self._withdrawn[key] = now
+            raise Withdrawn(f"{reg.base_url} was drained and removed by the operator (DELETE /workers); add it "
+                            "again with POST /workers, or restart the proxy")
         inst = self._instances.get(key)
         new = inst is None
         if inst is None:
@@ -366,6 +404,9 @@ class Registry:
             self.wakeup.set()
         elif not inst.static:  # a static engine's record is its spec's and its probes'
             inst.register(reg)
+        elif inst.reg.draining != reg.draining:  # ... but one that pings may say it is leaving
+            inst.learn(draining=reg.draining)
+            self._changed()
         inst.last_seen = now
         inst.last_seen_wall = time.time()
         if not new:
@@ -381,12 +422,16 @@ class Registry:
         """The instance registered as ``role`` at ``base_url``, if any."""
         return self._instances.get((role, base_url))
 
-    def add_static(self, engine: StaticEngine) -> Instance:
-        """Register an engine given by flag; it is probed, never evicted."""
+    def add_static(self, engine: StaticEngine, origin: Origin = Origin.STATIC, events: str | None = None) -> Instance:
+        """Register an engine given by flag (or by the worker API, or found in DNS: ``origin``); it is
+        probed, never evicted by the heartbeat."""
+        self._withdrawn.pop((engine.role, engine.base_url), None)
         inst = self._new_instance(Registration(
             role=engine.role, base_url=engine.base_url, host=engine.host,  # type: ignore[arg-type]
             http_port=engine.http_port, handshake_port=engine.handshake_port, dp_size=engine.dp_size or 1,
-            tp_size=engine.tp_size or 1, engine_id=engine.engine_id, notify_port=engine.notify_port, source="static"))
+            tp_size=engine.tp_size or 1, engine_id=engine.engine_id, notify_port=engine.notify_port, source="static",
+            events=events))
+        inst.origin = origin
         inst.dp_rank_field = engine.dp_rank_field
         inst.spec_dp_size = engine.dp_size
         inst.pinned = frozenset(k for k, v in (("tp_size", engine.tp_size), ("engine_id", engine.engine_id)) if v)
@@ -394,6 +439,23 @@ class Registry:
         self._changed()
         self.wakeup.set()
         return inst
+
+    def remove(self, inst: Instance) -> None:
+        """Forget ``inst`` (the worker API, DNS). A pinged engine comes back on its next ping, unless it was
+        drained: then its pings are refused (:class:`Withdrawn`) until it is silent for the heartbeat timeout."""
+        if self._instances.get(inst.key) is not inst:
+            return
+        if inst.origin is Origin.PING and inst.draining:
+            if len(self._withdrawn) >= self.max_instances:
+                del self._withdrawn[min(self._withdrawn, key=self._withdrawn.__getitem__)]
+            self._withdrawn[inst.key] = time.monotonic()
+        self._remove(inst)
+
+    def set_drain(self, inst: Instance, drain: Drain | None) -> None:
+        """Start (or, with None, end) draining ``inst``: while drained it gets no new legs."""
+        if inst.drain is not drain:
+            inst.drain = drain
+            self._changed()
 
     # ------------------------------------------------------------------ health
     def mark_down(self, inst: Instance, reason: str, failure: ProbeFailure | None = None) -> bool:
@@ -452,6 +514,8 @@ class Registry:
         """Drop discovered instances not heard from for ``heartbeat_timeout``; static
         ones stay known but are reported once. Returns both kinds."""
         now = time.monotonic() if now is None else now
+        for key in [k for k, heard in self._withdrawn.items() if now - heard > self.heartbeat_timeout]:
+            del self._withdrawn[key]  # silent: a later ping is a new engine
         gone = [i for i in self._instances.values()
                 if not self.alive(i, now) and not (i.static and (i.expired or i.last_seen == 0.0))]
         for inst in gone:
@@ -481,9 +545,9 @@ class Registry:
         return list(self._by_role()[role])
 
     def live(self, role: Role, now: float | None = None) -> list[Instance]:
-        """Routable instances of ``role`` (live and up), in a stable (address) order."""
+        """Routable instances of ``role`` (live, up and not draining), in a stable (address) order."""
         now = time.monotonic() if now is None else now
-        return [i for i in self._by_role()[role] if i.state == UP and self.alive(i, now)]
+        return [i for i in self._by_role()[role] if i.state == UP and not i.draining and self.alive(i, now)]
 
     def usable(self, role: Role, now: float | None = None) -> list[Instance]:
         """Live, up, and not behind an open circuit: what a request can be sent to now."""

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from atom_kv.config import is_port
 
-__all__ = ["StaticEngine", "parse_engine_spec"]
+__all__ = ["StaticEngine", "build_engine", "parse_engine_spec"]
 
 _KEYS = ("tp", "dp", "engine_id", "notify_port", "dp_rank_field")
 
@@ -40,29 +40,29 @@ class StaticEngine:
     dp_rank_field: bool = False
 
 
-def _flag(text: str, what: str, spec: str) -> bool:
+def _flag(text: str, what: str, where: str) -> bool:
     if text not in ("0", "1"):
-        raise ValueError(f"{spec!r}: {what} must be 0 or 1, got {text!r}")
+        raise ValueError(f"{where}: {what} must be 0 or 1, got {text!r}")
     return text == "1"
 
 
-def _port(text: str, what: str, spec: str) -> int:
+def _port(text: str, what: str, where: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{spec!r}: {what} must be a port number, got {text!r}") from None
+        raise ValueError(f"{where}: {what} must be a port number, got {text!r}") from None
     if not is_port(value, allow_zero=False):
-        raise ValueError(f"{spec!r}: {what} must be 1..65535, got {value}")
+        raise ValueError(f"{where}: {what} must be 1..65535, got {value}")
     return value
 
 
-def _positive(text: str, what: str, spec: str) -> int:
+def _positive(text: str, what: str, where: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(f"{spec!r}: {what} must be an integer, got {text!r}") from None
+        raise ValueError(f"{where}: {what} must be an integer, got {text!r}") from None
     if value < 1:
-        raise ValueError(f"{spec!r}: {what} must be >= 1, got {value}")
+        raise ValueError(f"{where}: {what} must be >= 1, got {value}")
     return value
 
 
@@ -70,37 +70,50 @@ def parse_engine_spec(role: str, spec: str) -> StaticEngine:
     """Parse one ``--prefill``/``--decode`` value; raises ValueError naming what is wrong."""
     if role not in ("P", "D"):
         raise ValueError(f"role must be 'P' or 'D', got {role!r}")
+    where = repr(spec)
     parts = [p.strip() for p in spec.split(",")]
-    url = parts[0]
-    try:
-        split = urlsplit(url)
-        port = split.port
-    except ValueError as exc:
-        raise ValueError(f"{spec!r}: bad URL: {exc}") from None
-    if split.scheme not in ("http", "https") or not split.hostname:
-        raise ValueError(f"{spec!r}: expected an http URL such as http://10.0.0.5:8000")
-    if port is None:
-        port = 443 if split.scheme == "https" else 80
     fields: dict[str, str] = {}
-    handshake: int | None = None
+    handshake: str | None = None
     for i, part in enumerate(parts[1:]):
         key, sep, value = part.partition("=")
         if not sep:
             if i == 0 and part.lower() != "none":
-                handshake = _port(part, "HANDSHAKE_PORT", spec)
+                handshake = part
             elif i != 0 or part.lower() != "none":
-                raise ValueError(f"{spec!r}: expected key=value after the URL and handshake port, got {part!r}")
+                raise ValueError(f"{where}: expected key=value after the URL and handshake port, got {part!r}")
             continue
         key = key.strip()
         if key not in _KEYS:
-            raise ValueError(f"{spec!r}: unknown key {key!r} (allowed: {', '.join(_KEYS)})")
+            raise ValueError(f"{where}: unknown key {key!r} (allowed: {', '.join(_KEYS)})")
         fields[key] = value.strip()
+    return build_engine(role, parts[0], handshake, fields, where)
+
+
+def build_engine(role: str, url: str, handshake: str | None, fields: dict[str, str], where: str,
+                 names: dict[str, str] | None = None) -> StaticEngine:
+    """Check one engine's fields (``fields`` keyed as in a spec: ``tp``, ``dp``, ...; ``names``: what the
+    caller calls them, for the errors) as a ``--prefill`` spec is checked; ValueError prefixed with ``where``."""
+    names = names or {}
+    try:
+        split = urlsplit(url)
+        port = split.port
+    except ValueError as exc:
+        raise ValueError(f"{where}: bad URL: {exc}") from None
+    if split.scheme not in ("http", "https") or not split.hostname:
+        raise ValueError(f"{where}: expected an http URL such as http://10.0.0.5:8000, got {url!r}")
+    if port is None:
+        port = 443 if split.scheme == "https" else 80
+
+    def name(key: str) -> str:
+        return names.get(key, key)
+
     return StaticEngine(
         role=role, url=url, base_url=f"{split.scheme}://{split.netloc}", host=split.hostname, http_port=port,
-        handshake_port=handshake,
-        tp_size=_positive(fields["tp"], "tp", spec) if "tp" in fields else None,
-        dp_size=_positive(fields["dp"], "dp", spec) if "dp" in fields else None,
+        handshake_port=None if handshake is None else _port(handshake, name("HANDSHAKE_PORT"), where),
+        tp_size=_positive(fields["tp"], name("tp"), where) if "tp" in fields else None,
+        dp_size=_positive(fields["dp"], name("dp"), where) if "dp" in fields else None,
         engine_id=fields.get("engine_id") or None,
-        notify_port=_port(fields["notify_port"], "notify_port", spec) if "notify_port" in fields else None,
-        dp_rank_field=_flag(fields["dp_rank_field"], "dp_rank_field", spec) if "dp_rank_field" in fields else False,
+        notify_port=_port(fields["notify_port"], name("notify_port"), where) if "notify_port" in fields else None,
+        dp_rank_field=(_flag(fields["dp_rank_field"], name("dp_rank_field"), where) if "dp_rank_field" in fields
+                       else False),
     )
