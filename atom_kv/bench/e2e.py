@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -200,8 +201,12 @@ def run(args: argparse.Namespace) -> int:
         _stream(cluster.proxy_url, "warm up", 4)
         _stream(cluster.engine_url(cluster.index_of("colocated")), "warm up", 4)
         results = [_measure(cluster, size, args) for size in sizes]
-    finally:
+    except BaseException:
         cluster.close()
+        print(f"e2e bench: the processes' logs are kept in {cluster.log_dir}", file=sys.stderr)
+        raise
+    cluster.close()
+    shutil.rmtree(cluster.log_dir, ignore_errors=True)  # a run that went through leaves no log folder behind
     equal_tp = args.tp_prefill == args.tp_decode
     equal = all(r["pd_equals_colocated"] for r in results)
     doc = {"suite": "e2e", "backend": args.backend, "device": args.device, "tp_prefill": args.tp_prefill,

@@ -121,8 +121,8 @@ class Releaser:
             queued += 1
         if queued:
             self._metrics.releases.labels("sent").inc(queued)
-            logger.debug("released transfer %s at %s:%d (%d ranks, %s)", transfer_id, address.host, address.port,
-                         address.tp_size, reason)
+            logger.debug("released transfer %s at %s:%d (%d rank%s, %s)", transfer_id, address.host, address.port,
+                         address.tp_size, "" if address.tp_size == 1 else "s", reason)
         return queued
 
     def _socket(self, host: str, port: int) -> zmq.asyncio.Socket:
