@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any, Callable, Optional
@@ -49,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-prefill", type=int, default=1, choices=[1, 2])
     parser.add_argument("--tp-decode", type=int, default=1, choices=[1, 2])
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    parser.add_argument("--kv-checksums", action="store_true",
+                        help="compare per-block checksums of the KV the decode engine loaded with what the prefill "
+                             "lent, per (block, layer, k/v, head), so across unequal TP too (target: equal)")
     parser.add_argument("--breakdown", action="store_true",
                         help="print where the time to first token goes, span by span (see atom_kv.bench.breakdown)")
     parser.add_argument("--breakdown-tokens", default="64,2000", help="--breakdown: prompt sizes in tokens")
@@ -187,24 +192,35 @@ def run(args: argparse.Namespace) -> int:
     blocks = (max(sizes) + args.max_tokens + 64) // 16 + 64
     extra = ["--max-model-len", str(max(sizes) + args.max_tokens + 64), "--max-num-batched-tokens",
              str(max(sizes) + 64), "--device", args.device]
+    sums = tempfile.TemporaryDirectory(prefix="atom-kv-e2e-checksums-") if args.kv_checksums else None
+    sums_of = {role: ["--kv-checksums", os.path.join(sums.name, role)] if sums else [] for role in ("P", "D")}
     cluster = Cluster([
-        EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=blocks, extra_args=extra),
-        EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=blocks, extra_args=extra),
+        EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=blocks, extra_args=extra + sums_of["P"]),
+        EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=blocks, extra_args=extra + sums_of["D"]),
         EngineSpec("colocated", num_blocks=blocks, extra_args=extra),
     ], heartbeat_timeout=10.0)
+    checksums = None
     try:
         cluster.start(timeout=120)
         _stream(cluster.proxy_url, "warm up", 4)
         _stream(cluster.engine_url(cluster.index_of("colocated")), "warm up", 4)
         results = [_measure(cluster, size, args) for size in sizes]
+        if sums is not None:
+            from atom_kv.reference.kv_checksums import compare, read_records
+
+            checksums = compare(read_records(os.path.join(sums.name, "P")), read_records(os.path.join(sums.name, "D")))
     finally:
         cluster.close()
+        if sums is not None:
+            sums.cleanup()
     equal_tp = args.tp_prefill == args.tp_decode
     equal = all(r["pd_equals_colocated"] for r in results)
     doc = {"suite": "e2e", "backend": args.backend, "device": args.device, "tp_prefill": args.tp_prefill,
            "tp_decode": args.tp_decode, "max_tokens": args.max_tokens, "repeats": args.repeats,
            "pd_equals_colocated": equal, "results": results}
-    failed = equal_tp and not equal
+    if checksums is not None:
+        doc["kv_checksums"] = checksums
+    failed = (equal_tp and not equal) or (checksums is not None and not checksums["equal"])
     if args.json:
         print(json.dumps(doc, indent=2))
         return 1 if failed else 0
@@ -227,4 +243,9 @@ def run(args: argparse.Namespace) -> int:
               f"{'met' if equal else 'MISSED'}")
     else:
         print(f"P/D text == colocated text: {equal} (not a target where TP differs: the reduction order differs)")
+    if checksums is not None:
+        print(f"target: the KV the decode engine loaded == what the prefill lent, per (block, layer, k/v, head), "
+              f"at TP {args.tp_prefill}/{args.tp_decode}: {checksums['compared']} compared over "
+              f"{checksums['transfers']} transfers, {checksums['differ']} differ, {checksums['missing']} not lent: "
+              f"{'met' if checksums['equal'] else 'MISSED'}")
     return 1 if failed else 0
