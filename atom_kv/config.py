@@ -339,6 +339,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     nixl_plugins: NixlPlugins = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_progress_threads: NonNegativeInt = 0
     nixl_ucx_tls: Optional[NonEmptyStr] = None
+    nixl_ucx_proto_info: bool = False
     # --- listeners and addresses (the port plan: atom_kv.ports) -------------
     advertise_host: Optional[NonEmptyStr] = None
     bind_host: Optional[NonEmptyStr] = None
