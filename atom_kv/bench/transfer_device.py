@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 

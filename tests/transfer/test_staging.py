@@ -1,5 +1,5 @@
-"""The staging and batching code that GPU memory goes through, run on host
-tensors through the host copier (only the device copies themselves differ)."""
+"""The staging code that GPU memory goes through, run on host memory through
+the host copier and FAKE device copiers (only the device copies themselves differ)."""
 
 from __future__ import annotations
 
@@ -14,75 +14,12 @@ import torch
 from atom_kv.config import KVTransferConfig
 from atom_kv.testing.fake_copier import FakeDeviceCopier
 from atom_kv.transfer import create_backend
-from atom_kv.transfer._batched_copy import copy_ranges, cut_pieces, range_rows, row_unit
+from atom_kv.transfer._batched_copy import cut_pieces, range_rows
 from atom_kv.transfer._regions import RegionTable
 from atom_kv.transfer.staging import HostCopier, HostLane, StagedReceiver, StagingPool, recv_staged, send_staged
 
 
-def _naive(src: np.ndarray, so, dst: np.ndarray, do, sizes) -> None:
-    for a, b, n in zip(so, do, sizes):
-        dst[b : b + n] = src[a : a + n]
-
-
-@pytest.mark.parametrize("mode", ["direct", "gather"])
-@pytest.mark.parametrize("block, n, shift", [(4096, 64, 0), (256, 300, 8), (96, 50, 4), (7, 40, 1)])
-def test_copy_ranges_matches_one_copy_per_range(block, n, shift, mode):
-    rng = np.random.default_rng(block)
-    src = rng.integers(0, 256, block * n + shift, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    want = dst.copy()
-    so = rng.permutation(n)[: n // 2] * block + shift
-    do = rng.permutation(n)[: n // 2] * block
-    sizes = np.full(len(so), block)
-    copy_ranges(torch.from_numpy(src), so, torch.from_numpy(dst), do, sizes, mode=mode)
-    _naive(src, so, want, do, sizes)
-    assert np.array_equal(dst, want)
-
-
-def test_copy_ranges_contiguous_and_mixed_sizes():
-    src = np.arange(1 << 16, dtype=np.uint32).view(np.uint8)
-    dst = np.zeros_like(src)
-    copy_ranges(torch.from_numpy(src), np.array([0, 4096]), torch.from_numpy(dst), np.array([8192, 12288]),
-                np.array([4096, 8192]))
-    assert np.array_equal(dst[8192 : 8192 + 12288], src[:12288]) and not dst[:8192].any()
-
-
-def _count(monkeypatch, owner, name, calls):
-    real = getattr(owner, name)
-    label = f"{'Tensor' if owner is torch.Tensor else 'torch'}.{name}"
-
-    def counting(*args, **kwargs):
-        calls.append(label)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, counting)
-
-
-@pytest.mark.parametrize("mode", ["direct", "gather"])
-@pytest.mark.parametrize("scatter_dst", [False, True], ids=["dst-run", "dst-scattered"])
-def test_copy_ranges_is_one_batched_call_however_many_blocks(monkeypatch, mode, scatter_dst):
-    src = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)
-    dst = torch.zeros_like(src)
-    perm = np.random.default_rng(3).permutation(1024)
-    dperm = np.random.default_rng(4).permutation(1024) if scatter_dst else np.arange(1024)
-    calls: list[str] = []
-    _count(monkeypatch, torch.Tensor, "index_select", calls)  # a gather into a new tensor
-    _count(monkeypatch, torch.Tensor, "index_copy_", calls)
-    _count(monkeypatch, torch, "index_select", calls)  # with out=: straight into the destination rows
-    _count(monkeypatch, torch, "_foreach_copy_", calls)
-    copy_ranges(src, perm * 4096, dst, dperm * 4096, np.full(1024, 4096), mode=mode)
-    want = torch.zeros_like(src).view(1024, 4096)
-    want[torch.from_numpy(dperm)] = src.view(-1, 4096)[torch.from_numpy(perm)]
-    assert torch.equal(dst.view(1024, 4096), want)
-    if mode == "gather":  # a gather into a temporary, then a scatter (or slice copy) from it
-        assert calls == (["Tensor.index_select", "Tensor.index_copy_"] if scatter_dst else ["Tensor.index_select"])
-    else:  # straight from the source ranges into the destination ranges, one batched call, no temporary
-        assert calls == (["torch._foreach_copy_"] if scatter_dst else ["torch.index_select"])
-
-
-def test_units_and_rows():
-    assert row_unit(np.array([4096, 8192]), np.array([12288])) == 4096
-    assert row_unit(np.array([3]), np.array([4])) == 1
+def test_range_rows():
     assert range_rows(np.array([5, 0]), np.array([2, 3])).tolist() == [5, 6, 0, 1, 2]
 
 
