@@ -75,6 +75,14 @@ StagingPieceBytes = Annotated[int, msgspec.Meta(
     ge=MIN_STAGING_PIECE_BYTES, le=MAX_STAGING_PIECE_BYTES,
     description=f"a number of bytes in {MIN_STAGING_PIECE_BYTES}..{MAX_STAGING_PIECE_BYTES}")]
 
+#: how long a gpu_ipc ``wait()`` may query its fences before it blocks
+MAX_WAIT_SPIN_US = 1000.0
+SpinMicroseconds = Annotated[float, msgspec.Meta(
+    ge=0, le=MAX_WAIT_SPIN_US, description=f"a number of microseconds in 0..{MAX_WAIT_SPIN_US:g}")]
+
+#: staging buffers in one ring (one connection's pipeline)
+StagingRingBuffers = Annotated[int, msgspec.Meta(ge=2, le=16, description="an integer in 2..16")]
+
 _POST_BATCH_DEFAULT = -1
 _POST_BATCH_SIZE = f"{_POST_BATCH_DEFAULT} (library default) or >= 1"
 PostBatchSize = Annotated[int, msgspec.Meta(ge=_POST_BATCH_DEFAULT, description=_POST_BATCH_SIZE)]
@@ -318,8 +326,10 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # None: the default above, or (deprecated) the cma_grant_* value when that was changed
     gpu_ipc_grant_timeout_s: Optional[PositiveSeconds] = None
     gpu_ipc_grant_max_connections: Optional[PositiveInt] = None
-    staging_piece_bytes: StagingPieceBytes = 4 << 20
-    staging_pool_pairs: Optional[PositiveInt] = None  # None: tcp_server_threads + tcp_streams
+    gpu_ipc_wait_spin_us: SpinMicroseconds = 50.0
+    staging_piece_bytes: StagingPieceBytes = 1 << 20
+    staging_pool_pairs: Optional[PositiveInt] = None  # rings; None: tcp_server_threads + tcp_streams
+    staging_ring_buffers: StagingRingBuffers = 4
     # --- pre-authentication fair shares (docs/security.md) ---
     handshake_max_connections: PositiveInt = 1024
     handshake_max_unproven_connections_per_source: PositiveInt = 64
@@ -332,6 +342,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     nixl_plugins: NixlPlugins = msgspec.field(default_factory=lambda: ["UCX"])
     nixl_progress_threads: NonNegativeInt = 0
     nixl_ucx_tls: Optional[NonEmptyStr] = None
+    nixl_ucx_proto_info: bool = False
     # --- listeners and addresses (the port plan: atom_kv.ports) -------------
     advertise_host: Optional[NonEmptyStr] = None
     bind_host: Optional[NonEmptyStr] = None

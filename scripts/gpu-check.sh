@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Check this GPU machine offline, in minutes: scripts/gpu-check.sh OUTDIR [--kit DIR] [--budget-s S]
-# (docs/gpu.md, "An air-gapped GPU machine"). Installs the kit from `make gpu-kit` with --no-index into
-# a scratch venv on top of this machine's own torch, runs the `gpu` tests and the GPU bench, and writes
-# OUTDIR/summary.txt and OUTDIR/summary.json.
+# [--only tests,bench,e2e] (docs/gpu.md, "An air-gapped GPU machine"). Installs the kit from `make gpu-kit`
+# with --no-index into a scratch venv on top of this machine's own torch, runs the `gpu` tests, the GPU bench
+# and the engines end to end (or only the groups --only names), and writes OUTDIR/summary.txt and .json.
 #   GPU_CHECK_PYTHON  the Python whose packages (torch) the venv builds on (default: python3)
 #   GPU_KIT           the kit folder (default: gpu-kit/ in this checkout; --kit overrides)
 set -u
@@ -13,7 +13,7 @@ if ! command -v "$py" >/dev/null 2>&1; then
     exit 2
 fi
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    echo "usage: scripts/gpu-check.sh OUTDIR [--kit DIR] [--budget-s S] [--keep-venv]" >&2
+    echo "usage: scripts/gpu-check.sh OUTDIR [--kit DIR] [--budget-s S] [--only tests,bench,e2e] [--keep-venv]" >&2
     exit 2
 fi
 exec "$py" "$root/scripts/gpu_check.py" "$@"

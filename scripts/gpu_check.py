@@ -2,9 +2,12 @@
 
 Creates a scratch venv on top of this Python's own packages (its torch),
 installs the kit (``make gpu-kit``) with ``--no-index``, runs the checkout in
-place, then the ``gpu`` tests and the GPU bench, each step in its own process
-group with its own timeout, all inside one budget (``--budget-s``, 450 s by
-default: done inside 8 minutes). Writes ``OUTDIR/summary.txt``,
+place, then the whole ``gpu`` test set, the GPU bench, and the reference
+engines end to end (TP 2 -> 1 and 1 -> 2 with the per-block KV checksums,
+then 1 -> 1, five requests each), each step in its own process group with
+its own timeout, all inside one budget (``--budget-s``, 450 s by default:
+done inside 8 minutes). ``--only tests,bench,e2e`` runs just those groups
+after the setup steps (a short device slot: ``--only bench``). Writes ``OUTDIR/summary.txt``,
 ``OUTDIR/summary.json`` (rewritten after every step, so a hard kill still
 leaves the step it was on, marked ``running``) and each step's log in
 ``OUTDIR/logs/``. SIGTERM or SIGINT ends the current step, records it as
@@ -37,7 +40,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
-from gpu_check_steps import RESULT_PREFIX, Context, Step, steps
+from gpu_check_steps import GROUPS, RESULT_PREFIX, Context, Step, select, steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_BUDGET_S = 450.0  # plus at most 20 s to end a step cut off at the deadline: inside 8 minutes
@@ -119,10 +122,39 @@ class Summary:
         _atomic_write(os.path.join(self.out, "summary.txt"), "\n".join(lines) + "\n")
 
 
+def _target_text(row: dict[str, Any]) -> str:
+    if not row.get("target"):
+        return ""
+    if row.get("held") is False:
+        return f"; target {row['target']} (not held here)"
+    return f"; target {row['target']}: {'met' if row.get('meets_target') else 'MISSED'}"
+
+
+def _case_line(row: dict[str, Any]) -> str:
+    case = row["case"]
+    if case == "submit":
+        text = f"submit, {row.get('ranges')} ranges: p50 {row.get('submit_p50_us', 0):.1f} us of host time"
+    elif case == "latency":
+        text = (f"latency {row.get('total_kb')} KiB {row.get('pattern')}: p50 {row.get('p50_us', 0):.1f} us (submit "
+                f"{row.get('submit_p50_us', 0):.1f} + completion {row.get('completion_p50_us', 0):.1f}), p99 "
+                f"{row.get('p99_us', 0):.1f} us")
+    else:
+        text = (f"{row.get('pattern')} {row.get('block_kb')} KiB blocks, {row.get('total_mb')} MiB"
+                + (f" x qd {row['queue_depth']}" if "queue_depth" in row else "")
+                + f": {row.get('gbps', 0):.2f} GB/s = {row.get('ratio', 0):.2f} x {row.get('base')} "
+                  f"{row.get('base_gbps', 0):.2f} GB/s (same run)")
+    text += _target_text(row)
+    if row.get("error"):
+        text += f"; error: {row['error']}"
+    return text
+
+
 def _figure_lines(figures: dict[str, Any]) -> list[str]:
     out = []
     for row in figures.get("rows", []):
-        if "block_kb" in row:
+        if "case" in row:
+            out.append(_case_line(row))
+        elif "block_kb" in row:
             text = f"{row['block_kb']:>5} KiB: {row.get('gbps', 0):.2f} GB/s"
             if row.get("base"):
                 text += (f" = {row.get('ratio', 0):.2f} x {row['base']} {row.get('base_gbps', 0):.2f} GB/s "
@@ -136,7 +168,12 @@ def _figure_lines(figures: dict[str, Any]) -> list[str]:
             out.append(f"{row['prompt_bytes']:>5} B prompt: TTFT P/D {row.get('pd_ttft_ms', 0):.0f} ms, colocated "
                        f"{row.get('colocated_ttft_ms', 0):.0f} ms; P/D text == colocated: "
                        f"{row.get('pd_equals_colocated')}")
-    counts = {k: v for k, v in figures.items() if isinstance(v, int)}
+    sums = figures.get("kv_checksums")
+    if sums:
+        out.append(f"TP {figures.get('tp')}: KV loaded == KV lent, per block, layer, k/v and head: "
+                   f"{sums.get('compared')} compared, {sums.get('differ')} differ, {sums.get('missing')} not lent: "
+                   f"{'met' if sums.get('equal') else 'MISSED'}")
+    counts = {k: v for k, v in figures.items() if isinstance(v, int) and not isinstance(v, bool) and k != "repeats"}
     if counts:
         out.append(", ".join(f"{v} {k}" for k, v in counts.items()))
     return out
@@ -313,6 +350,7 @@ def check(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.budget_s
     overrides = _timeouts()
     plan = steps()
+    not_selected = select(plan, args.only)
     failed = ""
     no_gpu: Optional[str] = None
     _become_subreaper()
@@ -322,8 +360,8 @@ def check(args: argparse.Namespace) -> int:
     try:
         for i, step in enumerate(plan, 1):
             current = step
-            reason = (f"not run: {failed} failed" if failed else no_gpu if step.needs_gpu and no_gpu
-                      else step.skip_if(ctx) if step.needs_gpu else None)
+            reason = (not_selected.get(step.name) or (f"not run: {failed} failed" if failed else
+                      no_gpu if step.needs_gpu and no_gpu else step.skip_if(ctx) if step.needs_gpu else None))
             left = deadline - time.monotonic()
             if not reason and left < 1:
                 reason = f"not run: the {args.budget_s:.0f} s budget was spent"
@@ -365,15 +403,33 @@ def check(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Refuses a bad argument in one line (``PROG: error: WHAT (see PROG --help)``), exit status 2."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/gpu-check.sh", description=__doc__.split("\n\n")[0])
+    p = _OneLineParser(prog="scripts/gpu-check.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("outdir", help="where summary.txt, summary.json and the step logs go")
     p.add_argument("--kit", default=os.environ.get("GPU_KIT") or os.path.join(ROOT, "gpu-kit"),
                    help="the kit folder (default: GPU_KIT, else gpu-kit/ in the checkout)")
     p.add_argument("--budget-s", type=float, default=float(os.environ.get("GPU_CHECK_BUDGET_S") or DEFAULT_BUDGET_S),
                    help="all steps together end within this many seconds")
     p.add_argument("--keep-venv", action="store_true", help="keep the scratch venv (its path is in the logs)")
+    p.add_argument("--only", type=_groups, default=None, metavar="STEPS",
+                   help=f"run only these groups of steps after the setup, comma-separated: {', '.join(GROUPS)} "
+                        "(the full check runs all three, in this order)")
     return check(p.parse_args(argv))
+
+
+def _groups(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in GROUPS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--only {text!r}: allowed: {', '.join(GROUPS)} (comma-separated)")
+    return names
 
 
 if __name__ == "__main__":

@@ -14,10 +14,16 @@ from typing import Any, Callable, Optional
 TEST_TIMEOUT_S = 120
 #: a line a step prints to hand its result to gpu-check (the CUDA probe)
 RESULT_PREFIX = "GPU_CHECK_RESULT "
-#: the transfer bench's reads: 128 MiB in 64 KiB blocks (where the targets start) and 1 MiB blocks; --explore:
-#: a missed target is a figure of the summary (met/MISSED), not a failed step
+#: the transfer bench's reads for nixl: 128 MiB in 64 KiB blocks (where the targets start) and 1 MiB blocks;
+#: --explore: a missed target is a figure of the summary (met/MISSED), not a failed step
 TRANSFER_ARGS = ["--device", "cuda", "--total-mb", "128", "--block-kb", "64,1024", "--repeat", "3", "--json",
                  "--explore"]
+#: the device suite (gpu_ipc, staged tcp): submit, latency, bandwidth per pattern and queue depth, 20 iterations
+DEVICE_ARGS = ["--device", "cuda", "--iterations", "20", "--json", "--explore"]
+#: staged tcp moves its big read over loopback sockets: 256 MiB, two patterns, to fit its step
+STAGED_ARGS = ["--big-mb", "256", "--pattern", "contiguous,subset", "--pattern-block-kb", "64,1024"]
+#: the groups --only names, in the order the full check runs them (setup steps always run)
+GROUPS = ("tests", "bench", "e2e")
 
 PROBE = r"""
 import json, sys
@@ -85,7 +91,8 @@ PREFLIGHT_IMPORTS = ("atom_kv.proxy.server", "atom_kv.proxy.__main__", "atom_kv.
 
 @dataclass
 class Step:
-    """One step: its command, its own timeout, whether it needs a GPU, and how to read its log."""
+    """One step: its command, its own timeout, whether it needs a GPU, how to read its log,
+    and its group (``setup``, or one that ``--only`` names: :data:`GROUPS`)."""
 
     name: str
     timeout_s: float
@@ -94,6 +101,7 @@ class Step:
     figures: Callable[[str], dict[str, Any]] = lambda log: {}
     #: a reason to skip it (given the probe's result), or None
     skip_if: Callable[["Context"], Optional[str]] = lambda ctx: None
+    group: str = "setup"
 
 
 @dataclass
@@ -152,15 +160,19 @@ def json_lines(log: str) -> list[dict[str, Any]]:
     return rows
 
 
+#: what the summary keeps of a transfer bench row
+TRANSFER_KEYS = ("case", "pattern", "block_kb", "total_kb", "total_mb", "queue_depth", "ranges", "gbps", "verified",
+                 "target", "meets_target", "held", "base", "base_gbps", "ratio", "ceiling_events_gbps",
+                 "submit_p50_us", "completion_p50_us", "p50_us", "p99_us", "error")
+
+
 def transfer_figures(log: str) -> dict[str, Any]:
-    """Per block size: GB/s, the base measured in the same run, the ratio, the target and whether it was met."""
+    """Per row: GB/s or µs, the base measured in the same run, the ratio, the target and whether it was met."""
     rows = []
     for r in json_lines(log):
-        if "block_kb" not in r:
+        if "block_kb" not in r and "case" not in r:
             continue
-        row = {k: r[k] for k in ("block_kb", "gbps", "verified", "target", "meets_target", "base", "base_gbps",
-                                 "ratio", "error") if k in r}
-        rows.append(row)
+        rows.append({k: r[k] for k in TRANSFER_KEYS if k in r})
     return {"rows": rows} if rows else {}
 
 
@@ -173,9 +185,12 @@ def e2e_figures(log: str) -> dict[str, Any]:
     except ValueError:
         return {}
     keys = ("prompt_bytes", "pd_ttft_ms", "colocated_ttft_ms", "pd_equals_colocated", "kv_mib", "kv_gb_per_s")
-    return {"equal_tp": doc.get("tp_prefill") == doc.get("tp_decode"),
-            "pd_equals_colocated": doc.get("pd_equals_colocated"),
-            "rows": [{k: r[k] for k in keys if k in r} for r in doc.get("results", [])]}
+    out = {"equal_tp": doc.get("tp_prefill") == doc.get("tp_decode"), "tp": f"{doc.get('tp_prefill')}->"
+           f"{doc.get('tp_decode')}", "repeats": doc.get("repeats"), "pd_equals_colocated": doc.get("pd_equals_colocated"),
+           "rows": [{k: r[k] for k in keys if k in r} for r in doc.get("results", [])]}
+    if "kv_checksums" in doc:
+        out["kv_checksums"] = doc["kv_checksums"]
+    return out
 
 
 def preflight_script(files: list[str]) -> str:
@@ -208,9 +223,27 @@ def no_nixl(ctx: Context) -> Optional[str]:
     return None
 
 
+def e2e(tp_prefill: int, tp_decode: int, repeats: int, sizes: str) -> Callable[["Context"], list[str]]:
+    """The reference engines on the GPU: P/D against colocated, TTFT (median of the repeats' mean) and the same
+    text, and the KV the decode engine loaded compared block by block with what the prefill lent."""
+    return lambda ctx: [ctx.python, "-m", "atom_kv.bench", "e2e", "--device", "cuda", "--tp-prefill", str(tp_prefill),
+                        "--tp-decode", str(tp_decode), "--sizes", sizes, "--repeats", str(repeats), "--max-tokens", "32",
+                        "--kv-checksums", "--json"]
+
+
+def select(plan: list[Step], only: Optional[list[str]]) -> dict[str, str]:
+    """Step name -> why it is skipped, for the steps ``--only`` leaves out (setup steps always run)."""
+    if not only:
+        return {}
+    return {s.name: f"not selected (--only {','.join(only)})" for s in plan if s.group != "setup" and s.group not in only}
+
+
 def steps() -> list[Step]:
     def bench(*extra: str) -> Callable[[Context], list[str]]:
         return lambda ctx: [ctx.python, "-m", "atom_kv.bench", "transfer", *extra, *TRANSFER_ARGS]
+
+    def device(*extra: str) -> Callable[[Context], list[str]]:
+        return lambda ctx: [ctx.python, "-m", "atom_kv.bench", "transfer", *extra, *DEVICE_ARGS]
 
     return [
         Step("venv", 60, False, lambda ctx: [ctx.base_python, "-c", MAKE_VENV.format(venv=ctx.venv)]),
@@ -221,17 +254,17 @@ def steps() -> list[Step]:
         Step("preflight", 90, False, lambda ctx: [ctx.python, "-c", preflight_script(gpu_test_files(ctx.root))],
              figures=pytest_counts),
         Step("probe", 60, False, lambda ctx: [ctx.python, "-c", PROBE]),
+        # the whole gpu test set first, then the bench, then the engines end to end
         Step("gpu-tests", 300, True, lambda ctx: [
             ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", "--tb=short", "-m", "gpu",
             "--timeout", str(TEST_TIMEOUT_S), *parallel_args(ctx), *gpu_test_files(ctx.root)],
-             figures=pytest_counts),
-        Step("bench-gpu-ipc", 60, True, bench("--backend", "gpu_ipc"), figures=transfer_figures),
-        Step("bench-gpu-ipc-scattered", 60, True, bench("--backend", "gpu_ipc", "--scattered"),
-             figures=transfer_figures),
-        Step("bench-tcp-staged", 60, True, bench("--backend", "tcp"), figures=transfer_figures),
+             figures=pytest_counts, group="tests"),
+        Step("bench-gpu-ipc", 120, True, device("--backend", "gpu_ipc"), figures=transfer_figures, group="bench"),
+        Step("bench-tcp-staged", 120, True, device("--backend", "tcp", *STAGED_ARGS), figures=transfer_figures,
+             group="bench"),
         Step("bench-nixl-vram", 60, True, bench("--backend", "nixl"), figures=transfer_figures,
-             skip_if=no_nixl),
-        Step("bench-pd", 120, True, lambda ctx: [
-            ctx.python, "-m", "atom_kv.bench", "e2e", "--device", "cuda", "--sizes", "512,2048", "--repeats", "1",
-            "--max-tokens", "32", "--json"], figures=e2e_figures),
+             skip_if=no_nixl, group="bench"),
+        Step("e2e-tp2-1", 150, True, e2e(2, 1, 5, "512,4096"), figures=e2e_figures, group="e2e"),
+        Step("e2e-tp1-2", 120, True, e2e(1, 2, 5, "512,4096"), figures=e2e_figures, group="e2e"),
+        Step("e2e-tp1-1", 120, True, e2e(1, 1, 5, "512,2048"), figures=e2e_figures, group="e2e"),
     ]

@@ -122,10 +122,12 @@ def test_kit_states_its_size_and_holds_no_torch_numpy_or_nvidia(kit):
 
 
 def test_offline_install_then_every_gpu_step_skipped_without_cuda(kit, tmp_path):
+    """The full flow with ``--only bench``: setup steps run, the bench steps skip for want of CUDA (one
+    line), the other groups are not selected, and the check exits 0."""
     out = tmp_path / "out"
     python = _machine_python(str(tmp_path / "machine"))
-    proc = subprocess.run([CHECK, str(out), "--kit", kit], capture_output=True, text=True, timeout=400,
-                          env=_clean_env(GPU_CHECK_PYTHON=python))
+    proc = subprocess.run([CHECK, str(out), "--kit", kit, "--only", "bench"], capture_output=True, text=True,
+                          timeout=400, env=_clean_env(GPU_CHECK_PYTHON=python))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     no_cuda = [line for line in proc.stdout.splitlines() if "no CUDA" in line]
     assert len(no_cuda) == 1 and "every GPU step is skipped" in no_cuda[0], proc.stdout
@@ -137,7 +139,10 @@ def test_offline_install_then_every_gpu_step_skipped_without_cuda(kit, tmp_path)
         assert status[name]["status"] == "passed", status[name]
     for name in GPU_STEPS:
         assert status[name]["status"] == "skipped", status[name]
-        assert status[name]["reason"].startswith("no CUDA: no GPU visible to torch"), status[name]
+        if name.startswith("bench-"):
+            assert status[name]["reason"].startswith("no CUDA: no GPU visible to torch"), status[name]
+        else:
+            assert status[name]["reason"] == "not selected (--only bench)", status[name]
     assert status["preflight"]["figures"]["collected"] > 0  # the gpu tests import with only the kit installed
     # the stand-in Python is a venv's: its own site-packages (torch) reach the scratch venv through a .pth
     assert "visible through a .pth" in open(status["venv"]["log"]).read()
@@ -145,6 +150,37 @@ def test_offline_install_then_every_gpu_step_skipped_without_cuda(kit, tmp_path)
     assert re.search(rf"Processing {re.escape(kit)}/msgspec-", install_log), install_log  # from the kit, no index
     text = (out / "summary.txt").read_text()
     assert "GPU steps skipped: no CUDA" in text and all(name in text for name in GPU_STEPS)
+
+
+def test_the_full_check_runs_the_gpu_tests_then_the_bench_then_the_e2e_and_only_selects_groups():
+    from gpu_check_steps import GROUPS, select
+
+    plan = steps()
+    groups = [s.group for s in plan if s.group != "setup"]
+    assert groups == sorted(groups, key=GROUPS.index) and set(groups) == set(GROUPS)
+    assert [s.name for s in plan if s.group == "tests"] == ["gpu-tests"]
+    e2e = {s.name: s.command(_ctx()) for s in plan if s.group == "e2e"}
+    tp = {name: (cmd[cmd.index("--tp-prefill") + 1], cmd[cmd.index("--tp-decode") + 1]) for name, cmd in e2e.items()}
+    assert tp["e2e-tp2-1"] == ("2", "1") and tp["e2e-tp1-2"] == ("1", "2")
+    for name in ("e2e-tp2-1", "e2e-tp1-2"):  # five requests each, and the per-block checksums across unequal TP
+        assert "--kv-checksums" in e2e[name] and e2e[name][e2e[name].index("--repeats") + 1] == "5"
+    assert select(plan, None) == {}
+    left_out = select(plan, ["bench"])
+    assert set(left_out) == {s.name for s in plan if s.group in ("tests", "e2e")}
+    assert set(select(plan, ["tests", "e2e"])) == {s.name for s in plan if s.group == "bench"}
+
+
+def _ctx():
+    from gpu_check_steps import Context
+
+    return Context(root=ROOT, kit="/kit", manifest={}, venv="/venv")
+
+
+def test_only_refuses_an_unknown_group_in_one_line(tmp_path):
+    proc = subprocess.run([CHECK, str(tmp_path / "out"), "--kit", _fake_kit(tmp_path / "kit"), "--only", "bench,gpu"],
+                          capture_output=True, text=True, timeout=60, env=_clean_env())
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "allowed: tests, bench, e2e" in proc.stderr, proc.stderr
 
 
 def test_a_kit_over_the_limit_is_refused_in_one_line(tmp_path):

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any, Callable, Optional
@@ -53,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-prefill", type=int, default=1, choices=[1, 2])
     parser.add_argument("--tp-decode", type=int, default=1, choices=[1, 2])
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    parser.add_argument("--kv-checksums", action="store_true",
+                        help="compare per-block checksums of the KV the decode engine loaded with what the prefill "
+                             "lent, per (block, layer, k/v, head), so across unequal TP too (target: equal)")
     parser.add_argument("--breakdown", action="store_true",
                         help="print where the time to first token goes, span by span (see atom_kv.bench.breakdown)")
     parser.add_argument("--breakdown-tokens", default="64,2000", help="--breakdown: prompt sizes in tokens")
@@ -191,21 +196,31 @@ def run(args: argparse.Namespace) -> int:
     blocks = (max(sizes) + args.max_tokens + 64) // 16 + 64
     extra = ["--max-model-len", str(max(sizes) + args.max_tokens + 64), "--max-num-batched-tokens",
              str(max(sizes) + 64), "--device", args.device]
+    sums = tempfile.TemporaryDirectory(prefix="atom-kv-e2e-checksums-") if args.kv_checksums else None
+    sums_of = {role: ["--kv-checksums", os.path.join(sums.name, role)] if sums else [] for role in ("P", "D")}
     cluster = Cluster([
-        EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=blocks, extra_args=extra),
-        EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=blocks, extra_args=extra),
+        EngineSpec("P", tp=args.tp_prefill, backend=args.backend, num_blocks=blocks, extra_args=extra + sums_of["P"]),
+        EngineSpec("D", tp=args.tp_decode, backend=args.backend, num_blocks=blocks, extra_args=extra + sums_of["D"]),
         EngineSpec("colocated", num_blocks=blocks, extra_args=extra),
     ], heartbeat_timeout=10.0)
+    checksums = None
     try:
         cluster.start(timeout=120)
         _stream(cluster.proxy_url, "warm up", 4)
         _stream(cluster.engine_url(cluster.index_of("colocated")), "warm up", 4)
         results = [_measure(cluster, size, args) for size in sizes]
+        if sums is not None:
+            from atom_kv.reference.kv_checksums import compare, read_records
+
+            checksums = compare(read_records(os.path.join(sums.name, "P")), read_records(os.path.join(sums.name, "D")))
     except BaseException:
         cluster.close()
         print(f"e2e bench: the processes' logs are kept in {cluster.log_dir}", file=sys.stderr)
         raise
-    cluster.close()
+    finally:
+        cluster.close()
+        if sums is not None:
+            sums.cleanup()
     shutil.rmtree(cluster.log_dir, ignore_errors=True)  # a run that went through leaves no log folder behind
     equal_tp = args.tp_prefill == args.tp_decode
     equal = all(r["pd_equals_colocated"] for r in results)
@@ -214,6 +229,12 @@ def run(args: argparse.Namespace) -> int:
            "pd_equals_colocated": equal, "results": results}
     targets = [Target(f"TP {args.tp_prefill}/{args.tp_decode}", "P/D text == colocated text, greedy, token for token",
                       equal)] if equal_tp else []
+    if checksums is not None:
+        doc["kv_checksums"] = checksums
+        targets.append(Target(f"TP {args.tp_prefill}/{args.tp_decode}",
+                              f"the KV the decode engine loaded == what the prefill lent, per (block, layer, k/v, "
+                              f"head): {checksums['compared']} compared over {checksums['transfers']} transfers, "
+                              f"{checksums['differ']} differ, {checksums['missing']} not lent", checksums["equal"]))
     none_reason = (f"P/D text == colocated text: {equal}; a target only at equal TP, the reduction order differs "
                    f"at TP {args.tp_prefill}/{args.tp_decode}")
     if args.json:

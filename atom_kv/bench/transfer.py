@@ -84,10 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'{\"qp_per_transfer\": 4, \"moriio_backend\": \"xgmi\"}' (kv_role is set by the bench, "
         "--backend picks the backend, --streams and --timeout-s override their keys)",
     )
-    parser.add_argument("--ipc-copy", choices=("direct", "gather"), default="direct",
-                        help="gpu_ipc's copy of scattered blocks: straight from the remote ranges into the local "
-                        "ones (direct), or the older gather into a temporary and scatter (gather), to compare")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    from atom_kv.bench import transfer_device
+
+    transfer_device.add_arguments(parser)
 
 
 # --------------------------------------------------------------------------
@@ -241,8 +241,12 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from atom_kv.bench import transfer_device
     from atom_kv.config import ConfigError, KVTransferConfig
     from atom_kv.transfer import BackendUnavailable, TransferError, chunk_sizes, create_backend
+
+    if transfer_device.wanted(args):  # gpu_ipc and staged tcp on a GPU or over the host seam: latency apart
+        return transfer_device.run(args)
 
     try:
         blocks_kb = [int(x) for x in str(args.block_kb).split(",") if x.strip()]
@@ -266,12 +270,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"transfer bench: --device {args.device}: {why}; use --device cpu", file=sys.stderr)
             return 2
     elif args.backend == "gpu_ipc":
-        print("transfer bench: backend 'gpu_ipc' moves GPU memory only; add --device cuda", file=sys.stderr)
+        print("transfer bench: backend 'gpu_ipc' moves GPU memory only; add --device cuda (or --seam host for its "
+              "host stand-in)", file=sys.stderr)
         return 2
     try:
         backend = create_backend(args.backend, cfg, host="127.0.0.1", key=f"bench-read-{os.getpid()}")
-        if args.backend == "gpu_ipc":
-            backend.copy_mode = args.ipc_copy
         if args.backend == "cma":
             from atom_kv.transfer.cma import cma_unavailable_reason
 

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "shutdown wait (the drain, the engine loop, the TP workers) gets at most this many seconds")
     p.add_argument("--instance-index", default=None,
                    help="index to register with the proxy (default: the bound HTTP port)")
+    p.add_argument("--kv-checksums", default=None, metavar="DIR",
+                   help="CHECKING AID: each TP rank appends per-block checksums of the KV it lends (prefill) or "
+                        "loaded (decode) to DIR/<engine id>-dp<d>-tp<r>.jsonl (python -m atom_kv.bench e2e "
+                        "--kv-checksums compares them across unequal TP)")
     p.add_argument("--log-level", default="INFO")
     add_log_format_argument(p)  # --log-format text|json; the TP rank processes log the same way
     # the prefix cache and its KV events (docs/kv-events.md)
@@ -237,7 +241,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    host=advertise, bind_host=args.host, threads=args.threads, device=args.device, startup_timeout_s=args.startup_timeout,
                    step_timeout_s=args.step_timeout, drain_timeout_s=args.drain_timeout,
                    hurry_timeout_s=args.hurry_timeout, faults=faults,
-                   enable_prefix_caching=args.enable_prefix_caching, kv_events=kv_events),
+                   enable_prefix_caching=args.enable_prefix_caching, kv_events=kv_events,
+                   kv_checksum_dir=os.path.abspath(args.kv_checksums) if args.kv_checksums else None),
         kv_config, router.deliver, dp_size=args.dp,
     )
     ENGINE.set(engine.engine_id)  # this thread's log lines (and the HTTP server's) name the engine

@@ -73,6 +73,7 @@ class EngineArgs:
     faults: FaultInjector = FaultInjector()  # test-only (--inject-request-fault): nothing by default
     enable_prefix_caching: bool = True  # --no-enable-prefix-caching turns it off
     kv_events: Optional[KVEventsConfig] = None  # --kv-events-config: None or not publishing, no events
+    kv_checksum_dir: Optional[str] = None  # --kv-checksums: per-block checksums of lent and loaded KV
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(seed=self.seed, num_layers=self.num_layers)
@@ -166,7 +167,7 @@ class EngineCore:
             RankSpec(model=a.model_config(), model_id=a.model_id, num_blocks=a.num_blocks,
                      block_size=a.block_size, tp_rank=r, tp_size=a.tp, engine_id=self.engine_id,
                      host=a.host, kv_config_json=cfg_json, device=a.device, dp_rank=self.dp_rank,
-                     dp_size=self.dp_size, bind_host=a.bind_host)
+                     dp_size=self.dp_size, bind_host=a.bind_host, kv_checksum_dir=a.kv_checksum_dir)
             for r in range(a.tp)
         ]
         self._executor = create_executor(specs, threads=a.threads, startup_timeout_s=a.startup_timeout_s,

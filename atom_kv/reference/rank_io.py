@@ -37,6 +37,7 @@ class RankSpec:
     dp_rank: int = 0
     dp_size: int = 1
     device: str = "cpu"  # "cpu" or "cuda" (also ROCm builds of torch): the model and its KV cache
+    kv_checksum_dir: Optional[str] = None  # --kv-checksums: per-block checksums of lent and loaded KV
 
 
 @dataclass

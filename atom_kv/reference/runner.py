@@ -64,6 +64,12 @@ class ModelRunner:
         )
         self.hooks: Any = None
         self._routes_sent: Optional[RouteReport] = None
+        self._checksums: Any = None
+        if spec.kv_checksum_dir:
+            from atom_kv.reference.kv_checksums import KVChecksums
+
+            self._checksums = KVChecksums(spec.kv_checksum_dir, spec.engine_id, spec.dp_rank, spec.tp_rank,
+                                          cfg.num_kv_heads // spec.tp_size)
         if spec.kv_config_json:
             from atom_kv import engine_hooks
             from atom_kv.config import KVTransferConfig
@@ -98,6 +104,10 @@ class ModelRunner:
 
     def step(self, chunks: list[ChunkTuple], meta: Optional[ConnectorMetadata]) -> StepResult:
         """Start this step's KV loads, run the forward, and report finished transfers."""
+        if self._checksums is not None and meta is not None:  # before the forward: lent blocks are final
+            self._checksums.sent(self.cache.layers, meta.sends)
+            self._checksums.loading(meta.loads)
+            self._checksums.forget(meta.cancelled)
         if self.hooks is not None and meta is not None:
             self.hooks.start_load_kv(meta)
         logits = None
@@ -106,7 +116,11 @@ class ModelRunner:
             if self.spec.tp_rank == 0:
                 logits = out.cpu().numpy()
         if self.hooks is not None:
-            return StepResult(logits, self.hooks.get_finished(), dict(self.hooks.stats()), self._changed_routes())
+            finished = self.hooks.get_finished()
+            if self._checksums is not None:  # loaded, and not yet decoded into
+                self._checksums.loaded(self.cache.layers, finished.finished_recving)
+                self._checksums.forget(finished.failed_recving)
+            return StepResult(logits, finished, dict(self.hooks.stats()), self._changed_routes())
         return StepResult(logits, KVConnectorOutput(), {})
 
     def _changed_routes(self) -> Optional[RouteReport]:

@@ -17,7 +17,12 @@ from typing import Any, Callable, Optional
 
 from atom_kv.transfer.base import ReadHandle
 
-__all__ = ["JobWorkers", "ReadState"]
+__all__ = ["DEFERRED", "JobWorkers", "ReadState"]
+
+#: what ``run`` returns when it will report the job itself, later (staged
+#: receives whose last device copies are still in flight): through
+#: ``job.state.job_done`` exactly once, at the latest from ``idle``
+DEFERRED = "deferred"
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +60,12 @@ class ReadState:
 class JobWorkers:
     """Owns a queue of jobs (anything with a ``.state`` :class:`ReadState`) and
     ``count`` named threads running ``run(index, job)``, which returns an
-    error string or None. ``what`` ("tcp read") and ``closed_reason`` word the
-    errors of jobs refused at close; ``on_crash(index)`` runs when ``run``
-    raises (the job fails with the exception)."""
+    error string, None, or :data:`DEFERRED`. ``what`` ("tcp read") and
+    ``closed_reason`` word the errors of jobs refused at close;
+    ``on_crash(index)`` runs when ``run`` raises (the job fails with the
+    exception); ``idle(index)`` runs when worker ``index`` finds no job
+    waiting, before it blocks, and when it stops (it reports the deferred
+    jobs)."""
 
     def __init__(
         self,
@@ -68,8 +76,10 @@ class JobWorkers:
         what: str,
         closed_reason: str,
         on_crash: Optional[Callable[[int], None]] = None,
+        idle: Optional[Callable[[int], None]] = None,
     ) -> None:
         self._run = run
+        self._idle = idle
         self._what = what
         self._closed_reason = closed_reason
         self._on_crash = on_crash
@@ -122,10 +132,27 @@ class JobWorkers:
     def _refuse(self, job: Any) -> None:
         job.state.job_done(f"{self._what} {job.state.rid}: {self._closed_reason}")
 
+    def _next(self, index: int) -> Any:
+        """The next job (None: stop); runs ``idle`` first when none is waiting."""
+        if self._idle is not None:
+            try:
+                return self._jobs.get_nowait()
+            except queue.Empty:
+                self._idle_safely(index)
+        return self._jobs.get()
+
+    def _idle_safely(self, index: int) -> None:
+        try:
+            self._idle(index)  # type: ignore[misc]
+        except Exception:  # a bug must not stop the worker; its jobs were reported by idle's own guards
+            log.exception("%s: worker %d: unexpected error while idle", self._what, index)
+
     def _drain(self, index: int) -> None:
         while True:
-            job = self._jobs.get()
+            job = self._next(index)
             if job is None:
+                if self._idle is not None:
+                    self._idle_safely(index)
                 return
             state = job.state
             if state.handle.done():
@@ -141,4 +168,5 @@ class JobWorkers:
                 if self._on_crash is not None:
                     self._on_crash(index)
                 error = f"{self._what} {state.rid}: internal error: {exc!r}"
-            state.job_done(error)
+            if error is not DEFERRED:
+                state.job_done(error)

@@ -41,33 +41,35 @@ def resolve_config(config: Optional["KVTransferConfig"]) -> "KVTransferConfig":
 class RegionTable:
     """Registered regions of this process: id -> (address, size, memory), a
     writable memoryview per host region and, for *staged* regions (GPU
-    memory, or host memory when staging is forced for tests), a tensor alias,
-    a copier and the staging pool (``atom_kv.transfer.staging``). Ids are
-    dense, starting at 0. ``staging_pairs`` bounds the pool, ``staging_bytes``
-    is the size of each of its buffers (``staging_pool_pairs``,
-    ``staging_piece_bytes``)."""
+    memory, or host memory when staging is forced for tests), a copier and
+    the staging pool (``atom_kv.transfer.staging``). Ids are dense, starting
+    at 0. ``staging_pairs`` is the pool's number of rings, ``staging_bytes``
+    the size of each buffer and ``staging_buffers`` the buffers of a ring
+    (``staging_pool_pairs``, ``staging_piece_bytes``, ``staging_ring_buffers``)."""
 
-    def __init__(self, staging_pairs: int = 2, staging_bytes: Optional[int] = None) -> None:
+    def __init__(self, staging_pairs: int = 2, staging_bytes: Optional[int] = None,
+                 staging_buffers: Optional[int] = None) -> None:
         self._lock = threading.Lock()
         self.addrs = np.zeros(0, dtype=np.uint64)
         self.sizes = np.zeros(0, dtype=np.uint64)
         self.staged = np.zeros(0, dtype=bool)
         self._views: list[Optional[memoryview]] = []
         self._memory: list[MemoryKind] = []
-        self._tensors: dict[int, Any] = {}
         self._copiers: dict[int, Any] = {}
         self._staging_pairs = staging_pairs
         self._staging_bytes = staging_bytes
+        self._staging_buffers = staging_buffers
         self.pool: Any = None
 
     def __len__(self) -> int:
         return len(self._views)
 
     def add(self, ptr: int, size: int, align: int, limit: int = MAX_REGION_BYTES, *,
-            memory: MemoryKind = HOST, staged: bool = False) -> list[int]:
+            memory: MemoryKind = HOST, staged: bool = False, host_copier: Any = None) -> list[int]:
         """Register ``size`` bytes at ``ptr`` as chunks; returns the new ids.
         GPU memory is always staged and never gets a memoryview (its address
-        is not a host address)."""
+        is not a host address). ``host_copier``: the copier of staged host
+        memory (a FAKE device copier in tests and the bench), on first use."""
         if not isinstance(ptr, int) or ptr <= 0:
             raise ValueError(f"register_memory: ptr must be a positive address, got {ptr!r}")
         sizes = chunk_sizes(size, align, limit)
@@ -76,9 +78,11 @@ class RegionTable:
         if staged:
             from atom_kv.transfer.staging import StagingPool, copier_for
 
-            copier = copier_for(memory, self._copiers)
+            copier = copier_for(memory, self._copiers, host_copier)
             if self.pool is None:
                 sized = {} if self._staging_bytes is None else {"nbytes": self._staging_bytes}
+                if self._staging_buffers is not None:
+                    sized["buffers"] = self._staging_buffers
                 self.pool = StagingPool(copier, self._staging_pairs, **sized)
         with self._lock:
             first = len(self._views)
@@ -89,8 +93,6 @@ class RegionTable:
                 view = None if memory.is_gpu else memoryview((ctypes.c_char * n).from_address(ptr + off)).cast("B")
                 self._views.append(view)
                 self._memory.append(memory)
-                if copier is not None:
-                    self._tensors[first + i] = copier.region(ptr + off, n, view)
                 off += n
             self.addrs = np.concatenate([self.addrs, np.asarray(addrs, dtype=np.uint64)])
             self.sizes = np.concatenate([self.sizes, np.asarray(sizes, dtype=np.uint64)])
@@ -101,14 +103,9 @@ class RegionTable:
         """Whether any of ``regions`` (bounds-checked ids) goes through staging."""
         return self.pool is not None and bool(self.staged[regions].any())
 
-    def tensor(self, region: int) -> Any:
-        """A uint8 tensor aliasing the region (made on first use for an unstaged host region)."""
-        t = self._tensors.get(region)
-        if t is None:
-            from atom_kv.transfer.staging import copier_for
-
-            t = self._tensors[region] = copier_for(HOST, self._copiers).region(0, 0, self._views[region])
-        return t
+    def addresses(self, regions: np.ndarray) -> np.ndarray:
+        """The address of each of ``regions`` (bounds-checked ids), as int64."""
+        return self.addrs.view(np.int64).take(regions)
 
     def kv_written(self) -> None:
         """Mark the engine's writes so far written, for every copier's gathers."""
@@ -144,7 +141,6 @@ class RegionTable:
         with self._lock:
             self._views = []
             self._memory = []
-            self._tensors = {}
             self.staged = np.zeros(0, dtype=bool)
             self.addrs = np.zeros(0, dtype=np.uint64)
             self.sizes = np.zeros(0, dtype=np.uint64)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import ReadOp, TransferError
-from atom_kv.transfer import _batched_copy, _grant
+from atom_kv.transfer import _grant
 from atom_kv.transfer.gpu_ipc import host_seam as _host_seam
 from atom_kv.transfer.gpu_ipc.host_seam import HostSeam, shared_buffer
 from atom_kv.transfer.gpu_ipc import GpuIpcBackend, pid_exited
@@ -70,14 +71,18 @@ class _RecordingPeerMap:
 
 
 class RecordingSeam(HostSeam):
-    """The host stand-in, logging the calls that order copies, with a written
-    event that has a handle, and the peer's regions on "device 1", ours on
-    "device 0" (two devices, as a read between two GPUs has)."""
+    """The host stand-in, logging the calls that order, copy and fence, and
+    the events and streams it makes (a recording double of the CUDA seam),
+    with a written event that has a handle, and the peer's regions on
+    "device 1", ours on "device 0" (two devices, as a read between two GPUs
+    has)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.log: list = []
         self.remote: set[int] = set()
+        self.events_made = 0
+        self.streams_made = 0
 
     def written(self, device: int) -> _Written:
         return _Written(device, self.log)
@@ -91,15 +96,32 @@ class RecordingSeam(HostSeam):
     def device_of(self, t: Any) -> int:
         return 1 if id(t) in self.remote else 0
 
-    def order(self, stream: Any, device: int, events: list) -> None:
-        self.log.append(("order", stream.device, tuple(events)))
+    def event(self, device: int) -> Any:
+        self.events_made += 1
+        return super().event(device)
 
-    def record(self, stream: Any) -> Any:
+    def stream(self, device: int) -> Any:
+        self.streams_made += 1
+        return super().stream(device)
+
+    def order(self, stream: Any, device: int, written: Any, ordering: Any) -> None:
+        self.log.append(("order", stream.device, tuple(written)))
+
+    def copy(self, stream: Any, batch: Any) -> None:
+        self.log.append(("copy", stream.device, len(batch.size)))
+        super().copy(stream, batch)
+
+    def record(self, event: Any, stream: Any) -> None:
         self.log.append(("record", stream.device))
-        return ("fence", stream.device)
+        super().record(event, stream)
+
+    def query(self, event: Any) -> bool:
+        self.log.append(("query", event.device))
+        return super().query(event)
 
     def synchronize(self, event: Any) -> None:
-        self.log.append(("sync", event))
+        self.log.append(("sync", event.device))
+        super().synchronize(event)
 
 
 def recording_backend(config: Any, host: str, key: Optional[str]) -> GpuIpcBackend:
@@ -194,33 +216,58 @@ def test_a_peer_is_watched_through_its_pidfd_above_fd_1024(server: ServerProc, r
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_copy_failing_midway_fences_every_stream_and_the_handle_settles_after(monkeypatch) -> None:
+class TwoGpuSeam(RecordingSeam):
+    """The recording double with our regions 2 and 3 on "device 2" (the rest on
+    device 0), and a copy that fails on the lane of ``fail_on``."""
+
+    def __init__(self, fail_on: Optional[int] = None) -> None:
+        super().__init__()
+        self.fail_on = fail_on
+        self.local_on_2: set[int] = set()
+
+    def alias(self, ptr: int, size: int, device: int) -> Any:
+        t = super().alias(ptr, size, device)
+        if ptr >= self.second_half:
+            self.local_on_2.add(id(t))
+        return t
+
+    def device_of(self, t: Any) -> int:
+        return 2 if id(t) in self.local_on_2 else super().device_of(t)
+
+    def copy(self, stream: Any, batch: Any) -> None:
+        if stream.device == self.fail_on:
+            raise MemoryError("out of memory for a copy batch")
+        super().copy(stream, batch)
+
+
+def _two_gpu_reader(seam: TwoGpuSeam) -> _Reader:
+    buf = shared_buffer(SIZE)
+    seam.second_half = buf.array.ctypes.data + SIZE // 2  # regions 2 and 3
+    r = _Reader.__new__(_Reader)
+    r.seam, r.buf = seam, buf
+    r.backend = GpuIpcBackend(_config(), key="reader-2gpu", _seam=seam)
+    r.backend.max_region_bytes = REGION
+    r.ids = r.backend.register_memory(buf.array.ctypes.data, SIZE, align=BLOCK)
+    return r
+
+
+def test_a_copy_failing_midway_fences_every_lane_used_and_the_handle_settles_after() -> None:
     srv = _serve("gpu_ipc-hostseam-recording")
-    r = _Reader(RecordingSeam())
+    r = _two_gpu_reader(TwoGpuSeam(fail_on=2))
     try:
         peer = r.backend.add_peer(srv.descriptor)
-        real = _batched_copy.copy_ranges
-        calls: list[int] = []
-
-        def failing(*args: Any, **kwargs: Any) -> None:
-            calls.append(1)
-            if len(calls) == 2:
-                raise MemoryError("out of memory for an index tensor")
-            real(*args, **kwargs)
-            r.seam.log.append(("copy",))
-
-        monkeypatch.setattr(_batched_copy, "copy_ranges", failing)
         r.seam.log.clear()
-        # three (remote region, local region) pairs: the second one fails
+        # local blocks 0 and 20 on device 0, 40 on device 2: two batches, two lanes; the second copy fails
         h = r.read(peer, _ops([(0, 0), (20, 20), (40, 40)]))
         assert h.error is not None and "device copy failed" in h.error and "out of memory" in h.error, h.error
-        log = r.seam.log
-        assert len(calls) == 2, "the copies after the failure were still queued"
-        # a fence on both devices' streams (the destination's and the source's), then waited on
-        assert sorted(e for e in log if e[0] == "record") == [("record", 0), ("record", 1)]
-        assert sorted(e for e in log if e[0] == "sync") == [("sync", ("fence", 0)), ("sync", ("fence", 1))]
-        assert max(i for i, e in enumerate(log) if e[0] == "copy") < min(i for i, e in enumerate(log)
-                                                                        if e[0] == "record")
+        log = [e for e in r.seam.log if e[0] in ("copy", "record", "sync", "query")]
+        # the first lane copied its batch (two ranges) and was fenced; the second was fenced though its copy failed
+        assert [e for e in log if e[0] in ("copy", "record")] == [("copy", 0, 2), ("record", 0), ("record", 2)]
+        # the handle settled only after both fences were waited on (the settling thread: a failed read)
+        assert sorted(e for e in log if e[0] == "sync") == [("sync", 0), ("sync", 2)]
+        assert h.settled()
+        src = pattern(SIZE).reshape(-1, BLOCK)
+        assert np.array_equal(r.dst.reshape(-1, BLOCK)[[0, 20]], src[[0, 20]])  # what was queued still ran
     finally:
         r.close()
         srv.stop()
@@ -236,16 +283,130 @@ def test_copies_start_after_the_producer_written_event_and_the_consumer_stream()
         assert r.read(peer, _ops([(0, 3), (30, 50)])).error is None
         log = r.seam.log
         orders = [e for e in log if e[0] == "order"]
-        # both streams of each copy (ours on device 0, the peer's on device 1) wait on the producer's event
-        assert orders and all(e[2] == (written,) for e in orders), orders
-        assert {e[1] for e in orders} == {0, 1}
-        first_record = min(i for i, e in enumerate(log) if e[0] == "record")
-        assert max(i for i, e in enumerate(log) if e[0] == "order") < first_record
-        # the handle finished only after every fence was waited on
-        assert sorted(e for e in log if e[0] == "sync") == [("sync", ("fence", 0)), ("sync", ("fence", 1))]
+        # the copy lane of our device waits on the producer's written event (the peer's regions are on device 1)
+        assert orders == [("order", 0, (written,))], orders
+        kinds = [e[0] for e in log if e[0] in ("order", "copy", "record")]
+        assert kinds == ["order", "copy", "record"], log
+        # finished only once its fence was looked at (a query, or a wait on it)
+        first_record = kinds.index("record")
+        assert any(e[0] in ("query", "sync") for e in log[first_record:]), log
         src = pattern(SIZE).reshape(-1, BLOCK)
         assert np.array_equal(r.dst.reshape(-1, BLOCK)[[0, 30]], src[[3, 50]])
     finally:
+        r.close()
+        srv.stop()
+
+
+def test_a_read_makes_no_cuda_event_and_no_stream_in_steady_state() -> None:
+    srv = _serve("gpu_ipc-hostseam-recording")
+    r = _Reader(RecordingSeam())
+    try:
+        peer = r.backend.add_peer(srv.descriptor)
+        streams = r.seam.streams_made
+        assert streams == 1, "one copy stream per (peer, local device), made at add_peer"
+        assert r.read(peer, _ops([(0, 0)])).error is None  # the pool's first fence event
+        events = r.seam.events_made
+        assert events == 2, "the lane's ordering event (add_peer) and one fence"
+        r.seam.log.clear()
+        rng = np.random.default_rng(3)
+        for _ in range(20):
+            pairs = list(zip(rng.permutation(64)[:16].tolist(), rng.permutation(64)[:16].tolist()))
+            assert r.read(peer, _ops(pairs)).error is None
+        assert r.seam.events_made == events and r.seam.streams_made == streams
+        assert r.backend.fence_events() == 1
+        # one order, one batched copy of all 16 ranges and one fence per read
+        assert [e for e in r.seam.log if e[0] == "copy"] == [("copy", 0, 16)] * 20
+        assert sum(e[0] == "record" for e in r.seam.log) == 20
+    finally:
+        r.close()
+        srv.stop()
+
+
+def test_done_polls_the_fence_and_completes_the_read_in_the_caller_thread() -> None:
+    srv = _serve("gpu_ipc-hostseam-recording")
+    r = _Reader(RecordingSeam())
+    try:
+        peer = r.backend.add_peer(srv.descriptor)
+        r.seam.log.clear()
+        h = r.backend.read(peer, _ops([(5, 9)]), timeout_s=TIMEOUT)
+        assert not r.dst[5 * BLOCK : 6 * BLOCK].any(), "the host 'device' ran the copy before anybody looked"
+        assert h.done() and h.settled() and h.error is None
+        assert [e[0] for e in r.seam.log if e[0] in ("query", "sync")] == ["query"], "no wait: one poll did it"
+        assert np.array_equal(r.dst[5 * BLOCK : 6 * BLOCK], pattern(SIZE)[9 * BLOCK : 10 * BLOCK])
+    finally:
+        r.close()
+        srv.stop()
+
+
+class StuckSeam(RecordingSeam):
+    """The recording double with a 'device' whose fences complete only once ``release`` is set
+    (a synchronize blocks on it, bounded, as a blocking-sync CUDA event wait sleeps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.synced_by: list[str] = []
+
+    def query(self, event: Any) -> bool:
+        return self.release.is_set() and super().query(event)
+
+    def synchronize(self, event: Any) -> None:
+        self.synced_by.append(threading.current_thread().name)
+        assert self.release.wait(30), "the test never released the device"
+        super().synchronize(event)
+
+
+def test_a_read_past_its_deadline_fails_at_once_and_is_settled_by_the_reaper_once_its_copies_are() -> None:
+    srv = _serve("gpu_ipc-hostseam-recording")
+    r = _Reader(StuckSeam())
+    try:
+        peer = r.backend.add_peer(srv.descriptor)
+        h = r.backend.read(peer, _ops([(1, 2)]), timeout_s=0.2)
+        assert h.wait(5) and h.error is not None and "timed out" in h.error, h.error
+        assert not h.wait_settled(0.3), "settled while its copies were still queued on the device"
+        r.seam.release.set()
+        assert h.wait_settled(5)
+        assert r.seam.synced_by and all(n.startswith("atomkv-gpu_ipc-settle-") for n in r.seam.synced_by)
+        assert r.backend._completions.in_flight() == 0
+    finally:
+        r.seam.release.set()
+        r.close()
+        srv.stop()
+
+
+def test_wait_without_spin_blocks_on_the_settling_thread() -> None:
+    srv = _serve("gpu_ipc-hostseam-recording")
+    seam = StuckSeam()
+    be = GpuIpcBackend(_config(gpu_ipc_wait_spin_us=0), key="nospin", _seam=seam)
+    be.max_region_bytes = REGION
+    buf = shared_buffer(SIZE)
+    try:
+        be.register_memory(buf.array.ctypes.data, SIZE, align=BLOCK)
+        peer = be.add_peer(srv.descriptor)
+        h = be.read(peer, _ops([(3, 4)]), timeout_s=TIMEOUT)
+        threading.Timer(0.2, seam.release.set).start()
+        assert h.wait(5) and h.error is None and h.settled()
+        assert seam.synced_by and seam.synced_by[0].startswith("atomkv-gpu_ipc-settle-")
+        assert np.array_equal(buf.array[3 * BLOCK : 4 * BLOCK], pattern(SIZE)[4 * BLOCK : 5 * BLOCK])
+    finally:
+        seam.release.set()
+        be.close()
+        buf.close_fd()
+        srv.stop()
+
+
+def test_close_settles_every_read_in_flight() -> None:
+    srv = _serve("gpu_ipc-hostseam-recording")
+    r = _Reader(StuckSeam())
+    try:
+        peer = r.backend.add_peer(srv.descriptor)
+        handles = [r.backend.read(peer, _ops([(i, i)]), timeout_s=TIMEOUT) for i in range(4)]
+        assert not any(h.done() for h in handles)
+        threading.Timer(0.2, r.seam.release.set).start()
+        r.backend.close()
+        assert all(h.settled() for h in handles)
+    finally:
+        r.seam.release.set()
         r.close()
         srv.stop()
 

@@ -28,7 +28,8 @@ EXPECTED = {
     "plan": ["route nixl", "read failed: NIXL could not prepare descriptor lists", "prep_xfer_dlist"],
     "read": ["route nixl", "read failed: NIXL read from peer", "did not start", "injected NIXL failure in transfer"],
     "none": ["server offers nixl: True", "route nixl", "fallbacks [] server []", "read ok"],
-    "cuda-refusal": ["refused: RuntimeError: torch.cuda.Stream requires CUDA support"],
+    # torch refuses GPU memory on a CPU-only build (its words are its own: only the refusal is checked)
+    "cuda-refusal": ["outcome: refused: RuntimeError: "],
 }
 
 

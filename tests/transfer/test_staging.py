@@ -1,5 +1,5 @@
-"""The staging and batching code that GPU memory goes through, run on host
-tensors through the host copier (only the device copies themselves differ)."""
+"""The staging code that GPU memory goes through, run on host memory through
+the host copier and FAKE device copiers (only the device copies themselves differ)."""
 
 from __future__ import annotations
 
@@ -11,76 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from atom_kv.config import KVTransferConfig
+from atom_kv.testing.fake_copier import FakeDeviceCopier
 from atom_kv.transfer import create_backend
-from atom_kv.transfer._batched_copy import copy_ranges, cut_pieces, range_rows, row_unit
+from atom_kv.transfer._batched_copy import cut_pieces, range_rows
 from atom_kv.transfer._regions import RegionTable
-from atom_kv.transfer.staging import HostCopier, StagingPool, recv_staged, send_staged
+from atom_kv.transfer.staging import HostCopier, HostLane, StagedReceiver, StagingPool, recv_staged, send_staged
 
 
-def _naive(src: np.ndarray, so, dst: np.ndarray, do, sizes) -> None:
-    for a, b, n in zip(so, do, sizes):
-        dst[b : b + n] = src[a : a + n]
-
-
-@pytest.mark.parametrize("mode", ["direct", "gather"])
-@pytest.mark.parametrize("block, n, shift", [(4096, 64, 0), (256, 300, 8), (96, 50, 4), (7, 40, 1)])
-def test_copy_ranges_matches_one_copy_per_range(block, n, shift, mode):
-    rng = np.random.default_rng(block)
-    src = rng.integers(0, 256, block * n + shift, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    want = dst.copy()
-    so = rng.permutation(n)[: n // 2] * block + shift
-    do = rng.permutation(n)[: n // 2] * block
-    sizes = np.full(len(so), block)
-    copy_ranges(torch.from_numpy(src), so, torch.from_numpy(dst), do, sizes, mode=mode)
-    _naive(src, so, want, do, sizes)
-    assert np.array_equal(dst, want)
-
-
-def test_copy_ranges_contiguous_and_mixed_sizes():
-    src = np.arange(1 << 16, dtype=np.uint32).view(np.uint8)
-    dst = np.zeros_like(src)
-    copy_ranges(torch.from_numpy(src), np.array([0, 4096]), torch.from_numpy(dst), np.array([8192, 12288]),
-                np.array([4096, 8192]))
-    assert np.array_equal(dst[8192 : 8192 + 12288], src[:12288]) and not dst[:8192].any()
-
-
-def _count(monkeypatch, owner, name, calls):
-    real = getattr(owner, name)
-    label = f"{'Tensor' if owner is torch.Tensor else 'torch'}.{name}"
-
-    def counting(*args, **kwargs):
-        calls.append(label)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, counting)
-
-
-@pytest.mark.parametrize("mode", ["direct", "gather"])
-@pytest.mark.parametrize("scatter_dst", [False, True], ids=["dst-run", "dst-scattered"])
-def test_copy_ranges_is_one_batched_call_however_many_blocks(monkeypatch, mode, scatter_dst):
-    src = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)
-    dst = torch.zeros_like(src)
-    perm = np.random.default_rng(3).permutation(1024)
-    dperm = np.random.default_rng(4).permutation(1024) if scatter_dst else np.arange(1024)
-    calls: list[str] = []
-    _count(monkeypatch, torch.Tensor, "index_select", calls)  # a gather into a new tensor
-    _count(monkeypatch, torch.Tensor, "index_copy_", calls)
-    _count(monkeypatch, torch, "index_select", calls)  # with out=: straight into the destination rows
-    _count(monkeypatch, torch, "_foreach_copy_", calls)
-    copy_ranges(src, perm * 4096, dst, dperm * 4096, np.full(1024, 4096), mode=mode)
-    want = torch.zeros_like(src).view(1024, 4096)
-    want[torch.from_numpy(dperm)] = src.view(-1, 4096)[torch.from_numpy(perm)]
-    assert torch.equal(dst.view(1024, 4096), want)
-    if mode == "gather":  # a gather into a temporary, then a scatter (or slice copy) from it
-        assert calls == (["Tensor.index_select", "Tensor.index_copy_"] if scatter_dst else ["Tensor.index_select"])
-    else:  # straight from the source ranges into the destination ranges, one batched call, no temporary
-        assert calls == (["torch._foreach_copy_"] if scatter_dst else ["torch.index_select"])
-
-
-def test_units_and_rows():
-    assert row_unit(np.array([4096, 8192]), np.array([12288])) == 4096
-    assert row_unit(np.array([3]), np.array([4])) == 1
+def test_range_rows():
     assert range_rows(np.array([5, 0]), np.array([2, 3])).tolist() == [5, 6, 0, 1, 2]
 
 
@@ -103,11 +42,14 @@ def test_cut_pieces_splits_exactly_at_the_chunk():
 class _Staged:
     """A staged region table over one host buffer, with small staging buffers (many pieces)."""
 
-    def __init__(self, data: np.ndarray, chunk: int) -> None:
+    def __init__(self, data: np.ndarray, chunk: int, buffers: int = 2) -> None:
         self.data = data
-        self.table = RegionTable(staging_pairs=1)
+        self.table = RegionTable(staging_pairs=1, staging_bytes=chunk, staging_buffers=buffers)
         self.table.add(data.ctypes.data, data.nbytes, 1, 1 << 16, staged=True)
-        self.table.pool.nbytes = chunk  # the pool's buffers are larger: pieces use their first `chunk` bytes
+
+    def use(self, copier) -> None:
+        """Every region through ``copier`` (a FAKE device copier)."""
+        self.table._copiers[-1] = copier
 
 
 def test_send_and_receive_staged_through_the_host_copier():
@@ -147,7 +89,7 @@ def test_an_aborted_staged_receive_settles_and_gives_the_buffers_back():
         recv_staged(b, reader.table, np.zeros(4, np.int64), np.arange(4) * 4096, np.full(4, 4096),
                     time.monotonic() + 5, stop)
     assert np.array_equal(dst[:4096], np.frombuffer(bytes(range(256)) * 16, np.uint8))
-    with reader.table.pool.lease(time.monotonic() + 0.5):  # the one pair came back
+    with reader.table.pool.lease(time.monotonic() + 0.5):  # the one ring came back
         pass
     a.close()
     b.close()
@@ -166,30 +108,32 @@ def test_tcp_stages_gpu_memory_and_host_memory_only_when_asked():
         be.close()
 
 
+class _LoggingLane(HostLane):
+    """A lane of a FAKE device (host memory): copies done at once, fences and waits logged."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def fence(self, slot):
+        self.log.append(("fence", self.name))
+        return self.name
+
+    def query(self, token):
+        return False  # never complete before waited on: every fence shows up as a wait
+
+    def wait(self, token):
+        self.log.append(("wait", token))
+
+
 class _FakeDeviceCopier(HostCopier):
-    """A FAKE device copier on host memory (no GPU here): like a GPU's, its
-    scratch is its own tensor moved to the staging buffer by download/upload;
-    its fences and waits are logged."""
+    """A FAKE device copier on host memory (no GPU here) with a logging lane per ring."""
 
     def __init__(self, name: str, log: list) -> None:
         super().__init__()
         self.name, self.log, self.device = name, log, 0
 
-    def scratch(self, buf, n):
-        return torch.empty(n, dtype=torch.uint8)
-
-    def download(self, scratch, buf, n):
-        buf[:n].copy_(scratch)
-
-    def upload(self, buf, n):
-        return buf[:n].clone()
-
-    def fence(self):
-        self.log.append(("fence", self.name))
-        return self.name
-
-    def wait(self, token):
-        self.log.append(("wait", token))
+    def lane(self):
+        return _LoggingLane(self.name, self.log)
 
 
 class _MixedRegions:
@@ -200,11 +144,12 @@ class _MixedRegions:
         self._copiers = [host, host, *[_FakeDeviceCopier("gpu0", log)] * 2, *[_FakeDeviceCopier("gpu1", log)] * 2]
         self._copiers[3] = self._copiers[2]
         self._copiers[5] = self._copiers[4]
-        self._tensors = [torch.from_numpy(data[i * 16384 : (i + 1) * 16384]) for i in range(6)]
-        self.pool = StagingPool(host, 1, nbytes=1 << 15)
+        self._data = data
+        self._addrs = np.array([data.ctypes.data + i * 16384 for i in range(6)], dtype=np.int64)
+        self.pool = StagingPool(host, 1, nbytes=1 << 15, buffers=2)
 
-    def tensor(self, region):
-        return self._tensors[region]
+    def addresses(self, regions):
+        return self._addrs.take(regions)
 
     def copier(self, region):
         return self._copiers[region]
@@ -239,3 +184,97 @@ def test_a_piece_mixing_host_and_two_devices_uses_and_fences_each_region_s_copie
         # 3 pieces, each holding regions of both fake devices: each device fenced once per piece, each fence waited
         assert sorted(fenced) == ["gpu0"] * 3 + ["gpu1"] * 3
         assert sorted(waited) == sorted(fenced)
+
+
+def _ranges(n: int, block: int, region: int, seed: int):
+    perm = np.random.default_rng(seed).permutation(n)
+    return perm * block // region, perm * block % region, perm
+
+
+def test_the_reader_waits_only_for_a_buffer_it_is_about_to_reuse():
+    """With fences that complete 50 ms after they were recorded (a slow FAKE
+    device), each wait is for the buffer the next piece goes into, never
+    for the piece just scattered; the sender's waits are for the piece it
+    is about to send, gathered up to a ring ahead."""
+    src = np.random.default_rng(1).integers(0, 256, 1 << 18, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    server, reader = _Staged(src, 16384, buffers=4), _Staged(dst, 16384, buffers=4)
+    s_copier, r_copier = FakeDeviceCopier(0.05, record=True), FakeDeviceCopier(0.05, record=True)
+    server.use(s_copier)
+    reader.use(r_copier)
+    n = (1 << 18) // 4096  # 64 blocks: 16 pieces of 16 KiB, 4 buffers per ring
+    s_reg, s_off, perm = _ranges(n, 4096, 1 << 16, 2)
+    d_reg, d_off = np.arange(n) * 4096 // (1 << 16), np.arange(n) * 4096 % (1 << 16)
+    a, b = socket.socketpair()
+    deadline = time.monotonic() + 20
+    t = threading.Thread(target=send_staged, args=(a, server.table, s_reg, s_off, np.full(n, 4096), deadline))
+    t.start()
+    recv_staged(b, reader.table, d_reg, d_off, np.full(n, 4096), deadline)
+    t.join(10)
+    a.close()
+    b.close()
+    assert np.array_equal(dst.reshape(n, 4096), src.reshape(n, 4096)[perm])
+    log = r_copier.log
+    fences = [slot for kind, slot in log if kind == "fence"]
+    assert fences == [i % 4 for i in range(16)], "one buffer after the other, round the ring"
+    # a wait for buffer s comes after the fence of s's previous piece and before s is filled again (or at the end)
+    for i, (kind, slot) in enumerate(log):
+        if kind == "wait":
+            later = [s for k, s in log[i + 1:] if k == "fence"]
+            assert not later or later[0] == slot, log
+    assert r_copier.waits <= 16
+    # the sender gathered a whole ring ahead: four fences before its first wait
+    first_wait = next(i for i, (k, _) in enumerate(s_copier.log) if k == "wait")
+    assert [s for k, s in s_copier.log[:first_wait] if k == "fence"] == [0, 1, 2, 3]
+
+
+def test_a_connection_s_receiver_pipelines_from_one_job_to_the_next():
+    """The last scatters of job 1 are still in flight while job 2 is received
+    (the old reader waited for them before its next request); each job is
+    reported settled once its copies are, in order, and idle() settles the rest."""
+    src = np.random.default_rng(4).integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    reader = _Staged(dst, 4096, buffers=4)
+    copier = FakeDeviceCopier(0.2)
+    reader.use(copier)
+    receiver = StagedReceiver(reader.table)
+    settled: list[str] = []
+    a, b = socket.socketpair()
+    half = 1 << 15
+    a.sendall(src.tobytes())
+    deadline = time.monotonic() + 10
+    receiver.receive(b, np.zeros(8, np.int64), np.arange(8) * 4096, np.full(8, 4096), deadline,
+                     on_settled=lambda: settled.append("job 1"))
+    assert settled == [], "job 1 reported settled while its copies were in flight"
+    receiver.receive(b, np.zeros(8, np.int64), half + np.arange(8) * 4096, np.full(8, 4096), deadline,
+                     on_settled=lambda: settled.append("job 2"))
+    assert settled == ["job 1"], "job 2's pieces reused job 1's buffers: job 1 settled then, not before"
+    receiver.idle()
+    assert settled == ["job 1", "job 2"] and np.array_equal(dst, src)
+    with reader.table.pool.lease(time.monotonic() + 0.5):  # the ring came back
+        pass
+    a.close()
+    b.close()
+
+
+def test_staged_tcp_over_a_slow_fake_device_reads_every_byte_across_many_jobs_on_one_connection():
+    cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", "tcp_streams": 1, "staging_piece_bytes": 65536,
+                                      "transfer_timeout_s": 30})
+    src = np.random.default_rng(6).integers(0, 256, 3 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    with create_backend("tcp", cfg, key="slow-a") as a, create_backend("tcp", cfg, key="slow-b") as b:
+        for be in (a, b):
+            be.stage_host_memory = True
+            be.staging_copier = FakeDeviceCopier(0.002)
+        (ra,) = a.register_memory(src.ctypes.data, src.nbytes, align=4096)
+        (rb,) = b.register_memory(dst.ctypes.data, dst.nbytes, align=4096)
+        peer = b.add_peer(a.export_descriptor())
+        n = src.nbytes // 4096
+        perm = np.random.default_rng(7).permutation(n)
+        ops = np.zeros((n, 5), dtype=np.int64)
+        ops[:, 0], ops[:, 1], ops[:, 2], ops[:, 3], ops[:, 4] = rb, np.arange(n) * 4096, ra, perm * 4096, 4096
+        for _ in range(2):
+            dst[:] = 0
+            h = b.read(peer, ops, timeout_s=30)  # 12 jobs of 256 KiB on the one connection
+            assert h.wait(60) and h.error is None and h.wait_settled(5), h.error
+            assert np.array_equal(dst.reshape(n, 4096), src.reshape(n, 4096)[perm])

@@ -54,7 +54,7 @@ def test_the_staging_pool_defaults_to_the_tcp_threads_and_streams() -> None:
         be.stage_host_memory = True
         buf = np.zeros(BLOCK, dtype=np.uint8)
         be.register_memory(buf.ctypes.data, buf.nbytes, align=BLOCK)
-        assert (be._regions.pool.nbytes, be._regions.pool.pairs) == (4 << 20, 5)
+        assert (be._regions.pool.nbytes, be._regions.pool.pairs, be._regions.pool.buffers) == (1 << 20, 5, 4)
 
 
 def _silent_connection_lasts(cfg: KVTransferConfig, bound_s: float) -> float:

@@ -15,18 +15,23 @@ node, through CUDA IPC memory handles (HIP IPC on ROCm builds of torch).
   engine's writes queued up to that call are complete on the device
   (docs/integrating.md says where an engine calls it).
 - Reading: ``add_peer`` maps the peer's regions once (per peer, not per
-  read) and opens its written events. ``read`` checks every range against
-  the granted region sizes, then queues one batched copy per (remote region,
-  local region) pair (:func:`~atom_kv.transfer._batched_copy.copy_ranges`,
-  straight from the remote ranges into the local ones) on this backend's
-  own stream of the destination's GPU, after the producer's written event
-  and the consumer's current stream, and records a fence on every stream it
-  used, on every path. A named completion thread waits on the fences
-  (blocking-sync events: the thread sleeps, no core spins): the handle
-  finishes, and *settles*, only once the copies are complete on the device,
-  so the consumer's next step after it saw the handle finish is ordered
-  after them, and ``wait_settled`` keeps its meaning even for a read failed
-  by its deadline.
+  read), opens its written events, and makes one copy stream per
+  (peer, local GPU) with its ordering event. ``read`` plans in one
+  vectorised pass (:mod:`~atom_kv.transfer.gpu_ipc.plan`: bounds on both
+  sides, pointer arrays, runs coalesced, no torch object per range), then
+  per stream: an order after the producer's written event and the
+  consumer's current stream (the stream's ordering event, re-recorded), one
+  batched copy (``cuMemcpyBatchAsync`` where the driver has it), and a fence
+  from a pool of reused events, recorded on every path. No event is made
+  per read once the pool is warm.
+- Completion (:mod:`~atom_kv.transfer.gpu_ipc.completion`): ``done()``
+  queries the fences; ``wait()`` queries them for a bounded spin
+  (``gpu_ipc_wait_spin_us``), then blocks while the settling thread waits
+  on them (blocking-sync events: it sleeps). A handle finishes, and
+  *settles*, only once the copies are complete on the device, so the
+  consumer's next step after it saw the handle finish is ordered after them;
+  a read failed by its deadline is settled by that thread once its copies
+  are, so ``wait_settled`` keeps its meaning.
 - A peer that exited is noticed through its pidfd (``poll``, any fd
   number): reads from it fail.
 
@@ -43,7 +48,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import select
 import threading
 from dataclasses import dataclass, field
@@ -53,9 +57,10 @@ import numpy as np
 
 from atom_kv import wire
 from atom_kv.transfer._grant import GrantedBackend, GrantServer
-from atom_kv.transfer._regions import begin_read, out_of_bounds
 from atom_kv.transfer._trust import PURPOSE_GPU_IPC_GRANT
 from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferError, chunk_sizes
+from atom_kv.transfer.gpu_ipc.completion import Completions, EventPool
+from atom_kv.transfer.gpu_ipc.plan import PairTable, Spans, plan_read
 from atom_kv.transfer.memory import HOST, MemoryKind, check_memory
 
 if TYPE_CHECKING:
@@ -74,10 +79,25 @@ def pid_exited(pidfd: int) -> bool:
     return bool(poller.poll(0))
 
 
+class _Lane:
+    """One (peer, local device) copy lane: its stream, its ordering event (re-recorded
+    on the consumer's current stream by each read) and the device's fence pool.
+    ``lock``: one read at a time orders, copies and fences on it."""
+
+    __slots__ = ("stream", "ordering", "pool", "lock")
+
+    def __init__(self, seam: Any, device: int, pool: EventPool) -> None:
+        self.stream = seam.stream(device)
+        self.ordering = seam.event(device)
+        self.pool = pool
+        self.lock = threading.Lock()
+
+
 @dataclass
 class _Peer:
     """A granted peer: its regions mapped here, their sizes, its written
-    events (per region, None when none) and what the seam opened for it."""
+    events (per region, None when none), what the seam opened for it, where
+    its regions are (``spans``) and its copy lanes (one per local device)."""
 
     pid: int
     tensors: list[Any]
@@ -85,23 +105,44 @@ class _Peer:
     pidfd: Optional[int]
     written: list[Any] = field(default_factory=list)
     mapped: Any = None
+    spans: Optional[Spans] = None
+    written_of: dict[int, list[Any]] = field(default_factory=dict)  # source device -> its written events
+    lanes: dict[int, _Lane] = field(default_factory=dict)
+    table: Optional[PairTable] = None  # with the local spans it was made with
+    _poller: Any = None
 
     def gone(self) -> bool:
-        return self.pidfd is not None and pid_exited(self.pidfd)
+        if self.pidfd is None:
+            return False
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.pidfd, select.POLLIN)
+        return bool(self._poller.poll(0))
+
+    def pair(self, local: Spans) -> PairTable:
+        table = self.table
+        if table is None or table.local is not local:
+            assert self.spans is not None
+            table = self.table = PairTable(local, self.spans)
+        return table
 
     def close(self) -> None:
-        self.tensors, self.written = [], []
+        self.tensors, self.written, self.written_of, self.lanes = [], [], {}, {}
         if self.mapped is not None:
             self.mapped.close()
             self.mapped = None
         if self.pidfd is not None:
+            if self._poller is not None:
+                self._poller.unregister(self.pidfd)
+                self._poller = None
             os.close(self.pidfd)
             self.pidfd = None
 
 
 class GpuIpcBackend(GrantedBackend):
     """Owns this process's exporters and written events, the grant endpoint,
-    the mapped peers, one copy stream per GPU and the completion thread (see
+    the mapped peers and their copy lanes, the fence pools and the reads in
+    flight with their settling thread (:class:`Completions`) (see
     :class:`ServedBackend` for the addresses it listens on and advertises).
 
     ``_seam``: every device call (tests pass the host stand-in,
@@ -112,9 +153,6 @@ class GpuIpcBackend(GrantedBackend):
     accepts_op_arrays = True
     memory_kinds = frozenset({"gpu"})
     purpose = PURPOSE_GPU_IPC_GRANT
-    #: how scattered reads copy (:data:`~atom_kv.transfer._batched_copy.COPY_MODES`):
-    #: "direct" (each byte read once) or "gather" (the older gather + scatter, to measure against)
-    copy_mode = "direct"
 
     def __init__(self, config: Optional["KVTransferConfig"] = None, *, _seam: Any = None, **where: Any) -> None:
         if _seam is None:
@@ -137,13 +175,10 @@ class GpuIpcBackend(GrantedBackend):
         self._export_error: Optional[str] = None  # why this memory cannot be shared: grants are refused
         self._written: dict[int, Any] = {}  # device -> this process's written event
         self._local: list[Any] = []  # our regions as uint8 tensors
-        self._local_sizes = np.zeros(0, dtype=np.uint64)
-        self._streams: dict[int, Any] = {}
-        self._done: "queue.SimpleQueue[Optional[tuple[ReadHandle, list[Any], Optional[str], Any]]]" = \
-            queue.SimpleQueue()
-        self._completer = threading.Thread(target=self._complete, name=f"atomkv-gpu_ipc-done-{self._key}",
-                                           daemon=True)
-        self._completer.start()
+        self._local_spans = Spans.of([], [], [])
+        self._pools: dict[int, EventPool] = {}
+        self._completions = Completions(self._seam, f"atomkv-gpu_ipc-settle-{self._key}",
+                                        cfg.gpu_ipc_wait_spin_us * 1e-6)
 
     def _grant_keys(self, cfg: "KVTransferConfig") -> tuple[float, int]:
         return cfg.gpu_ipc_grant_timeout_s, cfg.gpu_ipc_grant_max_connections
@@ -186,7 +221,10 @@ class GpuIpcBackend(GrantedBackend):
                 self._exports.append((exporter, device))
                 self._local.append(seam.alias(ptr + off, n, device))
             off += n
-        self._local_sizes = np.concatenate([self._local_sizes, np.asarray(sizes, dtype=np.uint64)])
+        with self._lock:  # a new Spans object: each peer's lookup table is remade on its next read
+            local = self._local
+            self._local_spans = Spans.of([seam.address(t) for t in local],
+                                         [int(t.numel()) for t in local], [seam.device_of(t) for t in local])
         log.info("gpu_ipc %s: registered %d bytes of %s memory at 0x%x as regions %s", self._key, size,
                  memory.label, ptr, ids)
         return ids
@@ -208,6 +246,11 @@ class GpuIpcBackend(GrantedBackend):
         if [r.region for r in regions] != list(range(len(regions))):
             raise TransferError(f"gpu_ipc: peer pid {desc.pid} granted regions that are not numbered 0..n-1")
         peer = self._map(grant.pid, regions)
+        try:
+            self._open_lanes(peer)
+        except Exception as exc:  # no stream here for this peer: auto falls back
+            peer.close()
+            raise TransferError(f"gpu_ipc: cannot prepare copies from peer pid {grant.pid}: {exc}") from None
         peer_id = f"gpu_ipc:{desc.key or desc.pid}#{next(self._peer_seq)}"
         self._keep_peer(peer_id, peer, _Peer.close)
         log.info("gpu_ipc %s: mapped %d regions of peer %s", self._key, len(peer.tensors), peer_id)
@@ -237,98 +280,104 @@ class GpuIpcBackend(GrantedBackend):
             raise TransferError(f"gpu_ipc: cannot map the memory of peer pid {pid}: {exc}") from None
         return peer
 
+    def _open_lanes(self, peer: _Peer) -> None:
+        """Where the peer's regions are, its written events by device, and one copy
+        lane per GPU of ours (with peer access from each of the peer's GPUs)."""
+        seam = self._seam
+        devices = [seam.device_of(t) for t in peer.tensors]
+        peer.spans = Spans.of([seam.address(t) for t in peer.tensors], [int(n) for n in peer.sizes], devices)
+        for d, event in zip(devices, peer.written):
+            events = peer.written_of.setdefault(d, [])
+            if event is not None and event not in events:  # one per device (the same event for each region)
+                events.append(event)
+        with self._lock:
+            local_devices = sorted(set(self._local_spans.device.tolist()))
+        for device in local_devices:
+            for peer_device in sorted(set(devices)):
+                seam.prepare(device, peer_device)
+            self._lane(peer, device)
+
+    def _lane(self, peer: _Peer, device: int) -> _Lane:
+        lane = peer.lanes.get(device)
+        if lane is None:  # made at add_peer; here only for memory registered on a new GPU since
+            with self._lock:
+                pool = self._pools.get(device)
+                if pool is None:
+                    pool = self._pools[device] = EventPool(lambda: self._seam.event(device))
+            lane = peer.lanes.setdefault(device, _Lane(self._seam, device, pool))
+        return lane
+
     def remove_peer(self, peer_id: str) -> None:
         peer = self._pop_peer(peer_id)
         if peer is not None:  # reads in flight keep their own references to the mapped tensors
             peer.close()
 
-    def _stream(self, device: int) -> Any:
-        s = self._streams.get(device)
-        if s is None:
-            s = self._streams[device] = self._seam.stream(device)
-        return s
-
     def read(self, peer_id: str, ops: Sequence[ReadOp] | Any, *, timeout_s: float) -> ReadHandle:
         rid = next(self._read_seq)
-        what = f"gpu_ipc read {rid}"
         with self._lock:
             peer = self._peers.get(peer_id)
             refusal = self._life.read_refusal(peer, peer_id)
-        handle, table = begin_read(what, ops, self._local_sizes, refusal=refusal)
-        if table is None:
+            local = self._local_spans
+        completions = self._completions
+        if refusal is not None:
+            handle = completions.handle(0, 0)
+            handle._finish(f"gpu_ipc read {rid}: {refusal}")
             return handle
-        bad = out_of_bounds(table[:, 2], table[:, 3], table[:, 4], peer.sizes)
-        if bad is not None:
-            _, _, rr, ro, sz = (int(x) for x in table[bad])
-            handle._finish(f"{what}: remote range (region {rr}, offset {ro}, size {sz}) is outside the regions "
-                           f"peer {peer_id} registered")
+        plan, bad = plan_read(ops, peer.pair(local))
+        if plan is None:
+            handle = completions.handle(0, 0)
+            handle._finish(bad.message(f"gpu_ipc read {rid}", peer_id))  # type: ignore[union-attr]
+            return handle
+        handle = completions.handle(plan.nbytes, plan.ranges)
+        if not plan.batches:
+            handle._finish(None)
             return handle
         if peer.gone():
-            handle._finish(f"{what}: peer {peer_id} (pid {peer.pid}) has exited")
+            handle._finish(f"gpu_ipc read {rid}: peer {peer_id} (pid {peer.pid}) has exited")
             return handle
-        handle._track_io()
-        self._life.watch(handle, timeout_s, f"{what} from {peer_id}")
-        fences: list[Any] = []
-        error = None
-        keep = peer.tensors  # mapped memory stays referenced until the copies settled
-        try:
-            self._enqueue(peer, table, fences)
-        except Exception as exc:  # a device error: what was queued still settles through the fences
-            error = f"{what}: device copy failed: {exc}"
-        self._done.put((handle, fences, error, keep))
+        self._life.watch(handle, timeout_s, f"gpu_ipc read {rid} from {peer_id}")
+        fences: list[tuple[EventPool, Any]] = []
+        error = self._enqueue(peer, plan.batches, fences)
+        completions.track(handle, fences, peer.tensors, None if error is None else f"gpu_ipc read {rid}: {error}")
         return handle
 
-    def _enqueue(self, peer: _Peer, table: np.ndarray, fences: list[Any]) -> None:
-        """One batched copy per (remote region, local region) pair, on the
-        destination GPU's stream (and the source's, when they differ), each
-        stream ordered after the producer's written event and the consumer's
-        current stream. A fence is recorded on every stream used, whatever
-        happens midway."""
-        from atom_kv.transfer._batched_copy import copy_ranges
-
+    def _enqueue(self, peer: _Peer, batches: list[Any], fences: list[tuple[EventPool, Any]]) -> Optional[str]:
+        """Per batch, on the lane of its destination GPU: the order after the producer's
+        written events and the consumer's current stream, then one batched copy. A
+        fence is recorded on every lane used, whatever happens midway; returns the
+        error that stopped the copies, or None."""
         seam = self._seam
-        pairs = table[:, 2] * (1 << 32) + table[:, 0]
-        used: dict[int, Any] = {}
-        try:
-            for key in np.unique(pairs):
-                m = pairs == key
-                remote = int(key >> 32)
-                src, dst = peer.tensors[remote], self._local[int(key & 0xFFFFFFFF)]
-                written = peer.written[remote]
-                devices = dict.fromkeys((seam.device_of(dst), seam.device_of(src)))
-                streams = {d: self._stream(d) for d in devices}
-                used.update(streams)
-                for d, stream in streams.items():  # here the current streams are still the consumer's
-                    seam.order(stream, d, [] if written is None else [written])
-                with seam.using(next(iter(devices)), list(streams.values())):
-                    copy_ranges(src, table[m, 3], dst, table[m, 1], table[m, 4], mode=self.copy_mode)
-        finally:
-            for stream in used.values():
-                fences.append(seam.record(stream))
+        error: Optional[str] = None
+        for batch in batches:
+            lane = self._lane(peer, batch.dst_device)
+            with lane.lock:
+                try:
+                    seam.order(lane.stream, batch.dst_device, peer.written_of.get(batch.src_device, ()), lane.ordering)
+                    seam.copy(lane.stream, batch)
+                except Exception as exc:  # a device error: what was queued still settles through the fence
+                    error = f"device copy failed: {exc}"
+                finally:
+                    event = lane.pool.take()
+                    try:
+                        seam.record(event, lane.stream)
+                        fences.append((lane.pool, event))
+                    except Exception as exc:
+                        error = error or f"device copy failed: cannot fence the copies: {exc}"
+                        lane.pool.give([event])
+            if error is not None:
+                break
+        return error
 
-    def _complete(self) -> None:
-        """The completion thread: a read finishes and settles once its copies are complete."""
-        while True:
-            item = self._done.get()
-            if item is None:
-                return
-            handle, fences, error, _keep = item
-            try:
-                for fence in fences:
-                    self._seam.synchronize(fence)
-            except Exception as exc:  # reported on the handle, never swallowed
-                error = error or f"gpu_ipc: device copy failed: {exc}"
-            handle._finish(error)
-            handle._settle()
-            del item, _keep  # the read's mapped memory is not held while waiting for the next one
+    def fence_events(self) -> int:
+        """Fence events this backend ever made (a pool's; none per read in steady state)."""
+        with self._lock:
+            return sum(pool.created for pool in self._pools.values())
 
     # -- lifecycle ------------------------------------------------------
     def _shut(self, peers: list[_Peer], endpoint: Optional[GrantServer]) -> None:
         if endpoint is not None:
             endpoint.close()
-        self._done.put(None)  # after every queued read: each settles first
-        if self._completer is not threading.current_thread():
-            self._completer.join(timeout=30)
+        self._completions.close()  # every read in flight settles first
         self._life.stop_deadlines()
         for peer in peers:
             peer.close()

@@ -1,6 +1,8 @@
 """A TEST STAND-IN for gpu_ipc's device seam (:mod:`atom_kv.transfer.gpu_ipc.cuda_seam`)
-over host shared memory. Tests only: nothing selects it but a test passing
-``GpuIpcBackend(..., _seam=HostSeam())``; engines always get the CUDA seam.
+over host shared memory. Tests and the host-seam bench (``python -m
+atom_kv.bench transfer --backend gpu_ipc --seam host``) only: nothing selects
+it but a caller passing ``GpuIpcBackend(..., _seam=HostSeam())``; engines
+always get the CUDA seam.
 
 It keeps every step of the real one, on host memory:
 
@@ -11,23 +13,27 @@ It keeps every step of the real one, on host memory:
 - a reader opens a handle with ``pidfd_getfd`` on the peer's pidfd (the
   grant gave the pid), checks the inode, and maps each memfd once per peer,
   as torch maps each allocation once;
-- copies, streams, events: copies are done when the call returns, so a
-  stream is a name and a fence is already complete.
+- copies by address (:func:`~atom_kv.transfer._device_copy.copy_by_address`:
+  a numpy gather and scatter),
+  queued on a stream and run when a fence recorded after them is queried or
+  waited on, as a device runs them after they were queued; events are
+  objects made once and reused, as CUDA's are from the backend's pool.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
 import struct
+import threading
 import weakref
 from typing import Any, Optional
 
 import numpy as np
 
 from atom_kv import wire
+from atom_kv.transfer._device_copy import copy_by_address
 from atom_kv.transfer._errors import TransferError
 
 __all__ = ["HostSeam", "SharedBuffer", "shared_buffer"]
@@ -202,12 +208,23 @@ class _HostPeerMap:
 
 
 class _HostStream:
+    """A host "stream": copies queued on it run when a fence after them is
+    queried or waited on (a device runs them later than they are queued;
+    so does this, so the queuing is all a read's submit costs)."""
+
     def __init__(self, device: int) -> None:
         self.device = device
+        self.queued: list[Any] = []
 
 
-class _HostFence:
-    """A fence on a host 'stream': the copies before it are already done."""
+class _HostEvent:
+    """A host fence: the copies queued before it, run (once) when it is looked at."""
+
+    __slots__ = ("device", "work")
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.work: list[Any] = []
 
 
 class HostSeam:
@@ -218,6 +235,7 @@ class HostSeam:
 
     def __init__(self) -> None:
         self._shares = _MemfdShares()
+        self._lock = threading.Lock()
 
     @staticmethod
     def unavailable_reason() -> Optional[str]:
@@ -249,20 +267,44 @@ class HostSeam:
     def open_peer(self, pid: int, pidfd: Optional[int]) -> _HostPeerMap:
         return _HostPeerMap(pid, pidfd)
 
+    def address(self, t: Any) -> int:
+        return int(t.data_ptr())
+
     def device_of(self, t: Any) -> int:
         return -1
+
+    def prepare(self, device: int, peer_device: int) -> None:
+        """Nothing to enable between host "devices"."""
 
     def stream(self, device: int) -> _HostStream:
         return _HostStream(device)
 
-    def using(self, device: int, streams: list[Any]) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    def event(self, device: int) -> _HostEvent:
+        return _HostEvent(device)
 
-    def order(self, stream: Any, device: int, events: list[Any]) -> None:
-        """Nothing to wait for: host writes and copies are complete when made."""
+    def order(self, stream: Any, device: int, written: list[Any], ordering: Any) -> None:
+        """Nothing to wait for: host writes are complete when made."""
 
-    def record(self, stream: Any) -> _HostFence:
-        return _HostFence()
+    def copy(self, stream: _HostStream, batch: Any) -> None:
+        stream.queued.append(batch)
 
-    def synchronize(self, event: Any) -> None:
-        """The fence is complete."""
+    def record(self, event: _HostEvent, stream: _HostStream) -> None:
+        event.work, stream.queued = stream.queued, []
+
+    def query(self, event: _HostEvent) -> bool:
+        self._run(event)
+        return True
+
+    def synchronize(self, event: _HostEvent) -> None:
+        self._run(event)
+
+    def stream_wait(self, stream: Any, event: _HostEvent) -> None:
+        self._run(event)
+
+    def _run(self, event: _HostEvent) -> None:
+        if not event.work:
+            return
+        with self._lock:  # two threads looking at one fence: its copies run once
+            work, event.work = event.work, []
+            for batch in work:
+                copy_by_address(batch.dst, batch.src, batch.size)

@@ -44,6 +44,7 @@ from atom_kv.transfer._rdma import RdmaPeers, teardown
 from atom_kv.transfer._regions import begin_read, resolve_config
 from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError, chunk_sizes
 from atom_kv.transfer.memory import HOST, MemoryKind
+from atom_kv.transfer.nixl.transports import TransportReport, enable_proto_info
 from atom_kv.transfer.nixl.agent import LOCAL_SIDE, NixlAgent, nixl_error
 from atom_kv.transfer.nixl.completion import Pending, XferTracker
 from atom_kv.transfer.nixl.plan import Regions, Transfer, UnitLayout, check_remote, plan_read, segment_of
@@ -105,6 +106,8 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
         self.key = key or f"atom_kv-{host}-{os.getpid()}"
         nixl = api if api is not None else load_nixl()
         agent_name = f"{self.key}-{uuid.uuid4().hex[:12]}"
+        # before UCX is loaded: it reads UCX_PROTO_INFO and UCX_LOG_FILE once per process
+        proto_log = enable_proto_info() if self.config.nixl_ucx_proto_info else None
         try:
             self._agent = NixlAgent(nixl, agent_name, plugins=list(self.config.nixl_plugins),
                                     progress_threads=self.config.nixl_progress_threads,
@@ -124,6 +127,8 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
         self._peers: dict[str, _Peer] = {}
         self._reads = itertools.count(1)
         self._counts: dict[str, int] = {}
+        self._transports = TransportReport(agent_name, proto_log)
+        self._first_read: Optional[ReadHandle] = None  # the report is logged once it finished
         try:
             self._tracker = XferTracker(f"atomkv-nixl-completion-{self.key}", self._agent)
         except BaseException:  # no thread to stop: release the agent in NIXL's order before the error goes on
@@ -132,7 +137,9 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
         # closes the agent even when the owner never calls close(): at garbage
         # collection, or at interpreter exit before modules are torn down
         self._finalizer = weakref.finalize(self, teardown, self._tracker, "NIXL backend closed", self._agent.teardown)
-        logger.info("NIXL agent %s up (plugins %s)", agent_name, ", ".join(self._agent.plugins))
+        logger.info("NIXL agent %s up (plugins %s; UCX_TLS=%s, UCX_NET_DEVICES=%s)", agent_name,
+                    ", ".join(self._agent.plugins), os.environ.get("UCX_TLS", "unset"),
+                    os.environ.get("UCX_NET_DEVICES", "unset"))
 
     # -- memory -----------------------------------------------------------------------
     def register_memory(self, ptr: int, size: int, *, align: int = 1, memory: MemoryKind = HOST) -> list[int]:
@@ -215,6 +222,8 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
     # -- reads ------------------------------------------------------------------------
     def read(self, peer_id: str, ops: Sequence[ReadOp] | Any, *, timeout_s: float) -> ReadHandle:
         """Start reading; ``ops`` may also be an (n, 5) int array in ReadOp column order."""
+        if not self._transports.done:
+            self._report_transports()
         with self._lock:
             peer = self._peers.get(peer_id)
             refusal = "backend is closed" if self._closed else (None if peer is not None else f"unknown peer {peer_id!r}")
@@ -232,7 +241,18 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
                 logger.warning("NIXL read %d from peer %s: %s", next(self._reads), peer_id, exc)
                 return handle
         self._tracker.add(pending)
+        if self._first_read is None:
+            self._first_read = handle
         return handle
+
+    def _report_transports(self) -> None:
+        """Log UCX's transports once the first read finished well (``nixl_ucx_proto_info``)."""
+        first = self._first_read
+        if first is not None and first.done():
+            if first.error is None:
+                self._transports.log()
+            else:
+                self._first_read = None  # the next read's choices, then
 
     def _layouts(self, peer: _Peer) -> tuple[Optional[UnitLayout], Optional[UnitLayout]]:
         """Both sides' unit layouts for ``peer`` (built on first use)."""
@@ -307,6 +327,8 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
             return dict(self._counts)
 
     def close(self) -> None:
+        if not self._transports.done:
+            self._report_transports()
         with self._lock:
             if self._closed:
                 return

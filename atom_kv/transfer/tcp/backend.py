@@ -7,8 +7,10 @@ destination with ``recvmsg_into``, over ``tcp_streams`` parallel connections.
 Works between any two hosts.
 
 GPU memory is *staged* (:mod:`atom_kv.transfer.staging`): the serving side
-gathers the requested ranges into pinned host buffers and sends those; the
-reader receives into pinned buffers and copies them to the GPU, pipelined.
+copies the requested ranges straight into pinned host buffers and sends
+those; the reader receives into pinned buffers and copies them straight into
+the destination, pipelined over a ring of buffers per connection, from one
+job to the next.
 The wire protocol is the same, so either side may be staged or not.
 """
 
@@ -72,6 +74,9 @@ class TcpBackend(ServedBackend):
     #: stage host memory too (through the host copier): the CPU suite runs
     #: the staging code GPU memory uses this way. Set before registering.
     stage_host_memory: bool = False
+    #: the copier of staged host memory (None: the host copier); the bench and
+    #: tests set a FAKE device copier (:mod:`atom_kv.testing.fake_copier`). Set before registering.
+    staging_copier: Any = None
 
     def _setup(self, cfg: "KVTransferConfig") -> None:
         self._settings = TcpServerSettings.from_config(cfg)
@@ -80,7 +85,8 @@ class TcpBackend(ServedBackend):
         self._hello_timeout = cfg.handshake_timeout_s
         self._io_timeout = cfg.transfer_timeout_s
         pairs = cfg.staging_pool_pairs or cfg.tcp_server_threads + cfg.tcp_streams
-        self._regions = RegionTable(staging_pairs=pairs, staging_bytes=cfg.staging_piece_bytes)
+        self._regions = RegionTable(staging_pairs=pairs, staging_bytes=cfg.staging_piece_bytes,
+                                    staging_buffers=cfg.staging_ring_buffers)
 
     # -- serving side ---------------------------------------------------
     @property
@@ -95,7 +101,7 @@ class TcpBackend(ServedBackend):
         self._life.check_open()
         self.check_memory(memory)
         ids = self._regions.add(ptr, size, align, self.max_region_bytes, memory=memory,
-                                staged=self.stage_host_memory)
+                                staged=self.stage_host_memory, host_copier=self.staging_copier)
         log.info("tcp %s: registered %d bytes of %s memory at 0x%x as regions %s%s", self._key, size, memory.label,
                  ptr, ids, " (staged)" if self._regions.staged[ids[0]] else "")
         return ids

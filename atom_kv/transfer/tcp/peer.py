@@ -10,14 +10,14 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from atom_kv import wire
 from atom_kv.wire import decode
 from atom_kv.transfer._events import EndpointEvents
-from atom_kv.transfer._jobs import JobWorkers, ReadState
+from atom_kv.transfer._jobs import DEFERRED, JobWorkers, ReadState
 from atom_kv.transfer._regions import RegionTable
 from atom_kv.transfer._sockio import HELLO_FRAME_MAX, PeerClosed, frame, recv_frame, recv_views
 from atom_kv.transfer._trust import PURPOSE_TCP_READ, ReaderProof, version_refusal
@@ -74,13 +74,14 @@ class TcpPeer:
         self._events = events
         self._lock = threading.Lock()
         self._socks: list[Optional[socket.socket]] = [None] * streams
+        self._receivers: list[Any] = [None] * streams  # per connection: its staging ring, while jobs come
         self._req_seq = 0
         self.max_ranges = 0
         # one connection up front: proves the peer is alive, knows our token and says its limits
         self._socks[0] = self._connect()
         self._workers = JobWorkers(
             f"atomkv-tcp-read-{desc.port}", streams, self._run_job,
-            what="tcp read", closed_reason=f"peer {peer_id} removed", on_crash=self._drop,
+            what="tcp read", closed_reason=f"peer {peer_id} removed", on_crash=self._drop, idle=self._idle,
         )
 
     @property
@@ -160,15 +161,18 @@ class TcpPeer:
             except TransferError as exc:
                 return f"{what}: {exc}"
             try:
-                return self._request(self._socks[idx], job, what, may_be_stale=reused and attempt == 1)
+                return self._request(idx, job, what, may_be_stale=reused and attempt == 1)
             except _Stale:
                 self._events.count("stale")
                 log.debug("%s: connection %d was closed by the server while idle; reconnecting", what, idx)
                 self._drop(idx)
         return f"{what}: connection failed twice"  # not reached: a fresh connection never raises _Stale
 
-    def _request(self, sock: socket.socket, job: Job, what: str, *, may_be_stale: bool) -> Optional[str]:
-        """Send one request on ``sock`` and receive its bytes into the destination."""
+    def _request(self, idx: int, job: Job, what: str, *, may_be_stale: bool) -> Optional[str]:
+        """Send one request on connection ``idx`` and receive its bytes into the destination
+        (staged: :data:`DEFERRED`, the job reports itself once its last copies are complete)."""
+        sock = self._socks[idx]
+        assert sock is not None
         state, table = job.state, job.table
         req_id = self._next_req_id()
         packed = np.ascontiguousarray(table[:, 2:5]).astype("<u8").tobytes()
@@ -191,10 +195,9 @@ class TcpPeer:
                     f"reply {reply.req_id}/{reply.total} bytes does not match request {req_id}/{expected}"
                 )
             if self._local.any_staged(table[:, 0]):  # GPU memory: received into staging buffers, pipelined
-                from atom_kv.transfer.staging import recv_staged
-
-                recv_staged(sock, self._local, table[:, 0], table[:, 1], sizes, job.deadline, state.handle.done)
-                return None
+                self._receiver(idx).receive(sock, table[:, 0], table[:, 1], sizes, job.deadline, state.handle.done,
+                                            on_settled=state.job_done)
+                return DEFERRED
             views = self._local.views(table[:, 0], table[:, 1], sizes)
             recv_views(sock, views, sizes, job.deadline, state.handle.done)
             return None
@@ -209,6 +212,20 @@ class TcpPeer:
             if isinstance(exc, TimeoutError):
                 return f"{what}: timed out"
             return f"{what}: connection failed: {exc}"
+
+    def _receiver(self, idx: int) -> Any:
+        receiver = self._receivers[idx]
+        if receiver is None:
+            from atom_kv.transfer.staging import StagedReceiver
+
+            receiver = self._receivers[idx] = StagedReceiver(self._local)
+        return receiver
+
+    def _idle(self, idx: int) -> None:
+        """Connection ``idx`` has no job waiting: its staged jobs settle, its ring goes back."""
+        receiver = self._receivers[idx]
+        if receiver is not None:
+            receiver.idle()
 
     def _drop_sock(self, sock: socket.socket) -> None:
         for i, s in enumerate(self._socks):
