@@ -22,7 +22,12 @@ SUITES = {
     "proxy": "proxy-added latency and throughput in front of fake engines",
     "e2e": "TTFT and tokens/s, P/D versus colocated, with the reference engine",
     "vllm": "TTFT through the proxy and two real vLLM servers (P/D) versus one plain vLLM server",
+    "kv-index": "the proxy's KV event index: blocks/s decoded and applied on one core, bytes per entry",
 }
+
+
+def _module(suite: str) -> str:
+    return f"atom_kv.bench.{suite.replace('-', '_')}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,10 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:
             # Import only the suite being run: one suite's heavy or broken
             # imports never affect another.
-            importlib.import_module(f"atom_kv.bench.{name}").add_arguments(sub_parser)
+            importlib.import_module(_module(name)).add_arguments(sub_parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(f"atom_kv.bench.{args.suite}")
+    module = importlib.import_module(_module(args.suite))
     return int(module.run(args) or 0)
 
 
