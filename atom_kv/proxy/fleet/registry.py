@@ -175,13 +175,16 @@ class Registration:
     notify_port: int | None = None
     source: str = "atom"
     features: frozenset[str] | None = None  # the ping's ``kv_features``; None: the ping said nothing
+    kv_events: str | None = None  # the KV event publisher of DP rank 0 (checked tcp://HOST:PORT); None: none
+    kv_events_replay: str | None = None  # ... and its replay endpoint
 
 
 class Registry:
     """The set of known instances and their health; loop-only (no locks).
 
     ``on_evict`` is called for every instance that leaves (or, if static,
-    goes silent); ``wakeup`` is set when an instance needs a probe soon."""
+    goes silent), ``on_register`` for every ping an instance took; ``wakeup``
+    is set when an instance needs a probe soon."""
 
     def __init__(
         self,
@@ -194,6 +197,7 @@ class Registry:
         circuit_min_requests: int = 20,
         circuit_failure_ratio: float = 0.5,
         circuit_window_s: float = 30.0,
+        on_register: Callable[[Instance, Registration], None] | None = None,
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.max_instances = max_instances
@@ -201,6 +205,7 @@ class Registry:
         self._circuit_cooldown_s = circuit_cooldown_s
         self._circuit_window = (circuit_min_requests, circuit_failure_ratio, circuit_window_s)
         self._on_evict = on_evict
+        self._on_register = on_register  # every accepted ping, after the instance took it
         self._instances: dict[tuple[str, str], Instance] = {}
         self._sorted: dict[str, list[Instance]] | None = None
         self._waiters: list[asyncio.Future] = []
@@ -291,6 +296,8 @@ class Registry:
             self._info.event("registered", (
                 f"registered {ROLE_NAMES[reg.role]} instance {reg.base_url} (tp={reg.tp_size} dp={reg.dp_size} "
                 f"handshake_port={reg.handshake_port}, {reg.source} ping); probing it"))
+        if self._on_register is not None:
+            self._on_register(inst, reg)
         return new
 
     def get(self, role: Role, base_url: str) -> Instance | None:
