@@ -359,8 +359,8 @@ def build_registration_pinger(
         model=model,
         kv_features=list(kv_features) or None,
         answers=True,
-        kv_events_endpoint=kv_events_endpoint,
-        kv_events_replay_endpoint=kv_events_replay_endpoint,
+        kv_events=kv_events_endpoint,
+        kv_events_replay=kv_events_replay_endpoint,
     )
     return RegistrationPinger(ping, proxies, config.ping_interval_s, auth_token=config.auth_token,
                               serving_at=(http_host, http_port) if wait_until_serving else None,

@@ -102,8 +102,8 @@ MAX_KV_FEATURES = 32
 HostName = Annotated[str, msgspec.Meta(max_length=255)]
 #: an http URL an engine advertises
 UrlText = Annotated[str, msgspec.Meta(max_length=1024)]
-#: a ZeroMQ endpoint an engine advertises (``tcp://`` + a host name + ``:`` + a port)
-EndpointText = Annotated[str, msgspec.Meta(max_length=272)]
+#: a ZeroMQ address a proxy connects to (``tcp://`` and a host name or address, a port)
+EventsAddress = Annotated[str, msgspec.Meta(max_length=300)]
 #: a rank, a size, a count: never negative, never huge
 Rank = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 #: a transfer id as it travels on the handshake port (at most 128 characters, as adopted from a request)
@@ -133,16 +133,17 @@ class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=Tru
     #: what the engine's connector takes part in (``kv_features``, e.g. "rendezvous"), for engines whose
     #: HTTP server cannot announce it on ``/health`` (vLLM's); None: nothing said here
     kv_features: Optional[Annotated[list[FeatureName], msgspec.Meta(max_length=MAX_KV_FEATURES)]] = None
+    #: where proxies connect to follow the engine's KV cache events (vLLM's wire, DP rank 0's endpoint: rank
+    #: N publishes on its port + N), and its replay endpoint; ``tcp://HOST:PORT``, ``*`` meaning the host of
+    #: ``request_address``. None: the engine publishes none (ATOM's and MoRIIO's pings never say)
+    kv_events: Optional[EventsAddress] = None
+    kv_events_replay: Optional[EventsAddress] = None
     #: the sender reads the proxy's :class:`RegisterAnswer` to this ping (atom-kv's pinger sets it; ATOM's own
     #: engines do not, and get no answer they never asked for)
     answers: bool = False
     ts: Optional[float] = None
     nonce: Optional[Name] = None
     mac: Optional[Name] = None
-    #: where the engine publishes its KV cache events (vLLM's wire: PUB, ``tcp://host:port``; DP rank N on
-    #: port + N), and their replay ROUTER; None: it publishes none (or does not say)
-    kv_events_endpoint: Optional[EndpointText] = None
-    kv_events_replay_endpoint: Optional[EndpointText] = None
     #: the engine is leaving (its first SIGTERM): the proxy gives it no new legs; its in-flight ones finish
     draining: bool = False
 

@@ -85,7 +85,7 @@ def test_no_module_imports_itself_through_others():
 # The proxy's rooms: each sub-package of atom_kv.proxy is one concern. The HTTP layer knows nothing
 # of P/D; between the rooms (and the top-level modules: app, settings, server, __main__) no circle.
 PROXY = "atom_kv.proxy"
-PROXY_ROOMS = ("http", "fleet", "routing", "relay", "observability", "admission")
+PROXY_ROOMS = ("http", "fleet", "routing", "relay", "observability", "admission", "kv_events")
 
 
 def _proxy_node(module: str) -> str | None:

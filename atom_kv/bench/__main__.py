@@ -26,7 +26,12 @@ SUITES = {
     "admission": "admission control under a burst: queued in order, 429 past the queue, waits within the timeout",
     "e2e": "TTFT and tokens/s, P/D versus colocated, with the reference engine",
     "vllm": "TTFT through the proxy and two real vLLM servers (P/D) versus one plain vLLM server",
+    "kv-index": "the proxy's KV event index: blocks/s decoded and applied on one core, bytes per entry",
 }
+
+
+def _module(suite: str) -> str:
+    return f"atom_kv.bench.{suite.replace('-', '_')}"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -41,7 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if name == chosen:
             # Import only the suite being run: one suite's heavy or broken
             # imports never affect another.
-            importlib.import_module(f"atom_kv.bench.{name}").add_arguments(sub_parser)
+            importlib.import_module(_module(name)).add_arguments(sub_parser)
     return parser.parse_args(argv)
 
 
@@ -57,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(f"atom_kv.bench.{args.suite}")
+    module = importlib.import_module(_module(args.suite))
     return int(module.run(args) or 0)
 
 

@@ -12,6 +12,10 @@ proxy's own HTTP/1.1 server (:mod:`atom_kv.proxy.http.httpserver`, on uvloop whe
 installed); SIGINT or SIGTERM shuts it down gracefully (in-flight requests
 get ``--shutdown-timeout`` seconds).
 
+Engines that announce a KV event publisher (a ping's ``kv_events``, a spec's
+``events=``) are followed by one background thread (``--kv-*`` flags), so the
+proxy knows which prefixes each engine caches.
+
 Clients get their errors in the proxy's words: which engine failed and how,
 with the request id; the engine's address and text go to the log and
 ``/instances`` (``--expose-upstream-errors`` puts them in the client's error).
@@ -187,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="URL[,HANDSHAKE_PORT]",
                    help="a prefill engine (repeatable); optional key=value after the port: tp, dp, engine_id, "
                         "notify_port, dp_rank_field (else learnt from the engine's /health; its dp_size wins "
-                        "over dp=)")
+                        "over dp=), events and events_replay (its KV event publisher and replay endpoint of DP "
+                        "rank 0, tcp://HOST:PORT)")
     g.add_argument("--decode", dest="static_decode", action="append", type=_engine("D"), default=[], metavar="URL",
                    help="a decode engine (repeatable); optional ,key=value as for --prefill")
     g.add_argument("--prefill-dns", action="append", type=_dns("P"), default=[], metavar="NAME:PORT[,HANDSHAKE_PORT]",
@@ -291,6 +296,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: off)")
     g.add_argument("--rate-limit-clients", type=_pos_int, default=d.rate_limit_clients,
                    help="--rate-limit: clients whose buckets are kept, least recently seen out (default %(default)s)")
+
+    g = p.add_argument_group("KV cache events (engines that announce a publisher, or events= in --prefill/--decode)")
+    g.add_argument("--kv-events-hwm", type=_pos_int, default=d.kv_events_hwm,
+                   help="messages queued per publisher socket before ZeroMQ drops (a gap, then a replay) "
+                        "(default %(default)s)")
+    g.add_argument("--kv-events-max-message-bytes", type=_pos_int, default=d.kv_events_max_message_bytes,
+                   help="largest frame a publisher may send; past it the proxy drops the connection (it "
+                        "reconnects); with --kv-events-hwm, what one publisher can make the proxy queue "
+                        "(default %(default)s)")
+    g.add_argument("--kv-events-replay-timeout", dest="kv_events_replay_timeout_s", type=_positive,
+                   default=d.kv_events_replay_timeout_s,
+                   help="seconds a replay of missed batches may take; then the engine's entries are cleared "
+                        "(default %(default)s)")
+    g.add_argument("--kv-index-max-blocks", type=_pos_int, default=d.kv_index_max_blocks,
+                   help="(block, instance) entries the index holds, all engines together, oldest evicted past "
+                        "it; about 130 bytes each (python -m atom_kv.bench kv-index) (default %(default)s)")
+    g.add_argument("--kv-index-max-blocks-per-worker", type=_pos_int, default=d.kv_index_max_blocks_per_worker,
+                   help="entries of one (instance, DP rank); set it above the blocks the engine caches "
+                        "(default %(default)s)")
+    g.add_argument("--kv-predict-ttl", dest="kv_predict_ttl_s", type=_positive, default=d.kv_predict_ttl_s,
+                   help="seconds a routing decision counts as cached there before its events arrive "
+                        "(default %(default)s)")
+    g.add_argument("--kv-predict-max-blocks", type=_pos_int, default=d.kv_predict_max_blocks,
+                   help="(block, instance) predictions held at once, oldest dropped past it (default %(default)s)")
 
     g = p.add_argument_group("upstream requests")
     g.add_argument("--expose-upstream-errors", action="store_true",

@@ -1,4 +1,5 @@
-"""The Quart app: management routes over a :class:`ProxyState` (registry, discovery, health, relay, metrics).
+"""The Quart app: management routes over a :class:`ProxyState` (registry, discovery, health, relay, metrics,
+KV events).
 
 The two completion routes are not Quart's: the proxy's HTTP server
 (:mod:`atom_kv.proxy.server`) hands them to ``ProxyState.completions``
@@ -20,8 +21,9 @@ from atom_kv.proxy.admission.buckets import ClientBuckets
 from atom_kv.proxy.fleet.discovery import DiscoveryError, DiscoveryListener
 from atom_kv.proxy.fleet.dns import DnsDiscovery, SystemResolver, UdpResolver
 from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
-from atom_kv.proxy.fleet.registry import Instance, Registry
+from atom_kv.proxy.fleet.registry import Instance, Registration, Registry
 from atom_kv.proxy.fleet.workers import WorkerError, Workers
+from atom_kv.proxy.kv_events import KvEvents, KvEventsConfig
 from atom_kv.proxy.observability.metrics import ProxyMetrics, RequestRecord
 from atom_kv.proxy.relay.errors import ProxyError
 from atom_kv.proxy.relay.fastpath import CompletionsHandler, valid_request_id
@@ -46,6 +48,15 @@ def _policy(settings: ProxySettings, role: str) -> Policy:
     )
 
 
+def _kv_events(settings: ProxySettings) -> KvEvents:
+    return KvEvents(KvEventsConfig(
+        hwm=settings.kv_events_hwm, max_message_bytes=settings.kv_events_max_message_bytes,
+        replay_timeout_s=settings.kv_events_replay_timeout_s, max_blocks=settings.kv_index_max_blocks,
+        max_blocks_per_worker=settings.kv_index_max_blocks_per_worker, predict_ttl_s=settings.kv_predict_ttl_s,
+        predict_max_blocks=settings.kv_predict_max_blocks, close_timeout_s=settings.shutdown_timeout,
+        log_interval_s=settings.log_summary_interval_s))
+
+
 class ProxyState:
     """Everything one proxy owns. Its lifespan (``start``/``stop``, called only by the
     app's serving hooks) is the one owner of discovery, health monitoring and the relay's
@@ -55,8 +66,12 @@ class ProxyState:
         self.settings = settings
         self.metrics = ProxyMetrics()
         self.policies: dict[str, Policy] = {"P": _policy(settings, "P"), "D": _policy(settings, "D")}
+        # what the engines cache, from their KV events (its thread starts with the first engine that has some)
+        self.kv_events = _kv_events(settings)
+        self.metrics.registry.register(self.kv_events.collector())
         self.registry = Registry(settings.heartbeat_timeout, settings.circuit_failures, settings.circuit_cooldown_s,
                                  max_instances=settings.max_instances, on_evict=self._forget,
+                                 on_register=self._registered,
                                  circuit_min_requests=settings.circuit_min_requests,
                                  circuit_failure_ratio=settings.circuit_failure_ratio,
                                  circuit_window_s=settings.circuit_window_s)
@@ -102,6 +117,18 @@ class ProxyState:
         if not inst.static:
             for policy in self.policies.values():
                 policy.forget(inst)
+            self.kv_events.forget(inst.key)
+        else:  # still followed; what it held while silent is not to be trusted
+            self.kv_events.reset(inst.key)
+
+    def _registered(self, inst: Instance, reg: Registration) -> None:
+        """A ping: follow the KV events it announces (the same announcement again costs a comparison; a new
+        engine id, a restart, clears what the instance held)."""
+        if reg.kv_events is not None:
+            self.kv_events.watch(inst.key, reg.kv_events, reg.kv_events_replay, dp_size=reg.dp_size,
+                                 engine_id=reg.engine_id)
+        else:
+            self.kv_events.forget(inst.key)
 
     async def start(self) -> None:
         try:
@@ -112,6 +139,10 @@ class ProxyState:
             self.completions.tracer = self.tracer
             await self.relay.start()
             await self.monitor.start()
+            for engine in (*self.settings.static_prefill, *self.settings.static_decode):
+                if engine.events is not None:
+                    self.kv_events.watch((engine.role, engine.base_url), engine.events, engine.events_replay,
+                                         dp_size=engine.dp_size or 1)
             if self.discovery is not None:
                 await self.discovery.start()  # raises DiscoveryError with a one-line reason
             await self.dns.start()
@@ -132,6 +163,7 @@ class ProxyState:
         if self.discovery is not None:
             await self.discovery.close()
         await self.monitor.close()
+        await asyncio.to_thread(self.kv_events.close)  # joins the subscriber thread (bounded)
         await self.relay.close()
         tracer, self.tracer = self.tracer, None
         self.completions.tracer = None

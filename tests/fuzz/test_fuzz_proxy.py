@@ -152,7 +152,8 @@ def test_well_formed_requests_with_random_fields(target, method, path, headers, 
 
 
 _ping_keys = ["type", "role", "index", "request_address", "handshake_port", "dp_size", "tp_size",
-              "transfer_mode", "v", "engine_id", "model", "ts", "nonce", "mac", "http_address", "zmq_address"]
+              "transfer_mode", "v", "engine_id", "model", "ts", "nonce", "mac", "http_address", "zmq_address",
+              "kv_events", "kv_events_replay"]
 
 
 @FUZZ

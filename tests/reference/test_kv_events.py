@@ -254,7 +254,7 @@ def test_the_registration_ping_announces_the_endpoints():
     try:
         assert router.poll(_WAIT_MS)
         ping = decode(router.recv_multipart()[-1], RegisterPing)
-        assert (ping.kv_events_endpoint, ping.kv_events_replay_endpoint) == ("tcp://127.0.0.1:5557",
+        assert (ping.kv_events, ping.kv_events_replay) == ("tcp://127.0.0.1:5557",
                                                                              "tcp://127.0.0.1:5558")
     finally:
         pinger.close()

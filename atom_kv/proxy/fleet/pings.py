@@ -21,6 +21,7 @@ import msgspec
 
 from atom_kv.config import is_port
 from atom_kv.proxy.fleet.registry import Registration
+from atom_kv.proxy.kv_events.endpoints import events_endpoint
 from atom_kv.wire import MAX_KV_FEATURES, HelloPing, Name, RegisterPing, UrlText, WireError, encode
 
 __all__ = [
@@ -63,7 +64,8 @@ def largest_ping_bytes() -> int:
     name, url = wide * 256, wide * 1024
     ping = RegisterPing(role="P", index=name, request_address=url, handshake_port=65535, dp_size=(1 << 63) - 1,
                         tp_size=(1 << 63) - 1, transfer_mode=name, engine_id=name, model=name,
-                        kv_features=[wide * 64] * MAX_KV_FEATURES, answers=True, ts=1e12, nonce=name, mac=name)
+                        kv_features=[wide * 64] * MAX_KV_FEATURES, kv_events=wide * 300,
+                        kv_events_replay=wide * 300, answers=True, ts=1e12, nonce=name, mac=name)
     return len(encode(ping))
 
 
@@ -146,12 +148,20 @@ def to_registration(msg: RegisterPing | _MoriioPing) -> Registration:
         if not is_port(msg.handshake_port):
             raise WireError(f"handshake_port: port out of range: {msg.handshake_port}")
         _check_host(parts.hostname, "request_address", msg.request_address)
+        try:  # a bind address (tcp://*:PORT) means the engine's own host
+            events = (None if msg.kv_events is None
+                      else events_endpoint(msg.kv_events, "kv_events", host_for_any=parts.hostname))
+            replay = (None if msg.kv_events_replay is None or events is None
+                      else events_endpoint(msg.kv_events_replay, "kv_events_replay", host_for_any=parts.hostname))
+        except ValueError as exc:
+            raise WireError(str(exc)) from None
         return Registration(
             role=msg.role, base_url=f"{parts.scheme}://{parts.netloc}", host=parts.hostname, http_port=port,
             handshake_port=msg.handshake_port, dp_size=msg.dp_size, tp_size=msg.tp_size, index=msg.index,
             engine_id=msg.engine_id, model=msg.model, source="atom",
             features=None if msg.kv_features is None else frozenset(msg.kv_features),
             draining=msg.draining,
+            kv_events=events, kv_events_replay=replay,
         )
     _check_sizes(msg.dp_size, msg.tp_size)
     host, sep, port_text = msg.http_address.rpartition(":")

@@ -102,7 +102,8 @@ class Registration:
     source: str = "atom"  # "atom" / "moriio" ping, or "static"
     features: frozenset[str] | None = None  # ``kv_features`` (ping or /health); None: nothing said yet
     draining: bool = False  # its latest ping said it is leaving (first SIGTERM): no new legs
-    events: str | None = None  # its KV events endpoint (POST /workers ``events``), for KV-aware routing
+    kv_events: str | None = None  # the KV event publisher of DP rank 0 (checked tcp://HOST:PORT); None: none
+    kv_events_replay: str | None = None  # ... and its replay endpoint
 
 
 @dataclass
@@ -313,7 +314,8 @@ class Registry:
     """The set of known instances and their health; loop-only (no locks).
 
     ``on_evict`` is called for every instance that leaves (or, if static,
-    goes silent); ``wakeup`` is set when an instance needs a probe soon."""
+    goes silent), ``on_register`` for every ping an instance took; ``wakeup``
+    is set when an instance needs a probe soon."""
 
     def __init__(
         self,
@@ -326,6 +328,7 @@ class Registry:
         circuit_min_requests: int = 20,
         circuit_failure_ratio: float = 0.5,
         circuit_window_s: float = 30.0,
+        on_register: Callable[[Instance, Registration], None] | None = None,
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.max_instances = max_instances
@@ -333,6 +336,7 @@ class Registry:
         self._circuit_cooldown_s = circuit_cooldown_s
         self._circuit_window = (circuit_min_requests, circuit_failure_ratio, circuit_window_s)
         self._on_evict = on_evict
+        self._on_register = on_register  # every accepted ping, after the instance took it
         self._instances: dict[tuple[str, str], Instance] = {}
         self._sorted: dict[str, list[Instance]] | None = None
         self._waiters: list[asyncio.Future] = []
@@ -416,13 +420,15 @@ class Registry:
             self._info.event("registered", (
                 f"registered {ROLE_NAMES[reg.role]} instance {reg.base_url} (tp={reg.tp_size} dp={reg.dp_size} "
                 f"handshake_port={reg.handshake_port}, {reg.source} ping); probing it"))
+        if self._on_register is not None:
+            self._on_register(inst, reg)
         return new
 
     def get(self, role: Role, base_url: str) -> Instance | None:
         """The instance registered as ``role`` at ``base_url``, if any."""
         return self._instances.get((role, base_url))
 
-    def add_static(self, engine: StaticEngine, origin: Origin = Origin.STATIC, events: str | None = None) -> Instance:
+    def add_static(self, engine: StaticEngine, origin: Origin = Origin.STATIC) -> Instance:
         """Register an engine given by flag (or by the worker API, or found in DNS: ``origin``); it is
         probed, never evicted by the heartbeat."""
         self._withdrawn.pop((engine.role, engine.base_url), None)
@@ -430,7 +436,7 @@ class Registry:
             role=engine.role, base_url=engine.base_url, host=engine.host,  # type: ignore[arg-type]
             http_port=engine.http_port, handshake_port=engine.handshake_port, dp_size=engine.dp_size or 1,
             tp_size=engine.tp_size or 1, engine_id=engine.engine_id, notify_port=engine.notify_port, source="static",
-            events=events))
+            kv_events=engine.events, kv_events_replay=engine.events_replay))
         inst.origin = origin
         inst.dp_rank_field = engine.dp_rank_field
         inst.spec_dp_size = engine.dp_size

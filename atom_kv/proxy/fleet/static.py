@@ -1,10 +1,12 @@
 """Engines named on the command line (``--prefill URL[,HANDSHAKE_PORT]``, ``--decode URL``).
 
 An engine spec is ``URL[,HANDSHAKE_PORT][,key=value...]`` with keys ``tp``,
-``dp``, ``engine_id`` and ``notify_port``: what a registration ping would
-carry; and ``dp_rank_field`` (``1``: the engine reads the ``data_parallel_rank``
-body field, as ATOM and atom-kv's reference engine do; ``0``, the default:
-it gets the rank only in the ``X-data-parallel-rank`` header). Whatever is not given is learnt from the engine (``/health`` reports
+``dp``, ``engine_id``, ``notify_port``, ``events`` and ``events_replay`` (its KV
+event publisher and replay endpoint of DP rank 0, ``tcp://HOST:PORT``; rank N at
+port + N): what a registration ping would carry; and ``dp_rank_field`` (``1``:
+the engine reads the ``data_parallel_rank`` body field, as ATOM and atom-kv's
+reference engine do; ``0``, the default: it gets the rank only in the
+``X-data-parallel-rank`` header). Whatever is not given is learnt from the engine (``/health`` reports
 ``engine_id``, ``tp_size`` and ``dp_size`` on atom-kv's reference engine, ``/v1/models``
 reports ``max_model_len``) or left unset. The DP size the engine reports wins over ``dp=``
 (a rank the engine lacks would fail every request sent to it); a ``dp=`` that disagrees
@@ -17,10 +19,11 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from atom_kv.config import is_port
+from atom_kv.proxy.kv_events.endpoints import events_endpoint
 
 __all__ = ["StaticEngine", "build_engine", "parse_engine_spec"]
 
-_KEYS = ("tp", "dp", "engine_id", "notify_port", "dp_rank_field")
+_KEYS = ("tp", "dp", "engine_id", "notify_port", "dp_rank_field", "events", "events_replay")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class StaticEngine:
     engine_id: str | None = None
     notify_port: int | None = None
     dp_rank_field: bool = False
+    events: str | None = None  # KV event publisher of DP rank 0 (tcp://HOST:PORT; rank N at port + N)
+    events_replay: str | None = None  # ... and its replay endpoint
 
 
 def _flag(text: str, what: str, where: str) -> bool:
@@ -116,4 +121,15 @@ def build_engine(role: str, url: str, handshake: str | None, fields: dict[str, s
         notify_port=_port(fields["notify_port"], name("notify_port"), where) if "notify_port" in fields else None,
         dp_rank_field=(_flag(fields["dp_rank_field"], name("dp_rank_field"), where) if "dp_rank_field" in fields
                        else False),
+        **_events(fields, where),
     )
+
+
+def _events(fields: dict[str, str], where: str) -> dict[str, str | None]:
+    if "events_replay" in fields and "events" not in fields:
+        raise ValueError(f"{where}: events_replay needs events (the publisher's tcp://HOST:PORT) too")
+    try:
+        return {key: events_endpoint(fields[key], key) if fields.get(key) else None
+                for key in ("events", "events_replay")}
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None

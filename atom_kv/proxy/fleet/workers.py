@@ -76,7 +76,7 @@ def describe_worker(inst: Instance, now: float) -> dict[str, Any]:
         "tp_size": inst.tp_size,
         "handshake_port": inst.handshake_port,
         "engine_id": inst.engine_id,
-        "events": inst.reg.events,
+        "events": inst.reg.kv_events,
         "inflight": inst.inflight,
         "idle": inst.inflight == 0,
         "last_health": {
@@ -176,7 +176,7 @@ class Workers:
         if added >= self.max_instances:
             raise WorkerError(409, f"{where}: {added} engines were added through the API already (max_instances); "
                                    "remove some first")
-        inst = self.registry.add_static(engine, origin=Origin.API, events=events)
+        inst = self.registry.add_static(engine, origin=Origin.API)
         return describe_worker(inst, time.monotonic())
 
     def drain(self, body: object) -> list[dict[str, Any]]:
@@ -223,7 +223,7 @@ class Workers:
         handshake = fields.get("handshake_port")
         events = fields.get("events")
         if events is not None:
-            events = _text(events, "events", where)
+            spec["events"] = _text(events, "events", where)  # checked as a spec's events= (tcp://HOST:PORT)
         try:
             engine = build_engine(role, url, None if handshake is None else _int_text(handshake, "handshake_port",
                                                                                        where),

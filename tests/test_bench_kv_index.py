@@ -1,0 +1,28 @@
+"""``python -m atom_kv.bench kv-index`` runs end to end on a small stream (no timing is asserted: the targets
+are the bench's to print)."""
+
+from __future__ import annotations
+
+import json
+
+from atom_kv.bench.__main__ import main
+
+
+def test_the_kv_index_bench_reports_both_targets(capsys):
+    assert main(["kv-index", "--json", "--messages", "40", "--rounds", "1", "--blocks", "2000",
+                 "--blocks-per-worker", "2048", "--prompt-tokens", "1024"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["targets"]) == {"bytes_per_entry", "blocks_per_s"}
+    assert all(isinstance(t["met"], bool) and t["value"] > 0 for t in out["targets"].values())
+    speed = out["throughput"]
+    assert speed["blocks"] == 40 * 8 * 16 and speed["entries"] == 2000  # the stream's steady state
+    assert out["memory"]["entries"] == 2 * 2048
+    assert out["query"] == {**out["query"], "matched_workers": 1, "matched_tokens": 1024}
+
+
+def test_the_kv_index_bench_prints_met_or_missed(capsys):
+    assert main(["kv-index", "--messages", "20", "--rounds", "1", "--blocks", "1000", "--blocks-per-worker", "1024",
+                 "--prompt-tokens", "256", "--map"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any("blocks/s" in line and line.endswith(("met", "missed")) for line in lines)
+    assert any("B per (block, instance) entry" in line and line.endswith(("met", "missed")) for line in lines)
