@@ -44,6 +44,7 @@ from typing import Any, Optional
 import numpy as np
 
 from atom_kv.bench import targets as bench_targets
+from atom_kv.bench.transfer_common import bench_config, pattern  # shared with the device suite
 from atom_kv.bench.targets import Target
 
 log = logging.getLogger(__name__)
@@ -93,13 +94,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------
 # serving process
 # --------------------------------------------------------------------------
-def pattern(nbytes: int, seed: int) -> np.ndarray:
-    """A writable buffer of pseudo-random bytes both processes can regenerate."""
-    out = np.empty(nbytes, dtype=np.uint8)
-    out[:] = np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
-    return out
-
-
 def _socket_pusher(lsock: socket.socket, buf: np.ndarray, stop: threading.Event, timeout_s: float) -> None:
     """Send the whole buffer once per accepted connection (the socket ceiling)."""
     view = memoryview(buf)
@@ -212,32 +206,6 @@ def build_ops(nblocks: int, block: int, chunk: int, ids: list[int], local_ids: l
     ops[:, 3] = roff % chunk
     ops[:, 4] = block
     return ops, lperm, rperm
-
-
-def bench_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``KVTransferConfig`` keys (without ``kv_role``) both processes use.
-
-    Raises :class:`~atom_kv.config.ConfigError` (one line naming the key) for
-    a bad ``--kv-transfer-config``."""
-    from atom_kv.config import ConfigError, KVTransferConfig
-
-    extra: Any = {}
-    text = args.kv_transfer_config
-    if text is not None and text.strip():
-        try:
-            extra = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                f"kv-transfer-config: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-            ) from None
-        if not isinstance(extra, dict):
-            KVTransferConfig.from_dict(extra)  # raises the one-line "expected a JSON object"
-        extra = {k: v for k, v in extra.items() if k != "kv_role"}
-    config: dict[str, Any] = {**extra, "transfer_timeout_s": args.timeout_s}
-    if args.streams is not None:
-        config["tcp_streams"] = args.streams
-    KVTransferConfig.from_dict({"kv_role": "kv_consumer", **config})  # validate before spawning
-    return config
 
 
 def run(args: argparse.Namespace) -> int:

@@ -133,7 +133,7 @@ class Plan:
 
 
 def _plan(args: argparse.Namespace) -> Plan:
-    from atom_kv.bench.transfer import bench_config
+    from atom_kv.bench.transfer_common import bench_config
 
     patterns = [p.strip() for p in str(args.pattern).split(",") if p.strip()]
     bad = [p for p in patterns if p not in PATTERNS]
@@ -262,7 +262,7 @@ def _variants(plan: Plan) -> list[tuple[str, Optional[float], bool]]:
 
 
 def _serve(plan: Plan, conn: Any) -> None:
-    from atom_kv.bench.transfer import pattern
+    from atom_kv.bench.transfer_common import pattern
     from atom_kv.config import KVTransferConfig
 
     backends: list[Any] = []
@@ -628,7 +628,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(plan: Plan) -> int:
-    from atom_kv.bench.transfer import pattern
+    from atom_kv.bench.transfer_common import pattern
     from atom_kv.config import KVTransferConfig
     from atom_kv.transfer import TransferError, chunk_sizes
 

@@ -15,7 +15,7 @@ ENV = dict(os.environ, PYTHONPATH=ROOT, PATH=os.path.dirname(sys.executable))
 def _json_line(args: list[str]) -> tuple[int, dict]:
     out = subprocess.run([sys.executable, "-m", "atom_kv.bench", *args, "--json"], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=180)
-    assert out.returncode in (0, 2), out.stderr[-2000:]  # 2: a target missed on a loaded machine
+    assert out.returncode in (0, 1), out.stderr[-2000:]  # 1: a target missed on a loaded machine
     (line,) = [ln for ln in out.stdout.splitlines() if ln.strip()]
     return out.returncode, json.loads(line)
 
@@ -34,7 +34,7 @@ def test_bench_admission_accounts_for_every_request_of_the_burst():
 
 
 def test_bench_proxy_admission_reports_cpu_on_and_off():
-    _, row = _json_line(["proxy", "--admission", "--latency-requests", "5", "--duration", "0.4", "--rounds", "2",
+    _, row = _json_line(["proxy", "--explore", "--admission", "--latency-requests", "5", "--duration", "0.4", "--rounds", "2",
                          "--concurrency", "4", "--tokens", "4"])
     a = row["admission"]
     assert "--max-concurrent-per-engine" in a["flags"] and "--rate-limit" in a["flags"]
