@@ -59,14 +59,17 @@ lock:
 	@echo "lock: $(LOCK) written; run make test on it before you commit it"
 
 # `make test-latest`: the suite on the newest release of every dependency (no lock), in its own
-# venv, rebuilt on each run, so an upstream change is caught before users meet it.
+# venv, rebuilt on each run, so an upstream change is caught before users meet it. torch alone
+# stays at the CPU pin (a constraint): the newest torch on PyPI is a CUDA build of several GB.
 LATEST_VENV := .venv-latest
 test-latest:
 	rm -rf $(LATEST_VENV)
 	$(PY) -m venv $(LATEST_VENV)
-	$(LATEST_VENV)/bin/pip install --quiet $(PIP_TORCH_CPU) $(TORCH_PIN)
-	$(LATEST_VENV)/bin/pip install --quiet --upgrade --upgrade-strategy eager -e '.[$(LOCK_EXTRAS)]'
+	printf '%s\n' '$(TORCH_PIN)' > $(LATEST_VENV)/torch-cpu.txt
+	$(LATEST_VENV)/bin/pip install --quiet $(PIP_TORCH_CPU) -c $(LATEST_VENV)/torch-cpu.txt \
+	    --upgrade --upgrade-strategy eager -e '.[$(LOCK_EXTRAS)]'
 	$(LATEST_VENV)/bin/pip freeze --exclude-editable > $(LATEST_VENV)/freeze.txt
+	! grep -iE '^(nvidia-|cuda-)' $(LATEST_VENV)/freeze.txt || { echo "test-latest: a CUDA package got in" >&2; exit 1; }
 	@echo "test-latest: the versions under test are in $(LATEST_VENV)/freeze.txt"
 	$(LATEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
