@@ -13,7 +13,7 @@ The device work sits behind a small *copier* seam, one per memory kind:
 - :class:`HostCopier` runs the whole staging path on host memory (its
   "device copies" are host copies, done at once). The CPU suite uses it
   (``TcpBackend.stage_host_memory``) to cover everything below but the
-  device copies themselves; :mod:`atom_kv.testing.fake_copier` adds a
+  device copies themselves; the test scaffolding's fake copier adds a
   FAKE device copier whose fences complete only after a set delay.
 - :class:`DeviceCopier` does the same on one GPU into pinned buffers. Its
   gathers wait for the engine's written event (:meth:`DeviceCopier.kv_written`,

@@ -75,7 +75,7 @@ class TcpBackend(ServedBackend):
     #: the staging code GPU memory uses this way. Set before registering.
     stage_host_memory: bool = False
     #: the copier of staged host memory (None: the host copier); the bench and
-    #: tests set a FAKE device copier (:mod:`atom_kv.testing.fake_copier`). Set before registering.
+    #: tests set a FAKE device copier (the test scaffolding's fake_copier module). Set before registering.
     staging_copier: Any = None
 
     def _setup(self, cfg: "KVTransferConfig") -> None:
