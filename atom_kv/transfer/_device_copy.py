@@ -153,7 +153,7 @@ class HipRuntime:
 
     def copy_batch(self, dst: np.ndarray, src: np.ndarray, size: np.ndarray, stream: int, device: int,
                    dst_host: bool, src_host: bool) -> None:  # pragma: no cover - has_batch is False
-        raise NotImplementedError
+        raise DeviceCopyError("HIP has no batched copy here (has_batch is False): copy each range with copy()")
 
 
 def driver_for_torch(torch: Any) -> Optional[Driver]:
