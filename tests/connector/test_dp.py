@@ -63,7 +63,9 @@ def test_decode_rank_reads_only_the_named_prefill_rank(is_mla, p_dp, p_tp, d_dp,
         assert params["remote_dp_rank"] == p_dp - 1 and params["remote_engine_id"] == f"P-dp{p_dp - 1}"
         blocks = D.admit("d1", 40, params)
         engines = [e for e, *_ in prefill] + [e for e, *_ in decode]
-        run_until(engines, lambda: "d1" in D.ready and "r1" in P.freed)
+        # a rank's share is freed on its first notice (done or release); the other notice may still be in flight
+        run_until(engines, lambda: "d1" in D.ready and "r1" in P.freed
+                  and all(w.stats().get("releases_received", 0) >= 1 for w in p_ranks))
         pairs = list(zip(blocks, params["remote_block_ids"]))
         for r, c in enumerate(d_caches):
             assert check_blocks(c, pairs, 0 if is_mla else r, 1 if is_mla else d_tp, NB, is_mla=is_mla) == ""

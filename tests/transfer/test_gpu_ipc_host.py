@@ -263,8 +263,9 @@ def test_a_copy_failing_midway_fences_every_lane_used_and_the_handle_settles_aft
         log = [e for e in r.seam.log if e[0] in ("copy", "record", "sync", "query")]
         # the first lane copied its batch (two ranges) and was fenced; the second was fenced though its copy failed
         assert [e for e in log if e[0] in ("copy", "record")] == [("copy", 0, 2), ("record", 0), ("record", 2)]
-        # the handle settled only after both fences were waited on (the settling thread: a failed read)
-        assert sorted(e for e in log if e[0] == "sync") == [("sync", 0), ("sync", 2)]
+        # the handle settled only after both fences were waited on (the settling thread, for a failed read)
+        # or found complete (the caller's own poll, when it came first)
+        assert {e[1] for e in log[3:] if e[0] in ("sync", "query")} == {0, 2}, log
         assert h.settled()
         src = pattern(SIZE).reshape(-1, BLOCK)
         assert np.array_equal(r.dst.reshape(-1, BLOCK)[[0, 20]], src[[0, 20]])  # what was queued still ran
