@@ -106,6 +106,17 @@ class Registration:
     kv_events_replay: str | None = None  # ... and its replay endpoint
 
 
+@dataclass(frozen=True)
+class ReportedLoad:
+    """What one DP rank of an engine says it is doing (its ``/health``, or ``/metrics`` for vLLM), read by
+    the proxy at an interval: every request it runs or queues, whoever sent them (another proxy replica,
+    traffic that bypasses the proxy), unlike the proxy's own in-flight counters."""
+
+    requests: int  # running + waiting
+    prompt_tokens: int  # the prompt tokens of those requests still to prefill (0 when the engine does not say)
+    at: float  # time.monotonic() of the reading
+
+
 @dataclass
 class Instance:
     """One engine (rank 0 of a P or D deployment): what it is (its :class:`Registration`), its health and its
@@ -132,6 +143,8 @@ class Instance:
     spec_dp_size: int | None = None  # static only: ``dp=`` from its spec (None: not given)
     health_dp_size: int | None = None  # static only: the dp_size its /health last reported
     dp_counter: int = 0
+    #: per DP rank, the engine's own latest load report (None: not read yet, or the engine does not say)
+    reported_load: list[ReportedLoad | None] = field(default_factory=list)
     pinned: frozenset[str] = frozenset()  # fields given by flag: never overwritten by what the engine reports
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
 
