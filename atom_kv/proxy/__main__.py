@@ -84,6 +84,7 @@ _positive = _checked(float, "a number", lambda v: v > 0, "must be > 0, got {}")
 _fraction = _checked(float, "a number", lambda v: 0.0 <= v <= 1.0, "must be between 0 and 1, got {}")
 _port = _checked(int, "a port number", is_port, "port out of range: {}")
 _nonneg_int = _checked(int, "an integer", lambda v: v >= 0, "must be >= 0, got {}")
+_nonneg_float = _checked(float, "a number", lambda v: 0 <= v <= 1e6, "must be between 0 and 1e6, got {}")
 
 
 def _pos_int(text: str) -> int:
@@ -211,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between /health probes of flagged, new and down engines (default %(default)s)")
     g.add_argument("--probe-timeout", type=_positive, default=d.probe_timeout,
                    help="timeout of one /health probe (default %(default)s)")
+    g.add_argument("--engine-load-interval", dest="engine_load_interval_s", type=_nonneg_float,
+                   default=d.engine_load_interval_s,
+                   help="seconds between readings of each up engine's own load: its /health (the reference "
+                        "engine, ATOM), else vLLM's /metrics; 0: off (default %(default)s)")
+    g.add_argument("--engine-load-timeout", type=_positive, default=d.engine_load_timeout,
+                   help="timeout of one engine load reading (default %(default)s)")
+    g.add_argument("--engine-load-max-bytes", type=_pos_int, default=d.engine_load_max_bytes,
+                   help="largest /health or /metrics answer read for an engine's load (default %(default)s)")
     g.add_argument("--no-discovery", dest="discovery", action="store_false",
                    help="do not listen for registration pings (flagged engines only)")
     g.add_argument("--discovery-host", default=None,

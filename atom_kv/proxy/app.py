@@ -1,5 +1,5 @@
-"""The Quart app: management routes over a :class:`ProxyState` (registry, discovery, health, relay, metrics,
-KV events).
+"""The Quart app: management routes over a :class:`ProxyState` (registry, discovery, health, engine load,
+relay, metrics, KV events).
 
 The two completion routes are not Quart's: the proxy's HTTP server
 (:mod:`atom_kv.proxy.server`) hands them to ``ProxyState.completions``
@@ -21,6 +21,7 @@ from atom_kv.proxy.admission.buckets import ClientBuckets
 from atom_kv.proxy.fleet.discovery import DiscoveryError, DiscoveryListener
 from atom_kv.proxy.fleet.dns import DnsDiscovery, SystemResolver, UdpResolver
 from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
+from atom_kv.proxy.fleet.load import LoadReader
 from atom_kv.proxy.fleet.registry import Instance, Registration, Registry
 from atom_kv.proxy.fleet.workers import WorkerError, Workers
 from atom_kv.proxy.kv_events import KvEvents, KvEventsConfig
@@ -78,10 +79,16 @@ class ProxyState:
         for engine in (*settings.static_prefill, *settings.static_decode):
             self.registry.add_static(engine)
         self.health = UpstreamHealth(self.registry, self.metrics)
+        # what each engine says it runs, whoever sent it (read off the request path; also from the probes' /health)
+        self.load_reader = LoadReader(
+            self.registry, self.metrics, interval_s=settings.engine_load_interval_s,
+            timeout_s=settings.engine_load_timeout, connect_timeout=settings.connect_timeout,
+            max_bytes=settings.engine_load_max_bytes, log_interval_s=settings.log_summary_interval_s)
         self.monitor = HealthMonitor(
             self.registry, self.health, interval_s=settings.probe_interval_s,
             timeout_s=settings.probe_timeout, connect_timeout=settings.connect_timeout,
             tick_s=min(settings.probe_interval_s, settings.heartbeat_timeout / 4), max_dp_size=settings.max_dp_size,
+            on_health=self.load_reader.take_health,
         )
         self.discovery: DiscoveryListener | None = None
         if settings.discovery:
@@ -139,6 +146,7 @@ class ProxyState:
             self.completions.tracer = self.tracer
             await self.relay.start()
             await self.monitor.start()
+            await self.load_reader.start()
             for engine in (*self.settings.static_prefill, *self.settings.static_decode):
                 if engine.events is not None:
                     self.kv_events.watch((engine.role, engine.base_url), engine.events, engine.events_replay,
@@ -163,6 +171,7 @@ class ProxyState:
         if self.discovery is not None:
             await self.discovery.close()
         await self.monitor.close()
+        await self.load_reader.close()
         await asyncio.to_thread(self.kv_events.close)  # joins the subscriber thread (bounded)
         await self.relay.close()
         tracer, self.tracer = self.tracer, None

@@ -71,6 +71,11 @@ class ProxySettings:
     dns_server: tuple[str, int] | None = None
     probe_interval_s: float = 2.0  # health probes of static, new and down engines
     probe_timeout: float = 2.0
+    # engine-reported load (atom_kv.proxy.fleet.load): each up engine's /health (or vLLM's /metrics) read
+    # every engine_load_interval_s (0: off), each read bounded by engine_load_timeout and engine_load_max_bytes
+    engine_load_interval_s: float = 2.0
+    engine_load_timeout: float = 2.0
+    engine_load_max_bytes: int = 4 << 20
     # KV cache events (atom_kv.proxy.kv_events): bounds of each publisher's sockets (RCVHWM messages of at
     # most max_message_bytes per frame), the replay wait, the index's caps in (block, worker) entries, and
     # how long (and how much of) the proxy's own routing decisions count as cached before their events come
@@ -141,21 +146,21 @@ class ProxySettings:
             "probe_timeout", "header_timeout", "body_timeout", "stall_timeout", "registration_window_s",
             "log_summary_interval_s", "balance_rel_threshold", "otlp_timeout_s", "circuit_window_s", "queue_timeout",
             "dns_interval_s", "dns_timeout",
-            "kv_events_replay_timeout_s", "kv_predict_ttl_s",
+            "kv_events_replay_timeout_s", "kv_predict_ttl_s", "engine_load_timeout",
         )
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max",
                      "concurrent_max_queued_tokens", "max_server_timing_bytes", "max_first_token_text_bytes",
-                     "max_concurrent_per_engine", "queue_size"):
+                     "max_concurrent_per_engine", "queue_size", "engine_load_interval_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
                      "cache_max_chars", "discovery_max_connections", "discovery_max_connections_per_source",
                      "circuit_min_requests", "max_upstream_body_bytes", "rate_limit_clients",
                      "kv_events_hwm", "kv_events_max_message_bytes", "kv_index_max_blocks",
-                     "kv_index_max_blocks_per_worker", "kv_predict_max_blocks"):
+                     "kv_index_max_blocks_per_worker", "kv_predict_max_blocks", "engine_load_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
         if self.rate_limit is not None and not (self.rate_limit[0] > 0 and self.rate_limit[1] >= 1):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -117,7 +117,8 @@ class HealthMonitor:
     instance down, except one never reached yet, which is still *starting*
     (it may register before its server listens: no "down" for that); any other answer (a 404 too: the server is there) marks it
     up, and fills in what the engine reports (``engine_id``, ``tp_size``,
-    ``dp_size``, ``role``); ``GET /v1/models`` is asked once for ``max_model_len``.
+    ``dp_size``, ``role``), and hands the body to ``on_health`` (the engine load it reports);
+    ``GET /v1/models`` is asked once for ``max_model_len``.
     A probe that times out (no connection within the connect timeout: a
     firewall dropping packets; or no answer within ``timeout_s``) is the
     ``down_reason`` of a pending or down instance ("health probe timed out
@@ -129,8 +130,9 @@ class HealthMonitor:
 
     def __init__(self, registry: Registry, health: UpstreamHealth, *,
                  interval_s: float, timeout_s: float, connect_timeout: float, tick_s: float,
-                 max_dp_size: int = 512) -> None:
+                 max_dp_size: int = 512, on_health: Callable[[Instance, bytes], object] | None = None) -> None:
         self.registry = registry
+        self._on_health = on_health  # every 200 /health body (the engine load reader reads its load from it)
         self.max_dp_size = max_dp_size  # bound on a dp_size a static engine's /health reports
         self.health = health
         self.interval_s = interval_s
@@ -226,6 +228,8 @@ class HealthMonitor:
         if status >= 500:
             self._not_serving(inst, f"health probe answered {status}", ProbeFailure.ERROR)
             return
+        if status == 200 and self._on_health is not None:
+            self._on_health(inst, raw)
         info = self._decode(raw) if status == 200 else None
         if info is not None and not self._apply(inst, info):
             return

@@ -39,6 +39,7 @@ Role = Literal["P", "D"]
 ROLE_NAMES = {"P": "prefill", "D": "decode"}
 
 PENDING, UP, DOWN = "pending", "up", "down"
+STALE_INTERVALS = 3  # a ReportedLoad older than this many --engine-load-interval is stale
 
 
 class ProbeFailure(Enum):
@@ -110,7 +111,12 @@ class Registration:
 class ReportedLoad:
     """What one DP rank of an engine says it is doing (its ``/health``, or ``/metrics`` for vLLM), read by
     the proxy at an interval: every request it runs or queues, whoever sent them (another proxy replica,
-    traffic that bypasses the proxy), unlike the proxy's own in-flight counters."""
+    traffic that bypasses the proxy), unlike the proxy's own in-flight counters.
+
+    Filled by :class:`~atom_kv.proxy.fleet.load.LoadReader` every ``--engine-load-interval`` seconds (and by
+    the health probes of static engines); a failed read keeps the last one, so a reading older than a few
+    intervals (``STALE_INTERVALS``) is stale: the reader keeps ``at`` and the consumer decides. Readings are
+    cleared when the engine restarts (a new engine id), goes down, or leaves."""
 
     requests: int  # running + waiting
     prompt_tokens: int  # the prompt tokens of those requests still to prefill (0 when the engine does not say)
@@ -218,18 +224,29 @@ class Instance:
         """Take what a probe learnt (``/health``, ``/v1/models``): a new registration with ``changes``."""
         if all(getattr(self.reg, key) == value for key, value in changes.items()):
             return  # what the last probe said, again
-        self.reg = replace(self.reg, **changes)  # type: ignore[arg-type]
-        self._fit_loads()
+        self._take(replace(self.reg, **changes))  # type: ignore[arg-type]
 
     def register(self, reg: Registration) -> None:
         """A new ping: its registration replaces the old one (the ``kv_features`` known stay when it names none)."""
         if reg.features is None and self.reg.features is not None:
             reg = replace(reg, features=self.reg.features)
+        self._take(reg)
+
+    def _take(self, reg: Registration) -> None:
+        restarted = reg.engine_id != self.reg.engine_id
         self.reg = reg
+        if restarted:  # another engine process: what the old one reported is not this one's load
+            self.clear_reported_load()
         self._fit_loads()
+
+    def clear_reported_load(self) -> None:
+        """Forget every rank's :class:`ReportedLoad` (a restart, down, gone)."""
+        self.reported_load = [None] * self.reg.dp_size
 
     def _fit_loads(self) -> None:
         dp = self.reg.dp_size
+        if len(self.reported_load) != dp:
+            self.reported_load = (self.reported_load + [None] * dp)[:dp]
         if len(self.outstanding_tokens) != dp:
             self.outstanding_tokens = (self.outstanding_tokens + [0] * dp)[:dp]
         if len(self.outstanding_requests) != dp:
@@ -318,6 +335,8 @@ class Instance:
             "inflight": self.inflight,
             "outstanding_tokens": list(self.outstanding_tokens),
             "outstanding_requests": list(self.outstanding_requests),
+            "reported_load": [None if r is None else {"requests": r.requests, "prompt_tokens": r.prompt_tokens,
+                                                      "age_s": round(now - r.at, 3)} for r in self.reported_load],
             "dp_rank_field": self.takes_dp_rank_field,
             "circuit": self.breaker.state(now),
         }
@@ -483,6 +502,7 @@ class Registry:
         if inst.state == DOWN or self._instances.get(inst.key) is not inst:
             return False
         inst.state = DOWN
+        inst.clear_reported_load()
         inst.down_reason = reason
         inst.probe_failure = failure
         self._changed()
@@ -543,6 +563,7 @@ class Registry:
                 f"{now - inst.last_seen:.1f}s (heartbeat timeout {self.heartbeat_timeout:.1f}s)"))
             if inst.static:
                 inst.expired = True
+                inst.clear_reported_load()
                 self._changed()
                 if self._on_evict is not None:
                     self._on_evict(inst)

@@ -113,6 +113,23 @@ class ProxyMetrics:
             "atom_kv_proxy_dp_rank_outstanding_requests", "Legs in flight on each (instance, DP rank)",
             ["role", "instance", "dp_rank"], registry=r,
         )
+        # what the engines say they run (atom_kv.proxy.fleet.load), per (instance, DP rank) with a reading
+        self.engine_reported_requests = Gauge(
+            "atom_kv_proxy_engine_reported_requests", "Requests each (instance, DP rank) reports running or "
+            "waiting, whoever sent them (its /health, or vLLM's /metrics), as last read",
+            ["role", "instance", "dp_rank"], registry=r,
+        )
+        self.engine_reported_prompt_tokens = Gauge(
+            "atom_kv_proxy_engine_reported_prompt_tokens", "Prompt tokens of the requests each (instance, DP "
+            "rank) reports (0 where the engine does not say), as last read", ["role", "instance", "dp_rank"],
+            registry=r,
+        )
+        self.engine_load_failures = Counter(
+            "atom_kv_proxy_engine_load_failures", "Engine load readings that failed, by reason (unreachable, "
+            "timeout, too_large, status, error, malformed, missing)", ["reason"], registry=r,
+        )
+        for reason in ("unreachable", "timeout", "too_large", "status", "error", "malformed", "missing"):
+            self.engine_load_failures.labels(reason)
         self.client_disconnects = Counter(
             "atom_kv_proxy_client_disconnects", "Requests cancelled because the client went away", registry=r
         )
@@ -176,12 +193,19 @@ class ProxyMetrics:
             self.instances.labels(role).set(n)
         self.dp_outstanding_tokens.clear()
         self.dp_outstanding_requests.clear()
+        self.engine_reported_requests.clear()
+        self.engine_reported_prompt_tokens.clear()
         for inst in instances:
             role = "prefill" if inst.role == "P" else "decode"
             for rank, (tokens, reqs) in enumerate(zip(inst.outstanding_tokens, inst.outstanding_requests,
                                                       strict=False)):
                 self.dp_outstanding_tokens.labels(role, inst.base_url, str(rank)).set(tokens)
                 self.dp_outstanding_requests.labels(role, inst.base_url, str(rank)).set(reqs)
+            for rank, reported in enumerate(inst.reported_load):
+                if reported is not None:
+                    self.engine_reported_requests.labels(role, inst.base_url, str(rank)).set(reported.requests)
+                    self.engine_reported_prompt_tokens.labels(role, inst.base_url, str(rank)).set(
+                        reported.prompt_tokens)
         return generate_latest(self.registry)
 
 
