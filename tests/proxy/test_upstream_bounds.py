@@ -85,6 +85,18 @@ async def test_an_announced_200_mb_body_is_refused_at_once(pool):  # noqa: F811
     await peer.close()
 
 
+async def test_a_small_answer_over_the_bound_in_one_read_fails_instead_of_hanging(pool):  # noqa: F811
+    """Head and whole body in one read: the over-bound answer also completed in that feed, which left the
+    exchange neither failed nor woken (a whole-answer fetch hung past its total timeout)."""
+    peer = await RawPeer(_answer(b"", b"x" * 8192)).start()
+    started = time.perf_counter()
+    with pytest.raises(UpstreamTooLarge, match=r"announced 8192 bytes, over --max-upstream-body-bytes \(4096\)"):
+        await asyncio.wait_for(pool(limits=AnswerLimits(body=4096)).request(
+            "127.0.0.1", peer.port, _head("/", b"h", 0), whole=True, total_timeout=30), 10)
+    assert time.perf_counter() - started < 2.0
+    await peer.close()
+
+
 async def test_a_body_without_a_length_fails_once_over_the_bound(pool):  # noqa: F811
     async def endless(reader, writer) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")

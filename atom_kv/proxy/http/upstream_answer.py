@@ -294,6 +294,8 @@ class UpstreamResponse:
     def on_message_complete(self) -> None:
         if not self._headers_done:
             return  # an interim answer ended: the final one follows
+        if self._too_large is not None:
+            return  # over the bound, whole in one read: failed after the feed, never complete
         self._complete = True
         self._keep_alive = self._parser.should_keep_alive()
 
