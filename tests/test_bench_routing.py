@@ -33,7 +33,8 @@ def test_a_quick_run_reports_consistent_figures_for_each_policy(capsys):
         # every prompt was prefilled once on the prefill pool, and only there
         assert r["prefill_pool"]["queries"] == r["prompt_tokens"] > 0
         assert r["decode_pool"]["tokens_computed"] <= r["requests"]
-        assert r["prefill_tokens_computed"] == r["prefill_pool"]["tokens_computed"] + r["decode_pool"]["tokens_computed"]
+        pools = r["prefill_pool"]["tokens_computed"] + r["decode_pool"]["tokens_computed"]
+        assert r["prefill_tokens_computed"] == pools
         assert r["prefill_pool"]["tokens_computed"] == r["prompt_tokens"] - r["prefill_pool"]["hits"]
         # hits come in whole blocks, and never beat the oracle (it credits every earlier prefix)
         assert r["prefill_pool"]["hits"] % w["block_size"] == 0

@@ -1,7 +1,8 @@
 """The benches' streaming client: one streamed completion over ``http.client``, timed from the client's side.
 
 Shared by ``bench e2e --breakdown`` (TTFT and time to the second token, the engine's ``Server-Timing``),
-``bench vllm`` (TTFT as the first event that carries a choice) and ``bench routing`` (TTFT and the answer's text), and :func:`in_threads` sends a batch of them.
+``bench vllm`` (TTFT as the first event that carries a choice) and ``bench routing`` (TTFT and the answer's
+text), and :func:`in_threads` sends a batch of them.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from atom_kv.bench import routing_chart
 from atom_kv.bench import targets as bench_targets
-from atom_kv.bench.routing_run import PolicySpec, RunShape, parse_policies, proxy_refusal, run_policy
+from atom_kv.bench.routing_run import RunShape, parse_policies, proxy_refusal, run_policy
 from atom_kv.bench.routing_workload import Plan, working_set_blocks
 
 DEFAULT_POLICIES = "round_robin,cache_aware,kv_aware,kv_aware+local"
@@ -174,8 +174,9 @@ def _targets(cases: dict[float, dict[str, Any]]) -> dict[str, bench_targets.Targ
 
 
 def _print_case(case: dict[str, Any]) -> None:
+    floored = "; the requests in flight need this many" if case["floored"] else ""
     print(f"\ncache fraction {case['cache_fraction']}: --num-blocks {case['num_blocks']} per engine (working set "
-          f"about {case['working_set_blocks']} blocks{'; the requests in flight need this many' if case['floored'] else ''})")
+          f"about {case['working_set_blocks']} blocks{floored})")
     print(f"{'policy':<16} {'hit':>6} {'oracle':>6} {'P hit':>6} {'computed':>9} {'KV MB':>7} {'MB t>=2':>7} "
           f"{'TTFT p50':>8} {'p99':>7} {'t>=2 p50':>8} {'CPU ms/req':>10}")
     for name, r in case["policies"].items():
@@ -206,7 +207,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"routing bench: {exc}", file=sys.stderr)
         return 2
     if args.png is not None:
-        problem = routing_chart.missing()
+        folder = os.path.dirname(os.path.abspath(args.png))
+        problem = routing_chart.missing() or (None if os.path.isdir(folder) else
+                                              f"--png: the folder {folder} does not exist")
         if problem is not None:
             print(f"routing bench: {problem}", file=sys.stderr)
             return 2
@@ -236,9 +239,9 @@ def run(args: argparse.Namespace) -> int:
                                 "working_set_blocks": estimate, "policies": {}}
         for n, spec in enumerate(specs):
             if spec.name in refused:
-                case["policies"][spec.name] = {"policy": spec.name, "status": "not_run", "proxy_flags": spec.proxy_flags(),
-                                               "reason": f"the proxy refused {' '.join(spec.proxy_flags())}",
-                                               "proxy_error": refused[spec.name]}
+                case["policies"][spec.name] = {
+                    "policy": spec.name, "status": "not_run", "proxy_flags": spec.proxy_flags(),
+                    "reason": f"the proxy refused {' '.join(spec.proxy_flags())}", "proxy_error": refused[spec.name]}
                 continue
             print(f"cache fraction {fraction}: {spec.name} ...", file=sys.stderr, flush=True)
             try:
