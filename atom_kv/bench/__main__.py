@@ -17,7 +17,7 @@ from atom_kv._cli import OneLineParser
 from atom_kv.extras import MissingExtraError, require
 
 #: suites that need an optional dependency: suite -> (module, extra)
-NEEDS = {"connector": ("torch", "reference"), "e2e": ("torch", "reference")}
+NEEDS = {"connector": ("torch", "reference"), "e2e": ("torch", "reference"), "routing": ("torch", "reference")}
 
 SUITES = {
     "transfer": "raw backend read throughput (tcp, cma) against memcpy and socket ceilings",
@@ -27,6 +27,8 @@ SUITES = {
     "e2e": "TTFT and tokens/s, P/D versus colocated, with the reference engine",
     "vllm": "TTFT through the proxy and two real vLLM servers (P/D) versus one plain vLLM server",
     "kv-index": "the proxy's KV event index: blocks/s decoded and applied on one core, bytes per entry",
+    "routing": "routing policies on a multi-turn workload on reference engines: hit rate against an oracle, "
+               "KV bytes moved, TTFT, proxy CPU",
 }
 
 

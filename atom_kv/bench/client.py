@@ -1,7 +1,8 @@
 """The benches' streaming client: one streamed completion over ``http.client``, timed from the client's side.
 
-Shared by ``bench e2e --breakdown`` (TTFT and time to the second token, the engine's ``Server-Timing``) and
-``bench vllm`` (TTFT as the first event that carries a choice), and :func:`in_threads` sends a batch of them.
+Shared by ``bench e2e --breakdown`` (TTFT and time to the second token, the engine's ``Server-Timing``),
+``bench vllm`` (TTFT as the first event that carries a choice) and ``bench routing`` (TTFT and the answer's
+text), and :func:`in_threads` sends a batch of them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class StreamedCompletion:
     first_choice: float = 0.0  # the first event carrying a choice, text or not (0: none did)
     texts: list[tuple[float, int]] = field(default_factory=list)  # (when, characters) of each event with text
     server_timing: dict[str, float] = field(default_factory=dict)  # the answer's Server-Timing spans
+    text: str = ""  # the answer's text, every event's joined
 
 
 def stream_completion(base_url: str, body: dict[str, Any], timeout: float) -> StreamedCompletion:
@@ -60,6 +62,7 @@ def stream_completion(base_url: str, body: dict[str, Any], timeout: float) -> St
             text = "".join(c.get("text") or "" for c in choices)
             if text:
                 out.texts.append((now, len(text)))
+                out.text += text
         return out
     finally:
         conn.close()
