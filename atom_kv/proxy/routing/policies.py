@@ -10,7 +10,7 @@ import hashlib
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 from atom_kv.proxy.fleet.registry import Instance
 from atom_kv.proxy.routing.prefix_tree import PrefixTree
@@ -21,10 +21,14 @@ MAX_MATCH_CHARS = 65536  # cache_aware looks at most at this many leading prompt
 
 @dataclass(frozen=True)
 class RouteContext:
-    """What a policy may look at: the prompt as text and its token estimate."""
+    """What a policy may look at: the prompt as text, its token count (an estimate unless ``token_ids`` is
+    known) and, when the relay learnt them (``Policy.uses_token_ids``), its token ids and their KV index keys
+    (a :class:`~atom_kv.proxy.kv_events.index.PromptKeys`, computed once per request and shared by both legs)."""
 
     text: str
     prompt_tokens: int
+    token_ids: Sequence[int] | None = None
+    prompt_keys: Any = None
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -86,6 +90,7 @@ class Policy(ABC):
     """Chooses an (instance, dp_rank) among the candidates of one pool."""
 
     uses_text = False  # whether choose() looks at RouteContext.text
+    uses_token_ids = False  # whether choose() wants RouteContext.token_ids (the relay then tokenizes the prompt)
 
     @abstractmethod
     def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
@@ -257,8 +262,10 @@ class CacheAware(Policy):
 
 def make_policy(name: str, *, prefix_chars: int = 256, cache_threshold: float = 0.3,
                 balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
-                cache_max_chars: int = 4 * 1024 * 1024, seed: int | None = None) -> Policy:
-    """A fresh policy object for one pool."""
+                cache_max_chars: int = 4 * 1024 * 1024, seed: int | None = None, role: str = "P",
+                kv_index: Any = None) -> Policy:
+    """A fresh policy object for one pool (``role``: "P" or "D"; ``kv_index``: the proxy's
+    :class:`~atom_kv.proxy.kv_events.index.KvIndex`, which ``kv_aware`` routes on)."""
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
@@ -271,4 +278,13 @@ def make_policy(name: str, *, prefix_chars: int = 256, cache_threshold: float = 
         return PrefixHash(prefix_chars)
     if name == "cache_aware":
         return CacheAware(cache_threshold, balance_abs_threshold, balance_rel_threshold, cache_max_chars)
+    if name == "kv_aware":
+        from atom_kv.proxy.routing.kv_aware import KvAware  # it builds on this module's CacheAware
+
+        if kv_index is None:  # a policy of its own (tests, benches): only its own predictions, no engine events
+            from atom_kv.proxy.kv_events.index import KvIndex
+
+            kv_index = KvIndex(max_blocks=1 << 16, max_blocks_per_worker=1 << 16)
+        return KvAware(role, kv_index, CacheAware(cache_threshold, balance_abs_threshold, balance_rel_threshold,
+                                                  cache_max_chars))
     raise ValueError(f"policy: unknown policy {name!r}")
