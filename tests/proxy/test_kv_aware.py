@@ -4,6 +4,7 @@ and the prompt token ids it routes on (body, --tokenizer, an engine's /tokenize)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from atom_kv.proxy.fleet.registry import CircuitBreaker, Instance, Registration,
 from atom_kv.proxy.kv_events.index import KvIndex
 from atom_kv.proxy.kv_events.wire import BlockStored
 from atom_kv.proxy.routing.kv_aware import (
-    LOAD_WEIGHT, REPORTED_LOAD_MAX_AGE_S, REQUEST_BLOCKS, KvAware, rank_cost, tie_weight, prompt_tie_hash,
+    LOAD_WEIGHT, REPORTED_LOAD_MAX_AGE_S, REQUEST_BLOCKS, KvAware, rank_cost,
 )
 from atom_kv.proxy.routing.policies import CacheAware, RouteContext, make_policy
 from atom_kv.proxy.routing.token_ids import PromptTokenIds, body_token_ids
@@ -183,7 +184,6 @@ def test_prompt_token_ids_from_the_body_first_then_the_engine():
         asked.append(body)
         return [9, 9]
 
-    import asyncio
     ids = PromptTokenIds(engine, count=counted.append)
     assert asyncio.run(ids.of({"prompt": [1, 2]}, "r", None)) == [1, 2] and not asked
     assert asyncio.run(ids.of({"prompt": "hi"}, "r", None)) == [9, 9] and len(asked) == 1
@@ -206,8 +206,6 @@ def test_tokenizer_flag_tokenizes_here_with_the_chat_template(tmp_path):
     hf = HfTokenizer(str(tmp_path))
     assert hf.encode_prompt("hello world") == [1, 3, 4]
     assert hf.encode_chat([{"role": "user", "content": "hello"}]) == [1, 5, 6, 3, 7, 6]
-    import asyncio
-
     async def engine(body, rid, auth):
         raise AssertionError("the engine is not asked when --tokenizer answers")
 

@@ -19,6 +19,10 @@ the same pair again would fail the same way, after a fresh prefill.
 Three pair paths: sequential (prefill, then decode) and first-token (the
 prefill's token goes to the client while the decode leg is on its way) live
 here; the concurrent path (both legs at once) in :mod:`atom_kv.proxy.relay.concurrent`.
+Local prefill (``--local-prefill-max-tokens``) has no pair: when the chosen decode rank already
+caches all but a few of the prompt's tokens (the KV index), the request goes to it alone.
+Before any pick the prompt's token ids are looked up once when a policy or local prefill routes
+on them (:mod:`atom_kv.proxy.routing.token_ids`).
 The legs themselves go out through :class:`~atom_kv.proxy.relay.pair_legs.PairLegs`.
 """
 

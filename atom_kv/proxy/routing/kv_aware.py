@@ -34,7 +34,7 @@ from array import array
 from typing import Any, Callable, Sequence
 
 from atom_kv.proxy.fleet.registry import Instance, ReportedLoad
-from atom_kv.proxy.routing.policies import CacheAware, Policy, RouteContext
+from atom_kv.proxy.routing.base import Policy, RouteContext
 
 __all__ = ["KvAware", "LOAD_WEIGHT", "REPORTED_LOAD_MAX_AGE_S", "REQUEST_BLOCKS", "TIE_TOKENS", "rank_cost",
            "tie_weight"]
@@ -103,12 +103,12 @@ def rank_cost(leg: str, prompt_tokens: int, cached_tokens: int, block_size: int,
 
 class KvAware(Policy):
     """Picks by :func:`rank_cost` over the proxy's KV index (``kv_index``, shared by both pools' policies) and
-    records each pick there; owns the ``cache_aware`` policy it falls back to without token ids."""
+    records each pick there; owns the policy it falls back to without token ids (``cache_aware``)."""
 
     uses_text = True  # the fallback reads the text
     uses_token_ids = True
 
-    def __init__(self, role: str, kv_index: Any, fallback: CacheAware, *,
+    def __init__(self, role: str, kv_index: Any, fallback: Policy, *,
                  reported_max_age_s: float = REPORTED_LOAD_MAX_AGE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if role not in LOAD_WEIGHT:

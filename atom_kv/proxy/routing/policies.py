@@ -8,27 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import random
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from atom_kv.proxy.fleet.registry import Instance
+from atom_kv.proxy.routing.base import Policy, RouteContext
 from atom_kv.proxy.routing.prefix_tree import PrefixTree
 
 _MASK64 = (1 << 64) - 1
 MAX_MATCH_CHARS = 65536  # cache_aware looks at most at this many leading prompt characters
-
-
-@dataclass(frozen=True)
-class RouteContext:
-    """What a policy may look at: the prompt as text, its token count (an estimate unless ``token_ids`` is
-    known) and, when the relay learnt them (``Policy.uses_token_ids``), its token ids and their KV index keys
-    (a :class:`~atom_kv.proxy.kv_events.index.PromptKeys`, computed once per request and shared by both legs)."""
-
-    text: str
-    prompt_tokens: int
-    token_ids: Sequence[int] | None = None
-    prompt_keys: Any = None
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -84,20 +71,6 @@ def estimate_prompt_tokens(body: dict[str, Any], text: str | None = None) -> int
                 total += len(item) // 4
         return max(1, total)
     return max(1, len(prompt_text(body) if text is None else text) // 4)
-
-
-class Policy(ABC):
-    """Chooses an (instance, dp_rank) among the candidates of one pool."""
-
-    uses_text = False  # whether choose() looks at RouteContext.text
-    uses_token_ids = False  # whether choose() wants RouteContext.token_ids (the relay then tokenizes the prompt)
-
-    @abstractmethod
-    def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
-        """``candidates`` is non-empty and in stable address order."""
-
-    def forget(self, inst: Instance) -> None:
-        """``inst`` left the registry: drop whatever the policy remembers about it."""
 
 
 class RoundRobin(Policy):
