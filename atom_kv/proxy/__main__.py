@@ -58,6 +58,7 @@ from atom_kv.proxy.app import create_app
 from atom_kv.proxy.fleet.discovery import DiscoveryError
 from atom_kv.proxy.fleet.dns import parse_dns_server, parse_dns_spec
 from atom_kv.proxy.fleet.static import parse_engine_spec
+from atom_kv.proxy.routing.hf_tokenizer import TokenizerError
 from atom_kv.proxy.http.guard import allowed_host_problem
 from atom_kv.proxy.server import listen_socket, serve_until_signalled
 from atom_kv.proxy.settings import POLICIES, ProxySettings
@@ -274,7 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("routing")
     g.add_argument("--policy", choices=POLICIES, default=d.policy,
-                   help="routing policy of both pools (default %(default)s)")
+                   help="routing policy of both pools (default %(default)s); kv_aware: the (instance, DP rank) "
+                        "caching most of the prompt by the engines' KV events, traded against its load "
+                        "(docs/routing.md)")
     g.add_argument("--prefill-policy", choices=POLICIES, default=None, help="prefill pool policy (default: --policy)")
     g.add_argument("--decode-policy", choices=POLICIES, default=None, help="decode pool policy (default: --policy)")
     g.add_argument("--prefix-chars", type=_nonneg_int, default=d.prefix_chars,
@@ -288,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="... and max > min x this (default %(default)s)")
     g.add_argument("--cache-max-chars", type=_pos_int, default=d.cache_max_chars,
                    help="cache_aware: prompt characters remembered per engine, LRU beyond (default %(default)s)")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="kv_aware and local prefill: tokenize prompts here with this Hugging Face tokenizer.json "
+                        "(a file, or a model folder holding one; its chat template is applied to chat messages; "
+                        "needs the tokenizers package) instead of asking an engine's /tokenize (default: ask)")
+    g.add_argument("--local-prefill-max-tokens", type=_nonneg_int, default=d.local_prefill_max_tokens, metavar="N",
+                   help="skip the prefill leg when the chosen decode instance already caches all but at most N "
+                        "of the prompt's tokens (by its KV events): the decode engine computes the rest itself "
+                        "(counted in atom_kv_proxy_local_prefills_total; default 0: off)")
 
     g = p.add_argument_group("admission control (off by default)")
     g.add_argument("--max-concurrent-per-engine", type=_nonneg_int, default=d.max_concurrent_per_engine,
@@ -344,7 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decode-timeout", type=_positive, default=d.decode_timeout,
                    help="longest wait for the next byte from decode (s)")
     g.add_argument("--tokenize-timeout", type=_positive, default=d.tokenize_timeout,
-                   help="timeout of an engine's /tokenize when checking a long prompt's length (s)")
+                   help="timeout of an engine's /tokenize: a long prompt's length check, and the prompt's token "
+                        "ids for kv_aware and local prefill without --tokenizer (s)")
     g.add_argument("--circuit-failures", type=_pos_int, default=d.circuit_failures,
                    help="consecutive instance failures (of different requests) that open an instance's circuit; "
                         "a 500 counts only once another instance served the same request (default %(default)s)")
@@ -470,7 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"atom-kv-proxy: cannot listen on {settings.host}:{settings.port}: {reason}", file=sys.stderr)
         return 1
     settings = replace(settings, port=sock.getsockname()[1])
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except TokenizerError as exc:
+        sock.close()
+        print(f"atom-kv-proxy: {exc}", file=sys.stderr)
+        return 2
     try:
         run(serve_until_signalled(app, settings, sock))
     except DiscoveryError as exc:

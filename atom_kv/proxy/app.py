@@ -22,13 +22,14 @@ from atom_kv.proxy.fleet.discovery import DiscoveryError, DiscoveryListener
 from atom_kv.proxy.fleet.dns import DnsDiscovery, SystemResolver, UdpResolver
 from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
 from atom_kv.proxy.fleet.load import LoadReader
-from atom_kv.proxy.fleet.registry import Instance, Registration, Registry
+from atom_kv.proxy.fleet.registry import STALE_INTERVALS, Instance, Registration, Registry
 from atom_kv.proxy.fleet.workers import WorkerError, Workers
 from atom_kv.proxy.kv_events import KvEvents, KvEventsConfig
 from atom_kv.proxy.observability.metrics import ProxyMetrics, RequestRecord
 from atom_kv.proxy.relay.errors import ProxyError
 from atom_kv.proxy.relay.fastpath import CompletionsHandler, valid_request_id
 from atom_kv.proxy.relay.relay import Relay
+from atom_kv.proxy.routing.hf_tokenizer import HfTokenizer
 from atom_kv.proxy.routing.policies import Policy, make_policy
 from atom_kv.proxy.settings import ProxySettings
 
@@ -41,11 +42,14 @@ _json_encoder = msgspec.json.Encoder()
 STATE_KEY = "atom_kv_proxy"
 
 
-def _policy(settings: ProxySettings, role: str) -> Policy:
+def _policy(settings: ProxySettings, role: str, kv_events: KvEvents) -> Policy:
     return make_policy(
         settings.policy_for(role), prefix_chars=settings.prefix_chars, cache_threshold=settings.cache_threshold,
         balance_abs_threshold=settings.balance_abs_threshold, balance_rel_threshold=settings.balance_rel_threshold,
-        cache_max_chars=settings.cache_max_chars,
+        cache_max_chars=settings.cache_max_chars, role=role, kv_index=kv_events.index,
+        # a reading is stale after STALE_INTERVALS of --engine-load-interval (the reader's period)
+        reported_max_age_s=(STALE_INTERVALS * settings.engine_load_interval_s
+                            if settings.engine_load_interval_s > 0 else None),
     )
 
 
@@ -66,10 +70,12 @@ class ProxyState:
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
         self.metrics = ProxyMetrics()
-        self.policies: dict[str, Policy] = {"P": _policy(settings, "P"), "D": _policy(settings, "D")}
         # what the engines cache, from their KV events (its thread starts with the first engine that has some)
         self.kv_events = _kv_events(settings)
         self.metrics.registry.register(self.kv_events.collector())
+        self.policies: dict[str, Policy] = {role: _policy(settings, role, self.kv_events) for role in ("P", "D")}
+        # --tokenizer: loaded here, so a bad path stops the start in one line (TokenizerError)
+        tokenizer = HfTokenizer(settings.tokenizer) if settings.tokenizer is not None else None
         self.registry = Registry(settings.heartbeat_timeout, settings.circuit_failures, settings.circuit_cooldown_s,
                                  max_instances=settings.max_instances, on_evict=self._forget,
                                  on_register=self._registered,
@@ -102,7 +108,8 @@ class ProxyState:
                 poll_s=min(settings.discovery_poll_s, settings.heartbeat_timeout / 2),
                 log_interval_s=settings.log_summary_interval_s,
             )
-        self.relay = Relay(settings, self.registry, self.policies, self.health, self.metrics)
+        self.relay = Relay(settings, self.registry, self.policies, self.health, self.metrics,
+                           kv_index=self.kv_events.index, tokenizer=tokenizer)
         buckets = None if settings.rate_limit is None else ClientBuckets(
             *settings.rate_limit, max_clients=settings.rate_limit_clients)
         self.dns = DnsDiscovery(

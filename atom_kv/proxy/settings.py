@@ -10,7 +10,7 @@ from atom_kv.proxy.fleet.dns import DnsTarget
 from atom_kv.proxy.fleet.static import StaticEngine
 from atom_kv.proxy.http.guard import allowed_host_problem
 
-POLICIES = ("round_robin", "random", "power_of_two", "least_loaded", "prefix_hash", "cache_aware")
+POLICIES = ("round_robin", "random", "power_of_two", "least_loaded", "prefix_hash", "cache_aware", "kv_aware")
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,12 @@ class ProxySettings:
     balance_abs_threshold: int = 64  # cache_aware: imbalanced if max-min load > this ...
     balance_rel_threshold: float = 1.5  # ... and max load > min load * this
     cache_max_chars: int = 4 * 1024 * 1024  # cache_aware: prompt characters remembered per engine
+    # kv_aware and local prefill route on the prompt's token ids: from the body, this Hugging Face
+    # tokenizer.json (file or model folder; None: none), else an engine's /tokenize
+    tokenizer: str | None = None
+    # local prefill (conditional disaggregation): a request whose chosen decode (instance, DP rank) already
+    # caches all but at most this many of its prompt tokens goes to the decode engine alone (0: off)
+    local_prefill_max_tokens: int = 0
     # registration
     registration_token: str | None = None  # also signs releases: the engines' auth_token (one cluster secret)
     release_prefills: bool = True  # tell a prefill engine when its KV will not be read (atom-kv engines)
@@ -153,7 +159,8 @@ class ProxySettings:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)!r}")
         for name in ("max_retries", "prefix_chars", "balance_abs_threshold", "sse_split_max",
                      "concurrent_max_queued_tokens", "max_server_timing_bytes", "max_first_token_text_bytes",
-                     "max_concurrent_per_engine", "queue_size", "engine_load_interval_s"):
+                     "max_concurrent_per_engine", "queue_size", "engine_load_interval_s",
+                     "local_prefill_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)!r}")
         for name in ("circuit_failures", "max_inflight_body_bytes", "max_instances", "max_tp_size", "max_dp_size",
@@ -163,6 +170,8 @@ class ProxySettings:
                      "kv_index_max_blocks_per_worker", "kv_predict_max_blocks", "engine_load_max_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)!r}")
+        if self.tokenizer is not None and not self.tokenizer.strip():
+            raise ValueError("tokenizer: give the path of a tokenizer.json or of a model folder holding one")
         if self.rate_limit is not None and not (self.rate_limit[0] > 0 and self.rate_limit[1] >= 1):
             raise ValueError(f"rate_limit: needs requests a second > 0 and a burst >= 1, got {self.rate_limit!r}")
         if not 0.0 < self.circuit_failure_ratio <= 1.0:
@@ -210,6 +219,11 @@ class ProxySettings:
     def discovery_bind_host(self) -> str:
         """Where discovery listens: ``discovery_host``, else the HTTP ``host``."""
         return self.discovery_host if self.discovery_host is not None else self.host
+
+    @property
+    def wants_token_ids(self) -> bool:
+        """Whether the relay looks up each prompt's token ids (kv_aware on a leg, or local prefill)."""
+        return "kv_aware" in (self.policy_for("P"), self.policy_for("D")) or self.local_prefill_max_tokens > 0
 
     def policy_for(self, role: str) -> str:
         """The policy name of the prefill ("P") or decode ("D") pool."""

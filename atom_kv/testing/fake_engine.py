@@ -269,7 +269,7 @@ class FakeEngine:
         except (msgspec.DecodeError, UnicodeDecodeError):
             return _vllm_error(400, "invalid JSON")
         n = self._prompt_tokens(body)
-        answer = {"count": n, "max_model_len": self.max_model_len, "tokens": list(range(n))}
+        answer = {"count": n, "max_model_len": self.max_model_len, "tokens": self._prompt_token_ids(body, n)}
         return web.Response(body=_enc.encode(answer), content_type="application/json")
 
     async def _stats(self, request: web.Request) -> web.Response:
@@ -368,6 +368,21 @@ class FakeEngine:
             return max(1, len(prompt) // 4)
         text = "".join(str(m.get("content", "")) for m in body.get("messages", []) if isinstance(m, dict))
         return max(1, len(text) // 4)
+
+    @staticmethod
+    def _prompt_token_ids(body: dict[str, Any], n: int) -> list[int]:
+        """``n`` made-up token ids that follow the prompt's content (one per 4 bytes of text), so two prompts
+        share leading ids exactly when they share leading text (a token-id prompt is its own ids)."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)[:n]
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            text = "".join(str(m.get("content", "")) for m in body.get("messages", []) if isinstance(m, dict))
+        data = text.encode("utf-8", "surrogatepass")
+        ids = [int.from_bytes(data[4 * i:4 * i + 4], "little") for i in range(len(data) // 4)]
+        return (ids + [0] * n)[:n]
 
     def _usage(self, body: dict[str, Any], n: int) -> dict[str, int]:
         p = self._prompt_tokens(body)

@@ -100,6 +100,19 @@ class ProxyMetrics:
             "Prefill answers whose first_token_ids or first_token_text were out of bounds (the sequential path "
             "was taken)", registry=r,
         )
+        self.local_prefills = Counter(
+            "atom_kv_proxy_local_prefills", "Requests sent to the decode engine alone, without a prefill leg, "
+            "because it already held all but at most --local-prefill-max-tokens of the prompt", registry=r,
+        )
+        self.route_token_ids = Counter(
+            "atom_kv_proxy_route_token_ids", "Requests whose prompt token ids the proxy looked up for routing, by "
+            "where they came from: body (a token-id prompt), tokenizer (--tokenizer), engine (its /tokenize), "
+            "none (no source answered: kv_aware routed as cache_aware)", ["source"], registry=r,
+        )
+        self.bad_tokenize_answers = Counter(
+            "atom_kv_proxy_bad_tokenize_answers", "Engine /tokenize answers that were not vLLM's JSON shape "
+            "(ignored: the next engine is asked)", registry=r,
+        )
         self.dp_routed = Counter(
             "atom_kv_proxy_dp_rank_requests", "Legs routed to each (instance, DP rank), by role",
             ["role", "instance", "dp_rank"], registry=r,

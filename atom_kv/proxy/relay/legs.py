@@ -93,6 +93,15 @@ def decode_request(
     return req
 
 
+def local_request(body: dict[str, Any], decode: Instance, decode_rank: int) -> dict[str, Any]:
+    """A request the decode engine serves alone (local prefill): the client's request without any
+    ``kv_transfer_params`` (never the client's), so the engine computes the prompt its cache lacks."""
+    req = dict(body)
+    req.pop("kv_transfer_params", None)
+    _set_dp_rank(req, decode, decode_rank)
+    return req
+
+
 def wants_stream_usage(body: dict[str, Any]) -> bool:
     opts = body.get("stream_options")
     return isinstance(opts, dict) and bool(opts.get("include_usage"))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Optional, Sequence
 
 import msgspec
 
@@ -29,7 +29,7 @@ from atom_kv.proxy.relay.attempt import PairRequest, RelayResult, Retryable
 from atom_kv.proxy.relay.errors import EngineFailures, ProxyError, UpstreamResponseError, engine_text
 from atom_kv.proxy.relay.first_token import bounded_first_token
 from atom_kv.proxy.relay.kv_path import KV_PATH_FAILED
-from atom_kv.proxy.relay.legs import decode_request, prefill_request, wants_stream_usage
+from atom_kv.proxy.relay.legs import decode_request, local_request, prefill_request, wants_stream_usage
 from atom_kv.proxy.relay.release import ProducerAddress, Releaser
 from atom_kv.proxy.relay.stream import DecodeStream, ResponseStream
 from atom_kv.proxy.relay.validation import context_length_error, could_overflow
@@ -45,6 +45,16 @@ logger = logging.getLogger(__name__)
 
 _json_decoder = msgspec.json.Decoder()
 _json_encoder = msgspec.json.Encoder()
+
+
+class TokenizeAnswer(msgspec.Struct):
+    """An engine's ``POST /tokenize`` answer (vLLM's shape; other keys are ignored)."""
+
+    count: Annotated[int, msgspec.Meta(ge=0)]
+    tokens: Optional[list[Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]]] = None
+
+
+_tokenize_decoder = msgspec.json.Decoder(TokenizeAnswer)
 _KV_FAILURE = KV_TRANSFER_FAILURE_HEADER.lower()
 _SERVER_TIMING = SERVER_TIMING.lower()
 
@@ -158,24 +168,39 @@ class PairLegs:
             raise error
 
     async def _count_tokens(self, req: PairRequest, instances: tuple[Instance, ...]) -> int | None:
-        """The prompt's token count from an engine's ``POST /tokenize`` (None: no engine can tell)."""
+        """The prompt's token count: the ids the relay already has, else an engine's ``POST /tokenize``
+        (None: no engine can tell)."""
+        if req.ctx.token_ids is not None:
+            return len(req.ctx.token_ids)
+        answer = await self._tokenize(req.body, req.request_id, req.auth, instances)
+        return None if answer is None else answer.count
+
+    async def prompt_token_ids(self, body: dict[str, Any], request_id: str, auth: str | None,
+                               instances: Sequence[Instance]) -> list[int] | None:
+        """The prompt's token ids from the first of ``instances`` whose ``/tokenize`` gives them (None: none)."""
+        answer = await self._tokenize(body, request_id, auth, instances)
+        return None if answer is None else answer.tokens
+
+    async def _tokenize(self, body: dict[str, Any], request_id: str, auth: str | None,
+                        instances: Sequence[Instance]) -> TokenizeAnswer | None:
+        """The first good ``POST /tokenize`` answer of ``instances`` (each bounded by ``--tokenize-timeout``)."""
         payload: dict[str, Any] = {}
-        if isinstance(req.body.get("model"), str):
-            payload["model"] = req.body["model"]
-        if "messages" in req.body and "prompt" not in req.body:
-            payload["messages"] = req.body["messages"]
+        if isinstance(body.get("model"), str):
+            payload["model"] = body["model"]
+        if "messages" in body and "prompt" not in body:
+            payload["messages"] = body["messages"]
         else:
-            payload["prompt"] = req.body.get("prompt")
+            payload["prompt"] = body.get("prompt")
         data = _json_encoder.encode(payload)
         for inst in instances:
             if inst.tokenize is False:
                 continue
             try:
                 status, _, raw = await self.pool.fetch(inst.host, inst.http_port, b"POST", b"/tokenize", body=data,
-                                                       headers=self._headers(req.request_id, 0, req.auth),
+                                                       headers=self._headers(request_id, 0, auth),
                                                        total_timeout=self.settings.tokenize_timeout)
             except UpstreamError as exc:
-                logger.debug("[%s] /tokenize on %s failed: %s", req.request_id, inst.base_url, exc)
+                logger.debug("[%s] /tokenize on %s failed: %s", request_id, inst.base_url, exc)
                 continue
             if status in (404, 405):
                 inst.tokenize = False
@@ -183,13 +208,13 @@ class PairLegs:
             if status != 200:
                 continue
             try:
-                answer = _json_decoder.decode(raw)
-            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+                answer = _tokenize_decoder.decode(raw)
+            except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
+                self.metrics.bad_tokenize_answers.inc()
+                logger.debug("[%s] /tokenize on %s: unreadable answer (%s)", request_id, inst.base_url, exc)
                 continue
-            count = answer.get("count") if isinstance(answer, dict) else None
-            if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
-                inst.tokenize = True
-                return count
+            inst.tokenize = True
+            return answer
         return None
 
     # ------------------------------------------------------------------ legs
@@ -296,6 +321,27 @@ class PairLegs:
             finally:
                 resp.close()
         req.outcomes.served.add(d.inst.key)  # its stream's end tells the breaker; this request was served
+        req.spans.decode_answered(resp.header(_SERVER_TIMING))
+        return resp
+
+    async def open_local(self, req: PairRequest, d: Pick) -> UpstreamResponse:
+        """A request for the decode engine alone (local prefill), up to its answer's head."""
+        payload = _json_encoder.encode(local_request(req.body, d.inst, d.rank))
+        req.spans.decode_sent(after_prefill=False)
+        try:
+            resp = await self.pool.request(d.inst.host, d.inst.http_port,
+                                           self._leg_head(req, d.inst, d.rank, len(payload)), payload,
+                                           read_timeout=self.settings.decode_timeout)
+        except UpstreamError as exc:
+            raise self._transport_error(exc, d, "decode", req) from None
+        if resp.status != 200:
+            try:
+                await self._error_status(resp, d, "decode", req)
+            except UpstreamError as exc:
+                raise self._transport_error(exc, d, "decode", req) from None
+            finally:
+                resp.close()
+        req.outcomes.served.add(d.inst.key)
         req.spans.decode_answered(resp.header(_SERVER_TIMING))
         return resp
 

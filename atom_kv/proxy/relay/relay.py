@@ -19,6 +19,10 @@ the same pair again would fail the same way, after a fresh prefill.
 Three pair paths: sequential (prefill, then decode) and first-token (the
 prefill's token goes to the client while the decode leg is on its way) live
 here; the concurrent path (both legs at once) in :mod:`atom_kv.proxy.relay.concurrent`.
+Local prefill (``--local-prefill-max-tokens``) has no pair: when the chosen decode rank already
+caches all but a few of the prompt's tokens (the KV index), the request goes to it alone.
+Before any pick the prompt's token ids are looked up once when a policy or local prefill routes
+on them (:mod:`atom_kv.proxy.routing.token_ids`).
 The legs themselves go out through :class:`~atom_kv.proxy.relay.pair_legs.PairLegs`.
 """
 
@@ -47,10 +51,13 @@ from atom_kv.proxy.relay.pair_legs import PairLegs
 from atom_kv.proxy.relay.stream import ResponseStream
 from atom_kv.proxy.relay.validation import requested_max_tokens
 from atom_kv.proxy.routing.pick import Charge, LoadLedger, Pick
+from atom_kv.proxy.routing.hf_tokenizer import HfTokenizer
 from atom_kv.proxy.routing.policies import Policy, RouteContext, estimate_prompt_tokens, prompt_text
+from atom_kv.proxy.routing.token_ids import PromptTokenIds
 from atom_kv.proxy.settings import ProxySettings
 
 if TYPE_CHECKING:
+    from atom_kv.proxy.kv_events.index import KvIndex
     from atom_kv.proxy.observability.otel import RequestTrace
 
 __all__ = ["Relay", "RelayResult"]
@@ -62,10 +69,13 @@ class Relay:
     """Runs requests through P then D: picks the pair, re-plans it after a retryable failure and
     chooses its path. Owns the :class:`~atom_kv.proxy.relay.pair_legs.PairLegs` (the upstream pool,
     the releaser), the :class:`~atom_kv.proxy.relay.concurrent.ConcurrentPairs` (its background tasks)
-    and the :class:`~atom_kv.proxy.routing.pick.LoadLedger` its legs' charges come from."""
+    and the :class:`~atom_kv.proxy.routing.pick.LoadLedger` its legs' charges come from; finds each prompt's
+    token ids (:class:`~atom_kv.proxy.routing.token_ids.PromptTokenIds`) when a policy or local prefill
+    routes on them, keyed once per request in ``kv_index``."""
 
     def __init__(self, settings: ProxySettings, registry: Registry, policies: dict[str, Policy],
-                 health: UpstreamHealth, metrics: ProxyMetrics) -> None:
+                 health: UpstreamHealth, metrics: ProxyMetrics, *, kv_index: "KvIndex | None" = None,
+                 tokenizer: HfTokenizer | None = None) -> None:
         self.settings = settings
         self.registry = registry
         self.policies = policies
@@ -80,6 +90,10 @@ class Relay:
             self.charges.on_release = self.admission.wake  # a released charge may free a pair for the queue
         self._models_rr = 0
         self._request_keys = itertools.count(1)
+        self.kv_index = kv_index
+        self.token_ids = PromptTokenIds(self._engine_token_ids, tokenizer,
+                                        lambda source: metrics.child(metrics.route_token_ids, source).inc())
+        self._wants_token_ids = settings.wants_token_ids or any(p.uses_token_ids for p in policies.values())
 
     async def start(self) -> None:
         await self.legs.start()
@@ -134,7 +148,13 @@ class Relay:
         max_tokens = requested_max_tokens(body)  # before anything is spent
         text = prompt_text(body)
         tokens = estimate_prompt_tokens(body, text)
-        req = PairRequest(path, body, request_id, auth, RouteContext(text, tokens), max_tokens,
+        token_ids, keys = None, None
+        if self._wants_token_ids:
+            token_ids = await self.token_ids.of(body, request_id, auth)
+            if token_ids is not None:
+                tokens = max(1, len(token_ids))
+                keys = self.kv_index.prompt_keys(token_ids) if self.kv_index is not None else None
+        req = PairRequest(path, body, request_id, auth, RouteContext(text, tokens, token_ids, keys), max_tokens,
                             RequestSpans(self.metrics, received, trace), RequestOutcomes(next(self._request_keys)))
         try:
             return await self._attempts(req, tokens)
@@ -156,11 +176,14 @@ class Relay:
                     await self.admission.admit(request_id)
                 except Refused as refused:
                     raise ProxyError(refused.status, str(refused), retry_after=refused.retry_after) from None
+            held = self._decode_held(req)  # before the decode pick records its prediction
             d = self._pick("D", exclude["D"], req.ctx, tokens)
             if d is None:
                 raise last_error or self._no_instance("D")
             try:
                 with d:  # until a non-streamed answer is read; a stream takes it over (hand_over)
+                    if held is not None and self._prefills_locally(req, d, held):
+                        return await self._run_local(req, d)
                     p = self._pick("P", exclude["P"], req.ctx, tokens)
                     if p is None:
                         raise last_error or self._no_instance("P")
@@ -175,6 +198,36 @@ class Relay:
                     break
         assert last_error is not None
         raise last_error
+
+    def _decode_held(self, req: PairRequest) -> dict | None:
+        """With local prefill on: how much of the prompt each (instance, DP rank) caches now (None: off, or
+        no token ids)."""
+        if not self.settings.local_prefill_max_tokens or req.ctx.prompt_keys is None or self.kv_index is None:
+            return None
+        return self.kv_index.longest_prefix(req.ctx.prompt_keys)
+
+    def _prefills_locally(self, req: PairRequest, d: Pick, held: dict) -> bool:
+        """Whether the decode rank ``d`` caches all but at most ``--local-prefill-max-tokens`` of the prompt."""
+        assert req.ctx.token_ids is not None
+        uncached = len(req.ctx.token_ids) - held.get((d.inst.key, d.rank), 0)
+        return uncached <= self.settings.local_prefill_max_tokens
+
+    async def _run_local(self, req: PairRequest, d: Charge) -> RelayResult:
+        """The request on the decode engine alone: no prefill leg, no KV moved (its caller's block holds ``d``
+        until a stream takes it over)."""
+        await self.legs.check_context(req, d, d)
+        resp = await self.legs.open_local(req, d)
+        self.metrics.local_prefills.inc()
+        logger.debug("[%s] local prefill on %s rank %d", req.request_id, d.inst.base_url, d.rank)
+        return await self.legs.respond(resp, req, d, None)
+
+    async def _engine_token_ids(self, body: dict[str, Any], request_id: str, auth: str | None) -> list[int] | None:
+        """The prompt's ids from a live engine's ``/tokenize`` (decode engines first; at most two asked)."""
+        now = time.monotonic()
+        asked = [i for i in (*self.registry.live("D", now), *self.registry.live("P", now)) if i.tokenize is not False]
+        if not asked:
+            return None
+        return await self.legs.prompt_token_ids(body, request_id, auth, asked[:2])
 
     def _pair_left(self, exclude: dict[str, set[tuple[str, str]]], decode: tuple[str, str], request_id: str) -> bool:
         """After a failure of the pair's KV path: whether another pair is left to try (the decode

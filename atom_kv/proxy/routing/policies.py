@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import hashlib
 import random
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Any
 
 from atom_kv.proxy.fleet.registry import Instance
+from atom_kv.proxy.routing.base import Policy, RouteContext
 from atom_kv.proxy.routing.prefix_tree import PrefixTree
 
 _MASK64 = (1 << 64) - 1
 MAX_MATCH_CHARS = 65536  # cache_aware looks at most at this many leading prompt characters
-
-
-@dataclass(frozen=True)
-class RouteContext:
-    """What a policy may look at: the prompt as text and its token estimate."""
-
-    text: str
-    prompt_tokens: int
 
 
 def prompt_text(body: dict[str, Any]) -> str:
@@ -80,19 +71,6 @@ def estimate_prompt_tokens(body: dict[str, Any], text: str | None = None) -> int
                 total += len(item) // 4
         return max(1, total)
     return max(1, len(prompt_text(body) if text is None else text) // 4)
-
-
-class Policy(ABC):
-    """Chooses an (instance, dp_rank) among the candidates of one pool."""
-
-    uses_text = False  # whether choose() looks at RouteContext.text
-
-    @abstractmethod
-    def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
-        """``candidates`` is non-empty and in stable address order."""
-
-    def forget(self, inst: Instance) -> None:
-        """``inst`` left the registry: drop whatever the policy remembers about it."""
 
 
 class RoundRobin(Policy):
@@ -257,8 +235,11 @@ class CacheAware(Policy):
 
 def make_policy(name: str, *, prefix_chars: int = 256, cache_threshold: float = 0.3,
                 balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
-                cache_max_chars: int = 4 * 1024 * 1024, seed: int | None = None) -> Policy:
-    """A fresh policy object for one pool."""
+                cache_max_chars: int = 4 * 1024 * 1024, seed: int | None = None, role: str = "P",
+                kv_index: Any = None, reported_max_age_s: float | None = None) -> Policy:
+    """A fresh policy object for one pool (``role``: "P" or "D"; ``kv_index``: the proxy's
+    :class:`~atom_kv.proxy.kv_events.index.KvIndex`, which ``kv_aware`` routes on; ``reported_max_age_s``:
+    how old an engine's own load report may be before ``kv_aware`` ignores it, None for its default)."""
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
@@ -271,4 +252,15 @@ def make_policy(name: str, *, prefix_chars: int = 256, cache_threshold: float = 
         return PrefixHash(prefix_chars)
     if name == "cache_aware":
         return CacheAware(cache_threshold, balance_abs_threshold, balance_rel_threshold, cache_max_chars)
+    if name == "kv_aware":
+        from atom_kv.proxy.routing.kv_aware import KvAware  # it builds on this module's CacheAware
+
+        if kv_index is None:  # a policy of its own (tests, benches): only its own predictions, no engine events
+            from atom_kv.proxy.kv_events.index import KvIndex
+
+            kv_index = KvIndex(max_blocks=1 << 16, max_blocks_per_worker=1 << 16)
+        aware = CacheAware(cache_threshold, balance_abs_threshold, balance_rel_threshold, cache_max_chars)
+        if reported_max_age_s is None:
+            return KvAware(role, kv_index, aware)
+        return KvAware(role, kv_index, aware, reported_max_age_s=reported_max_age_s)
     raise ValueError(f"policy: unknown policy {name!r}")
