@@ -5,7 +5,7 @@
 # find-links or on the PyTorch CPU index named below, so no machine gets the
 # CUDA build). Then this package itself, without resolving anything again.
 # The lock holds the `reference`, `test`, `nixl` (about 70 MB: CI runs the nixl
-# backend for real) and `otel` extras. `make lock` writes the lock afresh from
+# backend for real), `otel` and `tokenizer` extras. `make lock` writes the lock afresh from
 # pyproject.toml (CONTRIBUTING.md says when); `make test-latest` runs the suite
 # on the newest releases instead, in .venv-latest.
 PY ?= python3
@@ -13,7 +13,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LOCK := requirements-lock.txt
-LOCK_EXTRAS := reference,test,nixl,otel
+LOCK_EXTRAS := reference,test,nixl,otel,tokenizer
 # The CPU builds of torch. An extra index, asked with a short timeout and no
 # retries, so a machine that cannot reach it still takes the wheel pip finds locally.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu

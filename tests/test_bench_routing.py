@@ -49,7 +49,7 @@ def test_a_quick_run_reports_consistent_figures_for_each_policy(capsys):
         assert 0 < t["p50"] <= t["p99"] and 0 < t["p50_turns_2_plus"] <= t["p99_turns_2_plus"]
         assert r["proxy_cpu_ms_per_request"] >= 0
         assert r["working_set_blocks"] == case["working_set_blocks"]  # the plan's estimate was exact
-        assert r["local_prefills"] == {}
+        assert r["local_prefills"] == {"atom_kv_proxy_local_prefills_total": 0.0}  # no local prefill asked
     assert len(oracles) == 1  # greedy answers: the same conversations under both policies
     targets = doc["targets"]
     assert set(targets) == {"hit_rate_full", "hit_rate_half", "kv_bytes_turns_2_plus", "ttft_p50_local",
