@@ -72,13 +72,14 @@ class ProxyState:
         self.metrics = ProxyMetrics()
         # what the engines cache, from their KV events (its thread starts with the first engine that has some)
         self.kv_events = _kv_events(settings)
+        self._following = False  # set at start: from then on an added engine's KV events are followed
         self.metrics.registry.register(self.kv_events.collector())
         self.policies: dict[str, Policy] = {role: _policy(settings, role, self.kv_events) for role in ("P", "D")}
         # --tokenizer: loaded here, so a bad path stops the start in one line (TokenizerError)
         tokenizer = HfTokenizer(settings.tokenizer) if settings.tokenizer is not None else None
         self.registry = Registry(settings.heartbeat_timeout, settings.circuit_failures, settings.circuit_cooldown_s,
                                  max_instances=settings.max_instances, on_evict=self._forget,
-                                 on_register=self._registered,
+                                 on_register=self._registered, on_added=self._added,
                                  circuit_min_requests=settings.circuit_min_requests,
                                  circuit_failure_ratio=settings.circuit_failure_ratio,
                                  circuit_window_s=settings.circuit_window_s)
@@ -125,15 +126,22 @@ class ProxyState:
         self.started = asyncio.Event()
 
     def _forget(self, inst: Instance) -> None:
-        """An instance left (silent past the heartbeat, or dropped to make room): count it and
-        let the policies forget it (a static engine that went silent keeps its cache estimate)."""
+        """An instance left (silent past the heartbeat, dropped to make room, or removed by the worker API or
+        DNS): count it and let the policies and the KV index forget it (a static engine that went silent, still
+        registered, keeps its cache estimate, but what its index held while silent is not trusted)."""
         self.metrics.evictions.labels("prefill" if inst.role == "P" else "decode").inc()
-        if not inst.static:
+        if self.registry.get(inst.role, inst.base_url) is not inst:  # gone from the registry
             for policy in self.policies.values():
                 policy.forget(inst)
             self.kv_events.forget(inst.key)
-        else:  # still followed; what it held while silent is not to be trusted
+        else:  # a static engine gone silent: still followed, its entries start afresh
             self.kv_events.reset(inst.key)
+
+    def _added(self, inst: Instance) -> None:
+        """An engine given by flag, the worker API or DNS: follow the KV events its spec names (once started)."""
+        if self._following and inst.reg.kv_events is not None:
+            self.kv_events.watch(inst.key, inst.reg.kv_events, inst.reg.kv_events_replay, dp_size=inst.dp_size,
+                                 engine_id=inst.reg.engine_id)
 
     def _registered(self, inst: Instance, reg: Registration) -> None:
         """A ping: follow the KV events it announces (the same announcement again costs a comparison; a new
@@ -154,10 +162,10 @@ class ProxyState:
             await self.relay.start()
             await self.monitor.start()
             await self.load_reader.start()
-            for engine in (*self.settings.static_prefill, *self.settings.static_decode):
-                if engine.events is not None:
-                    self.kv_events.watch((engine.role, engine.base_url), engine.events, engine.events_replay,
-                                         dp_size=engine.dp_size or 1)
+            self._following = True  # engines added from here on (API, DNS) are followed as they come
+            for role in ("P", "D"):
+                for inst in self.registry.known(role):  # type: ignore[arg-type]
+                    self._added(inst)
             if self.discovery is not None:
                 await self.discovery.start()  # raises DiscoveryError with a one-line reason
             await self.dns.start()

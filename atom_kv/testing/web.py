@@ -28,9 +28,9 @@ def http_json(method: str, url: str, body: Optional[dict] = None, timeout: float
         return status, raw.decode(errors="replace")
 
 
-def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
+def scrape_metrics(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> dict[str, float]:
     """Prometheus text -> ``{"name{labels}": value}``, plus ``name`` summed over label sets."""
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     sums: dict[str, float] = {}

@@ -6,6 +6,8 @@ prefill block comes back; ``DELETE /workers`` forgets it; sglang-router's ``/add
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 
 import pytest
@@ -18,12 +20,15 @@ from tests.proxy.procs import ProxyProcess
 
 ADMIN = "workers-api-admin-token"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
+EVENTS = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0"})
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 LONG_STREAM_TOKENS = 1500  # long enough on a CPU engine to drain its engine while it streams
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    c = Cluster([EngineSpec("P", num_blocks=256, register=False), EngineSpec("D", register=False),
+    c = Cluster([EngineSpec("P", num_blocks=256, register=False, extra_args=["--kv-events-config", EVENTS]),
+                 EngineSpec("D", register=False),
                  EngineSpec("D", register=False)], with_proxy=False, log_dir=str(tmp_path_factory.mktemp("workers")))
     c.start()
     try:
@@ -170,3 +175,30 @@ def test_changes_need_the_admin_token_beyond_loopback():
         assert http_json("GET", p.url + "/workers", timeout=10) == (200, {"workers": []})
     finally:
         p.kill()
+
+
+def _indexed(proxy: ProxyProcess, instance: str) -> float | None:
+    """The proxy's indexed blocks of the prefill ``instance`` (None: the proxy does not follow it)."""
+    for key, value in scrape_metrics(proxy.url + "/metrics", headers=AUTH).items():
+        if key.startswith("atom_kv_proxy_kv_indexed_blocks{") and dict(_LABEL.findall(key)) == {
+                "role": "prefill", "instance": instance, "dp_rank": "0"}:
+            return value
+    return None
+
+
+def test_an_engine_added_with_its_events_is_followed_and_forgotten_once_removed(engines, proxy):
+    p_url, d_url = engines.engine_url(engines.index_of("P")), engines.engine_url(engines.index_of("D"))
+    status, health = http_json("GET", p_url + "/health")
+    assert status == 200, health
+    events = health["dp_ranks"][0]["kv_events"]["endpoint"]
+    assert _call(proxy, "POST", "/workers", {"url": p_url, "role": "prefill", "events": events})[0] == 201
+    assert _call(proxy, "POST", "/workers", {"url": d_url, "role": "decode"})[0] == 201
+    wait_until(lambda: _active(proxy, 2), 20.0, what="both engines active")
+    res = generate(proxy.url, "an engine the operator added, whose blocks the proxy follows " * 3, chat=False,
+                   stream=False, max_tokens=2)
+    assert res.status == 200, res
+    # its BlockStored events reached the index: the API-added engine is followed as a --prefill spec's would be
+    wait_until(lambda: (_indexed(proxy, p_url) or 0) > 0, 20.0, what="the added engine's blocks in the index")
+    assert len(_call(proxy, "DELETE", f"/workers?url={p_url}")[1]["removed"]) == 1
+    wait_until(lambda: _indexed(proxy, p_url) is None, 10.0, what="the removed engine's entries gone")
+    assert _call(proxy, "DELETE", f"/workers?url={d_url}")[0] == 200

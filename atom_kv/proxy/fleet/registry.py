@@ -346,7 +346,8 @@ class Registry:
     """The set of known instances and their health; loop-only (no locks).
 
     ``on_evict`` is called for every instance that leaves (or, if static,
-    goes silent), ``on_register`` for every ping an instance took; ``wakeup``
+    goes silent), ``on_register`` for every ping an instance took, ``on_added`` for every engine
+    given by flag, the worker API or DNS (:meth:`add_static`); ``wakeup``
     is set when an instance needs a probe soon."""
 
     def __init__(
@@ -361,6 +362,7 @@ class Registry:
         circuit_failure_ratio: float = 0.5,
         circuit_window_s: float = 30.0,
         on_register: Callable[[Instance, Registration], None] | None = None,
+        on_added: Callable[[Instance], None] | None = None,
     ) -> None:
         self.heartbeat_timeout = heartbeat_timeout
         self.max_instances = max_instances
@@ -369,6 +371,7 @@ class Registry:
         self._circuit_window = (circuit_min_requests, circuit_failure_ratio, circuit_window_s)
         self._on_evict = on_evict
         self._on_register = on_register  # every accepted ping, after the instance took it
+        self._on_added = on_added  # every engine add_static registered
         self._instances: dict[tuple[str, str], Instance] = {}
         self._sorted: dict[str, list[Instance]] | None = None
         self._waiters: list[asyncio.Future] = []
@@ -476,6 +479,8 @@ class Registry:
         self._instances[inst.key] = inst
         self._changed()
         self.wakeup.set()
+        if self._on_added is not None:
+            self._on_added(inst)
         return inst
 
     def remove(self, inst: Instance) -> None:
