@@ -78,13 +78,21 @@ class VllmServers:
     keys for both connector engines; ``vllm_args``: more flags for every vLLM server; ``kv_cache_bytes``: each
     server's KV cache (``--kv-cache-memory-bytes``). ``nixl_pair``: also start :data:`NIXL_ENGINES` with
     ``NixlConnector`` and the proxy :data:`NIXL_PROXY` that knows them statically (``--prefill``/``--decode``):
-    the same two-leg flow, without atom-kv's connector."""
+    the same two-leg flow, without atom-kv's connector.
+
+    ``kv_events``: the P/D pair publishes vLLM's KV cache events (``--kv-events-config``, endpoint
+    ``tcp://*:PORT``: with a host address vLLM's publisher connects instead of binding, and no proxy could
+    follow it); :meth:`events_endpoint` is where to subscribe. ``static_proxies``: proxies (name and extra
+    flags) that know the pair from ``--prefill``/``--decode`` specs instead of pings, with ``events=`` where the
+    pair publishes; with ``static_proxies`` and ``proxies={}`` no pinged proxy starts (the pair then pings
+    nobody). ``vllm_env``: more environment (``NAME=value``) for every vLLM server."""
 
     def __init__(self, log_dir: str, model: str, token: str, *, vllm_python: str = sys.executable,
                  proxy_python: str = sys.executable, omp_bind: Optional[dict[str, str]] = None,
                  proxies: Optional[dict[str, Sequence[str]]] = None, vllm_args: Sequence[str] = (),
                  extra_config: Optional[dict] = None, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
-                 nixl_pair: bool = False, nixl_router: Optional[str] = None) -> None:
+                 nixl_pair: bool = False, nixl_router: Optional[str] = None, kv_events: bool = False,
+                 static_proxies: Optional[dict[str, Sequence[str]]] = None, vllm_env: Sequence[str] = ()) -> None:
         self.log_dir = log_dir
         self.model = model
         self.token = token
@@ -97,15 +105,24 @@ class VllmServers:
         for name, role in (("nixl_prefill", "prefill"), ("nixl_decode", "decode")):
             if nixl_pair and omp_bind and name not in omp_bind and role in omp_bind:
                 self.omp_bind[name] = omp_bind[role]  # the same cores as atom-kv's pair: a fair comparison
-        self.proxies = {name: list(args) for name, args in (proxies or {"proxy": ()}).items()}
-        if set(self.proxies) & {*self.engines, NIXL_PROXY}:
-            raise ValueError(f"proxy names must differ from the engines' {self.engines} and {NIXL_PROXY!r}")
+        self.static_proxies = {name: list(args) for name, args in (static_proxies or {}).items()}
+        if not proxies and not self.static_proxies:
+            proxies = {"proxy": ()}  # one proxy at least
+        self.proxies = {name: list(args) for name, args in (proxies or {}).items()}
+        names = [*self.proxies, *self.static_proxies]
+        if len(set(names)) != len(names) or set(names) & {*self.engines, NIXL_PROXY}:
+            raise ValueError(f"proxy names must differ from each other, the engines' {self.engines} and "
+                             f"{NIXL_PROXY!r}")
         self.nixl_pair = nixl_pair
         self.nixl_router = nixl_router if nixl_pair else None
         self.fronts = (NIXL_PROXY,) + ((NIXL_ROUTER,) if self.nixl_router else ()) if nixl_pair else ()
+        self.fronts += tuple(self.static_proxies)
         self.vllm_args = list(vllm_args)
         self.extra_config = dict(extra_config or {})
         self.kv_cache_bytes = kv_cache_bytes
+        self.vllm_env = list(vllm_env)
+        #: each publishing engine's KV event port (``kv_events``)
+        self.event_ports = {name: free_port() for name in ("prefill", "decode")} if kv_events else {}
         self.procs: dict[str, ManagedProcess] = {}
         self.ports = {name: free_port() for name in (*self.proxies, *self.engines, *self.fronts)}
         self.discovery_ports = {name: free_port() for name in self.proxies}
@@ -113,9 +130,13 @@ class VllmServers:
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
 
+    def events_endpoint(self, name: str) -> str:
+        """Where ``name``'s KV event publisher can be reached (it binds every address: ``tcp://*:PORT``)."""
+        return f"tcp://127.0.0.1:{self.event_ports[name]}"
+
     def _vllm(self, name: str, kv: Optional[dict], env: Sequence[str] = ()) -> None:
         bind = self.omp_bind[name]
-        argv = ["env", f"VLLM_CPU_OMP_THREADS_BIND={bind}", *env]
+        argv = ["env", f"VLLM_CPU_OMP_THREADS_BIND={bind}", *self.vllm_env, *env]
         if bind == "nobind":
             argv.append("OMP_NUM_THREADS=1")
         argv += [self.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -123,6 +144,9 @@ class VllmServers:
                  "--kv-cache-memory-bytes", str(self.kv_cache_bytes), *self.vllm_args]
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
+        if name in self.event_ports:
+            argv += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                       "endpoint": f"tcp://*:{self.event_ports[name]}"})]
         self.procs[name] = ManagedProcess(name, argv, self.log_dir)
 
     def start(self, timeout: float, progress: Optional[Callable[[str], None]] = None) -> None:
@@ -133,14 +157,21 @@ class VllmServers:
                 self.proxy_python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports[name]),
                 "--discovery-host", "127.0.0.1", "--discovery-port", str(self.discovery_ports[name]),
                 "--registration-token-file", self.token_file, "--heartbeat-timeout", "10", *args], self.log_dir)
+        for name, args in self.static_proxies.items():
+            self.procs[name] = ManagedProcess(name, [
+                self.proxy_python, "-m", "atom_kv.proxy", "--host", "127.0.0.1", "--port", str(self.ports[name]),
+                "--discovery-port", "0", "--registration-token-file", self.token_file,
+                "--prefill", self._spec("prefill"), "--decode", self._spec("decode"), *args], self.log_dir)
         proxy_ip = ",".join(f"127.0.0.1:{port}" for port in self.discovery_ports.values())
+        pings = {"proxy_ip": proxy_ip, "http_port": None, "ping_interval_s": 1.0} if proxy_ip else {}
         for name, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+            if pings:
+                pings["http_port"] = self.ports[name]
             self._vllm(name, {
                 "kv_connector": "AtomKVConnector", "kv_connector_module_path": "atom_kv.integrations.vllm",
                 "kv_role": role, "kv_connector_extra_config": {
-                    "handshake_port": free_plan_base(1), "host_ip": "127.0.0.1", "proxy_ip": proxy_ip,
-                    "http_port": self.ports[name], "ping_interval_s": 1.0, "auth_token_file": self.token_file,
-                    **self.extra_config}})
+                    "handshake_port": free_plan_base(1), "host_ip": "127.0.0.1", **pings,
+                    "auth_token_file": self.token_file, **self.extra_config}})
         self._vllm("plain", None)
         if self.nixl_pair:
             self._start_nixl_pair()
@@ -153,6 +184,10 @@ class VllmServers:
             wait_until(note.polling(lambda n=name: self._proxy_ready(n), f"both engines to register with {name}"), 60,
                        what=f"both engines registered with {name}")
             note.done(f"proxy {name} has both engines")
+
+    def _spec(self, name: str) -> str:
+        """A static proxy's ``--prefill``/``--decode`` spec of ``name``, with its KV event publisher if any."""
+        return self.url(name) + (f",events={self.events_endpoint(name)}" if name in self.event_ports else "")
 
     def _start_nixl_pair(self) -> None:
         """vLLM's own P/D: ``NixlConnector`` with host KV buffers (``kv_buffer_device: cpu``, DRAM over UCX),

@@ -24,6 +24,9 @@ the parts ATOM cannot run without a GPU, mirroring ATOM main (ffdf3bb5d):
   metadata to every stage, and only the head stage's ranks' output reaches
   the scheduler (ATOM's head routes the later stages' reports through its
   offload aggregator, which drops ``finished_sending``).
+- With ``kv_events_config`` (ATOM's ``KVEventsConfig``), ATOM's scheduler
+  publishes its block manager's KV cache events after every engine step, as
+  ``EngineCore`` does, and shuts its publisher down on ``close()``.
 - The "model" writes KV that is a pure function of (engine seed, token,
   position, layer, kind, head) for every token it computes, and samples a
   token that depends only on the prompt and the step. Before a request's
@@ -67,8 +70,9 @@ register()  # what atom_kv_atom.pth does at start-up (test_atom_hook.py proves t
 
 def atom_config(role: str, *, tp: int, block_size: int, num_blocks: int, port: int, backend: str,
                 max_num_seqs: int = 8, prefix_caching: bool = False, dp_rank: int = 0, dp_size: int = 1,
-                pp_size: int = 1, layers: int = LAYERS, **kv: Any) -> SimpleNamespace:
-    """What ATOM's Scheduler and our connector read from ATOM's ``Config`` (ATOM's tests' MockConfig fields)."""
+                pp_size: int = 1, layers: int = LAYERS, kv_events_config: Any = None, **kv: Any) -> SimpleNamespace:
+    """What ATOM's Scheduler and our connector read from ATOM's ``Config`` (ATOM's tests' MockConfig fields);
+    ``kv_events_config``: ATOM's ``KVEventsConfig`` (its KV cache events), None for ATOM's default (off)."""
     kv_cfg = dict(kv_connector="atom_kv", kv_role=role, handshake_port=port, backend=backend,
                   handshake_timeout_s=2.0, transfer_timeout_s=2.0, abort_timeout_s=30.0, transfer_retries=0,
                   **OS_ASSIGNED)  # only the handshake ports were found free
@@ -82,7 +86,7 @@ def atom_config(role: str, *, tp: int, block_size: int, num_blocks: int, port: i
         kv_transfer_config=kv_cfg, tensor_parallel_size=tp, pipeline_parallel_size=pp_size,
         parallel_config=SimpleNamespace(data_parallel_rank=dp_rank, data_parallel_size=dp_size,
                                         pipeline_parallel_rank=0),
-        model="/models/tiny-llama",
+        model="/models/tiny-llama", kv_events_config=kv_events_config,
     )
 
 
@@ -187,14 +191,15 @@ class AtomEngine:
     def __init__(self, name: str, role: str, *, tp: int, port: int, seed: int, backend: str = "tcp",
                  block_size: int = 16, num_blocks: int = 64, mla: bool = False, fp8: bool = False,
                  shuffled_v: bool = True, prefix_caching: bool = False, dp_rank: int = 0, dp_size: int = 1,
-                 upstream: bool = False, pp: int = 1, layers: int = LAYERS, **kv: Any) -> None:
+                 upstream: bool = False, pp: int = 1, layers: int = LAYERS, kv_events_config: Any = None,
+                 **kv: Any) -> None:
         self.name = name
         self.seed = seed
         self.remote_seed: Optional[int] = None  # the producer's, for KV read from it
         self.remote_seed_of: dict[int, int] = {}  # per request, where producers differ (DP ranks)
         self.config = atom_config(role, tp=tp, block_size=block_size, num_blocks=num_blocks, port=port,
                                   backend=backend, prefix_caching=prefix_caching, dp_rank=dp_rank, dp_size=dp_size,
-                                  pp_size=pp, layers=layers, **kv)
+                                  pp_size=pp, layers=layers, kv_events_config=kv_events_config, **kv)
         self.config.upstream_connector_contract = upstream  # the fake ATOM with docs/atom-upstream.md
         self.num_blocks = num_blocks
         self.stages: list[list[Rank]] = []  # each pipeline stage's TP ranks; the head stage first
@@ -238,7 +243,10 @@ class AtomEngine:
     # -- the engine core loop ---------------------------------------------
     def step(self) -> None:
         if not self.sched.is_finished():
-            self._engine_step()
+            try:
+                self._engine_step()
+            finally:  # EngineCore._process_engine_step: the step's KV events go out after it, whatever happened
+                self.sched.publish_kv_events()
         elif self.has_pending_kv_work():
             self._poll()
 
@@ -317,6 +325,7 @@ class AtomEngine:
         return self.sched.is_finished() and not self.connector.has_pending_work() and self.blocks_in_use() == 0
 
     def close(self) -> None:
+        self.sched.shutdown_kv_events()  # EngineCore's teardown: the KV event publisher's thread and socket
         self.connector.close()
         for rank in self.ranks:
             rank.worker.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -34,6 +35,7 @@ from atom_kv.integrations.atom.scheduler import AtomKVScheduler  # noqa: E402
 from atom_kv.integrations.atom.settings import require_completion_contract  # noqa: E402
 from atom_kv.integrations.atom.worker import AtomKVWorker  # noqa: E402
 from atom_kv.wire import KVTransferParams  # noqa: E402
+from tests.integrations import atom_scenarios as sc  # noqa: E402
 from tests.integrations.atom_pd import atom_config  # noqa: E402
 from tests.integrations.atom_scenario_tests import *  # noqa: E402,F401,F403  (the shared P/D scenarios)
 
@@ -242,7 +244,10 @@ def test_unsupported_caches_are_refused_in_one_line():
     worker.close()
 
 
-def test_registers_with_the_proxy_once_atoms_http_server_listens():
+@pytest.mark.parametrize("events", [None, "tcp://*:5557"], ids=["no-events", "events"])
+def test_registers_with_the_proxy_once_atoms_http_server_listens(events):
+    """... and announces ATOM's KV event publisher when its events are on (a bind address: the proxy connects to
+    the engine's host)."""
     import socket
 
     import msgpack
@@ -256,6 +261,9 @@ def test_registers_with_the_proxy_once_atoms_http_server_listens():
     http_port = free_port()
     cfg = atom_config("kv_producer", tp=2, block_size=16, num_blocks=8, port=1, backend="tcp",
                       proxy_ip=f"127.0.0.1:{discovery}", http_port=http_port, ping_interval_s=0.2)
+    if events is not None:
+        cfg.kv_events_config = _events_on()
+        cfg.kv_events_config.endpoint = events
     sched = AtomKVScheduler(cfg, host="127.0.0.1")
     http = socket.socket()
     try:
@@ -267,6 +275,7 @@ def test_registers_with_the_proxy_once_atoms_http_server_listens():
         assert ping["type"] == "register" and ping["role"] == "P" and ping["tp_size"] == 2
         assert ping["request_address"] == f"http://127.0.0.1:{http_port}/v1/completions"
         assert ping["engine_id"] == sched.engine_id
+        assert ping.get("kv_events") == events
     finally:
         sched.close()
         http.close()
@@ -352,3 +361,36 @@ def test_the_hook_refuses_a_changed_factory_in_one_line_and_steps_aside_for_modu
     assert record.exc_info is None and "\n" not in record.getMessage()
     hook.register(ModulePathFactory)  # what importing atom_kv.integrations.atom.connector does there
     assert registered == ["atom_kv"]
+
+
+# ----------------------------------------------------------------------
+# ATOM's KV cache events on the decode side
+# ----------------------------------------------------------------------
+def _events_on() -> SimpleNamespace:
+    """ATOM's ``KVEventsConfig`` with its events on (the fake publishes nowhere)."""
+    return SimpleNamespace(enable=True, publisher="zmq", endpoint="tcp://127.0.0.1:5557", topic="", hwm=0,
+                           buffer_steps=10_000)
+
+
+def test_atom_publishes_each_completed_load_as_remote_blocks_once(caplog):
+    """ATOM publishes a load's blocks (BlockStored, medium REMOTE) itself, from the scheduler, once the connector
+    names the load in ``finished_recving``: every loaded request with a full prompt block appears exactly once
+    (the connector never calls ``record_remote_store`` too), with its full blocks' tokens; a failed load that
+    was recomputed appears not at all."""
+    with caplog.at_level("WARNING", logger="atom_kv.integrations.atom.scheduler"):
+        P, D = sc._engines(1, 2, "tcp", d_kv={"kv_events_config": _events_on(), "load_failure_policy": "recompute",
+                                               "handshake_timeout_s": 0.3})
+    assert "ATOM's KV cache events are on but its prefix caching is off" in caplog.text
+    try:
+        prefilled = sc.prefill_on(P, sc.PROMPTS)
+        loaded = [D.add(p, 2, sc.decode_params(s)) for p, s in zip(sc.PROMPTS, prefilled)]
+        failed = D.add(sc.PROMPTS[2], 2, sc._dead_params(len(sc.PROMPTS[2])))
+        sc.run_until([P, D], lambda: all(s.id in D.finished for s in loaded + [failed]) and P.idle() and D.idle())
+        assert D.errors == [] and failed.id in D.prefilled and not any(s.id in D.prefilled for s in loaded)
+        stored = sorted(D.sched.published, key=lambda e: len(e["token_ids"]))
+        assert [e["medium"] for e in stored] == ["REMOTE", "REMOTE"], stored  # 16 and 40 tokens: 1 and 2 blocks
+        assert [e["token_ids"] for e in stored] == [sc.PROMPTS[1], sc.PROMPTS[2][:32]]
+        assert [len(e["block_hashes"]) for e in stored] == [1, 2] and P.sched.published == []
+    finally:
+        P.close()
+        D.close()

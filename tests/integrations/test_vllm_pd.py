@@ -531,3 +531,26 @@ def test_a_finished_load_wakes_the_rank_that_waits_for_it(pair_factory):
         assert news.wait(30), "the connector never woke the rank when the load finished"
         assert D.step().finished_recving == {"d-12"}
     run_until([P, D], lambda: empty(P) and empty(D))
+
+
+@pytest.mark.parametrize("endpoint,replay,announced", [
+    ("tcp://*:5557", "tcp://*:5558", ("tcp://*:5557", "tcp://*:5558")),
+    ("tcp://*:5557", None, ("tcp://*:5557", None)),
+    ("tcp://127.0.0.1:5557", None, (None, None)),  # vLLM connects to a host address: nobody can follow it
+    ("ipc:///tmp/atom-kv-events", None, (None, None)),
+    (None, None, (None, None)),  # events off
+], ids=["bind-with-replay", "bind", "host", "ipc", "off"])
+def test_the_ping_announces_vllms_kv_event_publisher_where_a_proxy_can_follow_it(model_dir, endpoint, replay,
+                                                                                  announced, caplog):
+    from vllm.config import KVEventsConfig
+
+    from atom_kv.integrations.vllm.settings import announced_kv_events
+
+    vllm_config = make_vllm_config(model_dir, "kv_consumer", extra("tcp", 6301))
+    if endpoint is not None:
+        vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                      endpoint=endpoint, replay_endpoint=replay)
+    with caplog.at_level(logging.WARNING, logger="atom_kv.integrations.vllm.settings"):
+        assert announced_kv_events(vllm_config) == announced
+    if endpoint == "tcp://127.0.0.1:5557":
+        assert "use tcp://*:5557 to have the registration ping announce it" in caplog.text

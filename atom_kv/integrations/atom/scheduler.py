@@ -15,7 +15,15 @@ about the rest:
   blocks are named when every consumer rank has read them or their lease
   (``abort_timeout_s``) expired; every other finished request at the next poll.
 - **Consumer, load done.** ``finished_recving`` names the request; ATOM
-  schedules its first decode.
+  schedules its first decode. With ATOM's KV cache events on
+  (``kv_events_config``, ``ATOM_KV_EVENTS_*``) and its prefix cache on, ATOM
+  itself then hashes the loaded prompt blocks and publishes those past the
+  local prefix hit as ``BlockStored`` with medium ``REMOTE``
+  (``Scheduler._update_waiting_for_remote_kv`` calls
+  ``BlockManager.record_remote_store``). So the connector names a load there
+  only once every rank has read it, and never calls ``record_remote_store``
+  itself: the blocks would be published twice. With the prefix cache off,
+  ATOM publishes no blocks at all (the connector says so at start).
 - **Consumer, load failed.** ATOM answers ``failed_recving`` by admitting the
   request again, which asserts that it holds no blocks. So the connector
   gives the blocks back first, then: ``load_failure_policy: recompute``
@@ -91,6 +99,10 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         self.block_size = engine.block_size
         self._engine = engine
         self._block_manager = block_manager
+        if not self.is_producer and _kv_events_on(config) and not getattr(config, "enable_prefix_caching", False):
+            logger.warning("atom_kv: ATOM's KV cache events are on but its prefix caching is off, so ATOM publishes "
+                           "none of the blocks this decode engine computes or loads from a producer (medium "
+                           "REMOTE) and a router following its events learns nothing; turn prefix caching on")
         if block_manager is None and not self.is_producer:
             owner = constructing_scheduler(sys._getframe(1))
             if owner is None:
@@ -123,7 +135,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         self._held: Optional[ConnectorMetadata] = None  # metadata built while idle, sent with the next batch
         self._announcer: Optional[_Announcer] = None
         if kv.proxy_addresses and engine.dp_rank == 0 and engine.pp_rank == 0:  # ATOM's head stage schedules
-            self._announcer = _Announcer(self, engine)
+            self._announcer = _Announcer(self, engine, _announced_events(config, engine))
         logger.info("atom_kv %s connector for engine %s (TP %d, DP rank %d, block %d) advertises %s",
                     kv.kv_role, self.engine_id, engine.tp_size, engine.dp_rank, engine.block_size, self.host)
 
@@ -367,6 +379,30 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         self._hooks.close()
 
 
+def _kv_events_on(config: Any) -> bool:
+    """Whether ATOM publishes KV cache events (its ``Config.kv_events_config``, from ``ATOM_KV_EVENTS_*``)."""
+    events = getattr(config, "kv_events_config", None)
+    return bool(getattr(events, "enable", False)) and getattr(events, "publisher", "zmq") != "null"
+
+
+def _announced_events(config: Any, engine: AtomEngine) -> Optional[str]:
+    """ATOM's KV event publisher, for the registration ping (proxies then follow it): its endpoint where ATOM's
+    events are on and a proxy can follow them, else None (with one line saying why not)."""
+    if not _kv_events_on(config):
+        return None
+    endpoint = str(getattr(config.kv_events_config, "endpoint", "") or "")
+    if engine.dp_size > 1:
+        logger.warning("atom_kv: ATOM's KV cache events are on with data_parallel_size %d, but ATOM publishes "
+                       "every DP rank on the one endpoint %s while proxies follow DP rank N at its port + N: the "
+                       "registration ping does not announce them", engine.dp_size, endpoint)
+        return None
+    if not endpoint.startswith("tcp://"):
+        logger.warning("atom_kv: ATOM's KV event endpoint %r is not tcp://HOST:PORT, which is all a proxy "
+                       "follows: the registration ping does not announce it", endpoint)
+        return None
+    return endpoint
+
+
 def _merged(first: ConnectorMetadata, then: ConnectorMetadata) -> ConnectorMetadata:
     """Two steps' metadata as one (every field is a list of things to do)."""
     return ConnectorMetadata(**{f: getattr(first, f) + getattr(then, f) for f in ConnectorMetadata.__struct_fields__})
@@ -407,7 +443,7 @@ class _Announcer:
     would have the proxy probe a port nobody answers yet.
     """
 
-    def __init__(self, owner: AtomKVScheduler, engine: AtomEngine) -> None:
+    def __init__(self, owner: AtomKVScheduler, engine: AtomEngine, kv_events: Optional[str] = None) -> None:
         kv = engine.kv
         if kv.http_port is None:
             raise ConfigError("kv-transfer-config: `http_port` must be ATOM's --server-port to register with a proxy "
@@ -417,7 +453,7 @@ class _Announcer:
         self._pinger = engine_hooks.build_registration_pinger(
             kv, role="P" if kv.is_producer else "D", index=str(self.http_port), http_host=owner.host,
             http_port=self.http_port, tp_size=engine.tp_size, dp_size=engine.dp_size, engine_id=owner.engine_id,
-            model=engine.model, wait_until_serving=True,
+            model=engine.model, wait_until_serving=True, kv_events_endpoint=kv_events,
         ).start()
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ from atom_kv.integrations.vllm.layout import kv_shape
 from atom_kv.integrations.vllm.ledger import SchedulerLedger
 from atom_kv.integrations.vllm.metadata import AtomKVConnectorMetadata, AtomKVWorkerMetadata
 from atom_kv.integrations.request_guard import matched_tokens
-from atom_kv.integrations.vllm.settings import _Place
+from atom_kv.integrations.vllm.settings import _Place, announced_kv_events
 from atom_kv.wire import KV_FEATURE_RENDEZVOUS
 
 if TYPE_CHECKING:
@@ -48,12 +48,13 @@ class _SchedulerSide:
         self._local_hits: dict[str, int] = {}
         self.pinger = None
         if config.proxy_addresses and place.dp_rank == 0:
+            events, replay = announced_kv_events(vllm_config)  # DP rank N's at port + N, as the proxy expects
             self.pinger = engine_hooks.build_registration_pinger(
                 config, role="P" if config.is_producer else "D", index=str(place.dp_rank), http_host=place.host,
                 http_port=config.http_port, tp_size=place.tp_size, dp_size=place.dp_size,
                 engine_id=place.engine_id, model=shape.model_id, wait_until_serving=True,
                 # vLLM's /health has no body to announce it in: a proxy may send a pair's legs at once
-                kv_features=(KV_FEATURE_RENDEZVOUS,),
+                kv_features=(KV_FEATURE_RENDEZVOUS,), kv_events_endpoint=events, kv_events_replay_endpoint=replay,
             )
             self.pinger.start()  # pings once vLLM's API server accepts connections on host_ip:http_port
 

@@ -1,5 +1,5 @@
 """atom-kv's settings from vLLM's config: the ``--kv-transfer-config`` keys, where this engine (and rank)
-sits, and atom-kv's log lines in vLLM's log."""
+sits, the KV event publisher its registration ping announces, and atom-kv's log lines in vLLM's log."""
 
 from __future__ import annotations
 
@@ -126,3 +126,27 @@ def _tp_rank(vllm_config: VllmConfig, tp_size: int) -> int:
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_tensor_model_parallel_rank()
     return vllm_config.parallel_config.rank % tp_size
+
+
+def announced_kv_events(vllm_config: VllmConfig) -> tuple[Optional[str], Optional[str]]:
+    """vLLM's KV event publisher and replay endpoint (``--kv-events-config``) of DP rank 0, for the registration
+    ping, so a proxy follows them: ``(None, None)`` where events are off or no proxy could follow them (one
+    logged line says why). vLLM binds its publisher only for ``*``/``::`` endpoints and connects to a host
+    address, where only a subscriber that binds would hear it; ``tcp://*:PORT`` is announced as is (the proxy
+    connects to the engine's host)."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    if events is None or not events.enable_kv_cache_events or events.publisher != "zmq":
+        return None, None
+    endpoint, replay = events.endpoint, events.replay_endpoint
+    if not endpoint.startswith("tcp://") or endpoint.rpartition(":")[2] == "0":
+        logger.warning("atom-kv: --kv-events-config endpoint %r is not a tcp://HOST:PORT with a fixed port, which "
+                       "is all a proxy follows: the registration ping does not announce it", endpoint)
+        return None, None
+    if "*" not in endpoint and "::" not in endpoint:
+        logger.warning("atom-kv: --kv-events-config endpoint %r names a host, so vLLM's publisher connects there "
+                       "instead of binding and no proxy can follow it; use tcp://*:%s to have the registration "
+                       "ping announce it", endpoint, endpoint.rpartition(":")[2])
+        return None, None
+    if replay is not None and (not replay.startswith("tcp://") or replay.rpartition(":")[2] == "0"):
+        replay = None  # the proxy follows without replay (a gap then clears what it holds of this engine)
+    return endpoint, replay

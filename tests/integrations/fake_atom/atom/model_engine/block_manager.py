@@ -1,4 +1,5 @@
-"""FAKE ``atom.model_engine.block_manager``: a free list, no prefix caching."""
+"""FAKE ``atom.model_engine.block_manager``: a free list, no prefix caching; ATOM's KV event log, with
+``record_remote_store`` (ATOM main's ``BlockManager.record_remote_store``) as the one event it records."""
 
 from __future__ import annotations
 
@@ -20,6 +21,28 @@ class BlockManager:
         self.block_size = config.kv_cache_block_size
         assert config.num_kvcache_blocks > 0
         self.kv = _Pool(config.num_kvcache_blocks)
+        events = getattr(config, "kv_events_config", None)
+        self._event_log: list | None = [] if events is not None and events.enable else None
+
+    # -- ATOM's KV event API (block_manager.py, "KV event API") ---------------
+    @property
+    def kv_events_enabled(self) -> bool:
+        return self._event_log is not None
+
+    def take_events(self) -> list:
+        if not self._event_log:
+            return []
+        events, self._event_log = self._event_log, []
+        return events
+
+    def record_remote_store(self, block_hashes: list[int], token_ids: list[int],
+                            parent_block_hash: int | None = None) -> None:
+        """ATOM's BlockStored(medium=REMOTE) for blocks received from a producer, as a plain record."""
+        if self._event_log is None or not block_hashes:
+            return
+        self._event_log.append({"type": "BlockStored", "medium": "REMOTE", "block_hashes": list(block_hashes),
+                                "token_ids": list(token_ids), "parent_block_hash": parent_block_hash,
+                                "block_size": self.block_size})
 
     def _blocks_for(self, n_tokens: int) -> int:
         return (n_tokens + self.block_size - 1) // self.block_size

@@ -16,7 +16,14 @@ Kept from ATOM (``Scheduler.schedule``/``postprocess``/``_update_from_kv_xfer_fi
   unless ``should_defer_free``;
 - ``_update_from_kv_xfer_finished`` runs ``process_completions`` first, then
   queues finished/failed receives and frees the sent requests (asserting they
-  are deferred).
+  are deferred);
+- KV cache events (``kv_events_config``): a load that ``finished_recving``
+  named, once its request leaves ``WAITING_FOR_REMOTE_KVS``, becomes one
+  ``record_remote_store`` of its full prompt blocks past
+  ``num_cached_tokens`` (``Scheduler._update_waiting_for_remote_kv``; ATOM
+  hashes them with its prefix cache, the fake with a FAKE chain hash);
+  ``publish_kv_events`` drains the block manager's log into ``published``
+  (ATOM: its ``ZmqEventPublisher``), ``shutdown_kv_events`` stops it.
 
 Not modelled: chunked prefill, prefix caching, preemption, speculative decoding.
 
@@ -65,6 +72,7 @@ class Scheduler:
         self.deferred_free_blocks: dict[int, Sequence] = {}
         self._rejected: list[Sequence] = []
         self._num_parked_remote_kv = 0
+        self.published: list = []  # the KV events publish_kv_events sent (ATOM: over its ZMQ PUB socket)
         from atom.utils.forward_context import get_kvconnector
 
         self._upstream = bool(getattr(config, "upstream_connector_contract", False))
@@ -136,6 +144,7 @@ class Scheduler:
                     skipped.append(seq)
                     continue
             if ready:
+                self._record_remote_store(seq)
                 self._first_decode_after_remote_kv(seq)
                 continue
             needs = False
@@ -183,6 +192,31 @@ class Scheduler:
             cached.append(seq.num_cached_tokens)
         meta = self.kv_connector.build_connector_meta() if self.kv_connector is not None else None
         return ScheduledBatch(scheduled, tokens, meta, 0, cached), scheduled
+
+    def _record_remote_store(self, seq: Sequence) -> None:
+        """ATOM's ``_update_waiting_for_remote_kv`` with KV events on: the loaded full prompt blocks past the
+        local hit, as one BlockStored(REMOTE)."""
+        bm = self.block_manager
+        if not bm.kv_events_enabled:
+            return
+        bs = bm.block_size
+        cached = seq.num_cached_tokens // bs
+        hashes, tokens, parent, h = [], [], None, None
+        for i in range(min(seq.num_prompt_tokens // bs, len(seq.block_table))):
+            block = seq.token_ids[i * bs:(i + 1) * bs]
+            h = hash((h, tuple(block))) & (2**64 - 1)  # FAKE hash: ATOM's is xxh64(parent || tokens)
+            if i < cached:
+                parent = h
+                continue
+            hashes.append(h)
+            tokens.extend(block)
+        bm.record_remote_store(block_hashes=hashes, token_ids=tokens, parent_block_hash=parent)
+
+    def publish_kv_events(self) -> None:
+        self.published.extend(self.block_manager.take_events())
+
+    def shutdown_kv_events(self) -> None:
+        return
 
     def _first_decode_after_remote_kv(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
