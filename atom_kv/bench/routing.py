@@ -126,7 +126,12 @@ def _ratio_target(name: str, cases: dict[float, dict[str, Any]], fraction: float
     a, b = mine[0], theirs[0]
     ok = a <= factor * b if most is not None else a >= factor * b
     ratio = f"{a / b:.2f}x" if b else "inf"
-    return bench_targets.Target(name, f"{claim}: {a:g}{unit} against {b:g}{unit} ({ratio})", ok)
+    note = ""
+    oracle = case["policies"][who].get("oracle_hit_rate") if figure == "hit_rate" else None
+    if least is not None and oracle is not None and factor * b > oracle:
+        note = (f"; unreachable on this workload: {factor} x {base} = {factor * b:.3f} is above the oracle "
+                f"({oracle:.3f}), the hit rate if every turn met its whole earlier prefix")
+    return bench_targets.Target(name, f"{claim}: {a:g}{unit} against {b:g}{unit} ({ratio}){note}", ok)
 
 
 def _lookup(case: dict[str, Any], policy: str, figure: str) -> tuple[Any, str]:

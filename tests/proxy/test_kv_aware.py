@@ -74,13 +74,30 @@ def test_the_prefill_rank_holding_the_longest_prefix_wins_until_its_queue_outwei
     _stored(index, b, 0, 2)
     assert policy.choose([a, b], _ctx(index)) == (a, 1)
     assert policy.decisions["cache_hit"] == 1
-    # rank 1 of a gets busy: it costs 2 uncached + 0.5 * (14 queued + 1 request) = 9.5 blocks, b's idle rank
+    # rank 1 of a gets busy: it costs 2 uncached + 0.25 * (30 queued + 1 request) = 9.75 blocks, b's idle rank
     # 6 uncached, a's idle rank 0 all 8
+    assert LOAD_WEIGHT["P"] == 0.25
     policy2, index2 = _policy("P")
     _stored(index2, a, 1, 6)
     _stored(index2, b, 0, 2)
-    a.outstanding_tokens[1], a.outstanding_requests[1] = 14 * BS, 1
+    a.outstanding_tokens[1], a.outstanding_requests[1] = 30 * BS, 1
     assert policy2.choose([a, b], _ctx(index2)) == (b, 0)
+
+
+def test_a_prefill_leg_is_charged_the_tokens_it_computes_and_a_decode_leg_its_whole_prompt():
+    policy, index = _policy("P")
+    a, b = _inst("P", 1), _inst("P", 2)
+    _stored(index, a, 0, 6)  # 6 of the prompt's 8 blocks
+    ctx = _ctx(index)
+    assert policy.choose([a, b], ctx) == (a, 0)
+    assert policy.charged_tokens(a, 0, ctx, 8 * BS) == 2 * BS  # what a computes, not what it found cached
+    assert policy.charged_tokens(a, 0, ctx, 8 * BS) == 8 * BS  # one charge per pick: no stale decision reused
+    decode, dindex = _policy("D")
+    d = _inst("D", 3)
+    _stored(dindex, d, 0, 6)
+    dctx = _ctx(dindex)
+    assert decode.choose([d], dctx) == (d, 0)
+    assert decode.charged_tokens(d, 0, dctx, 8 * BS) == 8 * BS  # it holds the whole prompt's KV while it decodes
 
 
 def test_the_decode_leg_goes_where_most_of_the_prompt_already_is():

@@ -119,7 +119,7 @@ class Relay:
         inst, rank = self.policies[role].choose(fresh or healthy, ctx)
         inst.breaker.on_dispatch(now)
         self.metrics.routed(role, inst.base_url, rank)
-        return self.charges.take(inst, rank, tokens)
+        return self.charges.take(inst, rank, self.policies[role].charged_tokens(inst, rank, ctx, tokens))
 
     def _least_recently_failed(self, role: Role, live: list[Instance], exclude: set[tuple[str, str]]) -> Instance:
         """Every circuit of ``role`` is open: refusing every client helps nobody, so the leg goes to

@@ -33,5 +33,10 @@ class Policy(ABC):
     def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
         """``candidates`` is non-empty and in stable address order."""
 
+    def charged_tokens(self, inst: Instance, rank: int, ctx: RouteContext, tokens: int) -> int:
+        """The tokens of load a leg this policy just chose (``inst``, ``rank`` for ``ctx``) puts on its rank
+        until it ends: by default ``tokens``, the prompt's; called once, right after :meth:`choose`."""
+        return tokens
+
     def forget(self, inst: Instance) -> None:
         """``inst`` left the registry: drop whatever the policy remembers about it."""

@@ -9,7 +9,8 @@ size ``bs`` (Dynamo's KV router's shape; docs/routing.md gives the same function
     requests = max(own_requests, reported_requests)
     cost     = uncached + LOAD_WEIGHT[leg] * (queued + REQUEST_BLOCKS * requests)
 
-``own_*`` are this proxy's legs in flight on that rank (``Instance.outstanding_tokens/requests``);
+``own_*`` are this proxy's legs in flight on that rank (``Instance.outstanding_tokens/requests``; a
+``kv_aware`` prefill leg is charged only the tokens it computes there, :meth:`KvAware.charged_tokens`);
 ``reported_*`` the engine's own report (``Instance.reported_load``), which also sees other proxy replicas and
 traffic that bypasses the proxy. A report older than :data:`REPORTED_LOAD_MAX_AGE_S` is ignored. Taking the
 larger of the two views counts neither twice nor too little.
@@ -42,9 +43,10 @@ __all__ = ["KvAware", "LOAD_WEIGHT", "REPORTED_LOAD_MAX_AGE_S", "REQUEST_BLOCKS"
 logger = logging.getLogger(__name__)
 
 #: per leg, what one block of work already queued on a rank costs against one block of the prompt not cached
-#: there. Below 1: a sibling of a prompt in flight is sent after it (its prefix is computed once) until that
-#: rank's queue holds twice the prompt; at 1 (Dynamo's default) it would go to an idle rank and compute it again
-LOAD_WEIGHT = {"P": 0.5, "D": 0.5}
+#: there (docs/routing.md says why). Prefill: below 1 (Dynamo uses 1), a prompt follows the rank holding its
+#: prefix until that rank's queue is four times what it saves there. Decode: a decode's "queue" is mostly KV
+#: its running requests hold, not work ahead of the new one, so locality weighs more
+LOAD_WEIGHT = {"P": 0.25, "D": 0.1}
 #: what each request in flight or queued on a rank adds to its queue, in blocks (scheduling and decode steps
 #: that prompt tokens do not show; the only load signal of an engine that reports requests but no tokens)
 REQUEST_BLOCKS = 1.0
@@ -120,6 +122,7 @@ class KvAware(Policy):
         self._clock = clock
         self.fallbacks = 0  # picks made by the fallback (no token ids)
         self.decisions = {"cache_hit": 0, "no_hit": 0, "fallback": 0}
+        self._last: tuple[RouteContext, tuple[str, str], int, int] | None = None  # the last pick's cached tokens
 
     def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
         keys = ctx.prompt_keys
@@ -150,7 +153,17 @@ class KvAware(Policy):
                     best, winner, best_cached = score, (inst, rank), cached
         self.decisions["cache_hit" if best_cached else "no_hit"] += 1
         self.index.record(winner[0].key, winner[1], keys)
+        self._last = (ctx, winner[0].key, winner[1], best_cached)
         return winner
+
+    def charged_tokens(self, inst: Instance, rank: int, ctx: RouteContext, tokens: int) -> int:
+        """A prefill leg loads its rank with the prompt tokens it computes there, not those it found cached
+        (Dynamo's "in-flight uncached prefill tokens"); a decode leg with its whole prompt, whose KV it holds
+        while it decodes."""
+        last, self._last = self._last, None
+        if self.role != "P" or last is None or last[0] is not ctx or last[1] != inst.key or last[2] != rank:
+            return tokens
+        return max(1, tokens - last[3])
 
     def forget(self, inst: Instance) -> None:
         self.fallback.forget(inst)
