@@ -63,11 +63,12 @@ class KvEventsTestPublisher:
 
     # ------------------------------------------------------------------ test side
     def publish(self, events: Sequence[Any], *, dp_rank: Optional[int] = None, shape: str = "array",
-                live: bool = True) -> Optional[int]:
+                live: bool = True, ts: float = 0.0) -> Optional[int]:
         """Publish one batch of wire Structs (positional ones for ``shape="array"``, ``Map*`` ones for
-        ``"map"``); its seq (None without seqs). ``live=False`` buffers it for replay without sending it."""
+        ``"map"``); its seq (None without seqs). ``live=False`` buffers it for replay without sending it;
+        ``ts``: the batch's timestamp (0: none, so no lag is measured for it)."""
         batch_type = EventBatch if shape == "array" else MapEventBatch
-        payload = self._encoder.encode(batch_type(ts=0.0, events=list(events), data_parallel_rank=dp_rank))
+        payload = self._encoder.encode(batch_type(ts=ts, events=list(events), data_parallel_rank=dp_rank))
         return self.publish_payload(payload, live=live)
 
     def publish_payload(self, payload: bytes, *, live: bool = True) -> Optional[int]:

@@ -4,6 +4,7 @@ time out, ATOM's framing without seq, bad and oversize messages counted and surv
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterator
 
 import msgspec
@@ -11,6 +12,7 @@ import pytest
 
 from atom_kv.proxy.kv_events import KvEvents, KvEventsConfig
 from atom_kv.proxy.kv_events.index import KvIndex
+from atom_kv.proxy.kv_events.stats import LAG_BUCKETS_S
 from atom_kv.proxy.kv_events.subscriber import FeedSpec, KvEventSubscriber, SubscriberLimits
 from atom_kv.proxy.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, encode_seq
 from atom_kv.testing.kv_events import KvEventsTestPublisher
@@ -100,6 +102,23 @@ def test_a_gap_is_answered_by_replay(rig, publisher):
     r.until(lambda: r.held() == 6 and r.stats.replays["complete"] == 1, "the missed batch, replayed")
     assert pub.replay_requests == [1] and r.stats.gaps == 1
     assert sum(r.stats.resets.values()) == 0
+
+
+def test_a_live_batch_s_lag_is_measured_from_its_stamp_and_a_replayed_one_s_is_not(rig, publisher):
+    pub, r = publisher(), rig()
+    r.follow(pub)
+    now = time.time()
+    pub.publish([run(0, 2)], ts=now - 0.2)  # stamped 200 ms ago: lands in the 0.25 s bucket
+    pub.publish([run(2, 2, parent=1001)], live=False, ts=now - 3.0)  # missed, then replayed: old by design
+    pub.publish([run(4, 2, parent=1003)], ts=time.time())  # may come back in the replay first (then not counted)
+    r.until(lambda: r.held() == 6 and r.stats.replays["complete"] == 1, "the missed batch, replayed")
+    pub.publish([run(6, 2, parent=1005)], ts=time.time())
+    r.until(lambda: r.held() == 8, "the batch after the replay")
+    counts = r.stats.lag_counts
+    assert 2 <= sum(counts) <= 3, counts  # the live batches only
+    assert counts[LAG_BUCKETS_S.index(0.25)] == 1, counts
+    assert sum(counts[LAG_BUCKETS_S.index(0.25) + 1:]) == 0, counts  # the 3 s old replayed batch: not counted
+    assert r.stats.lag_quantile(1.0) == 0.25 and r.stats.lag_quantile(0.01) <= 0.1
 
 
 def test_the_first_seq_after_connect_can_already_be_a_gap(rig, publisher):

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Hashable, Iterator, Protocol
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-__all__ = ["EVENT_KINDS", "KvEventStats", "KvEventsCollector", "REPLAY_OUTCOMES", "RESET_REASONS", "SKIP_REASONS"]
+__all__ = ["EVENT_KINDS", "LAG_BUCKETS_S", "KvEventStats", "KvEventsCollector", "REPLAY_OUTCOMES", "RESET_REASONS", "SKIP_REASONS"]
 
 EVENT_KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "BlockTransferred")
 #: why a BlockStored run was not indexed
@@ -24,13 +24,16 @@ REPLAY_OUTCOMES = ("complete", "short", "timeout", "overflow", "unavailable")
 RESET_REASONS = ("restart", "cleared", "health", "left", "replay_short", "replay_timeout", "replay_overflow",
                  "no_replay")
 DECODE_REASONS = ("frames", "seq", "oversize", "msgpack", "schema", "event")
+#: upper bounds (seconds) of the event-lag histogram's buckets: from a batch's ``ts`` (the publisher's wall
+#: clock when it sent it) to its events applied here; across hosts it carries the two clocks' skew
+LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class KvEventStats:
     """Every counter of one ingestion pipeline (one writer thread; readers take snapshots)."""
 
     __slots__ = ("events", "batches", "decode_failures", "skipped_runs", "gaps", "replays", "resets",
-                 "evicted_blocks", "duplicates", "connect_failures")
+                 "evicted_blocks", "duplicates", "connect_failures", "lag_counts", "lag_sum_s")
 
     def __init__(self) -> None:
         self.events = dict.fromkeys(EVENT_KINDS, 0)
@@ -43,6 +46,32 @@ class KvEventStats:
         self.evicted_blocks = 0  # entries dropped by the memory caps
         self.duplicates = 0  # batches seen twice (seq at or below the last applied), dropped
         self.connect_failures = 0  # refused connects to a publisher (it is not there, or it does not bind)
+        self.lag_counts = [0] * (len(LAG_BUCKETS_S) + 1)  # live batches per lag bucket (the last: above them all)
+        self.lag_sum_s = 0.0
+
+    def observe_lag(self, lag_s: float) -> None:
+        """One live batch applied ``lag_s`` after its publisher stamped it (a negative lag, clock skew, is 0)."""
+        lag_s = max(0.0, lag_s)
+        self.lag_sum_s += lag_s
+        for i, bound in enumerate(LAG_BUCKETS_S):
+            if lag_s <= bound:
+                self.lag_counts[i] += 1
+                return
+        self.lag_counts[-1] += 1
+
+    def lag_quantile(self, q: float) -> float | None:
+        """The upper bound of the bucket holding the ``q`` quantile of the lags seen (inf past the last
+        bucket; None: none seen)."""
+        counts = list(self.lag_counts)
+        total = sum(counts)
+        if not total:
+            return None
+        seen = 0
+        for bound, n in zip((*LAG_BUCKETS_S, float("inf")), counts):
+            seen += n
+            if seen >= q * total:
+                return bound
+        return float("inf")
 
 
 def _role(instance: object) -> tuple[str, str]:
@@ -104,6 +133,13 @@ class KvEventsCollector:
         yield CounterMetricFamily("atom_kv_proxy_kv_index_evicted_blocks",
                                   "Index entries dropped by the memory caps (--kv-index-max-blocks*)",
                                   value=s.evicted_blocks)
+        counts, seen, buckets = list(s.lag_counts), 0, []
+        for bound, n in zip((*(repr(b) for b in LAG_BUCKETS_S), "+Inf"), counts):
+            seen += n
+            buckets.append((bound, seen))
+        yield HistogramMetricFamily("atom_kv_proxy_kv_event_lag_seconds",
+                                    "From a live KV event batch's timestamp (the publisher's clock) to its events "
+                                    "applied to the index", buckets=buckets, sum_value=s.lag_sum_s)
         yield CounterMetricFamily("atom_kv_proxy_kv_event_connect_failures",
                                   "Refused connects to a KV event publisher (none there, or it does not bind)",
                                   value=s.connect_failures)

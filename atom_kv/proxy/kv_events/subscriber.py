@@ -435,10 +435,10 @@ class KvEventSubscriber:
         except zmq.ZMQError:  # the replay endpoint is not connected (yet): treat as timed out now
             feed.deadline = 0.0
 
-    def _in_sequence(self, feed: _Feed, batch: DecodedBatch) -> None:
+    def _in_sequence(self, feed: _Feed, batch: DecodedBatch, *, replayed: bool = False) -> None:
         feed.last_seq = batch.seq if batch.seq is not None else feed.last_seq
         feed.state = FeedState.LIVE
-        self._apply(feed, batch)
+        self._apply(feed, batch, replayed=replayed)
 
     def _on_replay(self, feed: _Feed, frames: list[bytes]) -> None:
         if frames and frames[0] == b"":
@@ -470,7 +470,7 @@ class KvEventSubscriber:
             feed.short = True  # the buffer does not reach back to what we miss: what we hold is not to be trusted
             if feed.had_state:
                 self._clear(feed, "replay_short")
-        self._in_sequence(feed, batch)
+        self._in_sequence(feed, batch, replayed=True)
         feed.state = FeedState.REPLAYING
 
     def _end_replay(self, feed: _Feed, *, reopen: bool) -> None:
@@ -517,12 +517,14 @@ class KvEventSubscriber:
         for rank in sorted(feed.ranks):
             self.index.clear(feed.instance, rank, reason)
 
-    def _apply(self, feed: _Feed, batch: DecodedBatch) -> None:
+    def _apply(self, feed: _Feed, batch: DecodedBatch, *, replayed: bool = False) -> None:
         rank = batch.dp_rank
         if rank is None or not 0 <= rank < feed.dp_size:
             rank = feed.rank
         feed.ranks.add(rank)
         self.stats.batches += 1
+        if not replayed and batch.ts > 0:  # a replayed batch is old by design: not ingestion lag
+            self.stats.observe_lag(time.time() - batch.ts)
         if batch.bad_events:
             self.stats.decode_failures["event"] += batch.bad_events
             self._warn.event("event", f"{batch.bad_events} unusable event(s) in a KV event batch from "
