@@ -158,3 +158,17 @@ def test_a_short_real_aiperf_run_fills_the_row(capsys):
         assert run["output_tok_s"] > 0 and run["ttft_p90_ms"] > 0
     row = doc["targets"]["outside_client"]
     assert row["met"] in (True, False) and f"{count}/{count} and {count}/{count} succeeded" in row["text"]
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--aiperf-request-rate", "0"], "--aiperf-request-rate: must be a number > 0"),
+    (["--aiperf-timeout", "inf"], "--aiperf-timeout: must be a number > 0"),
+    (["--aiperf-turns", "-1"], "--aiperf-turns: must be a number > 0"),
+    (["--no-aiperf", "--aiperf-only"], "--no-aiperf leaves out what --aiperf and --aiperf-only ask for"),
+    (["--aiperf-only", "--png", "chart.png"], "--png draws the policies' runs, which --aiperf-only leaves out"),
+])
+def test_bad_aiperf_flags_are_refused_in_one_line(capsys, flags, says):
+    pytest.importorskip("torch")  # the routing bench's extra
+    assert main(["routing", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]

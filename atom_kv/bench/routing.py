@@ -103,7 +103,7 @@ AIPERF_FLAGS = (
 def _aiperf_workload(args: argparse.Namespace) -> routing_aiperf.AiperfWorkload:
     for flag, _kind, _default, _what in AIPERF_FLAGS:
         value = getattr(args, "aiperf_" + flag.replace("-", "_"))
-        if not value > 0 or (flag == "request-rate" and not math.isfinite(value)):
+        if not (value > 0 and math.isfinite(value)):
             raise ValueError(f"--aiperf-{flag}: must be a number > 0, got {value}")
     return routing_aiperf.AiperfWorkload(
         request_rate=args.aiperf_request_rate, request_count=args.aiperf_request_count,

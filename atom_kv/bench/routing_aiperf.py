@@ -251,8 +251,8 @@ def run_row(exe: str, workload: AiperfWorkload, start_cluster: Callable[[str, st
                     argv = aiperf_argv(exe, cluster.proxy_url, workload, tokenizer_dir,
                                        os.path.join(log_dir, "artifacts"))
                     results[name] = run_aiperf(argv, os.path.join(log_dir, "artifacts"), workload.timeout_s)
-            except (AiperfError, RuntimeError) as exc:
-                results[name] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            except Exception as exc:  # the cluster's or aiperf's: that policy's run gives no figures, said in one line
+                results[name] = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
                 say(f"aiperf: {name}: {results[name]}")
     finally:
         shutil.rmtree(tokenizer_dir, ignore_errors=True)
