@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 
 def test_a_quick_run_reports_consistent_figures_for_each_policy(capsys):
     assert main(["routing", "--quick", "--policies", "round_robin,cache_aware", "--cache-fraction", "0.5",
-                 "--json", "--explore"]) == 0
+                 "--json", "--explore", "--no-aiperf"]) == 0
     doc = json.loads(capsys.readouterr().out)
     w = doc["workload"]
     (case,) = doc["cases"]
@@ -57,10 +57,11 @@ def test_a_quick_run_reports_consistent_figures_for_each_policy(capsys):
     assert all(t["met"] is None for t in targets.values())  # kv_aware did not run, nor the full caches
     assert "kv_aware is not in --policies" in targets["hit_rate_half"]["text"]
     assert "--cache-fraction has no 1.0" in targets["proxy_cpu"]["text"]
+    assert "not run (--no-aiperf)" in targets["outside_client"]["text"]
 
 
 def test_a_policy_the_proxy_refuses_is_not_run_and_said_so(capsys):
-    assert main(["routing", "--quick", "--policies", "no_such_policy,no_such_policy+local", "--json"]) == 0
+    assert main(["routing", "--quick", "--policies", "no_such_policy,no_such_policy+local", "--json", "--no-aiperf"]) == 0
     captured = capsys.readouterr()
     doc = json.loads(captured.out)
     for case in doc["cases"]:

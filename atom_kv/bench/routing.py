@@ -18,23 +18,30 @@ Targets (issue 37), met or MISSED: hit rate with caches that hold the working se
 oracle; at half the working set, kv_aware >= 1.3 x cache_aware; KV bytes moved on turns >= 2, kv_aware <= 0.5
 x round_robin; TTFT p50 on turns >= 2, kv_aware+local <= 0.7 x round_robin; proxy CPU per request, kv_aware
 <= 1.3 x round_robin (the last three from the caches that hold the working set). The index's figures are
-``bench kv-index``'s; the outside-client (aiperf) target is printed as not run.
+``bench kv-index``'s. The outside client's row (aiperf with a shared system prompt, kv_aware >= 1.2 x
+cache_aware's output tok/s or TTFT p90 <= 0.5 x, same request rate and success rate) runs aiperf from
+``--aiperf PATH`` or ``aiperf`` on PATH (``atom_kv.bench.routing_aiperf``), each policy on new engines; with
+neither (or with ``--no-aiperf``) it is printed as not run, with the reason. ``--aiperf-only`` runs that row
+alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
 import shutil
 import sys
 import tempfile
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
-from atom_kv.bench import routing_chart
+from atom_kv.bench import routing_aiperf, routing_chart
 from atom_kv.bench import targets as bench_targets
-from atom_kv.bench.routing_run import RunShape, parse_policies, proxy_refusal, run_policy
+from atom_kv.bench.routing_run import PolicySpec, RunShape, parse_policies, policy_cluster, proxy_refusal, run_policy
+from atom_kv.bench.routing_run import warm_up
 from atom_kv.bench.routing_workload import Plan, working_set_blocks
 
 DEFAULT_POLICIES = "round_robin,cache_aware,kv_aware,kv_aware+local"
@@ -70,6 +77,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the workload's text and order")
     parser.add_argument("--request-timeout", type=float, default=120.0, help="seconds per request")
     parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds for a cluster to start")
+    group = parser.add_argument_group("the outside client (aiperf)")
+    group.add_argument("--aiperf", metavar="PATH", default=None,
+                       help="the aiperf executable (pip install aiperf into its own virtualenv; default: aiperf "
+                            "on PATH, else the row is not run)")
+    group.add_argument("--aiperf-only", action="store_true", help="run only the outside client's row")
+    group.add_argument("--no-aiperf", action="store_true", help="leave the outside client's row out (not run)")
+    for flag, kind, default, what in AIPERF_FLAGS:
+        group.add_argument(f"--aiperf-{flag}", type=kind, default=default, help=f"{what} (default %(default)s)")
+
+
+#: (flag after --aiperf-, type, default, help): the aiperf workload, the same for both policies
+AIPERF_FLAGS = (
+    ("request-rate", float, 3.0, "requests/s, constant arrivals"),
+    ("request-count", int, 36, "requests per policy"),
+    ("system-prompt-tokens", int, 512, "the shared system prompt's tokens"),
+    ("input-tokens", int, 48, "tokens of each user turn"),
+    ("output-tokens", int, 16, "tokens of each answer"),
+    ("turns", int, 3, "turns per conversation (each carries the conversation so far)"),
+    ("num-blocks", int, 512, "each engine's --num-blocks for these runs"),
+    ("timeout", float, 300.0, "seconds for one aiperf run, then it is stopped"),
+)
+
+
+def _aiperf_workload(args: argparse.Namespace) -> routing_aiperf.AiperfWorkload:
+    for flag, _kind, _default, _what in AIPERF_FLAGS:
+        value = getattr(args, "aiperf_" + flag.replace("-", "_"))
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"--aiperf-{flag}: must be a number > 0, got {value}")
+    return routing_aiperf.AiperfWorkload(
+        request_rate=args.aiperf_request_rate, request_count=args.aiperf_request_count,
+        system_prompt_tokens=args.aiperf_system_prompt_tokens, input_tokens=args.aiperf_input_tokens,
+        output_tokens=args.aiperf_output_tokens, turns=args.aiperf_turns, seed=args.seed,
+        request_timeout_s=args.request_timeout, timeout_s=args.aiperf_timeout)
+
+
+def _outside_client(args: argparse.Namespace, workload: routing_aiperf.AiperfWorkload, log_root: str,
+                    info: Any) -> tuple[bench_targets.Target, dict[str, Any]]:
+    """The aiperf row: not run (with the reason) when no aiperf is found, else both policies' runs."""
+    exe, why = (None, "--no-aiperf") if args.no_aiperf else routing_aiperf.find_aiperf(args.aiperf)
+    if exe is None:
+        return bench_targets.Target(routing_aiperf.TARGET_NAME, f"{routing_aiperf.CLAIM}: not run ({why})",
+                                    None), {"status": "not_run", "reason": why}
+    shape = RunShape(args.prefill_engines, args.decode_engines, args.aiperf_num_blocks, args.block_size,
+                     args.concurrency, args.request_timeout, args.startup_timeout)
+
+    @contextlib.contextmanager
+    def cluster(policy: str, log_dir: str) -> Iterator[Any]:
+        with policy_cluster(PolicySpec(policy, policy), shape, log_dir) as started:
+            warm_up(started, shape)
+            yield started
+
+    print(f"aiperf ({exe}): {workload.request_count} requests at {workload.request_rate:g}/s, a shared system "
+          f"prompt of {workload.system_prompt_tokens} tokens, {workload.turns} turns of {workload.input_tokens} "
+          f"+ {workload.output_tokens} tokens; new engines (--num-blocks {args.aiperf_num_blocks}) per policy",
+          file=info, flush=True)
+    target, runs = routing_aiperf.run_row(exe, workload, cluster, log_root,
+                                          lambda line: print(line, file=sys.stderr, flush=True))
+    return target, {"status": "run", "aiperf": exe, "workload": dataclasses.asdict(workload), "runs": runs}
 
 
 def _fractions(text: str) -> list[float]:
@@ -174,8 +239,6 @@ def _targets(cases: dict[float, dict[str, Any]]) -> dict[str, bench_targets.Targ
         "index": T("index", "<= 160 B per (block, instance) entry, >= 300,000 blocks/s on one core, event lag p99 <= "
                    "50 ms: measured by "
                    "python -m atom_kv.bench kv-index, not here", None),
-        "outside_client": T("an outside client", "aiperf, kv_aware against cache_aware: not run (aiperf is not "
-                            "installed here, and this bench drives its own client)", None),
     }
 
 
@@ -201,25 +264,9 @@ def _print_case(case: dict[str, Any]) -> None:
             print(f"{'':<16} proxy: {', '.join(f'{k} {v:g}' for k, v in r['local_prefills'].items())}")
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        plan = _plan(args)
-        fractions = _fractions(args.cache_fraction)
-        local_tokens = _local_tokens(args, plan)
-        specs = parse_policies(args.policies, local_tokens)
-        if min(args.prefill_engines, args.decode_engines, args.block_size) < 1:
-            raise ValueError("--prefill-engines, --decode-engines and --block-size must be >= 1")
-    except ValueError as exc:
-        print(f"routing bench: {exc}", file=sys.stderr)
-        return 2
-    if args.png is not None:
-        folder = os.path.dirname(os.path.abspath(args.png))
-        problem = routing_chart.missing() or (None if os.path.isdir(folder) else
-                                              f"--png: the folder {folder} does not exist")
-        if problem is not None:
-            print(f"routing bench: {problem}", file=sys.stderr)
-            return 2
-    info = sys.stderr if args.json else sys.stdout
+def _policy_cases(args: argparse.Namespace, plan: Plan, fractions: list[float], specs: list[PolicySpec],
+                  local_tokens: int, log_root: str, info: Any) -> tuple[dict[float, dict[str, Any]], bool]:
+    """Every policy of ``specs`` at every cache fraction, each on new engines; (the cases, whether one failed)."""
     refused: dict[str, str] = {}
     for spec in specs:
         why = proxy_refusal(spec.proxy_flags())
@@ -234,7 +281,6 @@ def run(args: argparse.Namespace) -> int:
           f"prompts ({plan.system_chars} characters), user messages of {plan.user_chars}, answers of "
           f"{plan.answer_tokens} tokens, {args.concurrency} at once; {args.prefill_engines} prefill + "
           f"{args.decode_engines} decode engines, new engines and proxy for every policy", file=info, flush=True)
-    log_root = tempfile.mkdtemp(prefix="atom-kv-bench-routing-")
     cases: dict[float, dict[str, Any]] = {}
     failed = False
     for fraction in fractions:
@@ -258,9 +304,49 @@ def run(args: argparse.Namespace) -> int:
                 print(f"policy {spec.name}: failed: {exc} (logs in {log_root})", file=sys.stderr, flush=True)
             case["policies"][spec.name] = result
         cases[fraction] = case
+    return cases, failed
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = _plan(args)
+        fractions = _fractions(args.cache_fraction)
+        local_tokens = _local_tokens(args, plan)
+        specs = parse_policies(args.policies, local_tokens)
+        if min(args.prefill_engines, args.decode_engines, args.block_size) < 1:
+            raise ValueError("--prefill-engines, --decode-engines and --block-size must be >= 1")
+        workload = _aiperf_workload(args)
+        if args.no_aiperf and (args.aiperf is not None or args.aiperf_only):
+            raise ValueError("--no-aiperf leaves out what --aiperf and --aiperf-only ask for: give one of them")
+        if args.aiperf is not None and routing_aiperf.find_aiperf(args.aiperf)[0] is None:
+            raise ValueError(routing_aiperf.find_aiperf(args.aiperf)[1])
+    except ValueError as exc:
+        print(f"routing bench: {exc}", file=sys.stderr)
+        return 2
+    if args.png is not None and args.aiperf_only:
+        print("routing bench: --png draws the policies' runs, which --aiperf-only leaves out", file=sys.stderr)
+        return 2
+    if args.png is not None:
+        folder = os.path.dirname(os.path.abspath(args.png))
+        problem = routing_chart.missing() or (None if os.path.isdir(folder) else
+                                              f"--png: the folder {folder} does not exist")
+        if problem is not None:
+            print(f"routing bench: {problem}", file=sys.stderr)
+            return 2
+    info = sys.stderr if args.json else sys.stdout
+    log_root = tempfile.mkdtemp(prefix="atom-kv-bench-routing-")
+    cases: dict[float, dict[str, Any]] = {}
+    failed = False
+    if not args.aiperf_only:
+        cases, failed = _policy_cases(args, plan, fractions, specs, local_tokens, log_root, info)
+    outside, outside_doc = _outside_client(args, workload, log_root, info)
+    if any(r["status"] == "failed" for r in outside_doc.get("runs", {}).values()):
+        failed = True
+        print(f"aiperf: logs in {log_root}", file=sys.stderr, flush=True)
     if not failed:
         shutil.rmtree(log_root, ignore_errors=True)
-    targets = _targets(cases)
+    targets = {} if args.aiperf_only else _targets(cases)
+    targets["outside_client"] = outside
     doc = {"workload": {"conversations": plan.conversations, "turns": plan.turns,
                         "system_prompts": plan.system_prompts, "system_chars": plan.system_chars,
                         "user_chars": plan.user_chars, "answer_tokens": plan.answer_tokens,
@@ -269,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
            "between_policies": "new engines and a new proxy for every policy",
            "local_prefill_max_tokens": local_tokens,
            "cases": list(cases.values()),
+           "outside_client": outside_doc,
            "targets": {k: {"name": t.name, "text": t.text, "met": t.met} for k, t in targets.items()}}
     if args.png is not None:
         routing_chart.draw(doc, args.png)
@@ -278,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         for case in doc["cases"]:
             _print_case(case)
-        print()
+        if doc["cases"]:
+            print()
     status = bench_targets.report(targets.values(), explore=args.explore, json_output=args.json)
     return 1 if failed else status

@@ -24,7 +24,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from atom_kv.bench.client import in_threads, stream_completion
 from atom_kv.bench.routing_workload import Plan, PrefixOracle, Turn, working_set_blocks
@@ -32,7 +32,7 @@ from atom_kv.testing.cluster import Cluster, EngineSpec
 from atom_kv.testing.procfs import process_stat
 from atom_kv.testing.web import http_json, scrape_metrics
 
-__all__ = ["PolicySpec", "RunShape", "parse_policies", "proxy_refusal", "run_policy"]
+__all__ = ["PolicySpec", "RunShape", "parse_policies", "policy_cluster", "proxy_refusal", "run_policy", "warm_up"]
 
 LOCAL_SUFFIX = "+local"
 _EVENTS = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0",
@@ -153,11 +153,10 @@ def _proxy_local_prefills(url: str, timeout: float) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if "local_prefill" in k and "{" not in k and k.endswith("_total")}
 
 
-def run_policy(spec: PolicySpec, plan: Plan, shape: RunShape, log_dir: str) -> dict[str, Any]:
-    """The workload through ``spec`` on new engines; the figures of the run (see the module docstring).
-    Raises RuntimeError when the cluster does not start or a request fails (the proxy's or the engine's
-    words in it)."""
-    started = time.perf_counter()
+@contextlib.contextmanager
+def policy_cluster(spec: PolicySpec, shape: RunShape, log_dir: str) -> Iterator[Cluster]:
+    """New engines and a new proxy for ``spec``, started (logs in ``log_dir``) and closed on exit. Raises
+    RuntimeError when the cluster does not start (the proxy's last words in it when it exited)."""
     os.makedirs(log_dir, exist_ok=True)
     cluster = _cluster(spec, shape, log_dir)
     try:
@@ -167,9 +166,18 @@ def run_policy(spec: PolicySpec, plan: Plan, shape: RunShape, log_dir: str) -> d
         why = proxy.tail(3) if proxy is not None and not proxy.alive() else str(exc)
         raise RuntimeError(f"the cluster for {spec.name} did not start: {why}") from exc
     try:
-        return _measure(spec, plan, shape, cluster, time.perf_counter() - started)
+        yield cluster
     finally:
         cluster.close()
+
+
+def run_policy(spec: PolicySpec, plan: Plan, shape: RunShape, log_dir: str) -> dict[str, Any]:
+    """The workload through ``spec`` on new engines; the figures of the run (see the module docstring).
+    Raises RuntimeError when the cluster does not start or a request fails (the proxy's or the engine's
+    words in it)."""
+    started = time.perf_counter()
+    with policy_cluster(spec, shape, log_dir) as cluster:
+        return _measure(spec, plan, shape, cluster, time.perf_counter() - started)
 
 
 def _send(url: str, prompt: str, max_tokens: int, timeout: float) -> tuple[float, str, float]:
@@ -178,10 +186,16 @@ def _send(url: str, prompt: str, max_tokens: int, timeout: float) -> tuple[float
     return sent, out.text, out.first_choice
 
 
+def warm_up(cluster: Cluster, shape: RunShape) -> None:
+    """One short request per (prefill, decode) pair through the proxy: each pair's first use (connections,
+    handshakes) is paid before anything is measured, and nothing is cached (no prompt fills a block)."""
+    for i in range(shape.prefill_engines * shape.decode_engines):
+        _send(cluster.proxy_url, f"warm {i}", 2, shape.request_timeout_s)
+
+
 def _measure(spec: PolicySpec, plan: Plan, shape: RunShape, cluster: Cluster, startup_s: float) -> dict[str, Any]:
     url, timeout = cluster.proxy_url, shape.request_timeout_s
-    for i in range(shape.prefill_engines * shape.decode_engines):  # first use of each pair; no full block
-        _send(url, f"warm {i}", 2, timeout)
+    warm_up(cluster, shape)
     counters = _Counters(cluster, timeout)
     assert cluster.proxy is not None
     proxy_pid = cluster.proxy.pid
