@@ -13,6 +13,7 @@ import time
 
 from atom.model_engine.sequence import SequenceStatus
 
+from atom_kv.integrations.atom.sequences import SeqState
 from atom_kv.transfer import BackendUnavailable, create_backend
 from tests.conftest import free_port
 from tests.connector.kvutil import port_range
@@ -170,8 +171,8 @@ def abort_while_loading(d_tp: int = 2) -> None:
 def _holds_nothing(engine: AtomEngine) -> None:
     """The connector keeps no per-request state once every request has ended."""
     c = engine.connector
-    assert not (c._matched or c._parked or c._loaded or c._draining), (
-        c._matched, c._parked, c._loaded, c._draining)
+    held = {sid: state for sid, state in c._seqs.states().items() if state is not SeqState.LOCAL}
+    assert not held, held
     assert c._hooks.num_loads() == 0 and not c.has_pending_work()
 
 

@@ -107,6 +107,62 @@ def test_producer_answers_for_every_finished_request():
         sched.close()
 
 
+def test_has_pending_work_is_a_query_and_the_next_poll_holds_the_ranks_notices():
+    """ATOM asks has_pending_work() when idle, as often as it likes: asking changes nothing. The notices for the
+    ranks (here: a lent transfer's send) leave the hooks at the next poll, and go out with the next batch."""
+    cfg = atom_config("kv_producer", tp=1, block_size=4, num_blocks=8, port=1, backend="tcp")
+    sched = AtomKVScheduler(cfg, host="127.0.0.1")
+    try:
+        lent = Sequence([1, 2, 3, 4, 5], 4, kv_transfer_params={"do_remote_decode": True})
+        sched.get_num_new_matched_tokens(lent)
+        lent.block_table = [1, 2]
+        sched.update_state_after_alloc(lent)
+        lent.append_token(42)
+        sched.request_finished(lent)
+        tid = lent.kv_transfer_params_output["transfer_id"]
+        assert sched._hooks.has_metadata()
+        for _ in range(3):
+            assert sched.has_pending_work()  # the lease
+        assert sched._hooks.has_metadata(), "has_pending_work() took the ranks' notices out of the hooks"
+        sched.process_completions(KVConnectorOutput())
+        assert not sched._hooks.has_metadata()
+        step = sched.build_connector_meta().step
+        assert [s.transfer_id for s in step.sends] == [tid]
+        assert sched.build_connector_meta().step.sends == []  # once
+    finally:
+        sched.close()
+
+
+def test_each_sequence_has_one_state_from_match_to_free():
+    """One record per sequence: a producer's lent request is LENT until its read is reported, a plain one
+    FREE_NOW until the next poll names it, and neither is remembered after."""
+    from atom_kv.integrations.atom.sequences import SeqState
+
+    cfg = atom_config("kv_producer", tp=1, block_size=4, num_blocks=8, port=1, backend="tcp")
+    sched = AtomKVScheduler(cfg, host="127.0.0.1")
+    try:
+        plain = Sequence([1, 2, 3], 4)
+        lent = Sequence([1, 2, 3, 4, 5], 4, kv_transfer_params={"do_remote_decode": True})
+        sched.get_num_new_matched_tokens(plain)
+        sched.get_num_new_matched_tokens(lent)
+        assert sched._seqs.states() == {lent.id: SeqState.MATCHED}
+        for seq, blocks in ((plain, [0]), (lent, [1, 2])):
+            seq.block_table = blocks
+            sched.update_state_after_alloc(seq)
+            seq.append_token(42)
+        assert sched._seqs.states() == {}
+        sched.request_finished(plain)
+        sched.request_finished(lent)
+        assert sched._seqs.states() == {plain.id: SeqState.FREE_NOW, lent.id: SeqState.LENT}
+        assert sched.process_completions(KVConnectorOutput()).finished_sending == {plain.id}
+        assert sched._seqs.states() == {lent.id: SeqState.LENT}
+        tid = lent.kv_transfer_params_output["transfer_id"]
+        assert sched.process_completions(KVConnectorOutput(finished_sending={tid})).finished_sending == {lent.id}
+        assert sched._seqs.states() == {}
+    finally:
+        sched.close()
+
+
 def test_a_decode_requests_params_are_parsed_once(monkeypatch):
     """ATOM asks the connector at admission and again after its allocation (with its prefix-cache hit):
     the request's kv_transfer_params are parsed at the first ask only, and its load comes from that parse."""

@@ -554,3 +554,33 @@ def test_the_ping_announces_vllms_kv_event_publisher_where_a_proxy_can_follow_it
         assert announced_kv_events(vllm_config) == announced
     if endpoint == "tcp://127.0.0.1:5557":
         assert "use tcp://*:5557 to have the registration ping announce it" in caplog.text
+
+
+def test_shutdown_stops_the_scheduler_sides_pinger_and_release_sender(pair_factory):
+    """vLLM's Scheduler.shutdown() calls shutdown() on the scheduler-side connector only (0.32: EngineCore ->
+    Scheduler -> connector): that must stop the threads the scheduler side owns, not only a worker side's."""
+    import threading
+
+    from atom_kv.testing.ports import free_port
+
+    before = set(threading.enumerate())
+    # a proxy to ping and an API port nobody serves: the pinger waits on its stop event for vLLM to serve
+    pair = pair_factory("tcp", d_overrides={"proxy_ip": "127.0.0.1", "proxy_ping_port": free_port(),
+                                            "http_port": free_port()})
+    P, D = pair.P, pair.D
+    prompt = prompt_of(13, 40)
+    params = pair.prefill("p-13", prompt)
+    seen = decode(pair, "d-13", prompt, params)  # its read is confirmed: a release goes to the producer
+    assert seen["finish"] == 1
+    run_until([P, D], lambda: empty(P) and empty(D))
+
+    def ours() -> set[str]:
+        return {t.name for t in set(threading.enumerate()) - before
+                if t.is_alive() and t.name.startswith(("atom-kv-pinger-", "atom-kv-release"))}
+
+    assert ours() >= {"atom-kv-pinger-D0", "atom-kv-release"}, ours()
+    D.scheduler.shutdown()
+    P.scheduler.shutdown()
+    assert ours() == set(), "still running after shutdown()"
+    assert all(rank.connector.worker_side is not None for rank in D.ranks)
+    D.scheduler.shutdown()  # a second shutdown is harmless

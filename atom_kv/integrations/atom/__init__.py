@@ -3,6 +3,7 @@
 - :mod:`.hook`: registers ``atom_kv`` with ATOM's ``KVConnectorFactory`` in
   every ATOM process (through the ``atom_kv_atom.pth`` start-up hook).
 - :mod:`.scheduler`: :class:`AtomKVScheduler`, ATOM's scheduler-side connector.
+- :mod:`.sequences`: the scheduler side's record of each sequence (one ``SeqState`` per ``seq.id``).
 - :mod:`.worker`: :class:`AtomKVWorker`, ATOM's worker-side connector, one per TP rank.
 
 - :mod:`.contract`: what the two workarounds (taking ATOM's ``Scheduler``

@@ -64,11 +64,11 @@ from atom.kv_transfer.disaggregation.types import KVConnectorOutput as AtomKVCon
 from atom.model_engine.sequence import SequenceStatus
 
 from atom_kv import engine_hooks
-from atom_kv._lru import BoundedSet
 from atom_kv.config import ConfigError
 from atom_kv.engine_hooks.types import ConnectorMetadata, KVConnectorOutput
 from atom_kv.integrations.atom.contract import check_scheduler, constructing_scheduler
 from atom_kv.integrations.atom.metadata import AtomKVMetadata
+from atom_kv.integrations.atom.sequences import SeqState, SequenceTable
 from atom_kv.integrations.atom.settings import AtomEngine, advertised_host, require_completion_contract
 from atom_kv.integrations.request_guard import asks, matched_tokens
 
@@ -77,15 +77,19 @@ __all__ = ["AtomKVScheduler"]
 logger = logging.getLogger(__name__)
 
 _GONE = (SequenceStatus.ABORTED, SequenceStatus.FINISHED)
-_REMEMBERED = 65536  # finished or loaded sequence ids kept for duplicate calls
+_REMEMBERED = 65536  # ids of sequences that never load again (SeqState.LOCAL), kept for later calls
+#: consumer states of a request the connector still acts for (matched, loading, loaded or draining)
+_TRACKED = (SeqState.MATCHED, SeqState.LOADING, SeqState.LOADED, SeqState.DRAINING)
+_PRODUCER_FINISHED = (SeqState.LENT, SeqState.FREE_NOW)
 #: ATOM's aggregated output has no reasons; each rank's worker logs its own.
 _RANK_FAILURE = "a TP rank could not load it (that rank's log names the cause)"
 
 
 class AtomKVScheduler(KVConnectorSchedulerBase):
     """Owns the translation between ATOM's ``Sequence`` calls and atom-kv's
-    scheduler hooks, the sequences parked for a remote load, and the blocks
-    ATOM leaves the connector to free. Called only from ATOM's scheduler thread."""
+    scheduler hooks, one record per sequence it tracks (:class:`~.sequences.SequenceTable`:
+    parked for a remote load, lent, draining, ...), and the blocks ATOM leaves the
+    connector to free. Called only from ATOM's scheduler thread."""
 
     is_offload = False
 
@@ -121,17 +125,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
             dp_size=engine.dp_size, pp_size=engine.pp_size, block_size=engine.block_size,
             announce_sends=kv.is_producer,
         )
-        # producer: finished sequences seen (ATOM reports some twice), and ids whose blocks ATOM may free now
-        self._finished: BoundedSet[int] = BoundedSet(_REMEMBERED)
-        self._free_now: list[int] = []
-        # matched, not yet allocated (both roles)
-        self._matched: dict[int, Any] = {}
-        # consumer: parked while loading / loaded, until ATOM runs or drops them / aborted while loading, until
-        # every rank stopped / never load again (prefill locally if admitted again)
-        self._parked: dict[int, Any] = {}
-        self._loaded: dict[int, Any] = {}
-        self._draining: dict[int, Any] = {}
-        self._local: BoundedSet[int] = BoundedSet(_REMEMBERED)
+        self._seqs = SequenceTable(_REMEMBERED)  # every sequence the connector tracks, in one SeqState each
         self._held: Optional[ConnectorMetadata] = None  # metadata built while idle, sent with the next batch
         self._announcer: Optional[_Announcer] = None
         if kv.proxy_addresses and engine.dp_rank == 0 and engine.pp_rank == 0:  # ATOM's head stage schedules
@@ -155,21 +149,21 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         params = seq.kv_transfer_params
         if self.is_producer:
             self._hooks.get_num_new_matched_tokens(str(sid), seq.num_prompt_tokens, params)
-            if asks(params, "do_remote_decode"):
-                self._matched[sid] = seq  # until allocated: an abort before that must unregister it
+            if asks(params, "do_remote_decode") and self._seqs.state(sid) in (None, SeqState.MATCHED):
+                self._seqs.put(sid, seq, SeqState.MATCHED)  # until allocated: an abort before that must unregister it
             return 0, False
         if not params or (isinstance(params, Mapping) and not params.get("do_remote_prefill")):
             return 0, False  # not a remote prefill (params that are not an object: the connector says why)
-        if sid in self._local or sid in self._parked or sid in self._loaded or sid in self._draining:
+        if self._seqs.state(sid) not in (None, SeqState.MATCHED):
             return 0, False  # loaded, failed or preempted before: its KV is computed here from now on
         n, is_async = self._hooks.get_num_new_matched_tokens(str(sid), seq.num_prompt_tokens, params)
         if is_async:
-            self._matched[sid] = seq
+            self._seqs.put(sid, seq, SeqState.MATCHED)
         return n, is_async
 
     def _drop(self, seq: Any) -> None:
         """The connector raised on ``seq``: forget it, and have the connector drop (and release) what it holds."""
-        self._matched.pop(seq.id, None)
+        self._seqs.take(seq.id, SeqState.MATCHED)
         self._hooks.request_finished(str(seq.id), [], aborted=True)
 
     def update_state_after_alloc(self, seq: Any) -> None:
@@ -180,7 +174,7 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         is matched again with it, and only blocks past the hit are read.
         """
         sid = seq.id
-        if self._matched.pop(sid, None) is None or self.is_producer:
+        if self._seqs.take(sid, SeqState.MATCHED) is None or self.is_producer:
             return
         rid, cached = str(sid), int(seq.num_cached_tokens or 0)
 
@@ -193,11 +187,11 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
 
         _, is_async = matched_tokens("ATOM seq", sid, queue_load, on_error=lambda: self._drop(seq))
         if is_async:
-            self._parked[sid] = seq
+            self._seqs.put(sid, seq, SeqState.LOADING)
 
     def should_park_for_load_after_alloc(self, seq: Any) -> bool:
         """ATOM parks the request (``WAITING_FOR_REMOTE_KVS``) while its load runs."""
-        return seq.id in self._parked
+        return self._seqs.state(seq.id) is SeqState.LOADING
 
     # ------------------------------------------------------------------
     # every step
@@ -215,7 +209,8 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         """ATOM's aggregated worker output in, what ATOM's scheduler must act on out (ATOM's sequence ids).
 
         Also where leases and load deadlines expire: ATOM polls every step and,
-        while any connector work is pending, when idle.
+        while any connector work is pending, when idle. Last, it holds what the
+        ranks must hear for the next batch (:meth:`hold_rank_notices`).
         """
         self._reconcile()
         events = self._hooks.update_connector_output(KVConnectorOutput(
@@ -223,20 +218,25 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
             finished_recving=[str(x) for x in output.finished_recving or ()],
             failed_recving={str(x): _RANK_FAILURE for x in getattr(output, "failed_recving", None) or ()},
         ))
+        out = self._producer_completions(events) if self.is_producer else self._consumer_completions(events)
+        self.hold_rank_notices()
+        return out
+
+    def _producer_completions(self, events: engine_hooks.SchedulerEvents) -> AtomKVConnectorOutput:
         out = AtomKVConnectorOutput()
-        if self.is_producer:
-            freed = self._free_now + [int(rid) for rid in events.free]
-            self._free_now = []
-            for sid in freed:
-                self._finished.discard(sid)
-            out.finished_sending = set(freed)
-            return out
+        freed = [sid for sid, _ in self._seqs.each(SeqState.FREE_NOW)] + [int(rid) for rid in events.free]
+        for sid in freed:
+            self._seqs.take(sid, *_PRODUCER_FINISHED)
+        out.finished_sending = set(freed)
+        return out
+
+    def _consumer_completions(self, events: engine_hooks.SchedulerEvents) -> AtomKVConnectorOutput:
+        out = AtomKVConnectorOutput()
         for rid in events.ready:
-            seq = self._parked.pop(int(rid), None)
+            seq = self._seqs.take(int(rid), SeqState.LOADING)
             if seq is None:
                 continue
-            self._loaded[seq.id] = seq
-            self._remember_local(seq.id)
+            self._seqs.put(seq.id, seq, SeqState.LOADED)  # and never loads again
             out.finished_recving.add(seq.id)
         for rid in events.recompute:
             seq = self._give_back(int(rid))
@@ -249,25 +249,32 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
                              getattr(seq, "external_request_id", None), reason)
                 seq.status = SequenceStatus.ABORTED  # ATOM's own abort path ends it at the next schedule
         for rid in events.free:
-            seq = self._draining.pop(int(rid), None)
+            seq = self._seqs.take(int(rid), SeqState.DRAINING)
             if seq is not None:
                 self._deallocate(seq)
         return out
 
+    def hold_rank_notices(self) -> None:
+        """Take what the ranks must hear (released and cancelled transfers, sends) out of the hooks now, and
+        send it with the next batch's metadata.
+
+        ATOM sends metadata only with a batch, and keeps polling an idle engine while
+        :meth:`has_pending_work` says so: notices held here wait for the next batch instead
+        of keeping ATOM polling. That is safe because every forward, the only thing that
+        overwrites blocks, follows its batch's metadata. :meth:`process_completions` calls it
+        after every poll.
+        """
+        if self._hooks.has_pending() or self._hooks.has_metadata():
+            step = self._hooks.build_connector_meta()
+            self._held = step if self._held is None else _merged(self._held, step)
+
     def has_pending_work(self) -> bool:
         """True while a load, lease or block release is outstanding (ATOM keeps polling while idle).
 
-        ATOM asks only when idle, and sends metadata only with a batch: notices
-        for the ranks (released, cancelled transfers) wait here for the next
-        batch instead of keeping ATOM polling. That is safe because every
-        forward, the only thing that overwrites blocks, follows its batch's
-        metadata.
-        """
-        if self._hooks.has_pending():
-            step = self._hooks.build_connector_meta()
-            self._held = step if self._held is None else _merged(self._held, step)
-        return bool(self._hooks.has_pending() or self._free_now or self._parked or self._loaded or self._draining
-                    or self._matched)
+        A query only: ATOM asks it when idle, as often as it likes; what would keep
+        it polling for nothing (notices for the ranks) the next poll holds
+        (:meth:`hold_rank_notices`)."""
+        return self._hooks.has_pending() or self._seqs.has_pending()
 
     # ------------------------------------------------------------------
     # end of a request
@@ -278,48 +285,44 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
         the prompt's blocks while consumers read them."""
         sid = seq.id
         aborted = seq.status == SequenceStatus.ABORTED or getattr(seq, "leave_reason", None) == "aborted"
-        was_matched = self._matched.pop(sid, None) is not None
+        was_matched = self._seqs.take(sid, SeqState.MATCHED) is not None
         if self.is_producer:
-            if sid in self._finished:
+            if self._seqs.state(sid) in _PRODUCER_FINISHED:
                 return  # ATOM calls twice for a streamed request (stream output, then the finish loop)
-            self._finished.add(sid)
             prompt_blocks = math.ceil(seq.num_prompt_tokens / self.block_size)
             delay, params = self._hooks.request_finished(str(sid), list(seq.block_table[:prompt_blocks]),
                                                          aborted=aborted)
             if params is not None:
                 seq.kv_transfer_params_output = _decode_leg_params(seq, params)
-            if not delay:
-                self._free_now.append(sid)
+            self._seqs.put(sid, seq, SeqState.LENT if delay else SeqState.FREE_NOW)
             return
-        if not was_matched and not seq.block_table and not self._tracked(sid):
+        state = self._seqs.state(sid)
+        if not was_matched and not seq.block_table and state not in _TRACKED:
             self._release_unloaded(seq)  # ended while queued (ATOM with docs/atom-upstream.md reports it here)
             return
-        never_ran = self._loaded.pop(sid, None) is not None  # a loaded request leaves _loaded when it runs
-        self._local.discard(sid)
+        if state in (SeqState.LOADED, SeqState.LOCAL):
+            self._seqs.take(sid)  # a loaded request is LOCAL once it runs
         delay, _ = self._hooks.request_finished(str(sid), list(seq.block_table), aborted=aborted)
-        if never_ran:
+        if state is SeqState.LOADED:
             self._deallocate(seq)  # ended while queued after its load: ATOM frees only what ran
             return
-        if delay and self._parked.pop(sid, None) is not None:
-            self._draining[sid] = seq
+        if delay and state is SeqState.LOADING:
+            self._seqs.put(sid, seq, SeqState.DRAINING)
 
     def should_defer_free(self, seq: Any) -> bool:
         """True while a rank may still write the request's blocks (a consumer) or
         a consumer may still read them (a producer); ATOM then keeps them."""
         if self.is_producer:
-            return seq.id in self._finished
-        return seq.id in self._draining
+            return self._seqs.state(seq.id) in _PRODUCER_FINISHED
+        return self._seqs.state(seq.id) is SeqState.DRAINING
 
     def _ended_while_queued(self, seqs: list) -> None:
         """What ATOM's ``take_rejected()`` returned: requests it ended in ``schedule()`` while they
         waited (aborted, or unschedulable), without telling the connector."""
         for seq in seqs:
-            if not self._tracked(seq.id) and not seq.block_table:
+            if self._seqs.state(seq.id) not in _TRACKED and not seq.block_table:
                 self._release_unloaded(seq)
-        self._reconcile()  # the ones it knew (matched, parked, loaded) are FINISHED now
-
-    def _tracked(self, sid: int) -> bool:
-        return sid in self._matched or sid in self._parked or sid in self._loaded or sid in self._draining
+        self._reconcile()  # the ones it knew (matched, loading, loaded) are FINISHED now
 
     def _release_unloaded(self, seq: Any) -> None:
         """A remote-prefill request that ends before its load was queued: the producer frees its blocks now,
@@ -334,43 +337,40 @@ class AtomKVScheduler(KVConnectorSchedulerBase):
     def _reconcile(self) -> None:
         """Catch up with requests ATOM dropped without telling the connector
         (an abort while matched, parked or loaded sets ``seq.status``)."""
-        for sid, seq in list(self._matched.items()):
+        for sid, seq in self._seqs.each(SeqState.MATCHED):
             if seq.status in _GONE:
-                del self._matched[sid]
+                self._seqs.take(sid)
                 self._hooks.request_finished(str(sid), [], aborted=True)
         if self.is_producer:
             return
-        for sid, seq in list(self._parked.items()):
+        for sid, seq in self._seqs.each(SeqState.LOADING):
             if seq.status in _GONE:
-                del self._parked[sid]
                 delay, _ = self._hooks.request_finished(str(sid), list(seq.block_table), aborted=True)
                 if delay:
-                    self._draining[sid] = seq  # freed when every rank stopped (events.free)
+                    self._seqs.put(sid, seq, SeqState.DRAINING)  # freed when every rank stopped (events.free)
                 else:
+                    self._seqs.take(sid)
                     self._deallocate(seq)
-        for sid, seq in list(self._loaded.items()):
+        for sid, seq in self._seqs.each(SeqState.LOADED):
             if seq.status in _GONE:
-                del self._loaded[sid]
+                self._seqs.put(sid, seq, SeqState.LOCAL)
                 self._deallocate(seq)  # loaded, then aborted before its first decode
             elif seq.status == SequenceStatus.RUNNING:
-                del self._loaded[sid]  # ATOM owns it now
+                self._seqs.put(sid, seq, SeqState.LOCAL)  # ATOM owns it now
 
     def _give_back(self, sid: int) -> Any:
-        """A failed load: free its blocks so ATOM may admit the request again."""
-        seq = self._parked.pop(sid, None)
+        """A failed load: free its blocks so ATOM may admit the request again (never to load again)."""
+        seq = self._seqs.take(sid, SeqState.LOADING)
         if seq is None:
             return None
         self._deallocate(seq)
-        self._remember_local(sid)
+        self._seqs.put(sid, seq, SeqState.LOCAL)
         return seq
 
     def _deallocate(self, seq: Any) -> None:
         if seq.block_table:
             logger.debug("ATOM seq %s: freeing %d blocks", seq.id, len(seq.block_table))
             self._block_manager.deallocate(seq)
-
-    def _remember_local(self, sid: int) -> None:
-        self._local.add(sid)
 
     def close(self) -> None:
         """Stop announcing the engine and release the scheduler hooks' state."""

@@ -150,6 +150,12 @@ class AtomKVConnector(KVConnectorBase_V1):
         return self.worker_side.take_worker_meta() if self.worker_side is not None else None
 
     def shutdown(self) -> None:
-        """Stop threads and close sockets on either side."""
+        """Stop this instance's threads and close its sockets, whichever side it is (idempotent).
+
+        vLLM calls it on every instance it made: each worker's, and the scheduler's from
+        ``Scheduler.shutdown()``; the scheduler side owns the registration pinger and the release
+        sender, so it is closed here too, as vLLM's NixlConnector closes both of its sides."""
         if self.worker_side is not None:
             self.worker_side.close()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()

@@ -29,7 +29,8 @@ _HANDOFF_STATUSES = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHE
 
 
 class _SchedulerSide:
-    """Owns the engine's SchedulerHooks, the aggregator of the ranks' own outputs, and the pinger."""
+    """Owns the engine's SchedulerHooks (and so their release sender), the aggregator of the ranks' own
+    outputs, and the registration pinger; :meth:`close` stops both threads, once."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVTransferConfig,
                  place: _Place) -> None:
@@ -46,6 +47,7 @@ class _SchedulerSide:
         self.aggregator = engine_hooks.KVOutputAggregator(place.tp_size)
         self.ledger = SchedulerLedger()
         self._local_hits: dict[str, int] = {}
+        self._closed = False
         self.pinger = None
         if config.proxy_addresses and place.dp_rank == 0:
             events, replay = announced_kv_events(vllm_config)  # DP rank N's at port + N, as the proxy expects
@@ -142,6 +144,10 @@ class _SchedulerSide:
         return self.ledger.frees_pending()
 
     def close(self) -> None:
+        """Stop the pinger (after a draining ping) and the hooks' release sender; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self.pinger is not None:
             # vLLM tells the connector nothing before it stops: its shutdown is the first word; a draining
             # ping still takes the engine out of routing now instead of at the proxy's heartbeat timeout
