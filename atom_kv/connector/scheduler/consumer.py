@@ -124,7 +124,7 @@ class ConsumerScheduler(RoleScheduler):
         the producer they name a release, so it frees its blocks now.
 
         Idempotent: the engine may call it any number of times for a request (ATOM calls it
-        again after its allocation, vLLM on every scheduling attempt); each call answers as
+        again after its allocation, vLLM while the request waits); each call answers as
         the first did for the same token counts, a loading request answers its load's count,
         and no release goes out twice. Called by the engine's scheduler, on its thread, for
         each request it considers scheduling."""

@@ -143,9 +143,9 @@ class ProducerScheduler(RoleScheduler):
         for a remote decode is admitted here, its transfer id assigned and announced to the
         ranks in the next metadata (``coming``); refused params are logged.
 
-        Idempotent: the engine may call it any number of times for a request (vLLM and ATOM
-        call it on every scheduling attempt, again after a preemption); only the first call
-        with params admits, later ones change nothing. Called by the engine's scheduler, on
+        Idempotent: the engine may call it any number of times for a request (again while
+        it waits for admission, or after a preemption); only the first call with params
+        admits, later ones change nothing. Called by the engine's scheduler, on
         its thread, for each request it considers scheduling."""
         if num_computed_tokens < 0:
             raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
