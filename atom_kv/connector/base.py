@@ -57,6 +57,12 @@ class SchedulerHooks(abc.ABC):
         usable one (1..128 printable ASCII characters, not in use by another
         live or recent transfer of this engine), else one minted here.
         ``request_finished`` returns the id actually used.
+
+        Contract: idempotent, but not side-effect free as vLLM's
+        ``KVConnectorBase_V1`` calls this hook. It admits a producer's send and
+        may send a consumer's release for refused params; calling it again for
+        the same request changes nothing more than calling it once, so an
+        engine may ask on every scheduling attempt. Scheduler thread only.
         """
 
     @abc.abstractmethod
@@ -69,7 +75,8 @@ class SchedulerHooks(abc.ABC):
 
     @abc.abstractmethod
     def build_connector_meta(self) -> ConnectorMetadata:
-        """Per-step metadata for every worker; resets the step's pending work."""
+        """Per-step metadata for every worker; resets the step's pending work
+        (not idempotent: call exactly once per engine step)."""
 
     @abc.abstractmethod
     def update_connector_output(self, output: KVConnectorOutput, now: Optional[float] = None) -> SchedulerEvents:

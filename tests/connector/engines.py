@@ -8,7 +8,7 @@ import time
 from typing import Callable, ClassVar, Optional, Protocol, Sequence
 
 from atom_kv.connector.aggregator import KVOutputAggregator
-from atom_kv.connector.scheduler import ConnectorScheduler
+from atom_kv.connector.scheduler import RoleScheduler
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput, SchedulerEvents
 
 from tests.connector.kvutil import BLOCK, BlockPool
@@ -38,7 +38,7 @@ class Engine:
 
     made: ClassVar[list["Engine"]] = []  # test-only registry, emptied after every test
 
-    def __init__(self, scheduler: ConnectorScheduler, ranks: Sequence[Rank], num_blocks: int) -> None:
+    def __init__(self, scheduler: RoleScheduler, ranks: Sequence[Rank], num_blocks: int) -> None:
         Engine.made.append(self)
         self.sched = scheduler
         self.ranks = list(ranks)

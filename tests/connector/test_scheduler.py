@@ -3,17 +3,19 @@ import time
 
 import pytest
 
-from atom_kv.connector.scheduler import ConnectorScheduler, load_backstop_s, load_budget_s
+from atom_kv.connector.scheduler import ConnectorScheduler, ConsumerScheduler, ProducerScheduler, load_backstop_s, load_budget_s
 from atom_kv.connector.types import KVConnectorOutput as Out
 from tests.connector.kvutil import config
 
 
-def producer(**kw) -> ConnectorScheduler:
-    return ConnectorScheduler(config("kv_producer", 7000, abort_timeout_s=1.0, **kw), engine_id="P",
-                              host="10.0.0.1", tp_size=2, dp_rank=1, block_size=16)
+def producer(**kw) -> ProducerScheduler:
+    s = ConnectorScheduler(config("kv_producer", 7000, abort_timeout_s=1.0, **kw), engine_id="P",
+                           host="10.0.0.1", tp_size=2, dp_rank=1, block_size=16)
+    assert isinstance(s, ProducerScheduler)  # the factory picks the role's class
+    return s
 
 
-class Consumer(ConnectorScheduler):
+class Consumer(ConsumerScheduler):
     """A consumer scheduler whose releases are recorded in ``sent`` (no sockets)."""
 
     def __init__(self, **kw) -> None:
@@ -235,7 +237,7 @@ def warning_for(caplog, raw: dict) -> str:
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="atom_kv.connector.scheduler"):
         assert consumer().get_num_new_matched_tokens("d1", 40, raw) == (0, False)
-    (record,) = [r for r in caplog.records if r.name == "atom_kv.connector.scheduler"]
+    (record,) = [r for r in caplog.records if r.name.startswith("atom_kv.connector.scheduler.")]
     text = record.getMessage()
     assert "\n" not in text and "d1" in text and "prefilling locally" in text
     return text

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.release import MAX_RELEASE_RANKS
-from atom_kv.connector.scheduler import ConnectorScheduler
+from atom_kv.connector.scheduler import ConnectorScheduler, RoleScheduler
 from atom_kv.engine_hooks import KVConnectorOutput
 from atom_kv.wire import KVTransferParams
 
@@ -37,7 +37,7 @@ _params = (_values
            | st.tuples(st.sampled_from(KEYS), _values).map(lambda kv: {**VALID, kv[0]: kv[1]}))
 
 
-def _hooks(role: str, sent: list) -> ConnectorScheduler:
+def _hooks(role: str, sent: list) -> RoleScheduler:
     return ConnectorScheduler(KVTransferConfig(kv_role=role, abort_timeout_s=5.0), engine_id="E", host="127.0.0.1",
                               tp_size=1, block_size=4, release_sender=lambda spec, reason: sent.append(spec))
 

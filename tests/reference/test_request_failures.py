@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from atom_kv.config import KVTransferConfig
-from atom_kv.connector.scheduler import ConnectorScheduler
+from atom_kv.connector.scheduler import ConnectorScheduler, RoleScheduler
 from atom_kv.engine_hooks import KVConnectorOutput
 from atom_kv.reference.engine import EngineArgs, EngineCore
 from atom_kv.reference.faults import FaultInjector, FaultStage, InjectedFault
@@ -35,10 +35,10 @@ class _Hooks:
     """Builds real scheduler hooks with a recording release sender, closed after the test."""
 
     def __init__(self) -> None:
-        self.made: list[ConnectorScheduler] = []
+        self.made: list[RoleScheduler] = []
         self.releases: list[tuple[str, str]] = []
 
-    def __call__(self, role: str) -> ConnectorScheduler:
+    def __call__(self, role: str) -> RoleScheduler:
         cfg = KVTransferConfig(kv_role=role, abort_timeout_s=5.0)
         hooks = ConnectorScheduler(cfg, engine_id="eng-test", host="127.0.0.1", tp_size=1, block_size=4,
                                    release_sender=lambda spec, reason: self.releases.append((spec.transfer_id, reason)))
