@@ -40,3 +40,21 @@ def test_data_path_proofs_are_todays_bytes(purpose: str, server: str, reader: st
     assert _trust.reader_proof_ok(token, purpose, SERVER, READER, reader)
     assert not _trust.reader_proof_ok(token, purpose, SERVER, READER, server)  # the roles differ
     assert not _trust.reader_proof_ok(token, purpose, SERVER, "", reader)  # a proof needs the reader's nonce
+
+
+def test_one_scheme_serves_both_endpoint_kinds():
+    from atom_kv.auth import HANDSHAKE_CHALLENGE, data_path_challenge
+    # the handshake port's proofs are the shared scheme's, under its roles
+    assert HANDSHAKE_CHALLENGE.prove(TOKEN, "server", C, P, engine_id="P1", tp_rank=3) == (
+        handshake_auth.server_proof(TOKEN, C, P, "P1", 3))
+    assert HANDSHAKE_CHALLENGE.verify(TOKEN, "server", C, P, handshake_auth.server_proof(TOKEN, C, P, "P1", 3),
+                                      engine_id="P1", tp_rank=3)
+    assert not HANDSHAKE_CHALLENGE.verify(TOKEN, "server", C, P, handshake_auth.server_proof(TOKEN, C, P, "P1", 3),
+                                          engine_id="P1", tp_rank=4)  # bound to what it covers
+    scheme = data_path_challenge(PURPOSE_TCP_READ)
+    proof = scheme.prove(TOKEN, "reader", SERVER, READER)
+    assert scheme.verify(TOKEN.encode(), "reader", SERVER, READER, proof)
+    assert not scheme.verify(TOKEN, "server", SERVER, READER, proof)  # another role
+    assert not data_path_challenge(PURPOSE_CMA_GRANT).verify(TOKEN, "reader", SERVER, READER, proof)  # another purpose
+    assert not scheme.verify(TOKEN, "reader", "", READER, scheme.prove(TOKEN, "reader", "", READER))  # both nonces
+    assert not scheme.verify("other-token", "reader", SERVER, READER, proof)
