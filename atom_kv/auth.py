@@ -18,6 +18,10 @@ Small pure helpers the whole package uses (no sockets, no threads):
   scheme for msgspec Structs with those three fields (the notices on a
   producer's handshake port: :class:`~atom_kv.wire.DoneReading`,
   :class:`~atom_kv.wire.Release`); :func:`struct_payload` is what they sign.
+- :class:`ChallengeScheme`: the one challenge-response scheme, used by the
+  handshake port (:data:`HANDSHAKE_CHALLENGE`, through
+  :mod:`atom_kv.connector.handshake_auth`) and the data-path endpoints
+  (:func:`data_path_challenge`, through :mod:`atom_kv.transfer._trust`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import hmac
 import os
 import time
 from collections import OrderedDict
-from typing import Any, Mapping, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, TypeVar
 
 import msgspec
 
@@ -43,9 +48,12 @@ __all__ = [
     "PURPOSE_PEER_PROOF",
     "PURPOSE_REGISTER",
     "PURPOSE_RELEASE",
+    "HANDSHAKE_CHALLENGE",
     "AuthError",
+    "ChallengeScheme",
     "ReplayWindow",
     "canonical",
+    "data_path_challenge",
     "mac",
     "new_nonce",
     "same_mac",
@@ -226,3 +234,60 @@ def verify_fields(
     if not verify_mac(token, purpose, canonical(fields), fields["mac"]):
         raise AuthError("auth", "wrong mac")
     replay.admit(fields.get("nonce"), fields.get("ts"), now)
+
+
+# ---------------------------------------------------------------------------
+# the challenge-response scheme
+# ---------------------------------------------------------------------------
+#: How a proof's payload is framed: ``(role, first_nonce, second_nonce, context) -> bytes``.
+Framing = Callable[[str, str, str, Mapping[str, Any]], bytes]
+
+
+def nonce_map_framing(role: str, first: str, second: str, context: Mapping[str, Any]) -> bytes:
+    """The handshake port's framing: :func:`canonical` of ``{"c": first, "p": second, **context}``
+    (the role is in the purpose label, one per role)."""
+    return canonical({"c": first, "p": second, **context})
+
+
+def role_joined_framing(role: str, first: str, second: str, context: Mapping[str, Any]) -> bytes:
+    """The data path's framing: ``role | first | second`` joined by NUL bytes (one purpose label for
+    both roles, so the role is in the payload; no context)."""
+    return b"\0".join((role.encode("ascii"), first.encode("ascii", "replace"), second.encode("ascii", "replace")))
+
+
+@dataclass(frozen=True)
+class ChallengeScheme:
+    """One mutual challenge-response: each side proves it knows the token with a :func:`mac` over both
+    sides' fresh nonces (``first`` is the nonce of the side that spoke first), its role and what the proof
+    covers (``context``). ``purposes`` names each role's purpose label; ``framing`` lays out the payload.
+    A proof never verifies without both nonces, and never for another role or purpose.
+
+    The two endpoint kinds frame their payloads differently on the wire (peers of older releases check
+    those bytes, pinned by ``tests/test_challenge_vectors.py``); everything else is this one code."""
+
+    purposes: Mapping[str, str]
+    framing: Framing
+
+    def prove(self, token: str | bytes, role: str, first: str, second: str, **context: Any) -> str:
+        """The proof ``role`` sends over the nonces ``first`` and ``second`` and ``context``."""
+        return mac(token, self.purposes[role], self.framing(role, first, second, context))
+
+    def verify(self, token: str | bytes, role: str, first: str, second: str, proof: object, **context: Any) -> bool:
+        """Constant-time: does ``proof`` show that ``role`` knows ``token``? False without both nonces."""
+        if not first or not second:
+            return False
+        return same_mac(self.prove(token, role, first, second, **context), proof)
+
+
+#: The handshake port's challenge (consumer nonce first): the producer's ``server`` proof in its challenge,
+#: the consumer's ``client`` answer, and the ``reply`` seal (:mod:`atom_kv.connector.handshake_auth`).
+HANDSHAKE_CHALLENGE = ChallengeScheme(
+    {"server": PURPOSE_HANDSHAKE_SERVER, "client": PURPOSE_HANDSHAKE_CLIENT, "reply": PURPOSE_HANDSHAKE_REPLY},
+    nonce_map_framing,
+)
+
+
+def data_path_challenge(purpose: str) -> ChallengeScheme:
+    """A data-path endpoint's challenge (server nonce first): ``reader`` and ``server`` proofs under the
+    endpoint kind's ``purpose`` (:mod:`atom_kv.transfer._trust`)."""
+    return ChallengeScheme({"reader": purpose, "server": purpose}, role_joined_framing)

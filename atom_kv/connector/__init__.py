@@ -30,7 +30,9 @@ def create_worker(config: KVTransferConfig, *, bind_host: Optional[str] = None, 
     """The worker of one TP rank for ``config.kv_role``: a :class:`ProducerWorker`
     or a :class:`ConsumerWorker`. Its listeners (handshake server, the backend's
     servers) bind ``bind_host``, by default the rank's ``host``: never every
-    interface unless ``"0.0.0.0"`` is asked for.
+    interface unless ``"0.0.0.0"`` is asked for, once it starts: it opens
+    nothing until :meth:`~ConnectorWorker.start` (or the first
+    ``register_kv_caches``), and ``close()`` is safe before.
     ``identity``: the keyword arguments of :class:`ConnectorWorker` (engine_id,
     host, tp_rank, tp_size, dp_rank, dp_size, pp_rank, pp_size, compat, backend)."""
     if config.is_producer:

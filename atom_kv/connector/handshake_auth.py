@@ -1,5 +1,7 @@
 """Proving the shared ``auth_token`` on a producer rank's handshake port: what
-each side computes and checks (pure functions), and the producer's bounded,
+each side computes and checks (pure functions over
+:data:`atom_kv.auth.HANDSHAKE_CHALLENGE`, the package's one challenge-response
+scheme), and the producer's bounded,
 expiring memory of the challenges it sent (:class:`ChallengeTable`).
 
 The handshake with a token, consumer rank C and producer rank P::
@@ -29,11 +31,9 @@ from typing import Callable, Optional
 
 from atom_kv._fairshare import FairShares, ProvenSources
 from atom_kv.auth import (
+    HANDSHAKE_CHALLENGE,
     PURPOSE_BLOCKS_ANSWER,
     PURPOSE_DONE_ACK,
-    PURPOSE_HANDSHAKE_CLIENT,
-    PURPOSE_HANDSHAKE_REPLY,
-    PURPOSE_HANDSHAKE_SERVER,
     PURPOSE_PEER_PROOF,
     canonical,
     mac,
@@ -61,8 +61,7 @@ __all__ = [
 
 def server_proof(token: str, c_nonce: str, p_nonce: str, engine_id: str, tp_rank: int) -> str:
     """The producer's proof in its challenge: both nonces and who it says it is."""
-    return mac(token, PURPOSE_HANDSHAKE_SERVER,
-               canonical({"c": c_nonce, "p": p_nonce, "engine_id": engine_id, "tp_rank": tp_rank}))
+    return HANDSHAKE_CHALLENGE.prove(token, "server", c_nonce, p_nonce, engine_id=engine_id, tp_rank=tp_rank)
 
 
 def client_proof(token: str, c_nonce: str, p_nonce: str, request: bytes) -> str:
@@ -77,13 +76,12 @@ def request_digest(request: bytes) -> bytes:
 
 def client_proof_of_digest(token: str, c_nonce: str, p_nonce: str, digest: bytes) -> str:
     """:func:`client_proof` from the request's :func:`request_digest`."""
-    return mac(token, PURPOSE_HANDSHAKE_CLIENT, canonical({"c": c_nonce, "p": p_nonce, "request": digest}))
+    return HANDSHAKE_CHALLENGE.prove(token, "client", c_nonce, p_nonce, request=digest)
 
 
 def reply_mac(token: str, c_nonce: str, p_nonce: str, reply: bytes) -> str:
     """The sealed reply's MAC: both nonces and the reply bytes."""
-    return mac(token, PURPOSE_HANDSHAKE_REPLY,
-               canonical({"c": c_nonce, "p": p_nonce, "reply": hashlib.sha256(reply).digest()}))
+    return HANDSHAKE_CHALLENGE.prove(token, "reply", c_nonce, p_nonce, reply=hashlib.sha256(reply).digest())
 
 
 def peer_proof(token: str, nonce: str, engine_id: str, tp_rank: int) -> str:

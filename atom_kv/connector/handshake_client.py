@@ -2,7 +2,8 @@
 asks a producer rank for its descriptor and regions (proving the auth token
 both ways when there is one, :mod:`atom_kv.connector.handshake_auth`), over
 one DEALER connection with bounded receives; and what both halves share
-(the errors, the version refusal, the checked decoder).
+(the errors, the version refusal, the checked decoder, the KV layout check
+:func:`compat_mismatch`).
 
 A DEALER connects in the background and never says that it could not: with a
 ``connect_timeout_s``, the connection's monitor (:mod:`atom_kv._zmq_watch`)
@@ -25,6 +26,7 @@ from atom_kv.connector.endpoints import connect_socket
 from atom_kv.connector.handshake_auth import client_proof, reply_mac, server_proof
 from atom_kv.wire import (
     HANDSHAKE_PROTOCOL_VERSION,
+    CompatInfo,
     HandshakeChallenge,
     HandshakeProof,
     HandshakeReply,
@@ -33,8 +35,8 @@ from atom_kv.wire import (
     WireError,
 )
 
-__all__ = ["HandshakeError", "HandshakeRejected", "HandshakeUnreachable", "MAX_MESSAGE_BYTES", "decode_checked",
-           "request_handshake", "version_refusal"]
+__all__ = ["HandshakeError", "HandshakeRejected", "HandshakeUnreachable", "MAX_MESSAGE_BYTES", "compat_mismatch",
+           "decode_checked", "request_handshake", "version_refusal"]
 
 #: Largest frame a consumer accepts from a handshake port (a handshake reply names every region).
 MAX_MESSAGE_BYTES = 1 << 20
@@ -218,3 +220,17 @@ def _proven_handshake(ex: _Exchange, token: str, request: HandshakeRequest, sent
         return decode_checked(second.reply, HandshakeReply)
     except WireError as exc:
         raise HandshakeError(f"bad handshake reply from {ex.where}: {exc}") from None
+
+
+def compat_mismatch(here: CompatInfo, peer: CompatInfo, here_is: str = "here", peer_is: str = "peer") -> Optional[str]:
+    """``"KV layout mismatch: block_size 16 (here) vs 32 (peer)"`` or None when compatible.
+
+    ``here_is``/``peer_is`` name the sides in the message (a refusal sent to the
+    other engine says ``prefill``/``decode``, so it reads right in either log).
+    """
+    diffs = [
+        f"{name} {getattr(here, name)!r} ({here_is}) vs {getattr(peer, name)!r} ({peer_is})"
+        for name in here.__struct_fields__
+        if getattr(here, name) != getattr(peer, name)
+    ]
+    return "KV layout mismatch: " + "; ".join(diffs) if diffs else None

@@ -37,8 +37,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from atom_kv import wire
 from atom_kv._connection_caps import CapNames, ConnectionCaps
+from atom_kv.connector.endpoints import tcp_endpoint
 
-__all__ = ["ConnectionGuard", "PortLimits", "RECEIVE_HWM", "largest_message_bytes"]
+__all__ = ["ConnectionGuard", "PortLimits", "RECEIVE_HWM", "largest_message_bytes", "open_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,31 @@ def largest_message_bytes() -> int:
     ]
     largest = max(len(wire.encode(m)) for m in messages)
     return (largest + 4095) // 4096 * 4096
+
+
+def open_port(ctx: zmq.Context, bind_host: str, port: int, limits: "PortLimits",
+              on_refuse: Callable[[str, str], None]) -> tuple[zmq.Socket, "ConnectionGuard", int]:
+    """A handshake port's ROUTER socket with its bounds set, bound to ``bind_host:port`` (0: the OS picks),
+    its :class:`ConnectionGuard`, and the port bound; raises ``zmq.ZMQError`` or ``ValueError``."""
+    sock = ctx.socket(zmq.ROUTER)
+    for opt, value in ((zmq.LINGER, 0), (zmq.MAXMSGSIZE, largest_message_bytes()), (zmq.RCVHWM, RECEIVE_HWM),
+                       (zmq.HANDSHAKE_IVL, int(limits.zmq_handshake_s * 1000)), (zmq.SNDHWM, 1024)):
+        sock.setsockopt(opt, value)
+    guard = ConnectionGuard(sock, max_connections=limits.max_connections,
+                            per_source=limits.connections_per_source, on_refuse=on_refuse)
+    try:
+        endpoint, ipv6 = tcp_endpoint(bind_host, port)
+        if ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.bind(endpoint)
+    except BaseException:
+        guard.close()
+        sock.close(0)
+        raise
+    if port == 0:
+        port = int(sock.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+    guard.port = port
+    return sock, guard, port
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeError, HandshakeServer, compat_mismatch
 from atom_kv.connector.blocks_waits import WaitingQueries
-from atom_kv.connector.handshake_limits import PortLimits
+from atom_kv.connector.handshake_port import PortSettings
+from atom_kv.connector.producer_port import ProducerPort
 from atom_kv.connector.producer_rendezvous import MAX_QUERIES_PER_TRANSFER, Promise, RendezvousAnswers
 from atom_kv.connector.release import engine_sender
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput
@@ -114,6 +115,7 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
         self._defer_s = min(MAX_DEFER_S, self.config.handshake_timeout_s / 2)
         try:
             self._server = self._handshake_server()
+            self._server.start()
         except HandshakeError as exc:
             busy = self.ports.in_use("handshake", self.bind_host, exc)
             if busy is not None:
@@ -121,25 +123,11 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
             raise
 
     def _handshake_server(self) -> HandshakeServer:
-        cfg = self.config
         return HandshakeServer(
-            self._ctx,
-            bind_host=self.bind_host,
+            self._ctx, ProducerPort(self), bind_host=self.bind_host,
             port=self.ports.port("handshake"),  # the side-channel port: wire.handshake_port's layout
-            auth_token=cfg.auth_token,
-            identity=lambda: (self.engine_id, self.tp_rank),
-            responder=self._answer_handshake,
-            on_done=self._on_done_reading,
-            on_release=self._on_release,
-            on_issued=self._on_issued,
-            on_tick=self._expire_deferred,
-            on_blocks=self._on_blocks_query,
-            stats=self.stats_,
-            name=f"atom-kv-hs-server-tp{self.tp_rank}",
-            challenge_ttl_s=cfg.handshake_timeout_s,
-            auth_window_s=cfg.auth_window_s,
-            replay_entries=cfg.auth_replay_entries,
-            limits=PortLimits.from_config(cfg),
+            auth_token=self.config.auth_token, stats=self.stats_, name=f"atom-kv-hs-server-tp{self.tp_rank}",
+            settings=PortSettings.from_config(self.config),
         )
 
     @property

@@ -18,7 +18,6 @@ cannot prove it gets nothing derived from the token.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -31,6 +30,7 @@ import zmq
 from atom_kv import wire
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
+from atom_kv._waker import Waker
 from atom_kv.auth import PURPOSE_ISSUED, PURPOSE_RELEASE, new_nonce, same_mac, sign_struct
 from atom_kv.config import MAX_PORT
 from atom_kv.connector.confirm import DealerCache
@@ -163,7 +163,7 @@ class NoticeSender:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
-        self._wake_r = self._wake_w = -1
+        self._waker: Optional[Waker] = None
         self.warnings = RateLimitedLog(logger, "undelivered notices")
         self.counts = {"sent": 0, "dropped": 0, "unproven": 0}
 
@@ -192,17 +192,13 @@ class NoticeSender:
         self._wake()
 
     def _start_locked(self) -> None:
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._waker = Waker()
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):
-            pass
+        if self._waker is not None:
+            self._waker.wake()
 
     def close(self) -> None:
         """Send what is queued, stop. Notices to a producer rank not yet proven
@@ -219,11 +215,8 @@ class NoticeSender:
         self._wake()
         if thread is not threading.current_thread():
             thread.join(timeout=min(self._proof_timeout_s, self._close_wait_s) + 5)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        if self._waker is not None:
+            self._waker.close()
 
     # -- the sender thread ---------------------------------------------------
     def _run(self) -> None:
@@ -291,7 +284,9 @@ class NoticeSender:
 
     def _poll(self, socks: DealerCache, proven: BoundedDict, waiting: BoundedDict) -> None:
         poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
+        waker = self._waker  # made before the thread started
+        if waker is not None:
+            poller.register(waker.fileno(), zmq.POLLIN)
         by_sock = {}
         for target in waiting:
             sock = socks.get(*target)
@@ -300,12 +295,8 @@ class NoticeSender:
         now = time.monotonic()
         timeout = min([w.deadline for w in waiting.values()], default=now + 1.0) - now
         events = dict(poller.poll(max(0.0, min(timeout, 1.0)) * 1000))
-        if self._wake_r in events:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
+        if waker is not None and waker.fileno() in events:
+            waker.drain()
         for sock, target in by_sock.items():
             if sock in events:
                 self._on_answer(sock, target, socks, proven, waiting)

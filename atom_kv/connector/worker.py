@@ -65,7 +65,8 @@ class ConnectorWorker(WorkerHooks):
         never every interface unless ``"0.0.0.0"`` is asked for. The config's
         ``advertise_host`` and ``bind_host`` win over both; an unspecified
         address to advertise is refused. Each listener binds its port of the
-        plan (:func:`atom_kv.ports.rank_ports`)."""
+        plan (:func:`atom_kv.ports.rank_ports`) once the worker starts: the
+        constructor opens nothing (:meth:`start`, :meth:`close`)."""
         if config.kv_role != self.role:
             raise ValueError(f"{type(self).__name__} serves kv_role {self.role!r}, the config says {config.kv_role!r}")
         if not 0 <= tp_rank < tp_size:
@@ -113,17 +114,31 @@ class ConnectorWorker(WorkerHooks):
             config.backend, config, host=self.host, bind_host=self.bind_host,
             key=f"{engine_id}-dp{dp_rank}-tp{tp_rank}", ports=self.ports,
         )
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context()  # its I/O threads start with its first socket, in start()
+        self._started = False
+
+    def start(self) -> "ConnectorWorker":
+        """Open the role's sockets and start its threads (a prefill rank's handshake port, a decode rank's
+        handshake and read pools). Idempotent; :meth:`register_kv_caches` calls it, so an engine that
+        registers its caches before the first step need not. Raises what the role raises when a port of
+        the plan is taken; the worker is closed then."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self._name}: start() after close()")
+            if self._started:
+                return self
+            self._started = True
         prepare_decoders()  # not on the first handshake's path
         try:
             self._start()
         except BaseException:
             self.close()
             raise
+        return self
 
     @abc.abstractmethod
     def _start(self) -> None:
-        """Start the role's sockets and threads (the constructor's last step)."""
+        """Start the role's sockets and threads (once, from :meth:`start`)."""
 
     @abc.abstractmethod
     def _close_role(self) -> None:
@@ -133,7 +148,9 @@ class ConnectorWorker(WorkerHooks):
     # ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Sequence[KVCacheLayer]) -> None:
         """Register this rank's caches; a pipeline stage passes only its own layers
-        (``start_layer`` onwards), which its handshake then names."""
+        (``start_layer`` onwards), which its handshake then names. Starts the worker first
+        (:meth:`start`) when it has not started."""
+        self.start()
         layers = None
         if self.pp_size > 1:
             n = len(kv_caches)
@@ -205,11 +222,15 @@ class ConnectorWorker(WorkerHooks):
         return self.routes_.report(self.backend)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._stop.set()
-        self._close_role()
+        if self._started:
+            self._close_role()
+        else:  # nothing of the role was opened: only the backend, made by the constructor
+            self._close_backend()
         self._ctx.destroy(linger=0)
         logger.info("%s", self.stats_.summary())
 

@@ -88,13 +88,15 @@ def build_worker_hooks(
     compat: CompatInfo,
     bind_host: Optional[str] = None,
 ) -> WorkerHooks:
-    """The worker-side connector of one TP rank, for ``config.kv_role``
-    (producers start their handshake server here, listening on ``bind_host``:
-    by default ``host``, the address other engines dial).
+    """The worker-side connector of one TP rank, for ``config.kv_role``, started
+    (:meth:`~atom_kv.connector.worker.ConnectorWorker.start`: producers open their
+    handshake server here, listening on ``bind_host``: by default ``host``, the
+    address other engines dial; a port of the plan in use fails here, at the
+    engine's start-up).
 
     A prefill pipeline stage passes ``pp_rank``/``pp_size``, ``dp_size`` (its
     port depends on it) and ``start_layer``, the model layer of its first cache."""
     return create_worker(
         config, engine_id=engine_id, host=host, tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank, dp_size=dp_size,
         pp_rank=pp_rank, pp_size=pp_size, start_layer=start_layer, compat=compat, bind_host=bind_host,
-    )
+    ).start()

@@ -38,7 +38,6 @@ keep the connection.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import selectors
 import socket
@@ -48,6 +47,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from atom_kv._fairshare import FairShares, ProvenSources
+from atom_kv._waker import Waker
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._sockio import FRAME_HEADER, HELLO_FRAME_MAX, frame
 
@@ -139,22 +139,20 @@ class FrameServer:
         handle: Callable[[Conn, bytearray], bool],
         port: int = 0,
     ) -> None:
+        self._name = name
         self._label = label
         self._limits = limits
         self.events = events
         self._greet = greet
         self._refuse_busy = refuse_busy
         self._handle = handle
-        self._lsock = listen(bind_host, port)
-        self._lsock.setblocking(False)
-        self.port: int = self._lsock.getsockname()[1]
-        self.bind_address: tuple = self._lsock.getsockname()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._sel = selectors.DefaultSelector()
-        self._sel.register(self._lsock, selectors.EVENT_READ, _LISTEN)
-        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._bind_host = bind_host
+        #: the port asked for until :meth:`start`, then the one listened on
+        self.port: int = port
+        self.bind_address: tuple = ()
+        self._lsock: Optional[socket.socket] = None
+        self._waker: Optional[Waker] = None
+        self._sel: Optional[selectors.BaseSelector] = None
         self._lock = threading.Lock()
         self._conns: dict[int, Conn] = {}
         per_source = limits.max_unauthenticated_per_source or limits.max_connections
@@ -167,14 +165,33 @@ class FrameServer:
         self._stop = threading.Event()
         self._closed = False
         self._work: "queue.Queue[Optional[tuple[Conn, bytearray]]]" = queue.Queue()
-        self._handlers = [
-            threading.Thread(target=self._handler_loop, name=f"{name}-{self.port}-handler-{i}", daemon=True)
-            for i in range(limits.threads)
-        ]
-        self._thread = threading.Thread(target=self._selector_loop, name=f"{name}-{self.port}-io", daemon=True)
-        for t in self._handlers:
-            t.start()
-        self._thread.start()
+        self._handlers: list[threading.Thread] = []
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "FrameServer":
+        """Listen and start the threads (once; raises ``OSError`` when the port cannot be bound)."""
+        with self._lock:
+            if self._closed or self._thread is not None:
+                raise RuntimeError(f"{self._label}: start() runs once, before close()")
+            lsock = listen(self._bind_host, self.port)
+            lsock.setblocking(False)
+            self._lsock = lsock
+            self.port = lsock.getsockname()[1]
+            self.bind_address = lsock.getsockname()
+            self._waker = Waker()
+            self._sel = selectors.DefaultSelector()
+            self._sel.register(lsock, selectors.EVENT_READ, _LISTEN)
+            self._sel.register(self._waker.fileno(), selectors.EVENT_READ, _WAKE)
+            self._handlers = [
+                threading.Thread(target=self._handler_loop, name=f"{self._name}-{self.port}-handler-{i}", daemon=True)
+                for i in range(self._limits.threads)
+            ]
+            self._thread = threading.Thread(target=self._selector_loop, name=f"{self._name}-{self.port}-io",
+                                            daemon=True)
+            for t in self._handlers:
+                t.start()
+            self._thread.start()
+        return self
 
     @property
     def connections(self) -> int:
@@ -184,17 +201,19 @@ class FrameServer:
 
     # -- selector thread ------------------------------------------------
     def _selector_loop(self) -> None:
+        sel, lsock, waker = self._sel, self._lsock, self._waker
+        assert sel is not None and lsock is not None and waker is not None  # start() made them first
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 timeout = None if self._next_check == float("inf") else max(0.0, self._next_check - now)
-                for key, _ in self._sel.select(timeout):
+                for key, _ in sel.select(timeout):
                     if self._stop.is_set():
                         break
                     if key.data is _LISTEN:
                         self._accept()
                     elif key.data is _WAKE:
-                        self._drain_wake()
+                        waker.drain()
                     else:
                         self._on_readable(key.data)
                 self._take_back_returned()
@@ -203,8 +222,8 @@ class FrameServer:
             log.exception("%s: serving loop failed; closing the endpoint", self._label)
             self._stop.set()
         finally:
-            self._sel.close()
-            self._lsock.close()
+            sel.close()
+            lsock.close()
 
     def _arm(self, conn: Conn, deadline: float) -> None:
         conn.deadline = deadline
@@ -351,13 +370,6 @@ class FrameServer:
                 self._stop_waiting(conn)
         self._work.put((conn, payload))
 
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, InterruptedError):
-            pass
-
     def _take_back_returned(self) -> None:
         with self._lock:
             returned, self._returned = self._returned, []
@@ -467,23 +479,24 @@ class FrameServer:
     def _give_back(self, conn: Conn, keep: bool) -> None:
         with self._lock:
             self._returned.append((conn, keep))
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full (a wake-up is pending) or closed (shutting down)
+        if self._waker is not None:
+            self._waker.wake()
 
     # -- lifecycle ------------------------------------------------------
     def close(self) -> None:
-        """Stop accepting, stop the threads, close every connection. Idempotent."""
+        """Stop accepting, stop the threads, close every connection. Idempotent, and safe before
+        :meth:`start` (there is nothing to stop then)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            thread, waker = self._thread, self._waker
         self._stop.set()
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        if thread is None:
+            self.events.flush()
+            return
+        assert waker is not None  # start() made it with the thread
+        waker.wake()
         with self._lock:
             conns = list(self._conns.values())
         for conn in conns:  # wakes handlers blocked in a send
@@ -491,8 +504,8 @@ class FrameServer:
                 conn.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
+        if thread is not threading.current_thread():
+            thread.join(timeout=5)
         for _ in self._handlers:
             self._work.put(None)
         for t in self._handlers:
@@ -507,12 +520,7 @@ class FrameServer:
                 conn.sock.close()
             except OSError:
                 pass
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._wake_r = self._wake_w = -1
+        waker.close()
         self.events.flush()
 
 

@@ -60,7 +60,7 @@ class ServingEndpoint(abc.ABC):
         self._server = FrameServer(
             threads or f"atomkv-{name}", label, bind_host, limits, self.events,
             greet=self._greet, refuse_busy=self._busy, handle=handle, port=port,
-        )
+        ).start()
         self.port = self._server.port
         self.bind_address = self._server.bind_address
 

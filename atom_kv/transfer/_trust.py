@@ -12,7 +12,8 @@ travels.
 
 Each proof covers both nonces (no replay onto another connection) and names
 its role (a server that lacks the token cannot reflect the reader's proof
-back). ``purpose`` binds a proof to one endpoint kind.
+back). ``purpose`` binds a proof to one endpoint kind. The scheme is the
+package's one challenge-response, :func:`atom_kv.auth.data_path_challenge`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Optional
 import msgspec
 
 from atom_kv._ratelimit import RateLimitedLog
-from atom_kv.auth import mac, new_nonce, verify_mac
+from atom_kv.auth import data_path_challenge, new_nonce
 from atom_kv.transfer.base import TransferError
 
 __all__ = [
@@ -42,28 +43,18 @@ PURPOSE_TCP_READ = "atom-kv/tcp-read/v1"
 PURPOSE_CMA_GRANT = "atom-kv/cma-grant/v1"
 PURPOSE_GPU_IPC_GRANT = "atom-kv/gpu-ipc-grant/v1"
 
-#: how the reader's and the server's proofs differ
-_READER = b"reader"
-_SERVER = b"server"
-
 AUTH_HINT = "set the same auth_token on both engines"
-
-
-def _payload(role: bytes, server_nonce: str, reader_nonce: str) -> bytes:
-    return b"\0".join((role, server_nonce.encode("ascii", "replace"), reader_nonce.encode("ascii", "replace")))
 
 
 def reader_proof_ok(token: bytes, purpose: str, server_nonce: str, reader_nonce: str, proof: str) -> bool:
     """Server side: does ``proof`` show the reader knows ``token``? An empty
     reader nonce never passes (a proof must cover a nonce of each side)."""
-    if not reader_nonce:
-        return False
-    return verify_mac(token, purpose, _payload(_READER, server_nonce, reader_nonce), proof)
+    return data_path_challenge(purpose).verify(token, "reader", server_nonce, reader_nonce, proof)
 
 
 def server_proof(token: bytes, purpose: str, server_nonce: str, reader_nonce: str) -> str:
     """Server side: the proof the server sends back to an accepted reader."""
-    return mac(token, purpose, _payload(_SERVER, server_nonce, reader_nonce))
+    return data_path_challenge(purpose).prove(token, "server", server_nonce, reader_nonce)
 
 
 class ReaderProof:
@@ -73,7 +64,7 @@ class ReaderProof:
 
     def __init__(self, token: Optional[str], purpose: str, server_nonce: str, label: str, where: str) -> None:
         self._token = token.encode("utf-8") if token else None
-        self._purpose = purpose
+        self._scheme = data_path_challenge(purpose)
         self._server_nonce = server_nonce
         self._label = label
         self._where = where
@@ -87,13 +78,13 @@ class ReaderProof:
                 f"{AUTH_HINT}"
             )
         self.nonce = new_nonce()
-        self.proof = mac(self._token, purpose, _payload(_READER, server_nonce, self.nonce))
+        self.proof = self._scheme.prove(self._token, "reader", server_nonce, self.nonce)
 
     def check_server(self, proof: str) -> None:
         """Raise :class:`TransferError` unless the server proved it knows the token."""
         if self._token is None:
             return
-        if not verify_mac(self._token, self._purpose, _payload(_SERVER, self._server_nonce, self.nonce), proof):
+        if not self._scheme.verify(self._token, "server", self._server_nonce, self.nonce, proof):
             raise TransferError(
                 f"{self._label}: peer {self._where} could not prove it knows the auth_token; refusing it "
                 f"({AUTH_HINT})"

@@ -11,20 +11,33 @@ import sys
 
 import zmq
 
-from atom_kv.connector.handshake import HandshakeServer
+from atom_kv.connector.handshake import BasePortHandler, HandshakeServer
 from atom_kv.connector.stats import TransferStats
 from atom_kv.wire import HandshakeReply
 
 TOKEN = "handshake-proc-token-7c1d"
 
 
+class _Port(BasePortHandler):
+    """Answers every proven handshake with an empty reply; drops the notices."""
+
+    def identity(self) -> tuple[str, int]:
+        return "P", 0
+
+    def answer_handshake(self, request):
+        return HandshakeReply(ok=True, engine_id="P")
+
+    def on_done(self, msg, respond) -> None:
+        pass
+
+    def on_release(self, msg) -> None:
+        pass
+
+
 def main(port: int) -> None:
     ctx = zmq.Context()
-    server = HandshakeServer(
-        ctx, bind_host="127.0.0.1", port=port, auth_token=TOKEN, identity=lambda: ("P", 0),
-        responder=lambda req: HandshakeReply(ok=True, engine_id="P"), on_done=lambda msg, respond: None,
-        on_release=lambda msg: None, stats=TransferStats("P"), name="atom-kv-hs-server-test",
-    )
+    server = HandshakeServer(ctx, _Port(), bind_host="127.0.0.1", port=port, auth_token=TOKEN,
+                             stats=TransferStats("P"), name="atom-kv-hs-server-test").start()
     print("ready", flush=True)
     try:
         for line in sys.stdin:  # until the test closes our stdin

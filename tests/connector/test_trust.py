@@ -406,7 +406,7 @@ def test_wrong_token_floods_are_counted_but_logged_at_a_bounded_rate(caplog):
 def test_the_handshake_server_listens_only_on_the_given_host():
     port = free_port()
     cfg = config("kv_producer", port, backend="tcp")
-    w = ProducerWorker(cfg, engine_id="P", host="127.0.0.2", tp_rank=0, tp_size=1, compat=compat())
+    w = ProducerWorker(cfg, engine_id="P", host="127.0.0.2", tp_rank=0, tp_size=1, compat=compat()).start()
     try:
         with socket.create_connection(("127.0.0.2", port), timeout=2):
             pass
