@@ -19,7 +19,7 @@ A rendezvous load whose producer promised to hold the blocks (``lease_ms``)
 and whose reads ended well inside that promise sends its done-reading
 notices without waiting for the answers: the promise already says what the
 confirmation would (the argument is at
-:meth:`~atom_kv.connector.producer_rendezvous.RendezvousAnswers._pin_locked`), and the
+:meth:`~atom_kv.connector.producer_rendezvous.Rendezvous.pin_locked`), and the
 round trip would sit on the path to the request's second token. A producer
 that answers "still coming" (its scheduler has the request queued) is asked
 again, for up to ``prefill_queue_timeout_s``.
