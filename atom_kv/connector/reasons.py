@@ -4,9 +4,8 @@ The words travel on the wire as they always have (a ``DoneAck.reason``, a
 ``BlocksAnswer.reason``, a load's error); code decides on these types, never on
 the words. A producer rank refuses a confirmation for a :class:`Refusal` and
 answers a blocks query without blocks for a :class:`QueryRefusal`; a consumer
-rank's rendezvous ends without blocks for a :class:`BlocksFailure` and a read
-goes unconfirmed for a :class:`ConfirmFailure`, each carried with its text by
-:class:`NoBlocks` and :class:`Unconfirmed`.
+rank's rendezvous ends without blocks for a :class:`BlocksFailure`, carried
+with its text by :class:`NoBlocks`.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["BlocksFailure", "ConfirmFailure", "NoBlocks", "QueryRefusal", "Refusal", "Unconfirmed"]
+__all__ = ["BlocksFailure", "NoBlocks", "QueryRefusal", "Refusal"]
 
 
 class Refusal(enum.Enum):
@@ -54,18 +53,6 @@ class BlocksFailure(enum.Enum):
     INTERNAL = "internal"          # a bug here: the text says which
 
 
-class ConfirmFailure(enum.Enum):
-    """Why a consumer rank's finished read was not confirmed by a producer rank."""
-
-    UNREACHABLE = "unreachable"
-    TIMEOUT = "timeout"
-    CLOSING = "closing"
-    BAD_ANSWER = "bad_answer"
-    VERSION = "version"
-    REFUSED = "refused"      # the producer refused it (DoneAck.valid False; its words follow)
-    INTERNAL = "internal"
-
-
 @dataclass(frozen=True)
 class NoBlocks:
     """A rendezvous that ended without blocks: the typed reason and the operator's words."""
@@ -76,13 +63,3 @@ class NoBlocks:
     def __str__(self) -> str:
         return self.text
 
-
-@dataclass(frozen=True)
-class Unconfirmed:
-    """A read a producer rank did not confirm: the typed reason and the operator's words."""
-
-    reason: ConfirmFailure
-    text: str
-
-    def __str__(self) -> str:
-        return self.text
