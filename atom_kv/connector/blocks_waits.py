@@ -13,14 +13,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Container, Optional
+from typing import Callable, NamedTuple, Optional
 
 from atom_kv._fairshare import FairShares
 from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
+from atom_kv.connector.reasons import QueryRefusal
 from atom_kv.wire import BlocksAnswer, BlocksQuery
 
-__all__ = ["WaitingQueries", "WaitingQuery"]
+__all__ = ["Answer", "WaitingQueries", "WaitingQuery"]
 
 logger = logging.getLogger("atom_kv.connector.producer")  # its answers are the producer rank's
 
@@ -33,6 +34,15 @@ class WaitingQuery:
     respond: Callable[[BlocksAnswer], None]
     deadline: float
     source: str = ""
+
+
+class Answer(NamedTuple):
+    """An answer to send to ``query`` (None until the caller names it), and why it has no blocks
+    (None when it has them or says they are still coming)."""
+
+    query: Optional[WaitingQuery]
+    answer: BlocksAnswer
+    refusal: Optional[QueryRefusal]
 
 
 class WaitingQueries:
@@ -57,18 +67,18 @@ class WaitingQueries:
         return self._shares.held(source)
 
     def add_locked(self, msg: BlocksQuery, respond: Callable[[BlocksAnswer], None], source: str,
-                   wait_s: float) -> Optional[str]:
+                   wait_s: float) -> Optional[tuple[QueryRefusal, str]]:
         """Hold ``msg`` for ``wait_s``; or say why it cannot wait (then answer it at once)."""
         waiting = self._queries.get(msg.transfer_id)
         verdict = self._shares.admit(source)
         if verdict.evict == source:
-            return (f"{self._shares.held(source)} queries from {source or 'this address'} already wait "
-                    f"(rendezvous_max_waiting_per_source is {self.per_source})")
+            return QueryRefusal.SOURCE_FULL, (f"{self._shares.held(source)} queries from {source or 'this address'} "
+                                              f"already wait (rendezvous_max_waiting_per_source is {self.per_source})")
         if not verdict.ok:
-            return (f"{self._shares.capacity} queries wait, none from an address holding more than "
-                    f"{source or 'this one'}")
+            return QueryRefusal.FULL, (f"{self._shares.capacity} queries wait, none from an address holding more "
+                                       f"than {source or 'this one'}")
         if waiting is not None and len(waiting) >= self.per_transfer:
-            return f"too many queries wait for transfer {msg.transfer_id}"
+            return QueryRefusal.CROWDED, f"too many queries wait for transfer {msg.transfer_id}"
         if verdict.evict is not None:
             self._push_out_locked(verdict.evict)
         if waiting is None:
@@ -85,10 +95,10 @@ class WaitingQueries:
         self._unwait(queries)
         return queries
 
-    def known_locked(self, *known: Container[str]) -> list[WaitingQuery]:
-        """The queries whose transfer is now in one of ``known`` (no longer waiting)."""
+    def known_locked(self, known: Callable[[str], bool]) -> list[WaitingQuery]:
+        """The queries whose transfer is now ``known`` (no longer waiting)."""
         out: list[WaitingQuery] = []
-        for tid in [t for t in self._queries if any(t in k for k in known)]:
+        for tid in [t for t in self._queries if known(t)]:
             out += self.pop_locked(tid)
         return out
 
@@ -136,11 +146,12 @@ class WaitingQueries:
         self._unwait(waiting)
         self._pushed_out.extend(waiting)
 
-    def answer(self, answers: list[tuple[WaitingQuery, BlocksAnswer]]) -> None:
+    def answer(self, answers: list[Answer]) -> None:
         """Send each answer (outside the lock); one without blocks is logged, at a bounded rate."""
-        for q, answer in answers:
-            if not answer.found and not answer.coming:  # strangers can ask: one line per reason a while at most
-                self._log.event(_log_key(answer.reason), f"{self._name}: no blocks for transfer {answer.transfer_id} "
+        for q, answer, refusal in answers:
+            assert q is not None, "an answer is sent to the query it answers"
+            if refusal is not None:  # strangers can ask: one line per reason a while at most
+                self._log.event(refusal.value, f"{self._name}: no blocks for transfer {answer.transfer_id} "
                                 f"to engine {q.msg.engine_id} rank {q.msg.tp_rank} "
                                 f"({q.source or 'unknown address'}): {answer.reason}")
             try:
@@ -148,10 +159,3 @@ class WaitingQueries:
             except Exception:
                 logger.exception("%s: answering a blocks query for transfer %s failed", self._name,
                                  answer.transfer_id)
-
-
-def _log_key(reason: str) -> str:
-    for key in ("released", "already wait", "queries wait", "not issued"):
-        if key in reason:
-            return key.replace(" ", "_")
-    return "other"

@@ -19,7 +19,7 @@ A rendezvous load whose producer promised to hold the blocks (``lease_ms``)
 and whose reads ended well inside that promise sends its done-reading
 notices without waiting for the answers: the promise already says what the
 confirmation would (the argument is at
-:meth:`~atom_kv.connector.producer_rendezvous.RendezvousAnswers._pin_locked`), and the
+:meth:`~atom_kv.connector.producer_rendezvous.Rendezvous.pin_locked`), and the
 round trip would sit on the path to the request's second token. A producer
 that answers "still coming" (its scheduler has the request queued) is asked
 again, for up to ``prefill_queue_timeout_s``.
@@ -40,6 +40,7 @@ from atom_kv.connector.confirm import DoneAckClient
 from atom_kv.connector.layout import HeadOverlap, LayoutError, block_runs, head_overlaps
 from atom_kv.connector.peers import PeerTable, producer_key, producer_port
 from atom_kv.connector.pipeline import check_stage_cover
+from atom_kv.connector.reasons import BlocksFailure, NoBlocks
 from atom_kv.connector.reads import LoadState, RankRead, ReadContext
 from atom_kv.connector.rendezvous import BlocksClient
 from atom_kv.connector.scheduler import load_budget_s, rendezvous_wait_s
@@ -180,17 +181,17 @@ class ConsumerWorker(ConnectorWorker):
         except Exception as exc:  # never lose a load to a bug: fail it clearly
             logger.exception("%s: request %s: asking for the blocks of transfer %s crashed", self._name, rid,
                              spec.transfer_id)
-            result = f"internal error while asking for the blocks: {exc}"
+            result = NoBlocks(BlocksFailure.INTERNAL, f"internal error while asking for the blocks: {exc}")
         with self._lock:
             self._waiting.pop(rid, None)
         if isinstance(result, BlocksAnswer):
             blocks = result.block_ids
             need = spec.remote_block_offset + len(spec.block_ids)
             if len(blocks) < need:
-                result = (f"the prefill holds {len(blocks)} blocks for transfer {spec.transfer_id}; "
-                          f"this engine needs {need}")
+                result = NoBlocks(BlocksFailure.TOO_FEW, f"the prefill holds {len(blocks)} blocks for transfer "
+                                                         f"{spec.transfer_id}; this engine needs {need}")
             elif cancelled.is_set():
-                result = "the request ended while waiting for the prefill"
+                result = NoBlocks(BlocksFailure.CANCELLED, "the request ended while waiting for the prefill")
             else:
                 if result.first_token_ids:  # the engine may go on from it while the blocks load
                     with self._lock:
@@ -204,9 +205,9 @@ class ConsumerWorker(ConnectorWorker):
                                  time.monotonic(), lease_until)
                 return
         logger.warning("%s: request %s: no blocks for transfer %s: %s", self._name, rid, spec.transfer_id, result)
-        self._fail_load(rid, result)
+        self._fail_load(rid, result.text)
 
-    def _ask_blocks(self, spec: LoadSpec, cancelled: threading.Event) -> tuple[Union[BlocksAnswer, str], float]:
+    def _ask_blocks(self, spec: LoadSpec, cancelled: threading.Event) -> tuple[Union[BlocksAnswer, NoBlocks], float]:
         """The producer's answer (or why there is none) and when the question that got it was sent;
         asked again while the producer says the prefill is still coming, up to
         :func:`~atom_kv.connector.scheduler.rendezvous_wait_s`."""
@@ -229,8 +230,9 @@ class ConsumerWorker(ConnectorWorker):
             if not (isinstance(result, BlocksAnswer) and not result.found):
                 return result, asked
             if time.monotonic() >= end:
-                return (f"transfer {spec.transfer_id} was still queued or computing on the prefill after "
-                        f"{rendezvous_wait_s(self.config):g} s (prefill_queue_timeout_s)"), asked
+                return NoBlocks(BlocksFailure.STILL_COMING,
+                                f"transfer {spec.transfer_id} was still queued or computing on the prefill after "
+                                f"{rendezvous_wait_s(self.config):g} s (prefill_queue_timeout_s)"), asked
             logger.debug("%s: request %s: %s; asking again", self._name, spec.request_id, result.reason)
 
     def _run_read(self, read: RankRead) -> None:

@@ -19,26 +19,31 @@ A read is confirmed (``DoneAck(valid=True)``) only when all of these hold:
   message, or by the scheduler (``ConnectorMetadata.released``, learnt in
   ``start_load_kv`` before the step's forward can overwrite them).
 
-The rendezvous (blocks queries, "still coming", and the promise a found answer
-carries) is answered by :mod:`atom_kv.connector.producer_rendezvous`; this
-module takes its releases: one from anyone but the promised consumer's engine
-waits until the promise ends.
+What the rank knows of each transfer is one record in one bounded table
+(:mod:`atom_kv.connector.producer_transfers`), whose stage moves
+``COMING`` -> ``LENT`` -> ``READ`` -> ``RELEASED``. A refused confirmation says
+why as a :class:`~atom_kv.connector.reasons.Refusal` next to the words on the
+wire. The rendezvous (blocks queries, "still coming", and the promise a found
+answer carries) is answered by a
+:class:`~atom_kv.connector.producer_rendezvous.Rendezvous` handed the same table;
+this module takes its releases: one from anyone but the promised consumer's
+engine waits until the promise ends.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
-from atom_kv._lru import BoundedDict
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeError, HandshakeServer, compat_mismatch
-from atom_kv.connector.blocks_waits import WaitingQueries
 from atom_kv.connector.handshake_port import PortSettings
 from atom_kv.connector.producer_port import ProducerPort
-from atom_kv.connector.producer_rendezvous import MAX_QUERIES_PER_TRANSFER, Promise, RendezvousAnswers
+from atom_kv.connector.producer_rendezvous import Rendezvous
+from atom_kv.connector.producer_transfers import Deferred, Ending, Stage, TransferTable
+from atom_kv.connector.reasons import Refusal
 from atom_kv.connector.release import engine_sender
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput
 from atom_kv.connector.worker import ConnectorWorker
@@ -54,63 +59,43 @@ from atom_kv.wire import (
     blocks_digest,
 )
 
-__all__ = ["ProducerWorker"]
+__all__ = ["ProducerWorker", "Verdict"]
 
 logger = logging.getLogger(__name__)
 
-#: transfers with some but not all done-reading notices, at most
-MAX_PARTIAL_DONE = 65536
-#: finished or released transfer ids remembered, at most
-MAX_REMEMBERED = 65536
-#: transfers whose confirmations wait for the rank to learn them, at most
-MAX_DEFERRED_TRANSFERS = 4096
 #: confirmations waiting on one transfer, at most
 MAX_DEFERRED_PER_TRANSFER = 64
 #: longest a confirmation waits for the rank to learn its transfer
 MAX_DEFER_S = 5.0
 
-_LEASE_EXPIRED = "its lease expired after abort_timeout_s"
-_DROPPED = "the prefill request ended without lending blocks for the decode"
-@dataclass
-class _DoneState:
-    ranks: set[int] = field(default_factory=set)
-    tp_size: int = 1
-    first_seen: float = field(default_factory=time.monotonic)
+
+@dataclass(frozen=True)
+class Verdict:
+    """The answer to a confirmation: valid, or refused for a :class:`Refusal` in the operator's words."""
+
+    refusal: Optional[Refusal] = None
+    text: str = ""
+
+    @property
+    def valid(self) -> bool:
+        return self.refusal is None
 
 
-@dataclass
-class _Deferred:
-    """A confirmation asked for before the rank learnt the transfer."""
-
-    msg: DoneReading
-    respond: Callable[[DoneAck], None]
-    deadline: float
+_VALID = Verdict()
 
 
-class ProducerWorker(RendezvousAnswers, ConnectorWorker):
-    """Owns a prefill rank's handshake server and the done-reading, release
-    and confirmation bookkeeping of its transfers."""
+class ProducerWorker(ConnectorWorker):
+    """Owns a prefill rank's handshake server, its table of transfers (done-reading counts,
+    releases, confirmations waiting) and the rendezvous answered from that table."""
 
     role = "kv_producer"
 
     _server: Optional[HandshakeServer] = None  # until _start() made it
 
     def _start(self) -> None:
-        self._done: BoundedDict[str, _DoneState] = BoundedDict(MAX_PARTIAL_DONE)
-        self._ended: BoundedDict[str, str] = BoundedDict(MAX_REMEMBERED)     # counted or released: tid -> how
-        self._released: BoundedDict[str, str] = BoundedDict(MAX_REMEMBERED)  # reads no longer confirmed: tid -> why
-        self._issued: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # live transfers' blocks
-        self._first: BoundedDict[str, list[int]] = BoundedDict(MAX_REMEMBERED)  # their prefills' sampled tokens
-        self._learnt: BoundedDict[str, float] = BoundedDict(MAX_REMEMBERED)  # when the rank learnt each send
-        self._coming: BoundedDict[str, float] = BoundedDict(MAX_REMEMBERED)  # admitted, not yet sent
-        self._pins: BoundedDict[str, Promise] = BoundedDict(MAX_DEFERRED_TRANSFERS, on_evict=self._pin_evicted)
-        self._unpinned: list[Release] = []
-        self._deferred: BoundedDict[str, list[_Deferred]] = BoundedDict(
-            MAX_DEFERRED_TRANSFERS, on_evict=self._deferred_evicted)
-        self._evicted: list[_Deferred] = []
-        self._queries = WaitingQueries(self._name, capacity=MAX_DEFERRED_TRANSFERS,
-                                       per_source=self.config.rendezvous_max_waiting_per_source,
-                                       per_transfer=MAX_QUERIES_PER_TRANSFER)
+        self._transfers = TransferTable(self._lock)
+        self.rendezvous = Rendezvous(self._transfers, self.config, name=self._name, tp_rank=self.tp_rank,
+                                     pp_size=self.pp_size, engine_id=lambda: self.engine_id)
         self._refusals = RateLimitedLog(logger, "refused confirmations")
         self._defer_s = min(MAX_DEFER_S, self.config.handshake_timeout_s / 2)
         try:
@@ -134,6 +119,11 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
     def handshake_server(self) -> Optional[HandshakeServer]:
         return self._server
 
+    @property
+    def transfers(self) -> TransferTable:
+        """The rank's transfer records (hold ``transfers.lock`` to read them)."""
+        return self._transfers
+
     def get_finished(self) -> KVConnectorOutput:
         """Also where this rank's KV counts as written: every engine calls it
         after each step's forward, from the thread (and current stream) that
@@ -149,31 +139,37 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
 
     def start_load_kv(self, metadata: ConnectorMetadata) -> None:
         now = time.monotonic()
+        table = self._transfers
         with self._lock:
             for tid in metadata.coming:
-                if tid not in self._issued and tid not in self._released:
-                    self._coming[tid] = now
+                if table.stage(tid) in (None, Stage.NOTICED, Stage.COMING):
+                    table.record(tid).stage = Stage.COMING
             for send in metadata.sends:
-                self._coming.pop(send.transfer_id, None)
-                if send.transfer_id not in self._released:
-                    self._issued[send.transfer_id] = list(send.block_ids)
-                    if send.transfer_id not in self._learnt:
-                        self._learnt[send.transfer_id] = now
-                    if send.first_token_ids:
-                        self._first[send.transfer_id] = list(send.first_token_ids[:MAX_FIRST_TOKENS])
+                rec = table.get(send.transfer_id)
+                if rec is not None and rec.stage.refused:
+                    continue
+                rec = table.record(send.transfer_id)
+                rec.blocks = list(send.block_ids)
+                if rec.stage is not Stage.READ:
+                    rec.stage = Stage.LENT
+                if rec.learnt is None:
+                    rec.learnt = now
+                if send.first_token_ids:
+                    rec.first_tokens = list(send.first_token_ids[:MAX_FIRST_TOKENS])
             for tid in metadata.dropped:
-                if self._coming.pop(tid, None) is not None and tid not in self._issued and tid not in self._released:
-                    self._released[tid] = _DROPPED
-            for tid in metadata.released:
-                self._forget_locked(tid)
-                why = self._ended.get(tid) or _LEASE_EXPIRED
-                self._ended[tid] = why
-                if tid not in self._released:
-                    self._released[tid] = why
+                rec = table.get(tid)
+                if rec is not None and rec.stage is Stage.COMING:
+                    table.end(rec, Stage.DROPPED, Ending.DROPPED)
+            for tid in metadata.released:  # the scheduler freed the blocks
+                rec = table.record(tid)
+                if rec.stage.refused:  # released or dropped before: its reason stays
+                    table.end(rec, Stage.RELEASED, rec.ending or Ending.RELEASED, rec.why)
+                else:
+                    table.end(rec, Stage.RELEASED, Ending.READ if rec.stage is Stage.READ else Ending.LEASE_EXPIRED)
             answers = self._resolve_deferred_locked()
-            found = self._resolve_queries_locked()
+            found = self.rendezvous.resolve_locked()
         self._answer(answers)
-        self._answer_queries(found)
+        self.rendezvous.answer(found)
         for spec in metadata.loads:  # only a consumer reads; a mis-wired engine hears so at once
             why = "this engine is not a kv_consumer"
             logger.warning("%s: request %s: cannot load remote KV: %s", self._name, spec.request_id, why)
@@ -206,155 +202,138 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
         if respond is None or not msg.ok:
             self._count_done(msg)
             if respond is not None:
-                respond(self._ack(msg, False, "the consumer reported that it did not read the blocks"))
+                respond(self._ack(msg, Verdict(Refusal.NOT_READ,
+                                               "the consumer reported that it did not read the blocks")))
             return
         with self._lock:
             verdict = self._verdict_locked(msg)
             if verdict is None:
-                waiting = self._deferred.get(msg.transfer_id)
-                if waiting is None:
-                    waiting = self._deferred[msg.transfer_id] = []  # may evict the oldest transfer's
-                if len(waiting) < MAX_DEFERRED_PER_TRANSFER:
-                    waiting.append(_Deferred(msg, respond, time.monotonic() + self._defer_s))
+                rec = self._transfers.record(msg.transfer_id)
+                if len(rec.deferred) < MAX_DEFERRED_PER_TRANSFER:
+                    self._transfers.defer(rec, Deferred(msg, respond, time.monotonic() + self._defer_s))
                 else:
-                    verdict = self._ack(msg, False, f"too many confirmations wait for transfer {msg.transfer_id}")
-            evicted, self._evicted = self._evicted, []
-        self._answer([(d, self._unissued(d.msg)) for d in evicted])
+                    verdict = Verdict(Refusal.CROWDED, f"too many confirmations wait for transfer {msg.transfer_id}")
+            dropped = self._transfers.take_dropped()
+        self._answer([(d, self._unissued(d.msg)) for d in dropped])
         if verdict is not None:
-            self._answer([(_Deferred(msg, respond, 0.0), verdict)])
+            self._answer([(Deferred(msg, respond, 0.0), verdict)])
 
     def _on_issued(self, msg: Issued) -> None:
         """The engine's scheduler lent these blocks (ahead of the metadata that says so)."""
         with self._lock:
-            if msg.transfer_id in self._released or msg.transfer_id in self._ended:
+            stage = self._transfers.stage(msg.transfer_id)
+            if stage is not None and (stage.refused or stage.ended):
                 return
-            self._issued[msg.transfer_id] = list(msg.block_ids)
-            if msg.transfer_id not in self._learnt:
-                self._learnt[msg.transfer_id] = time.monotonic()
-            self._coming.pop(msg.transfer_id, None)
+            rec = self._transfers.record(msg.transfer_id)
+            rec.blocks, rec.stage = list(msg.block_ids), Stage.LENT
+            if rec.learnt is None:
+                rec.learnt = time.monotonic()
             answers = self._resolve_deferred_locked()
-            found = self._resolve_queries_locked()
+            found = self.rendezvous.resolve_locked()
         self._answer(answers)
-        self._answer_queries(found)
+        self.rendezvous.answer(found)
 
     def _on_release(self, msg: Release) -> None:
         tid = msg.transfer_id
         why = f"released by {msg.sender or 'a peer'}" + (f" ({msg.reason})" if msg.reason else "")
         with self._lock:
-            if tid in self._released or tid in self._ended:
+            rec = self._transfers.get(tid)
+            if rec is not None and (rec.stage.refused or rec.stage.ended):
                 return  # idempotent: already counted or released
-            pin = self._pins.get(tid)
+            pin = rec.pin if rec is not None else None
             if pin is not None and msg.sender != engine_sender("decode", pin.consumer):
                 if time.monotonic() < pin.until:
                     pin.held = pin.held or msg  # applied when the promise ends, unless the reads end first
                     logger.info("%s: transfer %s %s; holding its blocks until the rendezvous lease given to "
                                 "engine %s ends", self._name, tid, why, pin.consumer)
                     return
-            self._forget_locked(tid)
-            self._ended[tid] = why
-            self._released[tid] = why
+            rec = self._transfers.record(tid)
+            self._transfers.end(rec, Stage.RELEASED, Ending.RELEASED, why)
             self._finished_send.append(tid)
-            waiting = self._deferred.pop(tid, None) or []
-            queries = self._queries.pop_locked(tid)
+            waiting = self._transfers.undefer(rec)
+            queries = self.rendezvous.pop_locked(tid, why)
         self._wake()
         logger.info("%s: transfer %s %s; freeing its blocks", self._name, tid, why)
-        self._answer_queries([(q, self._not_found(q.msg, f"producer {why}")) for q in queries])
-        self._answer([(d, self._ack(d.msg, False, f"producer {why} before the read was confirmed")) for d in waiting])
+        self.rendezvous.answer(queries)
+        self._answer([(d, Verdict(Refusal.RELEASED, f"producer {why} before the read was confirmed"))
+                      for d in waiting])
 
     # ------------------------------------------------------------------
-    def _forget_locked(self, tid: str) -> None:
-        """Drop what the rank keeps for a live transfer (it was counted, released or freed)."""
-        self._done.pop(tid, None)
-        self._issued.pop(tid, None)
-        self._first.pop(tid, None)
-        self._learnt.pop(tid, None)
-        self._coming.pop(tid, None)
-        self._pins.pop(tid, None)
+    def _ack(self, msg: DoneReading, verdict: Verdict) -> DoneAck:
+        return DoneAck(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, valid=verdict.valid, reason=verdict.text)
 
-    def _ack(self, msg: DoneReading, valid: bool, reason: str = "") -> DoneAck:
-        return DoneAck(transfer_id=msg.transfer_id, tp_rank=self.tp_rank, valid=valid, reason=reason)
+    def _unissued(self, msg: DoneReading) -> Verdict:
+        return Verdict(Refusal.UNISSUED, f"transfer {msg.transfer_id} was not issued by producer {self.engine_id} "
+                                         f"rank {self.tp_rank}")
 
-    def _unissued(self, msg: DoneReading) -> DoneAck:
-        return self._ack(msg, False, f"transfer {msg.transfer_id} was not issued by producer {self.engine_id} "
-                                     f"rank {self.tp_rank}")
-
-    def _verdict_locked(self, msg: DoneReading) -> Optional[DoneAck]:
+    def _verdict_locked(self, msg: DoneReading) -> Optional[Verdict]:
         """The answer to a confirmation, or None while the rank has not learnt the transfer."""
         tid = msg.transfer_id
-        why = self._released.get(tid)
-        if why is not None:
-            return self._ack(msg, False, f"producer released transfer {tid} before the read was confirmed ({why})")
-        blocks = self._issued.get(tid)
+        rec = self._transfers.get(tid)
+        if rec is None:
+            return None
+        if rec.stage.refused:
+            return Verdict(Refusal.RELEASED,
+                           f"producer released transfer {tid} before the read was confirmed ({rec.why})")
+        blocks = rec.blocks
         if blocks is None:
             return None
         end = msg.block_offset + msg.num_blocks
         if (msg.num_blocks <= 0 or msg.block_offset < 0 or end > len(blocks)
                 or blocks_digest(blocks[msg.block_offset:end]) != msg.blocks_digest):
-            return self._ack(msg, False, f"the consumer read blocks that are not transfer {tid}'s (blocks "
-                                         f"{msg.block_offset}..{end} of {len(blocks)}, digest mismatch)")
-        return self._ack(msg, True)
+            return Verdict(Refusal.BLOCKS, f"the consumer read blocks that are not transfer {tid}'s (blocks "
+                                           f"{msg.block_offset}..{end} of {len(blocks)}, digest mismatch)")
+        return _VALID
 
-    def _resolve_deferred_locked(self) -> list[tuple[_Deferred, DoneAck]]:
+    def _resolve_deferred_locked(self) -> list[tuple[Deferred, Verdict]]:
         answers = []
-        for tid in [t for t in self._deferred if t in self._issued or t in self._released]:
-            for d in self._deferred.pop(tid):
+        for rec in [r for r in self._transfers.deferring() if r.blocks is not None or r.stage.refused]:
+            for d in self._transfers.undefer(rec):
                 verdict = self._verdict_locked(d.msg)
                 answers.append((d, verdict if verdict is not None else self._unissued(d.msg)))
         return answers
 
     def _expire_deferred(self) -> None:
-        """Answer the confirmations and blocks queries that waited too long (the handshake server calls
-        it between polls)."""
+        """Answer the confirmations and blocks queries that waited too long, and take the releases
+        whose promise ended (the handshake server calls it between polls)."""
         now = time.monotonic()
-        self._expire_queries(now)
-        self._end_pins(now)
+        self.rendezvous.expire(now)
+        for msg in self.rendezvous.due_releases(now):
+            self._on_release(msg)
         with self._lock:
-            if not self._deferred:
-                return
-            answers = []
-            for tid in list(self._deferred):
-                waiting = self._deferred[tid]
-                late = [d for d in waiting if d.deadline <= now]
-                if not late:
-                    continue
-                waiting[:] = [d for d in waiting if d.deadline > now]
-                if not waiting:
-                    del self._deferred[tid]
-                answers += [(d, self._unissued(d.msg)) for d in late]
+            answers = [(d, self._unissued(d.msg)) for d in self._transfers.take_dropped()]
+            for rec in self._transfers.deferring():
+                late = [d for d in rec.deferred if d.deadline <= now]
+                if late:
+                    self._transfers.keep_deferred(rec, [d for d in rec.deferred if d.deadline > now])
+                    answers += [(d, self._unissued(d.msg)) for d in late]
         self._answer(answers)
 
-    def _deferred_evicted(self, _tid: str, waiting: list[_Deferred]) -> None:
-        self._evicted.extend(waiting)  # answered by the caller, outside the lock
-
-    def _answer(self, answers: list[tuple[_Deferred, DoneAck]]) -> None:
-        for d, ack in answers:
-            if ack.valid:
+    def _answer(self, answers: list[tuple[Deferred, Verdict]]) -> None:
+        for d, verdict in answers:
+            if verdict.refusal is None:
                 self._count_done(d.msg)
             else:
-                self._refusals.event(_refusal_key(ack.reason), f"{self._name}: not confirming the read of transfer "
-                                     f"{ack.transfer_id} by engine {d.msg.engine_id} rank {d.msg.tp_rank}: "
-                                     f"{ack.reason}")
+                self._refusals.event(verdict.refusal.value, f"{self._name}: not confirming the read of transfer "
+                                     f"{d.msg.transfer_id} by engine {d.msg.engine_id} rank {d.msg.tp_rank}: "
+                                     f"{verdict.text}")
             try:
-                d.respond(ack)
+                d.respond(self._ack(d.msg, verdict))
             except Exception:
-                logger.exception("%s: answering a confirmation of transfer %s failed", self._name, ack.transfer_id)
+                logger.exception("%s: answering a confirmation of transfer %s failed", self._name, d.msg.transfer_id)
 
     def _count_done(self, msg: DoneReading) -> None:
         with self._lock:
-            if msg.transfer_id in self._ended:
+            rec = self._transfers.get(msg.transfer_id)
+            if rec is not None and rec.stage.ended:
                 return
-            st = self._done.get(msg.transfer_id)
-            if st is None:  # bounded even if notices never complete
-                st = _DoneState(tp_size=msg.tp_size)
-                self._done[msg.transfer_id] = st
-            st.ranks.add(msg.tp_rank)
-            if len(st.ranks) < st.tp_size:
+            rec = self._transfers.record(msg.transfer_id)  # bounded even if notices never complete
+            if not self._transfers.count_done(rec, msg.tp_rank, msg.tp_size):
                 return
-            del self._done[msg.transfer_id]  # its blocks stay known: a late confirmation still finds them
-            self._first.pop(msg.transfer_id, None)
-            self._learnt.pop(msg.transfer_id, None)
-            self._pins.pop(msg.transfer_id, None)  # a release held for the promise is moot now
-            self._ended[msg.transfer_id] = "every consumer rank had finished reading"
+            if rec.stage.refused:  # dropped: it stays refused, now counted too
+                self._transfers.end(rec, Stage.RELEASED, rec.ending or Ending.DROPPED, rec.why)
+            else:  # its blocks stay known: a late confirmation still finds them
+                self._transfers.end(rec, Stage.READ, Ending.READ)
             self._finished_send.append(msg.transfer_id)
         self._wake()
         logger.debug("%s: transfer %s read by all %d consumer ranks (last %s)", self._name, msg.transfer_id,
@@ -362,21 +341,9 @@ class ProducerWorker(RendezvousAnswers, ConnectorWorker):
 
     # ------------------------------------------------------------------
     def _expire_locked(self, now: float) -> None:
-        stale = [t for t, s in self._done.items() if now - s.first_seen > 2 * self.config.abort_timeout_s]
-        for tid in stale:
-            del self._done[tid]
+        self._transfers.expire_counts(now - 2 * self.config.abort_timeout_s)
 
     def _close_role(self) -> None:
         if self._server is not None:
             self._server.close()
         self._close_backend()
-
-
-def _refusal_key(reason: str) -> str:
-    if "released" in reason:
-        return "released"
-    if "not issued" in reason:
-        return "unissued"
-    if "digest" in reason:
-        return "blocks"
-    return "other"

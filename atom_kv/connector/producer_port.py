@@ -13,6 +13,12 @@ from atom_kv.wire import BlocksAnswer, BlocksQuery, DoneAck, DoneReading, Handsh
 __all__ = ["ProducerPort", "ProducerRank"]
 
 
+class BlocksAnswerer(Protocol):
+    """What answers a blocks query (:class:`~atom_kv.connector.producer_rendezvous.Rendezvous`)."""
+
+    def on_query(self, msg: BlocksQuery, respond: Callable[[BlocksAnswer], None], source: str = "") -> None: ...
+
+
 class ProducerRank(Protocol):
     """What :class:`ProducerPort` needs of a :class:`~atom_kv.connector.producer.ProducerWorker`
     (named here so that this module does not import the worker's)."""
@@ -28,7 +34,8 @@ class ProducerRank(Protocol):
 
     def _on_issued(self, msg: Issued) -> None: ...
 
-    def _on_blocks_query(self, msg: BlocksQuery, respond: Callable[[BlocksAnswer], None], source: str = "") -> None: ...
+    @property
+    def rendezvous(self) -> "BlocksAnswerer": ...
 
     def _expire_deferred(self) -> None: ...
 
@@ -56,7 +63,7 @@ class ProducerPort(BasePortHandler):
         self._worker._on_issued(msg)
 
     def on_blocks(self, query: BlocksQuery, respond: Callable[[BlocksAnswer], None], source: str) -> None:
-        self._worker._on_blocks_query(query, respond, source)
+        self._worker.rendezvous.on_query(query, respond, source)
 
     def on_tick(self) -> None:
         self._worker._expire_deferred()

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Optional
 
-from atom_kv.transfer.base import ReadHandle
+from atom_kv.transfer.base import ReadFailure, ReadHandle
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class DeadlineWatch:
                     self._cond.wait((self._heap[0][0] - now) if self._heap else None)
                     continue
             for _, _, handle, what in expired:  # outside the lock: done() may poll a device's fences
-                if not handle.done() and handle._finish(f"{what}: timed out after {handle.duration:.2f}s"):
+                if not handle.done() and handle._finish(f"{what}: timed out after {handle.duration:.2f}s",
+                                                                ReadFailure.TIMEOUT):
                     log.warning("%s: timed out", what)
 
     def close(self) -> None:
@@ -72,6 +73,6 @@ class DeadlineWatch:
             self._heap = []
             self._cond.notify()
         for _, _, handle, what in pending:
-            handle._finish(f"{what}: backend closed")
+            handle._finish(f"{what}: backend closed", ReadFailure.CLOSED)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["BackendUnavailable", "PeerUnreachable", "TransferError", "UnsupportedMemory"]
+__all__ = [
+    "BackendClosed", "BackendUnavailable", "OutOfBounds", "PeerUnreachable", "TransferError", "UnknownPeer",
+    "UnsupportedMemory",
+]
 
 
 class TransferError(RuntimeError):
@@ -12,6 +15,18 @@ class TransferError(RuntimeError):
 class PeerUnreachable(TransferError):
     """No connection to the peer could be made (refused, or not answered within the connect
     timeout): the path to it is closed, and trying again at once will not open it."""
+
+
+class BackendClosed(TransferError):
+    """The backend was closed: it takes no more work."""
+
+
+class UnknownPeer(TransferError):
+    """A read names a peer id that was never added (or was removed)."""
+
+
+class OutOfBounds(TransferError):
+    """A read names a range outside the registered regions (this engine's or the peer's)."""
 
 
 class BackendUnavailable(TransferError):

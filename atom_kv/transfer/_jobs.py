@@ -15,7 +15,7 @@ import queue
 import threading
 from typing import Any, Callable, Optional
 
-from atom_kv.transfer.base import ReadHandle
+from atom_kv.transfer.base import ReadFailure, ReadHandle
 
 __all__ = ["DEFERRED", "JobWorkers", "ReadState"]
 
@@ -40,11 +40,11 @@ class ReadState:
         self._lock = threading.Lock()
         handle._track_io()
 
-    def job_done(self, error: Optional[str] = None) -> None:
-        """Every job reports exactly once, whether it ran, failed or was
+    def job_done(self, error: Optional[str] = None, reason: Optional[ReadFailure] = None) -> None:
+        """Every job reports exactly once, whether it ran, failed (``error``, for ``reason``) or was
         skipped; the last report settles the handle (no more writes)."""
         if error is not None:
-            self.handle._finish(error)
+            self.handle._finish(error, reason)
         with self._lock:
             self._left -= 1
             last = self._left == 0
@@ -130,7 +130,7 @@ class JobWorkers:
                 self._refuse(job)
 
     def _refuse(self, job: Any) -> None:
-        job.state.job_done(f"{self._what} {job.state.rid}: {self._closed_reason}")
+        job.state.job_done(f"{self._what} {job.state.rid}: {self._closed_reason}", ReadFailure.CLOSED)
 
     def _next(self, index: int) -> Any:
         """The next job (None: stop); runs ``idle`` first when none is waiting."""
@@ -168,5 +168,7 @@ class JobWorkers:
                 if self._on_crash is not None:
                     self._on_crash(index)
                 error = f"{self._what} {state.rid}: internal error: {exc!r}"
+                state.job_done(error, ReadFailure.INTERNAL)
+                continue
             if error is not DEFERRED:
                 state.job_done(error)

@@ -11,7 +11,7 @@ import threading
 from typing import Optional, Union
 
 from atom_kv.transfer._deadlines import DeadlineWatch
-from atom_kv.transfer.base import ReadHandle, TransferError
+from atom_kv.transfer.base import BackendClosed, ReadFailure, ReadHandle, ReadRefusal
 
 __all__ = ["Lifecycle"]
 
@@ -32,17 +32,17 @@ class Lifecycle:
         self._watch: Optional[DeadlineWatch] = None
 
     def check_open(self) -> None:
-        """Raise :class:`TransferError` once the backend is closed."""
+        """Raise :class:`BackendClosed` (a :class:`TransferError`) once the backend is closed."""
         if self.closed:
-            raise TransferError(self._closed_error)
+            raise BackendClosed(self._closed_error)
 
-    def read_refusal(self, peer: object, peer_id: str) -> Optional[str]:
+    def read_refusal(self, peer: object, peer_id: str) -> Optional[ReadRefusal]:
         """Why a read from ``peer_id`` (looked up as ``peer``, None if unknown)
         cannot start, or None. Call under :attr:`lock`."""
         if self.closed:
-            return "backend is closed"
+            return ReadRefusal(ReadFailure.CLOSED, "backend is closed")
         if peer is None:
-            return f"unknown peer {peer_id!r}"
+            return ReadRefusal(ReadFailure.UNKNOWN_PEER, f"unknown peer {peer_id!r}")
         return None
 
     def mark_closed(self) -> bool:

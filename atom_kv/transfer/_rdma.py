@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-from atom_kv.transfer.base import ReadHandle
+from atom_kv.transfer.base import ReadFailure, ReadHandle
 
 __all__ = ["CompletionThread", "PendingRead", "RdmaPeers", "teardown"]
 
@@ -93,7 +93,7 @@ class CompletionThread(abc.ABC, Generic[P]):
         """Under the condition's lock: a read added after close finishes and settles now
         (nothing of it was started)."""
         if self._stopped:
-            p.handle._finish(f"{self.label} backend is closed")
+            p.handle._finish(f"{self.label} backend is closed", ReadFailure.CLOSED)
             p.handle._settle()
         return self._stopped
 
@@ -103,7 +103,7 @@ class CompletionThread(abc.ABC, Generic[P]):
         with self._launching, self._cond:
             hit = self._take(lambda p: p.peer == peer)
             for p in hit:
-                self._give_up(p, reason)
+                self._give_up(p, reason, ReadFailure.PEER_GONE)
             self._cond.notify_all()
         return len(hit)
 
@@ -116,7 +116,7 @@ class CompletionThread(abc.ABC, Generic[P]):
                 return
             self._stopped = True
             for p in self._take(lambda p: True):
-                self._give_up(p, reason)
+                self._give_up(p, reason, ReadFailure.CLOSED)
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(join_timeout_s)
@@ -142,14 +142,15 @@ class CompletionThread(abc.ABC, Generic[P]):
             return True
         if now > p.deadline:
             with self._cond:
-                self._give_up(p, f"{self.label} read from peer {p.peer} timed out after {p.timeout_s:g}s ({what})")
+                self._give_up(p, f"{self.label} read from peer {p.peer} timed out after {p.timeout_s:g}s ({what})",
+                              ReadFailure.TIMEOUT)
             return True
         return False
 
-    def _give_up(self, p: P, reason: str) -> None:
-        """Finish ``p`` with ``reason``; settled now if the library let go of
+    def _give_up(self, p: P, reason: str, failure: ReadFailure = ReadFailure.TRANSPORT) -> None:
+        """Finish ``p`` with ``reason`` (for ``failure``); settled now if the library let go of
         all its transfers, else once it does. Under the condition's lock."""
-        if p.handle._finish(reason):
+        if p.handle._finish(reason, failure):
             logger.warning("%s read from peer %s: %s", self.label, p.peer, reason)
         if self._let_go(p):
             self._abandoned.append(p)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from atom_kv.transfer.base import MAX_REGION_BYTES, ReadHandle, chunk_sizes
+from atom_kv.transfer.base import MAX_REGION_BYTES, ReadFailure, ReadHandle, ReadRefusal, chunk_sizes
 from atom_kv.transfer.memory import HOST, MemoryKind
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ def split_large(arr: np.ndarray, piece: int) -> np.ndarray:
 
 
 def begin_read(
-    what: str, ops: Any, local_sizes: np.ndarray, *, refusal: Optional[str]
+    what: str, ops: Any, local_sizes: np.ndarray, *, refusal: Optional[ReadRefusal]
 ) -> tuple[ReadHandle, Optional[np.ndarray]]:
     """The prologue every host-memory backend's ``read()`` shares: normalise
     and merge ``ops``, make the handle, and finish it at once when ``refusal``
@@ -238,7 +238,7 @@ def begin_read(
     table = merge_op_array(as_op_array(ops))
     handle = ReadHandle(nbytes=int(table[:, 4].sum()) if len(table) else 0, num_ranges=len(table))
     if refusal is not None:
-        handle._finish(f"{what}: {refusal}")
+        handle._finish(f"{what}: {refusal.text}", refusal.reason)
         return handle, None
     if len(table) == 0:
         handle._finish(None)
@@ -246,6 +246,7 @@ def begin_read(
     bad = out_of_bounds(table[:, 0], table[:, 1], table[:, 4], local_sizes)
     if bad is not None:
         lr, lo, _, _, sz = (int(x) for x in table[bad])
-        handle._finish(f"{what}: local range (region {lr}, offset {lo}, size {sz}) is outside the registered regions")
+        handle._finish(f"{what}: local range (region {lr}, offset {lo}, size {sz}) is outside the registered regions",
+                       ReadFailure.OUT_OF_BOUNDS)
         return handle, None
     return handle, table

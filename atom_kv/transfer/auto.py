@@ -34,7 +34,7 @@ from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._hostid import host_identity
 from atom_kv.transfer._lifecycle import Lifecycle
 from atom_kv.transfer.memory import HOST, MemoryKind, kinds_of
-from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError
+from atom_kv.transfer.base import BackendUnavailable, ReadFailure, ReadHandle, ReadOp, TransferBackend, TransferError
 from atom_kv.transfer.routes import choose_route
 from atom_kv.transfer.tcp import TcpBackend
 
@@ -247,10 +247,13 @@ class AutoBackend(TransferBackend):
             route[0].remove_peer(route[1])
 
     def read(self, peer_id: str, ops: Sequence[ReadOp] | Any, *, timeout_s: float) -> ReadHandle:
-        route = self._routes.get(peer_id)
-        if route is None:
+        with self._lock:
+            route = self._routes.get(peer_id)
+            refusal = self._life.read_refusal(route, peer_id)  # closed: its routes are gone, not unknown
+        if route is None or refusal is not None:
             handle = ReadHandle()
-            handle._finish(f"auto: unknown peer {peer_id!r}")
+            handle._finish(f"auto: {refusal.text}" if refusal else f"auto: unknown peer {peer_id!r}",
+                           refusal.reason if refusal else ReadFailure.UNKNOWN_PEER)
             return handle
         return route[0].read(route[1], ops, timeout_s=timeout_s)
 

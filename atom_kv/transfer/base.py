@@ -18,12 +18,21 @@ Lifecycle::
 from __future__ import annotations
 
 import abc
+import enum
 import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-from atom_kv.transfer._errors import BackendUnavailable, PeerUnreachable, TransferError, UnsupportedMemory
+from atom_kv.transfer._errors import (
+    BackendClosed,
+    BackendUnavailable,
+    OutOfBounds,
+    PeerUnreachable,
+    TransferError,
+    UnknownPeer,
+    UnsupportedMemory,
+)
 from atom_kv.transfer.memory import HOST, MemoryKind, check_memory
 
 __all__ = [
@@ -33,7 +42,10 @@ __all__ = [
     "PeerUnreachable",
     "UnsupportedMemory",
     "ReadOp",
+    "ReadFailure",
     "ReadHandle",
+    "ReadRefusal",
+    "failure_of",
     "TransferBackend",
     "ChunkedRegion",
     "chunk_sizes",
@@ -56,11 +68,41 @@ class ReadOp(NamedTuple):
     size: int
 
 
+class ReadFailure(enum.Enum):
+    """Why a read failed (:attr:`ReadHandle.reason`; :attr:`ReadHandle.error` says it in words)."""
+
+    TIMEOUT = "timeout"              # it passed its deadline
+    CLOSED = "closed"                # the backend was closed before or while it ran
+    UNKNOWN_PEER = "unknown_peer"    # the peer id was never added, or was removed
+    OUT_OF_BOUNDS = "out_of_bounds"  # a range outside the registered regions (either side)
+    PEER_GONE = "peer_gone"          # the peer exited, or the path to it closed
+    TRANSPORT = "transport"          # the transport (socket, NIC, driver, library) failed; the default
+    INTERNAL = "internal"            # a bug here: the words say which
+
+
+def failure_of(exc: BaseException) -> ReadFailure:
+    """The :class:`ReadFailure` an exception that failed a read stands for (by its class)."""
+    for kind, failure in ((OutOfBounds, ReadFailure.OUT_OF_BOUNDS), (BackendClosed, ReadFailure.CLOSED),
+                          (UnknownPeer, ReadFailure.UNKNOWN_PEER), (PeerUnreachable, ReadFailure.PEER_GONE)):
+        if isinstance(exc, kind):
+            return failure
+    return ReadFailure.TRANSPORT
+
+
+class ReadRefusal(NamedTuple):
+    """Why a read cannot start: the typed reason and the words."""
+
+    reason: ReadFailure
+    text: str
+
+
 class ReadHandle:
-    """Completion of one ``read()`` call: ``done()``, ``wait(timeout)``, ``error``.
+    """Completion of one ``read()`` call: ``done()``, ``wait(timeout)``, ``error``, ``reason``.
 
     Backends call :meth:`_finish` exactly once (later calls are ignored), from
-    any thread. ``error`` is ``None`` on success, else a one-line reason.
+    any thread. ``error`` is ``None`` on success, else a one-line reason;
+    ``reason`` is then the :class:`ReadFailure` it names (decide on that, never
+    on the words).
 
     *Finished* is not the same as *settled*: a handle failed by its deadline
     finishes at once, but a backend worker may still be inside one syscall
@@ -72,7 +114,7 @@ class ReadHandle:
     """
 
     __slots__ = (
-        "_event", "_settled", "_tracked", "_lock", "error", "nbytes", "num_ranges", "started", "finished",
+        "_event", "_settled", "_tracked", "_lock", "error", "reason", "nbytes", "num_ranges", "started", "finished",
     )
 
     def __init__(self, nbytes: int = 0, num_ranges: int = 0) -> None:
@@ -81,6 +123,7 @@ class ReadHandle:
         self._tracked = False
         self._lock = threading.Lock()
         self.error: Optional[str] = None
+        self.reason: Optional[ReadFailure] = None
         self.nbytes = nbytes
         self.num_ranges = num_ranges
         self.started = time.monotonic()
@@ -109,12 +152,14 @@ class ReadHandle:
         end = self.finished if self.finished is not None else time.monotonic()
         return end - self.started
 
-    def _finish(self, error: Optional[str] = None) -> bool:
-        """Mark finished; returns False if it already was (first result wins)."""
+    def _finish(self, error: Optional[str] = None, reason: Optional[ReadFailure] = None) -> bool:
+        """Mark finished, failed with ``error`` (for ``reason``: :attr:`ReadFailure.TRANSPORT` when a
+        backend names none) or not; returns False if it already was (first result wins)."""
         with self._lock:
             if self._event.is_set():
                 return False
             self.error = error
+            self.reason = None if error is None else (reason or ReadFailure.TRANSPORT)
             self.finished = time.monotonic()
             self._event.set()
             if not self._tracked:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
+from atom_kv.connector.producer_transfers import Stage
 from atom_kv.connector.release import NoticeSender, ReleaseSpec
 from tests.conftest import free_port
 from tests.connector.engines import run_until
@@ -38,7 +39,7 @@ def _release_during_read(dw, pw, port: int, tid: str, *, delay_after_s: float = 
         if once.acquire(blocking=False):
             proxy.release(ReleaseSpec(tid, "127.0.0.1", port), "the client left")
             _wait(lambda: pw.stats_.snapshot().get("releases_received", 0) >= 1)
-            seen["released_before_read"] = tid in pw._released
+            seen["released_before_read"] = pw.transfers.stage(tid) is Stage.RELEASED
             time.sleep(delay_after_s)
         return real_read(peer_id, ops, timeout_s=timeout_s)
 
@@ -116,7 +117,7 @@ def test_the_consumers_own_release_is_taken_at_once_despite_the_promise():
         D.admit("d", 40, pending(port, "t-own"))
         finish_prefill(P, "p")
         run_until([P, D], in_read.is_set, timeout_s=5)
-        assert "t-own" in pw._pins  # the promise was given
+        assert pw.transfers.get("t-own").pin is not None  # the promise was given
         t0 = time.monotonic()
         D.finish("d", aborted=True)  # the decode engine's release goes to the prefill now
         run_until([P, D], lambda: "p" in P.freed, timeout_s=5)

@@ -252,3 +252,32 @@ def test_loads_waiting_on_slow_prefills_never_hold_up_a_load_whose_blocks_are_kn
     finally:
         pw.close()
         dw.close()
+
+
+def test_the_blocks_clients_answer_without_blocks_carries_a_typed_reason_next_to_the_producers_words():
+    import threading
+
+    import zmq
+
+    from atom_kv.connector.reasons import BlocksFailure, NoBlocks
+    from atom_kv.connector.rendezvous import BlocksClient
+    from atom_kv.connector.stats import TransferStats
+    from atom_kv.wire import BlocksQuery
+
+    port = free_port()
+    P, pw, _ = producer_engine(port, auth_token=TOKEN)
+    ctx = zmq.Context()
+    client = BlocksClient(ctx, stats=TransferStats("test"), auth_token=TOKEN)
+    stop, cancelled = threading.Event(), threading.Event()
+    try:
+        query = BlocksQuery(transfer_id="never", engine_id="D", tp_rank=0, tp_size=1)
+        refused = client.blocks("127.0.0.1", port, query, 0.0, stop, cancelled)
+        assert isinstance(refused, NoBlocks) and refused.reason is BlocksFailure.REFUSED
+        assert "was not issued by producer P rank 0" in refused.text and str(refused) == refused.text
+        cancelled.set()
+        gone = client.blocks("127.0.0.1", port, query, 5.0, stop, cancelled)
+        assert isinstance(gone, NoBlocks) and gone.reason is BlocksFailure.CANCELLED
+    finally:
+        client.close()
+        ctx.term()
+        pw.close()

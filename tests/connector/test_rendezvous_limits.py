@@ -80,7 +80,7 @@ def test_strangers_on_64_addresses_cannot_push_out_a_decode_engines_waiting_quer
     try:
         start_prefill(P, "p", "t-1", 40)
         D.admit("d", 40, pending(port, "t-1"))
-        run_until([P, D], lambda: "t-1" in pw._queries, timeout_s=10)  # the decode's query waits
+        run_until([P, D], lambda: "t-1" in pw.rendezvous.queries, timeout_s=10)  # the decode's query waits
         askers.ask(66, wait_ms=60_000)  # 4,224 waiting queries: more than the 4,096 a rank keeps
         pushed_out = askers.answers(30, want=64 * 66 - 4095)
         assert len(pushed_out) == 64 * 66 - 4095  # strangers' own, the oldest of the largest holders

@@ -211,3 +211,18 @@ def test_read_state_success() -> None:
     assert not h.done()
     state.job_done(None)
     assert h.ok and h.settled()
+
+
+def test_a_failed_read_handle_carries_a_typed_reason_next_to_its_words():
+    from atom_kv.transfer import ReadFailure, ReadHandle
+
+    h = ReadHandle()
+    assert h._finish("tcp read 1: timed out after 1.00s", ReadFailure.TIMEOUT)
+    assert not h._finish("later", ReadFailure.CLOSED)  # the first result wins, reason included
+    assert (h.error, h.reason) == ("tcp read 1: timed out after 1.00s", ReadFailure.TIMEOUT)
+    unnamed = ReadHandle()
+    unnamed._finish("a backend that names no reason")
+    assert unnamed.reason is ReadFailure.TRANSPORT
+    ok = ReadHandle()
+    ok._finish(None, ReadFailure.TIMEOUT)
+    assert ok.error is None and ok.reason is None and ok.ok

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from atom_kv.config import KVTransferConfig
-from atom_kv.transfer import ChunkedRegion, ReadOp, TransferBackend, TransferError, split_pair
+from atom_kv.transfer import ChunkedRegion, ReadFailure, ReadOp, TransferBackend, TransferError, split_pair
 from tests.transfer._serve import ServerProc, pattern, place_owned
 from tests.transfer.backends import SPECS, BackendSpec
 
@@ -101,7 +101,7 @@ class Reader:
     def read_ok(self, ops: list[ReadOp]) -> None:
         h = self.backend.read(self.peer, ops, timeout_s=TIMEOUT)
         assert h.wait(TIMEOUT + 3), "read handle never finished"
-        assert h.error is None, h.error
+        assert h.error is None and h.reason is None, h.error
 
     def close(self) -> None:
         self.backend.close()
@@ -212,6 +212,7 @@ def test_out_of_range_rejected_then_server_keeps_serving(reader: Reader) -> None
 def test_local_out_of_range_fails_handle(reader: Reader) -> None:
     h = reader.backend.read(reader.peer, [ReadOp(99, 0, 0, 0, BLOCK)], timeout_s=TIMEOUT)
     assert h.wait(TIMEOUT) and h.error is not None and "local" in h.error
+    assert h.reason is ReadFailure.OUT_OF_BOUNDS, (h.reason, h.error)  # typed, next to the words
 
 
 _AUTH_SPECS = [s for s in SPECS if s.supports_auth]
@@ -335,3 +336,4 @@ def test_close_releases_sockets_and_threads(spec: BackendSpec, request: pytest.F
     assert not leaked, f"file descriptors left open: {_fd_targets(leaked)}"
     h = r.backend.read(r.peer, r.block_ops([(0, 0)]), timeout_s=TIMEOUT)
     assert h.wait(1) and h.error is not None
+    assert h.reason is ReadFailure.CLOSED, (h.reason, h.error)

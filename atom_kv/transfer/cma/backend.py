@@ -21,7 +21,7 @@ import numpy as np
 from atom_kv.transfer._grant import GrantedBackend, GrantServer
 from atom_kv.transfer._jobs import JobWorkers, ReadState
 from atom_kv.transfer._regions import RegionTable, begin_read, out_of_bounds, split_large
-from atom_kv.transfer.base import ReadHandle, ReadOp, TransferError
+from atom_kv.transfer.base import ReadFailure, ReadHandle, ReadOp, TransferError
 from atom_kv.transfer.cma.syscalls import CmaSys, PeerGone, cma_unavailable_reason
 from atom_kv.transfer.memory import HOST, MemoryKind
 
@@ -137,7 +137,8 @@ class CmaBackend(GrantedBackend):
             _, _, rr, ro, sz = (int(x) for x in table[bad])
             log.warning("%s from %s: refused out-of-range remote range", what, peer_id)
             handle._finish(
-                f"{what}: cma: range (region {rr}, offset {ro}, size {sz}) is outside the peer's registered regions"
+                f"{what}: cma: range (region {rr}, offset {ro}, size {sz}) is outside the peer's registered regions",
+                ReadFailure.OUT_OF_BOUNDS,
             )
             return handle
         parts = self._nthreads if nbytes >= SPLIT_BYTES else 1
@@ -149,7 +150,7 @@ class CmaBackend(GrantedBackend):
             pieces = [p for p in np.split(table, cuts) if len(p)]
         workers = self._started_workers()
         if workers is None:  # closed since the refusal check
-            handle._finish(f"{what}: backend is closed")
+            handle._finish(f"{what}: backend is closed", ReadFailure.CLOSED)
             return handle
         state = ReadState(handle, rid, len(pieces))
         self._life.watch(handle, timeout_s, f"{what} from {peer_id}")

@@ -58,7 +58,7 @@ import numpy as np
 from atom_kv import wire
 from atom_kv.transfer._grant import GrantedBackend, GrantServer
 from atom_kv.transfer._trust import PURPOSE_GPU_IPC_GRANT
-from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferError, chunk_sizes
+from atom_kv.transfer.base import BackendUnavailable, ReadFailure, ReadHandle, ReadOp, TransferError, chunk_sizes
 from atom_kv.transfer.gpu_ipc.completion import Completions, EventPool
 from atom_kv.transfer.gpu_ipc.plan import PairTable, Spans, plan_read
 from atom_kv.transfer.memory import HOST, MemoryKind, check_memory
@@ -321,19 +321,20 @@ class GpuIpcBackend(GrantedBackend):
         completions = self._completions
         if refusal is not None:
             handle = completions.handle(0, 0)
-            handle._finish(f"gpu_ipc read {rid}: {refusal}")
+            handle._finish(f"gpu_ipc read {rid}: {refusal.text}", refusal.reason)
             return handle
         plan, bad = plan_read(ops, peer.pair(local))
         if plan is None:
             handle = completions.handle(0, 0)
-            handle._finish(bad.message(f"gpu_ipc read {rid}", peer_id))  # type: ignore[union-attr]
+            handle._finish(bad.message(f"gpu_ipc read {rid}", peer_id),  # type: ignore[union-attr]
+                           ReadFailure.OUT_OF_BOUNDS)
             return handle
         handle = completions.handle(plan.nbytes, plan.ranges)
         if not plan.batches:
             handle._finish(None)
             return handle
         if peer.gone():
-            handle._finish(f"gpu_ipc read {rid}: peer {peer_id} (pid {peer.pid}) has exited")
+            handle._finish(f"gpu_ipc read {rid}: peer {peer_id} (pid {peer.pid}) has exited", ReadFailure.PEER_GONE)
             return handle
         self._life.watch(handle, timeout_s, f"gpu_ipc read {rid} from {peer_id}")
         fences: list[tuple[EventPool, Any]] = []

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from atom_kv.transfer.base import ReadHandle
+from atom_kv.transfer.base import ReadFailure, ReadHandle
 
 __all__ = ["Completions", "EventPool", "GpuReadHandle"]
 
@@ -143,8 +143,8 @@ class GpuReadHandle(ReadHandle):
             for _, event in fences:
                 self._owner.seam.stream_wait(stream, event)
 
-    def _finish(self, error: Optional[str] = None) -> bool:
-        first = super()._finish(error)
+    def _finish(self, error: Optional[str] = None, reason: Optional[ReadFailure] = None) -> bool:
+        first = super()._finish(error, reason)
         if first and error is not None and self._fences is not None:
             self._owner.settle_soon(self)  # failed (its deadline) while its copies are queued: reaped
         return first

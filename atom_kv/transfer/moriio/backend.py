@@ -36,8 +36,10 @@ from atom_kv.transfer.base import (
     TransferBackend,
     TransferError,
     chunk_sizes,
+    failure_of,
 )
 from atom_kv.transfer.moriio.completion import CompletionTracker, Pending
+from atom_kv.transfer._errors import UnknownPeer
 from atom_kv.transfer.moriio.plan import SessionCache, build_rdma_config, plan_reads
 from atom_kv.transfer.moriio.probe import (
     DEFAULT_SYSFS_INFINIBAND,
@@ -259,7 +261,7 @@ class MoriIOBackend(RdmaPeers[_Peer], TransferBackend):
             pending = self._issue(peer_id, ops, handle, timeout_s)
         except TransferError as exc:
             logger.warning("MORI-IO read %d from peer %s rejected: %s", read_id, peer_id, exc)
-            handle._finish(str(exc))
+            handle._finish(str(exc), failure_of(exc))
             return handle
         if pending is not None:
             logger.debug(
@@ -274,7 +276,7 @@ class MoriIOBackend(RdmaPeers[_Peer], TransferBackend):
             self._life.check_open()
             peer = self._peers.get(peer_id)
             if peer is None:
-                raise TransferError(f"unknown MORI-IO peer {peer_id!r} (add_peer it first)")
+                raise UnknownPeer(f"unknown MORI-IO peer {peer_id!r} (add_peer it first)")
             batches = plan_reads(ops, [r.size for r in self._regions], peer.sizes, peer_id)
             handle.num_ranges = sum(len(b.sizes) for b in batches)
             handle.nbytes = sum(b.nbytes for b in batches)
@@ -289,7 +291,7 @@ class MoriIOBackend(RdmaPeers[_Peer], TransferBackend):
                 except TransferError as exc:
                     # fail the handle first, then hand the batches already
                     # issued to the tracker so their statuses outlive the read
-                    handle._finish(str(exc))
+                    handle._finish(str(exc), failure_of(exc))
                     if pending.entries:
                         self._tracker.add(pending)
                     else:

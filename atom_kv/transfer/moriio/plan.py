@@ -19,7 +19,7 @@ from typing import Any, Callable, Hashable, Mapping, NamedTuple, Optional, Seque
 from atom_kv.config import KVTransferConfig
 import numpy as np
 
-from atom_kv.transfer.base import ReadOp, TransferError
+from atom_kv.transfer.base import OutOfBounds, ReadOp, TransferError
 
 __all__ = [
     "OPTIONAL_RDMA_ATTRS",
@@ -120,22 +120,22 @@ def _check(op: ReadOp, local_sizes: Sequence[int], remote_sizes: Sequence[int], 
     if op.size <= 0:
         raise TransferError(f"read op {tuple(op)} has non-positive size {op.size}")
     if not 0 <= op.local_region < len(local_sizes):
-        raise TransferError(
+        raise OutOfBounds(
             f"local region {op.local_region} is outside the {len(local_sizes)} regions this engine registered"
         )
     if not 0 <= op.remote_region < len(remote_sizes):
-        raise TransferError(
+        raise OutOfBounds(
             f"remote region {op.remote_region} is outside the {len(remote_sizes)} regions peer {peer} registered"
         )
     lsize = local_sizes[op.local_region]
     if op.local_offset < 0 or op.local_offset + op.size > lsize:
-        raise TransferError(
+        raise OutOfBounds(
             f"local range [{op.local_offset}, {op.local_offset + op.size}) is outside "
             f"local region {op.local_region} ({lsize} bytes)"
         )
     rsize = remote_sizes[op.remote_region]
     if op.remote_offset < 0 or op.remote_offset + op.size > rsize:
-        raise TransferError(
+        raise OutOfBounds(
             f"remote range [{op.remote_offset}, {op.remote_offset + op.size}) is outside "
             f"remote region {op.remote_region} of peer {peer} ({rsize} bytes)"
         )

@@ -42,7 +42,10 @@ from atom_kv.ports import RankPorts
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer._rdma import RdmaPeers, teardown
 from atom_kv.transfer._regions import begin_read, resolve_config
-from atom_kv.transfer.base import BackendUnavailable, ReadHandle, ReadOp, TransferBackend, TransferError, chunk_sizes
+from atom_kv.transfer.base import (
+    BackendUnavailable, OutOfBounds, ReadFailure, ReadHandle, ReadOp, ReadRefusal, TransferBackend, TransferError,
+    chunk_sizes,
+)
 from atom_kv.transfer.memory import HOST, MemoryKind
 from atom_kv.transfer.nixl.transports import TransportReport, enable_proto_info
 from atom_kv.transfer.nixl.agent import LOCAL_SIDE, NixlAgent, nixl_error
@@ -226,7 +229,8 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
             self._report_transports()
         with self._lock:
             peer = self._peers.get(peer_id)
-            refusal = "backend is closed" if self._closed else (None if peer is not None else f"unknown peer {peer_id!r}")
+            refusal = (ReadRefusal(ReadFailure.CLOSED, "backend is closed") if self._closed
+                       else None if peer is not None else ReadRefusal(ReadFailure.UNKNOWN_PEER, f"unknown peer {peer_id!r}"))
             handle, table = begin_read("NIXL read", ops, self._regions.sizes, refusal=refusal)
             if table is None:
                 return handle
@@ -236,8 +240,9 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
                 transfers = plan_read(table, self._regions, peer.regions, *self._layouts(peer))
                 pending = self._start(peer, transfers, handle, timeout_s)
             except TransferError as exc:
-                handle._finish(str(exc))
-                self._count("refused" if "outside" in str(exc) else "start_failed")
+                outside = isinstance(exc, OutOfBounds)
+                handle._finish(str(exc), ReadFailure.OUT_OF_BOUNDS if outside else ReadFailure.TRANSPORT)
+                self._count("refused" if outside else "start_failed")
                 logger.warning("NIXL read %d from peer %s: %s", next(self._reads), peer_id, exc)
                 return handle
         self._tracker.add(pending)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from atom_kv.transfer._rdma import CompletionThread, PendingRead
+from atom_kv.transfer.base import ReadFailure
 from atom_kv.transfer.nixl.agent import NixlAgent, nixl_error
 
 __all__ = ["Launch", "Pending", "XferTracker"]
@@ -99,7 +100,7 @@ class XferTracker(CompletionThread[Pending]):
                     if error is not None:
                         self._give_up(p, error)
                     elif self._stopped:
-                        self._give_up(p, "NIXL backend is closed")
+                        self._give_up(p, "NIXL backend is closed", ReadFailure.CLOSED)
                     else:
                         self._pending.append(p)
         return bool(new)

@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 
 from atom_kv.transfer._regions import LOCAL_OFFSET, LOCAL_REGION, REMOTE_OFFSET, REMOTE_REGION, SIZE, out_of_bounds
-from atom_kv.transfer.base import TransferError
+from atom_kv.transfer.base import OutOfBounds, TransferError
 
 __all__ = ["DRAM", "VRAM", "MAX_PREPPED_DESCS", "Regions", "Transfer", "UnitLayout", "plan_read"]
 
@@ -159,7 +159,7 @@ def check_remote(table: np.ndarray, remote: Regions, peer: str) -> None:
     bad = out_of_bounds(table[:, REMOTE_REGION], table[:, REMOTE_OFFSET], table[:, SIZE], remote.sizes)
     if bad is not None:
         _, _, rr, ro, sz = (int(x) for x in table[bad])
-        raise TransferError(f"NIXL read from peer {peer}: remote range (region {rr}, offset {ro}, size {sz}) "
+        raise OutOfBounds(f"NIXL read from peer {peer}: remote range (region {rr}, offset {ro}, size {sz}) "
                             "is outside the peer's registered regions")
 
 
