@@ -19,6 +19,7 @@ from atom_kv.connector import create_worker
 from atom_kv.connector.handshake import BasePortHandler, HandshakeServer, MessageContext
 from atom_kv.connector.stats import TransferStats
 from atom_kv.testing.listeners import listeners
+from atom_kv.testing.polling import wait_until
 from atom_kv.testing.ports import free_plan_base
 from atom_kv.transfer._events import EndpointEvents
 from atom_kv.transfer._frame_server import FrameServer, ServerLimits
@@ -99,7 +100,8 @@ def test_a_handshake_server_binds_and_runs_only_between_start_and_close():
         finally:
             second.close()
         assert not _wait_gone({"atom-kv-hs-server-lifecycle"})
-        assert _port_free(port)
+        # ZeroMQ's I/O thread lets the bind go just after close() returns
+        wait_until(lambda: _port_free(port), 5.0, interval=0.02, what=f"port {port} free after close()")
     finally:
         ctx.destroy(linger=0)
 
