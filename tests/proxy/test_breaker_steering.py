@@ -128,7 +128,7 @@ def test_a_broken_instance_still_opens_its_circuit(status):
     ("--max-server-timing-bytes", "-1", "must be >= 0"),
     ("--max-first-token-text-bytes", "x", "not an integer"),
 ])
-def test_breaker_and_answer_bound_flags_are_checked_in_one_line(flag, value, says, monkeypatch, capsys):
+def test_breaker_and_answer_bound_flags_are_checked_in_one_line(flag, value, says, monkeypatch, capsys, caplog):
     """The proxy's own main(), in this process (a process start per flag cost more than the checks): the
     refusal comes before it listens, and a flag let through fails here instead of serving."""
     from atom_kv.proxy import __main__ as proxy_main
@@ -143,6 +143,7 @@ def test_breaker_and_answer_bound_flags_are_checked_in_one_line(flag, value, say
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]
     assert exit_info.value.code == 2 and "Traceback" not in err
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []  # nor logged with one
     assert says in last and (flag in last or flag.lstrip("-").replace("-", "_") in last), last
 
 
