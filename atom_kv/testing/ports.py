@@ -4,8 +4,8 @@ Prefer port 0 wherever the server can tell its bound port back (the
 reference engine's ``--port 0 --port-file``): a port found free here can be
 taken by someone else before the server binds it.
 
-:func:`free_port_range` picks ports *below* the kernel's ephemeral range, so no
-outgoing connection can ever be given one of them. That matters for ports a
+:func:`free_port` and :func:`free_port_range` pick ports *below* the kernel's ephemeral
+range, so no outgoing connection and no listener on port 0 can ever be given one of them. That matters for ports a
 server must bind again after a restart: a peer that keeps reconnecting to a
 dead server's ephemeral port on loopback is eventually handed that very port
 as its own source port (a TCP self-connect) and holds it.
@@ -20,10 +20,11 @@ __all__ = ["free_ephemeral_window", "free_plan_base", "free_port", "free_port_ra
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS says is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free right now, picked at random *below* the kernel's ephemeral
+    range (as :func:`free_port_range`): a port the OS hands out itself (bind to port 0, the source port
+    of any outgoing connection) can be taken by another process in the moment between this call and
+    the server's bind, which made tests fail under load with "Address already in use"."""
+    return free_port_range(1)
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -12,10 +12,13 @@ state), :meth:`ServedBackend._start_endpoint` (what listens) and
 from __future__ import annotations
 
 import abc
+import atexit
+import functools
 import itertools
 import logging
 import os
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import msgspec
@@ -120,6 +123,15 @@ class ServingEndpoint(abc.ABC):
         self._server.close()
 
 
+def _close_at_exit(ref: "weakref.ref[ServedBackend]") -> None:
+    """Close a backend its owner never closed, at interpreter exit before finalization: its threads are
+    daemons, and one that finalization stops inside native code (a torch copy of the staged path, which
+    releases the GIL) aborts the process ("terminate called without an active exception")."""
+    backend = ref()
+    if backend is not None:
+        backend.close()
+
+
 class ServedBackend(TransferBackend):
     """Base of the backends that serve their own reads (tcp, cma, gpu_ipc):
     owns what they all keep (addresses, key, token, lock, lifecycle, the
@@ -155,6 +167,8 @@ class ServedBackend(TransferBackend):
         self._peer_seq = itertools.count(1)
         self._read_seq = itertools.count(1)
         self._setup(cfg)
+        self._exit_hook = functools.partial(_close_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
 
     # -- what each backend says -------------------------------------------
     def _setup(self, cfg: "KVTransferConfig") -> None:
@@ -210,6 +224,7 @@ class ServedBackend(TransferBackend):
         with self._lock:
             if not self._life.mark_closed():
                 return
+            atexit.unregister(self._exit_hook)
             peers = list(self._peers.values())
             self._peers.clear()
             endpoint, self._endpoint = self._endpoint, None

@@ -1,5 +1,9 @@
 """A TP rank as its own process: hosts one connector worker per backend
-(two engines in one process) and obeys commands from the test over a pipe."""
+(two engines in one process) and obeys commands from the test over a pipe.
+
+Rank processes are forked from multiprocessing's forkserver with torch and the
+connector imported once (a spawned one spent seconds importing torch each);
+importing torch initialises no CUDA, so each rank still starts its own."""
 
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ from typing import Any
 from atom_kv.connector.types import ConnectorMetadata, KVConnectorOutput
 
 REPLY_TIMEOUT_S = 30.0
+
+#: what the forkserver imports once, before it forks any rank process
+PRELOAD = ["torch", "atom_kv.connector", "atom_kv.transfer.tcp", "tests.connector.kvutil", "tests.connector.rank_proc"]
 
 
 def rank_main(conn, spec: dict[str, Any]) -> None:
@@ -63,7 +70,8 @@ class RankProcess:
 
     def __init__(self, name: str, role: str, tp_rank: int, tp_size: int, engines: dict[str, tuple[str, int]],
                  num_blocks: int, overrides: dict | None = None, stage: dict | None = None) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # only takes effect if this process's forkserver is not running yet
         self.conn, child = ctx.Pipe()
         spec = dict(name=name, role=role, tp_rank=tp_rank, tp_size=tp_size, engines=engines,
                     num_blocks=num_blocks, overrides=overrides or {}, stage=stage or {})

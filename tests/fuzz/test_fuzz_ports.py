@@ -9,6 +9,9 @@ failure went through the counted, rate-limited refusal path). Bounded in time.""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
 import os
 import socket
@@ -45,6 +48,20 @@ _value = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=10,
 )
+
+
+def _rss_settled() -> int:
+    """This process's RSS once garbage is collected and freed heap handed back (``malloc_trim``): what
+    glibc keeps after a burst is no leak, and there is more of it the busier the machine (threads that
+    contend for the heap get arenas of their own, and the fuzzed messages queue deeper in ZeroMQ, in
+    this process, while the server catches up). The bounds below are about what stays held."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name:
+        trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+    return rss_bytes()
 
 
 def _fields_of(*structs) -> list[str]:
@@ -86,7 +103,7 @@ class _HandshakeTarget:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         self.sock.connect(f"tcp://127.0.0.1:{self.port}")
-        self.rss_start = rss_bytes()
+        self.rss_start = _rss_settled()
 
     def close(self) -> None:
         self.sock.close(0)
@@ -143,7 +160,8 @@ def test_zz_the_handshake_port_survived(handshake, traces):
     refusals = server.refusals()
     assert "internal" not in refusals, refusals
     assert sum(refusals.values()) > 0
-    assert rss_bytes() - handshake.rss_start < 64 << 20
+    grew = _rss_settled() - handshake.rss_start
+    assert grew < 64 << 20, f"RSS grew by {grew >> 20} MiB"
     assert traces.records == [], [r.getMessage() for r in traces.records][:5]
 
 
@@ -161,7 +179,7 @@ class _TcpTarget:
         self.descriptor = self.backend.export_descriptor()
         desc = wire.decode(self.descriptor, wire.TcpDescriptor)
         self.addr = (desc.host, desc.port)
-        self.rss_start = rss_bytes()
+        self.rss_start = _rss_settled()
 
     def exchange(self, payloads: list[bytes]) -> None:
         with socket.create_connection(self.addr, timeout=5) as s:
@@ -223,7 +241,8 @@ def test_zz_the_tcp_port_survived(tcp, traces):
         assert np.array_equal(dst[:8192], tcp.buf[4096:12288])
     stats = tcp.backend.stats()
     assert stats.get("internal", 0) == 0, stats
-    assert rss_bytes() - tcp.rss_start < 64 << 20
+    grew = _rss_settled() - tcp.rss_start
+    assert grew < 64 << 20, f"RSS grew by {grew >> 20} MiB"
     assert traces.records == [], [r.getMessage() for r in traces.records][:5]
 
 
@@ -239,7 +258,7 @@ class _RendezvousTarget(_HandshakeTarget):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         self.sock.connect(f"tcp://127.0.0.1:{self.port}")
-        self.rss_start = rss_bytes()
+        self.rss_start = _rss_settled()
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +296,8 @@ def test_zz_the_rendezvous_survived(rendezvous, traces):
             break
     assert server._thread.is_alive()
     assert "internal" not in server.refusals(), server.refusals()
-    assert rss_bytes() - rendezvous.rss_start < 64 << 20
+    grew = _rss_settled() - rendezvous.rss_start
+    assert grew < 64 << 20, f"RSS grew by {grew >> 20} MiB"
     assert traces.records == [], [r.getMessage() for r in traces.records][:5]
 
 
@@ -287,7 +307,7 @@ class _GrantTarget:
         self.server = GrantServer(bind_host="127.0.0.1", host="127.0.0.1", auth_token=TOKEN, timeout_s=1.0,
                                        max_connections=64, spans=lambda: [(0, 4096, 4096)], label="fuzzed grants")
         self.addr = ("127.0.0.1", self.server.port)
-        self.rss_start = rss_bytes()
+        self.rss_start = _rss_settled()
 
     def exchange(self, payloads: list[bytes]) -> None:
         with socket.create_connection(self.addr, timeout=5) as s:
@@ -335,5 +355,6 @@ def test_zz_the_grant_endpoint_survived(grants, traces):
     assert reply.ok and reply.regions, reply.error
     stats = grants.server.stats()
     assert stats.get("internal", 0) == 0 and stats.get("decode", 0) + stats.get("auth", 0) > 0, stats
-    assert rss_bytes() - grants.rss_start < 64 << 20
+    grew = _rss_settled() - grants.rss_start
+    assert grew < 64 << 20, f"RSS grew by {grew >> 20} MiB"
     assert traces.records == [], [r.getMessage() for r in traces.records][:5]

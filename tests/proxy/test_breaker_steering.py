@@ -128,8 +128,27 @@ def test_a_broken_instance_still_opens_its_circuit(status):
     ("--max-server-timing-bytes", "-1", "must be >= 0"),
     ("--max-first-token-text-bytes", "x", "not an integer"),
 ])
-def test_breaker_and_answer_bound_flags_are_checked_in_one_line(flag, value, says):
-    res = _run(flag, value, "--port", "0", "--discovery-port", "0")
+def test_breaker_and_answer_bound_flags_are_checked_in_one_line(flag, value, says, monkeypatch, capsys, caplog):
+    """The proxy's own main(), in this process (a process start per flag cost more than the checks): the
+    refusal comes before it listens, and a flag let through fails here instead of serving."""
+    from atom_kv.proxy import __main__ as proxy_main
+
+    def accepted(*args, **kwargs):
+        raise AssertionError(f"{flag} {value} was accepted: the proxy went on to listen")
+
+    monkeypatch.setattr(proxy_main, "listen_socket", accepted)
+    monkeypatch.setattr(proxy_main, "configure_logging", lambda *a: None)  # this process's logging stays as it is
+    with pytest.raises(SystemExit) as exit_info:
+        proxy_main.main([flag, value, "--port", "0", "--discovery-port", "0"])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []  # nor logged with one
+    assert says in last and (flag in last or flag.lstrip("-").replace("-", "_") in last), last
+
+
+def test_a_bad_breaker_flag_is_one_line_from_the_proxy_process():
+    res = _run("--circuit-failures", "0", "--port", "0", "--discovery-port", "0")
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert says in last and (flag in last or flag.lstrip("-").replace("-", "_") in last), last
+    assert "must be >= 1" in last and ("--circuit-failures" in last or "circuit_failures" in last), last

@@ -86,17 +86,28 @@ def _text(answer: tuple[int, Any]) -> tuple[int, Any]:
 
 
 class _Pair:
-    """A raw prefill and a raw decode engine behind a proxy process (static engines, no discovery)."""
+    """A raw prefill and a raw decode engine behind a proxy process (static engines, no discovery),
+    shared by the module's tests: :meth:`reset` gives each test the engines' default answers and the
+    proxy's log from that point on."""
 
     def __init__(self) -> None:
         self.prefill = RawEngine("prefill", self._prefill).start()
         self.decode = RawEngine("decode", self._decode).start()
+        self._scripts = (self.prefill.script, self.decode.script)
         self.prefill_interims: list[bytes] = []
         self.decode_interims: list[bytes] = []
         self.proxy = ProxyProcess("--no-discovery", "--no-release", "--probe-interval", "0.2",
                                   "--prefill", self.prefill.url, "--decode", self.decode.url,
                                   "--prefill-timeout", str(LEG_TIMEOUT), "--decode-timeout", str(LEG_TIMEOUT))
+        self._log_from = 0
         self.wait_up()
+
+    def reset(self) -> None:
+        """The engines' default answers, both probed up, and the log counted from here."""
+        self.prefill.script, self.decode.script = self._scripts
+        self.prefill_interims, self.decode_interims = [], []
+        self.wait_up()
+        self._log_from = len(self.proxy.lines)
 
     def wait_up(self) -> None:
         want = (200, {"status": "ok", "prefill": 1, "decode": 1})
@@ -117,6 +128,11 @@ class _Pair:
             return None
         return [*interims, 0.3, answer(req)] if interims else [answer(req)]
 
+    def test_log(self) -> str:
+        """What the proxy logged since :meth:`reset` (the whole log is checked once it exited, at the
+        module's end)."""
+        return "".join(self.proxy.lines[self._log_from:])
+
     def log(self) -> str:
         """The proxy's whole log, once it exited."""
         self.proxy.terminate()
@@ -128,13 +144,20 @@ class _Pair:
         self.decode.close()
 
 
-@pytest.fixture
-def pair():
+@pytest.fixture(scope="module")
+def _shared_pair():
     p = _Pair()
     try:
         yield p
+        _assert_no_traceback(p.log())
     finally:
         p.close()
+
+
+@pytest.fixture
+def pair(_shared_pair):
+    _shared_pair.reset()
+    return _shared_pair
 
 
 def _assert_no_traceback(log: str) -> None:
@@ -149,7 +172,7 @@ def test_each_client_gets_its_own_answer_past_an_engines_interim_answers(pair, l
     second = _text(_post(pair.proxy.port, "/v1/completions", {"prompt": "B", "max_tokens": 2}))
     # "A/B" would be B's decode leg carrying A's prefill answer; "A/A", B getting A's decode answer
     assert (first, second) == ((200, "A/A"), (200, "B/B"))
-    _assert_no_traceback(pair.log())
+    _assert_no_traceback(pair.test_log())
 
 
 @pytest.mark.parametrize("name", list(UPGRADES))
@@ -165,7 +188,7 @@ def test_an_upgrade_from_an_engine_is_a_502_at_once_and_its_connection_is_closed
     engine.script = default  # the engine behaves again: served again once probed up
     pair.wait_up()
     assert _text(_post(pair.proxy.port, "/v1/completions", {"prompt": "B", "max_tokens": 2})) == (200, "B/B")
-    _assert_no_traceback(pair.log())
+    _assert_no_traceback(pair.test_log())
 
 
 @pytest.mark.parametrize("name", list(UPGRADES))
@@ -206,4 +229,4 @@ def test_v1_models_is_the_final_answer_and_an_upgrade_there_a_502(pair):
     pair.decode.script = lambda req: ([UPGRADES["upgrade"], Then.HOLD]
                                       if req.path == "/v1/models" else default(req))
     assert _post(pair.proxy.port, "/v1/models", None)[0] == 502
-    _assert_no_traceback(pair.log())
+    _assert_no_traceback(pair.test_log())
