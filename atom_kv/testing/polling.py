@@ -1,5 +1,6 @@
-"""The tests' and benches' name for :mod:`atom_kv.launch.polling`, re-exported: that code ships in the wheel
-(the demo runs on it), while ``atom_kv.testing`` stays in the checkout."""
+"""Old import path of :mod:`atom_kv.launch.polling` (the tests and benches import it here), kept working:
+that module ships in the wheel, since the demo runs on it; ``atom_kv.testing`` does not."""
 
-from atom_kv.launch.polling import *  # noqa: F401,F403  (exactly its __all__)
-from atom_kv.launch.polling import __all__  # noqa: F401
+from atom_kv.launch.polling import wait_until
+
+__all__ = ["wait_until"]

@@ -1,5 +1,6 @@
-"""The tests' and benches' name for :mod:`atom_kv.launch.ports`, re-exported: that code ships in the wheel
-(the demo runs on it), while ``atom_kv.testing`` stays in the checkout."""
+"""Old import path of :mod:`atom_kv.launch.ports` (the tests and benches import it here), kept working:
+that module ships in the wheel, since the demo runs on it; ``atom_kv.testing`` does not."""
 
-from atom_kv.launch.ports import *  # noqa: F401,F403  (exactly its __all__)
-from atom_kv.launch.ports import __all__  # noqa: F401
+from atom_kv.launch.ports import free_ephemeral_window, free_plan_base, free_port, free_port_range
+
+__all__ = ["free_ephemeral_window", "free_plan_base", "free_port", "free_port_range"]

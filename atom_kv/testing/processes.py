@@ -1,5 +1,6 @@
-"""The tests' and benches' name for :mod:`atom_kv.launch.processes`, re-exported: that code ships in the wheel
-(the demo runs on it), while ``atom_kv.testing`` stays in the checkout."""
+"""Old import path of :mod:`atom_kv.launch.processes` (the tests and benches import it here), kept working:
+that module ships in the wheel, since the demo runs on it; ``atom_kv.testing`` does not."""
 
-from atom_kv.launch.processes import *  # noqa: F401,F403  (exactly its __all__)
-from atom_kv.launch.processes import __all__  # noqa: F401
+from atom_kv.launch.processes import ManagedProcess, REPO_ROOT, interrupts_held
+
+__all__ = ["ManagedProcess", "interrupts_held", "REPO_ROOT"]

@@ -1,5 +1,6 @@
-"""The tests' and benches' name for :mod:`atom_kv.launch.web`, re-exported: that code ships in the wheel
-(the demo runs on it), while ``atom_kv.testing`` stays in the checkout."""
+"""Old import path of :mod:`atom_kv.launch.web` (the tests and benches import it here), kept working:
+that module ships in the wheel, since the demo runs on it; ``atom_kv.testing`` does not."""
 
-from atom_kv.launch.web import *  # noqa: F401,F403  (exactly its __all__)
-from atom_kv.launch.web import __all__  # noqa: F401
+from atom_kv.launch.web import http_json, scrape_metrics
+
+__all__ = ["http_json", "scrape_metrics"]
