@@ -23,8 +23,8 @@ from typing import Optional
 
 from atom_kv._cli import OneLineParser
 from atom_kv.extras import MissingExtraError, require
-from atom_kv.testing.cluster import Cluster, EngineSpec
-from atom_kv.testing.web import scrape_metrics
+from atom_kv.launch.cluster import Cluster, EngineSpec
+from atom_kv.launch.web import scrape_metrics
 
 PROMPTS = [
     "Hello! Tell me about disaggregated inference.",

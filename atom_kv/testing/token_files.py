@@ -1,19 +1,6 @@
-"""Token files as the docs have operators make them: one line, readable by their owner only (mode 0600),
-so a harness passes the cluster secret by path and no process list shows it."""
+"""Old import path of :mod:`atom_kv.launch.token_files` (the tests and benches import it here), kept working:
+that module ships in the wheel, since the demo runs on it; ``atom_kv.testing`` does not."""
 
-from __future__ import annotations
-
-import os
+from atom_kv.launch.token_files import write_token_file
 
 __all__ = ["write_token_file"]
-
-
-def write_token_file(path: str, token: str) -> str:
-    """Write ``token`` and a newline to ``path`` with mode 0600 (replacing what is there); return ``path``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
-        os.write(fd, (token + "\n").encode("utf-8"))
-    finally:
-        os.close(fd)
-    return path

@@ -16,11 +16,13 @@ install falls back to pip's indexes. The whole module takes about 15 s on the 2-
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import venv
 import zipfile
 from email.parser import Parser
@@ -181,9 +183,7 @@ def test_proxy_runs_without_torch(plain_install):
 @pytest.mark.parametrize("args", [
     ["-m", "atom_kv.reference", "--port", "0"],
     ["-m", "atom_kv.demo"],
-    ["-m", "atom_kv.bench", "e2e"],
-    ["-m", "atom_kv.bench", "connector"],
-], ids=["engine", "demo", "bench-e2e", "bench-connector"])
+], ids=["engine", "demo"])
 def test_what_needs_torch_says_which_extra_in_one_line(plain_install, args):
     proc = _run(plain_install, *args)
     assert proc.returncode == 1
@@ -208,12 +208,12 @@ def test_importing_the_reference_engine_without_torch_names_the_extra(plain_inst
 
 
 def test_the_product_never_imports_the_test_scaffolding():
-    """Only the harness users (tests, benches, the demo) may import atom_kv.testing."""
+    """Only the harness users (tests, benches) may import atom_kv.testing."""
     package = os.path.join(REPO_ROOT, "atom_kv")
     offenders = []
     for dirpath, _, files in os.walk(package):
         rel = os.path.relpath(dirpath, package).split(os.sep)[0]
-        if rel in ("testing", "bench", "demo"):
+        if rel in ("testing", "bench"):
             continue
         for name in files:
             if name.endswith(".py"):
@@ -222,3 +222,50 @@ def test_the_product_never_imports_the_test_scaffolding():
                     if "atom_kv.testing" in f.read():
                         offenders.append(os.path.relpath(path, REPO_ROOT))
     assert offenders == []
+
+
+def _imports_into(source: str, module: str, roots: tuple[str, ...]) -> list[str]:
+    """The modules under ``roots`` that ``source`` (module ``module``, a package's is ``pkg.__init__``) imports."""
+    package = module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            base = ".".join(p for p in (base, node.module or "") if p)
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found += [n for n in names if any(n == r or n.startswith(r + ".") for r in roots)]
+    return found
+
+
+def test_the_wheel_holds_no_bench_or_testing_and_what_it_holds_runs_without_them(plain_install, tmp_path):
+    """The benches and the test scaffolding stay in the checkout: the wheel has no file of theirs, no module in
+    it imports one, and the proxy's, the reference engine's and the demo's entry modules import from the installed
+    copy alone (torch lent from this interpreter's site-packages, less any atom_kv there)."""
+    excluded = ("atom_kv.bench", "atom_kv.testing")
+    with zipfile.ZipFile(plain_install[2]) as zf:
+        names = zf.namelist()
+        assert "atom_kv/demo/__main__.py" in names and "atom_kv/launch/cluster.py" in names, names
+        shipped = [n for n in names if n.startswith(("atom_kv/bench/", "atom_kv/testing/"))]
+        assert shipped == []
+        offenders = {n: found for n in names if n.endswith(".py")
+                     if (found := _imports_into(zf.read(n).decode(), n[:-3].replace("/", "."), excluded))}
+    assert offenders == {}
+    pytest.importorskip("torch", reason="the reference engine's import needs torch in this interpreter to lend")
+    lent = tmp_path / "lent-site-packages"
+    lent.mkdir()
+    for site_dir in {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}:
+        for entry in os.listdir(site_dir):
+            if not entry.startswith(("atom_kv", "__editable__")) and not entry.endswith(".pth") \
+                    and not (lent / entry).exists():
+                os.symlink(os.path.join(site_dir, entry), lent / entry)
+    probe = ("import importlib.util, sys, atom_kv.proxy.__main__, atom_kv.reference.__main__, atom_kv.demo.__main__; "
+             "print([m.__file__ for n, m in sorted(sys.modules.items()) if n.split('.')[0] == 'atom_kv' "
+             "and getattr(m, '__file__', None) and not m.__file__.startswith(sys.prefix)], "
+             "[n for n in %r if importlib.util.find_spec(n) is not None])" % (excluded,))
+    proc = _run(plain_install, "-c", probe, timeout=120, env={"PYTHONPATH": str(lent)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[] []", proc.stdout
