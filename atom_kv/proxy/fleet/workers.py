@@ -95,7 +95,7 @@ def _base_url(url: object, where: str) -> str:
         raise WorkerError(400, f"{where}: `url` is longer than {MAX_TEXT} characters")
     try:
         split = urlsplit(url)
-        split.port
+        _ = split.port  # raises ValueError for a port that is not a number in 0-65535
     except ValueError as exc:
         raise WorkerError(400, f"{where}: bad URL {url!r}: {exc}") from None
     if split.scheme not in ("http", "https") or not split.hostname:
