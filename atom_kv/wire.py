@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from typing import Annotated, Any, Literal, Mapping, Optional, TypeVar, Union, get_args
+from typing import Annotated, Any, Hashable, Literal, Mapping, Optional, TypeVar, Union, cast, get_args
 
 import msgspec
 
@@ -826,8 +826,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
         if not isinstance(data, Mapping):
             return cls(), [FieldError("kv_transfer_params",
                                       f"`kv_transfer_params` must be an object, got {type(data).__name__}")]
+        errors: list[FieldError] = []
         try:
-            params, errors = msgspec.convert(data, cls), []
+            params = msgspec.convert(data, cls)
         except msgspec.ValidationError as exc:
             valid, errors = validate_fields(data, cls)
             params = cls(**valid)
@@ -949,7 +950,7 @@ def decode(data: bytes, type_: type[T]) -> T:
     :class:`WireError` (and only that), naming the type and the reason.
     """
     try:
-        return _decoder(type_).decode(data)
+        return _decoder(cast(Hashable, type_)).decode(data)  # a type hashes; mypy cannot tell for type[T]
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): {exc}") from None
     except UnicodeDecodeError:  # a str field that is not UTF-8 (msgspec < 0.23; 0.23 raises DecodeError)

@@ -171,7 +171,7 @@ class Workers:
         if existing is not None:
             raise WorkerError(409, f"{where}: {ROLE_NAMES[engine.role]} engine {engine.base_url} is already known "
                                    f"(source {existing.origin.value}); DELETE /workers?url=... first to replace it")
-        added = sum(1 for r in ("P", "D") for i in self.registry.known(r)  # type: ignore[arg-type]
+        added = sum(1 for r in ("P", "D") for i in self.registry.known(r)
                     if i.origin is Origin.API)
         if added >= self.max_instances:
             raise WorkerError(409, f"{where}: {added} engines were added through the API already (max_instances); "

@@ -85,8 +85,8 @@ class ServerConnection(asyncio.Protocol):
         self.server.connections.add(self)
         peer = transport.get_extra_info("peername")
         local = transport.get_extra_info("sockname")
-        self.peer = tuple(peer[:2]) if isinstance(peer, tuple) else None  # type: ignore[assignment]
-        self.local = tuple(local[:2]) if isinstance(local, tuple) else None  # type: ignore[assignment]
+        self.peer = tuple(peer[:2]) if isinstance(peer, tuple) else None
+        self.local = tuple(local[:2]) if isinstance(local, tuple) else None
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
