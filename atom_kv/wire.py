@@ -151,7 +151,10 @@ class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=Tru
 #: a human-readable explanation on the wire (one log line)
 DetailText = Annotated[str, msgspec.Meta(max_length=512)]
 #: what a :class:`RegisterAnswer` says
-REGISTERED, REFUSED, STALE = "registered", "refused", "stale"
+RegisterStatus = Literal["registered", "refused", "stale"]
+REGISTERED: Literal["registered"] = "registered"
+REFUSED: Literal["refused"] = "refused"
+STALE: Literal["stale"] = "stale"
 
 
 class RegisterAnswer(msgspec.Struct, tag_field="type", tag="register_answer", kw_only=True):
@@ -162,7 +165,7 @@ class RegisterAnswer(msgspec.Struct, tag_field="type", tag="register_answer", kw
     ``address``, ``version``; or ``stale`` (a signed ping whose timestamp is outside the proxy's window:
     the two clocks differ). ``detail`` says why in one line. Informational only: the engine logs it."""
 
-    status: Literal["registered", "refused", "stale"]
+    status: RegisterStatus
     reason: Name = ""
     detail: DetailText = ""
     v: int = PROTOCOL_VERSION
