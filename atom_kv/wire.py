@@ -945,7 +945,7 @@ def prepare_decoders() -> None:
         _decoder(union)
 
 
-def decode(data: bytes, type_: type[T]) -> T:
+def decode(data: Union[bytes, bytearray, memoryview], type_: type[T]) -> T:
     """Decode ``data`` as a message of ``type_`` (a Struct of this module, or
     a union of tagged ones such as :data:`RegistrationMessage`).
 
