@@ -20,7 +20,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PIP_TORCH_CPU := --extra-index-url $(TORCH_CPU_INDEX) --timeout 10 --retries 0
 TORCH_PIN := torch==2.13.0+cpu
 
-.PHONY: demo test test-latest test-oldest lock test-gpu gpu-kit bench venv clean
+.PHONY: demo lint test test-latest test-oldest lock test-gpu gpu-kit bench venv clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,12 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m atom_kv.demo
+
+# `make lint`: ruff, then mypy, over atom_kv/ (bench/ and testing/ included), with the rules and
+# the strictness pyproject.toml's [tool.ruff] and [tool.mypy] state; both come pinned in the lock.
+lint: $(STAMP)
+	$(BIN)/ruff check atom_kv
+	$(BIN)/mypy atom_kv
 
 # `make test`: the whole suite, in TEST_WORKERS processes (pytest-xdist; each test file stays in
 # one process, so a file's engines start once). TEST_WORKERS=0 runs it in this process alone.

@@ -48,7 +48,7 @@ class ProvenSources:
             self._seen[source] = self._clock() + self.ttl_s
 
     def __contains__(self, source: object) -> bool:
-        until = self._seen.get(source)  # type: ignore[arg-type]
+        until = self._seen.get(source) if isinstance(source, str) else None
         if until is None:
             return False
         if until < self._clock():

@@ -10,7 +10,7 @@ Not thread-safe: the owner holds its own lock.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Generic, Hashable, Iterator, Optional, TypeVar, Union
+from typing import Callable, Generic, Hashable, Iterator, Optional, TypeVar, Union, overload
 
 __all__ = ["BoundedDict", "BoundedSet"]
 
@@ -46,7 +46,13 @@ class BoundedDict(Generic[K, V]):
     def __getitem__(self, key: K) -> V:
         return self._items[key]
 
-    def get(self, key: K, default: Optional[V] = None) -> Optional[V]:
+    @overload
+    def get(self, key: K) -> Optional[V]: ...
+
+    @overload
+    def get(self, key: K, default: Union[V, D]) -> Union[V, D]: ...
+
+    def get(self, key: K, default: object = None) -> object:
         return self._items.get(key, default)
 
     def touch(self, key: K) -> None:

@@ -94,7 +94,7 @@ KV_ROLE_REQUIRED = ("kv-transfer-config: `kv_role` is required: 'kv_producer' (a
                     "(a decode engine); 'kv_both' is not supported")
 #: Mooncake's ``protocol`` key, which ATOM users write: the transport it names, as our ``backend``
 Protocol = Literal["tcp", "rdma"]
-_PROTOCOL_BACKEND = {"tcp": "tcp", "rdma": "moriio"}
+_PROTOCOL_BACKEND: dict[str, "BackendName"] = {"tcp": "tcp", "rdma": "moriio"}
 BackendName = Literal["auto", "tcp", "cma", "moriio", "gpu_ipc", "nixl"]
 LoadFailurePolicy = Literal["fail", "recompute"]
 PollCqMode = Literal["polling", "event"]

@@ -223,7 +223,7 @@ class RegistrationPinger:
                             self._silent(link)
                         else:
                             deadline = min(deadline, due)
-                ready = dict(poller.poll(max(0.0, deadline - now) * 1000))
+                ready = dict(poller.poll(int(max(0.0, deadline - now) * 1000)))
                 if self._waker_r.fileno() in ready:
                     self._waker_r.recv(64)
                     if self._leaving.is_set() and not self.ping.draining:

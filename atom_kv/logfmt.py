@@ -115,7 +115,7 @@ def add_log_format_argument(parser: argparse.ArgumentParser) -> None:
                              "log shippers)")
 
 
-def _log_uncaught(exc_type: type, exc: BaseException, tb: Any) -> None:
+def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
     if issubclass(exc_type, KeyboardInterrupt):
         sys.__excepthook__(exc_type, exc, tb)
         return
@@ -127,7 +127,7 @@ def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
         return
     name = args.thread.name if args.thread is not None else "?"
     logging.getLogger("atom_kv").error("uncaught exception in thread %s", name,
-                                       exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
+                                       exc_info=args.exc_value if args.exc_value is not None else True)
 
 
 def configure_logging(level: Union[int, str], fmt: str = "text", *, text_format: str = TEXT_FORMAT,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
-from typing import Annotated, Any, Literal, Mapping, Optional, TypeVar, Union, get_args
+from typing import Annotated, Any, Hashable, Literal, Mapping, Optional, TypeVar, Union, cast, get_args
 
 import msgspec
 
@@ -151,7 +151,10 @@ class RegisterPing(msgspec.Struct, tag_field="type", tag="register", kw_only=Tru
 #: a human-readable explanation on the wire (one log line)
 DetailText = Annotated[str, msgspec.Meta(max_length=512)]
 #: what a :class:`RegisterAnswer` says
-REGISTERED, REFUSED, STALE = "registered", "refused", "stale"
+RegisterStatus = Literal["registered", "refused", "stale"]
+REGISTERED: Literal["registered"] = "registered"
+REFUSED: Literal["refused"] = "refused"
+STALE: Literal["stale"] = "stale"
 
 
 class RegisterAnswer(msgspec.Struct, tag_field="type", tag="register_answer", kw_only=True):
@@ -162,7 +165,7 @@ class RegisterAnswer(msgspec.Struct, tag_field="type", tag="register_answer", kw
     ``address``, ``version``; or ``stale`` (a signed ping whose timestamp is outside the proxy's window:
     the two clocks differ). ``detail`` says why in one line. Informational only: the engine logs it."""
 
-    status: Literal["registered", "refused", "stale"]
+    status: RegisterStatus
     reason: Name = ""
     detail: DetailText = ""
     v: int = PROTOCOL_VERSION
@@ -826,8 +829,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
         if not isinstance(data, Mapping):
             return cls(), [FieldError("kv_transfer_params",
                                       f"`kv_transfer_params` must be an object, got {type(data).__name__}")]
+        errors: list[FieldError] = []
         try:
-            params, errors = msgspec.convert(data, cls), []
+            params = msgspec.convert(data, cls)
         except msgspec.ValidationError as exc:
             valid, errors = validate_fields(data, cls)
             params = cls(**valid)
@@ -941,7 +945,7 @@ def prepare_decoders() -> None:
         _decoder(union)
 
 
-def decode(data: bytes, type_: type[T]) -> T:
+def decode(data: Union[bytes, bytearray, memoryview], type_: type[T]) -> T:
     """Decode ``data`` as a message of ``type_`` (a Struct of this module, or
     a union of tagged ones such as :data:`RegistrationMessage`).
 
@@ -949,7 +953,7 @@ def decode(data: bytes, type_: type[T]) -> T:
     :class:`WireError` (and only that), naming the type and the reason.
     """
     try:
-        return _decoder(type_).decode(data)
+        return _decoder(cast(Hashable, type_)).decode(data)  # a type hashes; mypy cannot tell for type[T]
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireError(f"bad {_type_name(type_)} message ({len(data)} bytes): {exc}") from None
     except UnicodeDecodeError:  # a str field that is not UTF-8 (msgspec < 0.23; 0.23 raises DecodeError)

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(_module(args.suite))
-    return int(module.run(args) or 0)
+    suite = importlib.import_module(_module(args.suite))
+    return int(suite.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ class _Consumer:
     def run(self, requests: list[tuple[int, list[int], list[int]]], port: int, step_s: float = 0.0005) -> float:
         """Load ``(tokens, local_blocks, remote_blocks)`` requests concurrently; returns wall seconds."""
         rids, all_params = [], []
-        for tokens, local, remote in requests:
+        for _tokens, _local, remote in requests:
             self._seq += 1
             rid = f"b{self._seq}"
             rids.append(rid)
@@ -331,7 +331,7 @@ def _run_tp(args: argparse.Namespace, tp: int) -> dict[str, Any]:
     finally:
         if consumer is not None:
             consumer.close()
-        for p, conn in procs:
+        for _p, conn in procs:
             try:
                 conn.send("stop")
             except OSError:

@@ -439,7 +439,7 @@ def _conversations(sessions: int, turns: int, seed: int = 7) -> list[list[str]]:
     for s in range(sessions):
         history = systems[s % len(systems)]
         prompts = []
-        for t in range(turns):
+        for _t in range(turns):
             history += f"\nuser {s}: " + " ".join(rng.choice(words) for _ in range(80))
             prompts.append(history)
             history += "\nassistant:" + " t0 t1 t2 t3 t4 t5 t6 t7"

@@ -289,7 +289,7 @@ def _policy_cases(args: argparse.Namespace, plan: Plan, fractions: list[float], 
                          args.request_timeout, args.startup_timeout)
         case: dict[str, Any] = {"cache_fraction": fraction, "num_blocks": num_blocks, "floored": floored,
                                 "working_set_blocks": estimate, "policies": {}}
-        for n, spec in enumerate(specs):
+        for spec in specs:
             if spec.name in refused:
                 case["policies"][spec.name] = {
                     "policy": spec.name, "status": "not_run", "proxy_flags": spec.proxy_flags(),

@@ -210,7 +210,7 @@ def _measure(spec: PolicySpec, plan: Plan, shape: RunShape, cluster: Cluster, st
         def one(item: Turn) -> dict[str, Any]:
             prompt = history[item.conversation] + item.user
             sent, text, ttft = _send(url, prompt, plan.answer_tokens, timeout)
-            return {"conversation": item.conversation, "turn": turn, "sent": sent, "ttft_s": ttft,
+            return {"conversation": item.conversation, "turn": item.turn, "sent": sent, "ttft_s": ttft,
                     "prompt": prompt, "answer": text}
 
         rows = in_threads(one, plan.turn_order(turn), shape.concurrency, "bench-routing")

@@ -282,7 +282,7 @@ def _serve(plan: Plan, conn: Any) -> None:
             return host_buf
 
         out = []
-        for name, delay, gpu in _variants(plan):
+        for _name, delay, gpu in _variants(plan):
             be = _make_backend(plan.backend, cfg, plan.host, f"bench-serve-{len(backends)}-{os.getpid()}", delay)
             backends.append(be)
             if gpu:

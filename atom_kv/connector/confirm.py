@@ -133,7 +133,7 @@ class DoneAckClient:
                 return f"no confirmation from producer rank {rank} at {host}:{port} within {timeout_s:g} s"
             if stop.is_set():
                 return "connector closing"
-            for sock, _ in poller.poll(min(left, 0.25) * 1000):
+            for sock, _ in poller.poll(int(min(left, 0.25) * 1000)):
                 rank, host, port = waiting[sock]
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)

@@ -23,7 +23,7 @@ def tcp_endpoint(host: str, port: int) -> tuple[str, bool]:
             continue
     else:
         try:
-            addr = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+            addr = str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
         except (OSError, IndexError) as exc:
             raise ValueError(f"cannot resolve host {host!r}: {exc}") from None
     if ":" in addr:

@@ -122,7 +122,7 @@ class _Exchange:
             if left <= 0 or (self._stop is not None and self._stop.is_set()):
                 raise HandshakeError(f"no handshake reply from {self.where} within {self._timeout_s:g} s")
             left = min(left, self._connect_left(now))
-            ready = dict(self._poller.poll(min(left, 0.25) * 1000))
+            ready = dict(self._poller.poll(int(min(left, 0.25) * 1000)))
             if self.watch is not None and self.watch.monitor in ready:
                 self.watch.read()
             if self.sock in ready:

@@ -58,7 +58,7 @@ def largest_message_bytes() -> int:
     request = wire.HandshakeRequest(engine_id=name, tp_rank=1 << 20, tp_size=1 << 20, compat=compat, backend=name,
                                     host=_WIDE * 255, nonce=nonce, memory=[_WIDE * 16] * 16)
     tid = _WIDE * 128
-    signed = dict(ts=-1.5e308, nonce=nonce, mac=mac)
+    signed: dict[str, Any] = dict(ts=-1.5e308, nonce=nonce, mac=mac)
     messages = [
         request,
         wire.HandshakeProof(nonce=nonce, proof=mac, request=b"\xff" * wire.MAX_HANDSHAKE_REQUEST_BYTES),

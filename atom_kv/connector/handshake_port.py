@@ -95,7 +95,7 @@ class MessageContext:
         """The sender's IP address (ZeroMQ's ``Peer-Address``, "" where unknown) and the descriptor of the
         connection (``ZMQ_SRCFD``, None where unknown) of a received frame."""
         try:
-            source = frame.get("Peer-Address") or ""
+            source = str(frame.get("Peer-Address") or "")
         except (zmq.ZMQError, AttributeError, TypeError, UnicodeDecodeError):
             source = ""
         try:

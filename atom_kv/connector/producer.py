@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.connector.handshake import HandshakeError, HandshakeServer, compat_mismatch
@@ -182,7 +182,7 @@ class ProducerWorker(ConnectorWorker):
         with self._lock:
             regions = list(self._kv.regions)
             memory = list(self._kv.memory)
-        base = dict(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
+        base: dict[str, Any] = dict(engine_id=self.engine_id, tp_rank=self.tp_rank, tp_size=self.tp_size,
                     dp_rank=self.dp_rank, pp_rank=self.pp_rank, pp_size=self.pp_size, compat=self.compat,
                     backend=self.backend.name, host=self.host, memory=memory)
         error = compat_mismatch(self.compat, req.compat, "prefill", "decode")

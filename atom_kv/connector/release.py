@@ -294,7 +294,7 @@ class NoticeSender:
             poller.register(sock, zmq.POLLIN)
         now = time.monotonic()
         timeout = min([w.deadline for w in waiting.values()], default=now + 1.0) - now
-        events = dict(poller.poll(max(0.0, min(timeout, 1.0)) * 1000))
+        events = dict(poller.poll(int(max(0.0, min(timeout, 1.0)) * 1000)))
         if waker is not None and waker.fileno() in events:
             waker.drain()
         for sock, target in by_sock.items():

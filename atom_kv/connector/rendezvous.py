@@ -81,7 +81,7 @@ class BlocksClient:
             if cancelled.is_set():
                 self._socks.drop(host, port)
                 return NoBlocks(F.CANCELLED, "the request ended while waiting for the prefill")
-            if not sock.poll(min(left, _POLL_S) * 1000, zmq.POLLIN):
+            if not sock.poll(int(min(left, _POLL_S) * 1000), zmq.POLLIN):
                 continue
             try:
                 data = sock.recv_multipart(zmq.NOBLOCK)[-1]

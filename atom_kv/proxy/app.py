@@ -164,7 +164,7 @@ class ProxyState:
             await self.load_reader.start()
             self._following = True  # engines added from here on (API, DNS) are followed as they come
             for role in ("P", "D"):
-                for inst in self.registry.known(role):  # type: ignore[arg-type]
+                for inst in self.registry.known(role):
                     self._added(inst)
             if self.discovery is not None:
                 await self.discovery.start()  # raises DiscoveryError with a one-line reason
@@ -218,7 +218,7 @@ def _error_response(err: ProxyError, request_id: str | None = None) -> Response:
 
 
 class _ProxyQuart(Quart):
-    def log_exception(self, exception_info) -> None:  # type: ignore[override]
+    def log_exception(self, exception_info) -> None:
         if isinstance(exception_info[1], DiscoveryError):
             return  # a start-up failure the command line reports in one line
         super().log_exception(exception_info)

@@ -52,7 +52,7 @@ def with_first_token_text(params: Optional[dict]) -> Optional[dict]:
     alone (a byte of a longer UTF-8 character shows nothing yet), which is exactly the text a
     decode engine told ``first_token_sent`` leaves out, so a proxy may forward it as it is."""
     ids = params.get("first_token_ids") if isinstance(params, dict) else None
-    if not isinstance(ids, list) or len(ids) != 1 or not isinstance(ids[0], int):
+    if params is None or not isinstance(ids, list) or len(ids) != 1 or not isinstance(ids[0], int):
         return params
     return {**params, "first_token_text": IncrementalDetokenizer().push(ids[0])}
 

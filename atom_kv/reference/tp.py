@@ -278,7 +278,7 @@ class ProcessExecutor:
                 try:
                     conn.send(("rendezvous", store))
                 except OSError:
-                    raise self._fail(f"TP worker {i} is gone (exit code {self._procs[i].exitcode})")
+                    raise self._fail(f"TP worker {i} is gone (exit code {self._procs[i].exitcode})") from None
             try:
                 self._gather(startup_timeout_s, "start", deadline=deadline)
             finally:  # every rank has joined (or failed): the rendezvous file has served its purpose
@@ -308,7 +308,7 @@ class ProcessExecutor:
                     try:
                         kind, payload = conn.recv()
                     except (EOFError, OSError):
-                        raise self._fail(f"TP worker {i} closed its pipe (exit code {self._procs[i].exitcode})")
+                        raise self._fail(f"TP worker {i} closed its pipe (exit code {self._procs[i].exitcode})") from None
                     if kind == "error":
                         raise self._fail(f"TP worker {i} failed: {payload.strip().splitlines()[-1]}")
                     results[i] = payload
@@ -330,7 +330,7 @@ class ProcessExecutor:
             try:
                 conn.send(("step", chunks, meta))
             except OSError:
-                raise self._fail(f"TP worker {i} is gone (exit code {self._procs[i].exitcode})")
+                raise self._fail(f"TP worker {i} is gone (exit code {self._procs[i].exitcode})") from None
         return self._gather(self._step_timeout_s, "answer a step")
 
     def set_waker(self, wake: Callable[[], None]) -> None:

@@ -39,14 +39,14 @@ class KvEventsTestPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, repeated ones too (a reconnect)
         self._pub.bind(f"tcp://{host}:{port or '*'}")
-        self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._router = None
         self.replay_endpoint: Optional[str] = None
         if replay and seq:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.bind(f"tcp://{host}:{replay_port or '*'}")
-            self.replay_endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._seq = seq
         self._topic = topic
         self._next = 0

@@ -155,7 +155,7 @@ class RawEngine:
             pass
         finally:
             writer.close()
-            self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self._tasks.discard(asyncio.current_task())
             if by_client:
                 with self._changed:
                     self._closed_by_client += 1

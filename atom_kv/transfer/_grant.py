@@ -103,9 +103,9 @@ class GrantServer(ServingEndpoint):
     def _answer(self, conn: Conn, payload: bytearray) -> bool:
         """Answer the one request of a connection; the connection then closes."""
         who = f"{self._label}: reader at {conn.peer}"
-        req, refusal = self._opening(payload, wire.CmaGrantRequest, wire.CMA_PROTOCOL_VERSION, "grant request")
-        if req is None:
-            return self._refuse(conn, *refusal, who=who)
+        req = self._opening(payload, wire.CmaGrantRequest, wire.CMA_PROTOCOL_VERSION, "grant request")
+        if isinstance(req, tuple):  # refused: (event key, one line)
+            return self._refuse(conn, *req, who=who)
         who = f"{who} (pid {req.pid}, {req.key!r})"
         proof = self._proof(conn, self._purpose, req.nonce, req.proof)
         if proof is None:

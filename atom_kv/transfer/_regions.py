@@ -88,7 +88,7 @@ class RegionTable:
             first = len(self._views)
             addrs = []
             off = 0
-            for i, n in enumerate(sizes):
+            for n in sizes:
                 addrs.append(ptr + off)
                 view = None if memory.is_gpu else memoryview((ctypes.c_char * n).from_address(ptr + off)).cast("B")
                 self._views.append(view)

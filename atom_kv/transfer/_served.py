@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar, Union
 
 import msgspec
 
@@ -72,28 +72,28 @@ class ServingEndpoint(abc.ABC):
         """The frame sent right after accept: the endpoint's hello (with its challenge nonce)."""
 
     # -- the opening of a connection: challenge, version, proof ------------
-    def _nonce(self, conn: Conn) -> bytes:
+    def _nonce(self, conn: Conn) -> str:
         """The challenge a new connection is greeted with (empty without a token)."""
         if self._token is not None:
             conn.nonce = new_nonce()
         return conn.nonce
 
     def _opening(self, payload: bytearray, kind: type[S], version: int,
-                 what: str) -> tuple[Optional[S], Optional[tuple[str, str]]]:
+                 what: str) -> Union[S, tuple[str, str]]:
         """A reader's first frame, decoded, or why it is refused: (event key, one line)."""
         try:
             msg = wire.decode(payload, kind)
         except wire.WireError as exc:
             theirs = peek_version(payload)
             if theirs is not None and theirs != version:
-                return None, ("version", version_refusal(self._name, "reader", theirs, version))
-            return None, ("decode", f"{self._name}: bad {what}: {exc}")
+                return ("version", version_refusal(self._name, "reader", theirs, version))
+            return ("decode", f"{self._name}: bad {what}: {exc}")
         theirs = msg.v  # type: ignore[attr-defined]  # every opening frame carries its version
         if theirs != version:
-            return None, ("version", version_refusal(self._name, "reader", theirs, version))
-        return msg, None
+            return ("version", version_refusal(self._name, "reader", theirs, version))
+        return msg
 
-    def _proof(self, conn: Conn, purpose: str, nonce: bytes, proof: bytes) -> Optional[str]:
+    def _proof(self, conn: Conn, purpose: str, nonce: str, proof: str) -> Optional[str]:
         """This endpoint's proof for a reader whose ``proof`` shows it knows the
         token ("" without a token); None when it does not."""
         if self._token is None:

@@ -37,7 +37,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, cast
+
+if TYPE_CHECKING:
+    from importlib.abc import Loader
 
 __all__ = ["CONNECTOR_NAME", "FACTORY_MODULE", "PTH_NAME", "FactoryWatcher", "install", "pth_text", "register"]
 
@@ -71,7 +74,9 @@ def register(factory: Any = None) -> None:
     from atom_kv.integrations.atom.contract import check_factory
 
     if factory is None:
-        from atom.kv_transfer.disaggregation.factory import KVConnectorFactory as factory
+        from atom.kv_transfer.disaggregation.factory import KVConnectorFactory
+
+        factory = KVConnectorFactory
     check_factory(factory)
     kwargs: dict[str, Any] = dict(worker_module=WORKER[0], worker_class=WORKER[1],
                                   scheduler_module=SCHEDULER[0], scheduler_class=SCHEDULER[1])
@@ -144,7 +149,8 @@ class FactoryWatcher:
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None:
-                    spec.loader = _RegisteringLoader(spec.loader, self)
+                    # create_module and exec_module: the loader protocol, without importing importlib.abc here
+                    spec.loader = cast("Loader", _RegisteringLoader(spec.loader, self))
                 return spec
         return None
 

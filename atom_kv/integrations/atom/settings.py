@@ -18,14 +18,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from atom_kv.config import ConfigError, KVTransferConfig
+from atom_kv.config import ConfigError, KVRole, KVTransferConfig
 
 __all__ = ["AtomEngine", "advertised_host", "require_completion_contract"]
 
 #: The ATOM commit this adapter was written and tested against.
 ATOM_COMMIT_READ = "ffdf3bb5d"
 #: ATOM's own connectors read a missing ``kv_role`` as a producer; under ATOM, so does atom-kv.
-ATOM_DEFAULT_ROLE = "kv_producer"
+ATOM_DEFAULT_ROLE: KVRole = "kv_producer"
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ class AdmissionQueue:
         now = self._clock()
         cap = self.cap
         for role in ("D", "P"):
-            live = self.registry.live(role, now)  # type: ignore[arg-type]
+            live = self.registry.live(role, now)
             if not live:
                 return False
             if all(i.inflight >= cap for i in live):

@@ -42,7 +42,8 @@ from atom_kv.proxy.fleet.pings import (  # noqa: F401 - re-exported: the names t
 from atom_kv.proxy.fleet.registry import UP, Registry, RegistryFull, Withdrawn
 from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.wire import (
-    PROTOCOL_VERSION, REFUSED, REGISTERED, STALE, HelloPing, RegisterAnswer, RegisterPing, WireError, encode,
+    PROTOCOL_VERSION, REFUSED, REGISTERED, STALE, HelloPing, RegisterAnswer, RegisterPing, RegisterStatus, WireError,
+    encode,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ UNSIGNED = ("the ping is not signed: the engine has no auth_token, and this prox
 def _peer(frame: zmq.Frame) -> Optional[str]:
     """The source address a message came from (ZeroMQ's ``Peer-Address`` property), if known."""
     try:
-        return frame.get("Peer-Address")
+        peer = frame.get("Peer-Address")
+        return peer if isinstance(peer, str) else None
     except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
         return None
 
@@ -240,7 +242,7 @@ class DiscoveryListener:
         self.warnings.event(reason, f"refused registration from {who}: {detail}")
 
     def _refuse(self, wants: bool, reason: str, who: str, detail: str, answer_reason: str,
-                status: str = REFUSED) -> Optional[RegisterAnswer]:
+                status: RegisterStatus = REFUSED) -> Optional[RegisterAnswer]:
         self._count(reason, who, detail)
         return RegisterAnswer(status=status, reason=answer_reason, detail=detail[:512]) if wants else None
 

@@ -113,7 +113,7 @@ class SystemResolver:
             if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
                 return set()  # the name has no address now: every engine behind it is gone
             raise DnsError(f"{name}: {exc.strerror or exc}") from None
-        return {info[4][0] for info in infos[:MAX_ADDRESSES]}
+        return {str(info[4][0]) for info in infos[:MAX_ADDRESSES]}
 
 
 def encode_query(query_id: int, name: str) -> bytes:

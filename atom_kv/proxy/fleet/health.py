@@ -182,7 +182,7 @@ class HealthMonitor:
             self._next_probe.pop(inst.key, None)
         self.registry.flush_logs()
         for role in ("P", "D"):
-            for inst in self.registry.known(role):  # type: ignore[arg-type]
+            for inst in self.registry.known(role):
                 if not (inst.static or inst.state in (PENDING, DOWN)):
                     continue
                 key = inst.key
@@ -191,7 +191,7 @@ class HealthMonitor:
                 self._next_probe[key] = now + self.interval_s
                 self._probing[key] = asyncio.create_task(self._probe_one(inst))
         if len(self._next_probe) > 2 * len(self.registry) + 64:  # forget instances that left
-            known = {i.key for r in ("P", "D") for i in self.registry.known(r)}  # type: ignore[arg-type]
+            known = {i.key for r in ("P", "D") for i in self.registry.known(r)}
             self._next_probe = {k: v for k, v in self._next_probe.items() if k in known}
 
     async def _probe_one(self, inst: Instance) -> None:

@@ -108,11 +108,11 @@ class LoadReader:
 
     def tick(self, now: float) -> None:
         """Start the reads that are due; forget the instances that left."""
-        known = {i.key: i for role in ("P", "D") for i in self.registry.known(role)}  # type: ignore[arg-type]
+        known = {i.key: i for role in ("P", "D") for i in self.registry.known(role)}
         for key in [k for k, f in self._follows.items() if known.get(k) is not f.inst]:
-            follow = self._follows.pop(key)
-            if follow.task is not None:
-                follow.task.cancel()
+            gone = self._follows.pop(key)
+            if gone.task is not None:
+                gone.task.cancel()
         for key, inst in known.items():
             if inst.state != UP:
                 continue

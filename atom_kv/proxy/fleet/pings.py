@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from atom_kv.config import is_port
-from atom_kv.proxy.fleet.registry import Registration
+from atom_kv.proxy.fleet.registry import Registration, Role
 from atom_kv.proxy.kv_events.endpoints import events_endpoint
 from atom_kv.wire import MAX_KV_FEATURES, HelloPing, Name, RegisterPing, UrlText, WireError, encode
 
@@ -181,7 +181,7 @@ def to_registration(msg: RegisterPing | _MoriioPing) -> Registration:
     _check_host(host, "http_address", msg.http_address)
     if fields.get("host"):
         _check_host(fields["host"], "zmq_address host", msg.zmq_address)
-    role = "P" if isinstance(msg, MoriioPrefillPing) else "D"
+    role: Role = "P" if isinstance(msg, MoriioPrefillPing) else "D"
     return Registration(
         role=role, base_url=f"http://{host}:{http_port}", host=fields.get("host") or host, http_port=http_port,
         handshake_port=handshake, dp_size=msg.dp_size, tp_size=msg.tp_size, model=msg.model,

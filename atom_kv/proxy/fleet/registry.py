@@ -607,7 +607,7 @@ class Registry:
     def snapshot(self, now: float | None = None) -> list[dict]:
         """Every known instance (``/instances``)."""
         now = time.monotonic() if now is None else now
-        return [i.describe(now) for role in ("P", "D") for i in self._by_role()[role]]  # type: ignore[index]
+        return [i.describe(now) for role in ("P", "D") for i in self._by_role()[role]]
 
     def __len__(self) -> int:
         return len(self._instances)

@@ -14,6 +14,7 @@ legs it has finish, and ``idle`` says when none is left.
 
 from __future__ import annotations
 
+import builtins
 import enum
 import time
 from typing import Any, Mapping
@@ -95,7 +96,7 @@ def _base_url(url: object, where: str) -> str:
         raise WorkerError(400, f"{where}: `url` is longer than {MAX_TEXT} characters")
     try:
         split = urlsplit(url)
-        split.port
+        _ = split.port  # raises ValueError for a port that is not a number in 0-65535
     except ValueError as exc:
         raise WorkerError(400, f"{where}: bad URL {url!r}: {exc}") from None
     if split.scheme not in ("http", "https") or not split.hostname:
@@ -126,7 +127,7 @@ class Workers:
         known = [*self.registry.known("P"), *self.registry.known("D")]
         return [describe_worker(i, now) for i in known]
 
-    def find(self, url: object, role: object = None, where: str = "") -> list[Instance]:
+    def find(self, url: object, role: object = None, where: str = "") -> builtins.list[Instance]:
         """The engines at ``url`` (both roles, unless ``role`` names one); WorkerError 404 if none."""
         base = _base_url(url, where)
         roles = ("P", "D") if role is None else (_role(role, "role", where),)
@@ -171,7 +172,7 @@ class Workers:
         if existing is not None:
             raise WorkerError(409, f"{where}: {ROLE_NAMES[engine.role]} engine {engine.base_url} is already known "
                                    f"(source {existing.origin.value}); DELETE /workers?url=... first to replace it")
-        added = sum(1 for r in ("P", "D") for i in self.registry.known(r)  # type: ignore[arg-type]
+        added = sum(1 for r in ("P", "D") for i in self.registry.known(r)
                     if i.origin is Origin.API)
         if added >= self.max_instances:
             raise WorkerError(409, f"{where}: {added} engines were added through the API already (max_instances); "
@@ -179,7 +180,7 @@ class Workers:
         inst = self.registry.add_static(engine, origin=Origin.API)
         return describe_worker(inst, time.monotonic())
 
-    def drain(self, body: object) -> list[dict[str, Any]]:
+    def drain(self, body: object) -> builtins.list[dict[str, Any]]:
         """``POST /workers/drain`` ``{"url": ..., "role": optional}``: no new legs for the engine(s) there."""
         where = "POST /workers/drain"
         if not isinstance(body, dict):
@@ -193,7 +194,7 @@ class Workers:
         now = time.monotonic()
         return [describe_worker(i, now) for i in found]
 
-    def remove(self, url: object, role: object = None, where: str = "DELETE /workers") -> list[dict[str, Any]]:
+    def remove(self, url: object, role: object = None, where: str = "DELETE /workers") -> builtins.list[dict[str, Any]]:
         """Forget the engine(s) at ``url``: their in-flight legs finish; a pinged engine that keeps pinging comes
         back unless it was drained first."""
         found = self.find(url, role, where)
@@ -225,7 +226,7 @@ class Workers:
         if events is not None:
             spec["events"] = _text(events, "events", where)  # checked as a spec's events= (tcp://HOST:PORT)
         try:
-            engine = build_engine(role, url, None if handshake is None else _int_text(handshake, "handshake_port",
+            engine = build_engine(role, str(url), None if handshake is None else _int_text(handshake, "handshake_port",
                                                                                        where),
                                   spec, where, _NAMES)
         except ValueError as exc:

@@ -27,7 +27,8 @@ __all__ = ["ASGIBridge", "plain_path"]
 
 logger = logging.getLogger(__name__)
 
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+# (scope, receive, send): typed loosely, as Quart's own ASGI types are TypedDicts this module does not import
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 

@@ -85,8 +85,8 @@ class ServerConnection(asyncio.Protocol):
         self.server.connections.add(self)
         peer = transport.get_extra_info("peername")
         local = transport.get_extra_info("sockname")
-        self.peer = tuple(peer[:2]) if isinstance(peer, tuple) else None  # type: ignore[assignment]
-        self.local = tuple(local[:2]) if isinstance(local, tuple) else None  # type: ignore[assignment]
+        self.peer = tuple(peer[:2]) if isinstance(peer, tuple) else None
+        self.local = tuple(local[:2]) if isinstance(local, tuple) else None
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -371,7 +371,7 @@ class ServerConnection(asyncio.Protocol):
             return
         handler = self.server.routes.get(ex.raw_path.decode("latin-1"), self.server.fallback)  # the raw path
         ex.task = task = self.loop.create_task(handler(ex))
-        task.add_done_callback(lambda t, ex=ex: self._handler_done(ex, t))
+        task.add_done_callback(lambda t: self._handler_done(ex, t))
 
     def _handler_done(self, ex: Exchange, task: asyncio.Task) -> None:
         exc = None if task.cancelled() else task.exception()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import http
 import time
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Callable, Coroutine, Protocol
 
 __all__ = ["Connection", "DateHeader", "Exchange", "Handler", "Producer", "REASONS", "JSON"]
 
@@ -278,4 +278,4 @@ class Exchange:
             self.conn.close(abort=True)
 
 
-Handler = Callable[[Exchange], Awaitable[None]]
+Handler = Callable[[Exchange], Coroutine[Any, Any, None]]  # an async def: the loop runs it as a task

@@ -131,7 +131,7 @@ class HostGuard:
             self._refuse(exchange, 400, "the request has more than one Host header; send exactly one")
             return
         host = hosts[0].decode("latin-1") if hosts else None
-        if not self.hosts.allows(host):
+        if host is not None and not self.hosts.allows(host):  # no Host header: allowed
             self._refuse(exchange, 421, f"this proxy does not answer to Host {host[:100]!r}; the operator "
                                         "lists the names it answers to in --allowed-hosts")
             return

@@ -100,7 +100,7 @@ class KvIndex:
         self.default_block_size = default_block_size
         self.stats = stats if stats is not None else KvEventStats()
         self.chain = chain if chain is not None else ChainKeys()
-        self._predicted = (PredictedBlocks(predict_ttl_s, predict_max_blocks) if clock is None
+        self._predicted: PredictedBlocks[Worker] = (PredictedBlocks(predict_ttl_s, predict_max_blocks) if clock is None
                            else PredictedBlocks(predict_ttl_s, predict_max_blocks, clock))
         self._workers: dict[Worker, _Worker] = {}
         self._sizes: tuple[int, ...] = ()  # the block sizes workers have reported
@@ -233,10 +233,11 @@ class KvIndex:
             lora = ev.lora_name if ev.lora_name is not None else None if ev.lora_id is None else f"#{ev.lora_id}"
             parent = self.chain.root(size, lora)
         else:
-            parent = w.hashes.get(_norm((ev.parent_block_hash,))[0])
-            if parent is None:
+            known_parent = w.hashes.get(_norm((ev.parent_block_hash,))[0])
+            if known_parent is None:
                 skipped["unknown_parent"] += 1
                 return
+            parent = known_parent
         try:
             chain_keys = self.chain.chain(parent, ev.token_ids, size, count, ev.extra_keys)
         except (OverflowError, TypeError):  # a token id that is not a uint32

@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Generic, Hashable, Sequence, TypeVar
 
 __all__ = ["PredictedBlocks"]
 
+W = TypeVar("W", bound=Hashable)  # what a worker is keyed by
 
-class _Record:
+
+class _Record(Generic[W]):
     __slots__ = ("expires", "worker", "keys")
 
-    def __init__(self, expires: float, worker: Hashable, keys: Sequence[int]) -> None:
+    def __init__(self, expires: float, worker: W, keys: Sequence[int]) -> None:
         self.expires = expires
         self.worker = worker
         self.keys = keys
 
 
-class PredictedBlocks:
+class PredictedBlocks(Generic[W]):
     """Owns the unexpired predictions: chain key -> {worker: expiry}, and the records in arrival order."""
 
     def __init__(self, ttl_s: float, max_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
@@ -35,14 +37,14 @@ class PredictedBlocks:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
         self._clock = clock
-        self._by_key: dict[int, dict[Hashable, float]] = {}
-        self._records: deque[_Record] = deque()
+        self._by_key: dict[int, dict[W, float]] = {}
+        self._records: deque[_Record[W]] = deque()
         self._size = 0  # keys over all records
 
     def __len__(self) -> int:
         return self._size
 
-    def record(self, worker: Hashable, keys: Sequence[int]) -> None:
+    def record(self, worker: W, keys: Sequence[int]) -> None:
         """``worker`` was sent a prompt whose full blocks have ``keys``."""
         if not keys:
             return
@@ -62,12 +64,12 @@ class PredictedBlocks:
         self._records.append(_Record(expires, worker, keys))
         self._size += len(keys)
 
-    def match(self, keys: Sequence[int]) -> dict[Hashable, int]:
+    def match(self, keys: Sequence[int]) -> dict[W, int]:
         """Each worker predicted to hold a prefix of ``keys``: how many leading blocks."""
         now = self._clock()
         self._expire(now)
-        found: dict[Hashable, int] = {}
-        alive: set[Hashable] | None = None
+        found: dict[W, int] = {}
+        alive: set[W] | None = None
         by_key = self._by_key
         for i, key in enumerate(keys):
             holders = by_key.get(key)
@@ -79,9 +81,9 @@ class PredictedBlocks:
                 found[w] = i + 1
         return found
 
-    def forget(self, match: Callable[[Hashable], bool]) -> None:
+    def forget(self, match: Callable[[W], bool]) -> None:
         """Drop every prediction of the workers ``match`` accepts (an instance left or restarted)."""
-        kept: deque[_Record] = deque()
+        kept: deque[_Record[W]] = deque()
         for rec in self._records:
             if match(rec.worker):
                 self._drop(rec)

@@ -302,9 +302,10 @@ class KvEventSubscriber:
 
     def _open_dealer(self, feed: _Feed) -> None:
         dealer = self._ctx.socket(zmq.DEALER)
-        self._options(dealer, feed.replay_endpoint or "")
+        endpoint = feed.replay_endpoint or ""
+        self._options(dealer, endpoint)
         dealer.setsockopt(zmq.SNDHWM, 16)
-        dealer.connect(feed.replay_endpoint)
+        dealer.connect(endpoint)
         feed.dealer = dealer
         self._register(dealer, feed, "dealer")
 
@@ -482,8 +483,8 @@ class KvEventSubscriber:
             self._close_socket(feed.dealer)
             feed.dealer = None
             self._open_dealer(feed)
-        for batch in sorted(pending, key=lambda b: b.seq):
-            if batch.seq <= feed.last_seq:
+        for batch in sorted(pending, key=lambda b: -1 if b.seq is None else b.seq):
+            if batch.seq is None or batch.seq <= feed.last_seq:
                 continue
             if feed.last_seq >= 0 and batch.seq != feed.last_seq + 1:
                 self._clear(feed, "replay_short")

@@ -233,10 +233,13 @@ class EventDecoder:
         if max_bytes < 1:
             raise ValueError(f"max_bytes: must be >= 1, got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self._array = msgspec.msgpack.Decoder(EventBatch)
-        self._map = msgspec.msgpack.Decoder(MapEventBatch)
-        self._loose_array = msgspec.msgpack.Decoder(_LooseArrayBatch)
-        self._loose_map = msgspec.msgpack.Decoder(_LooseMapBatch)
+        # one type per pair, so decode_frames picks either pair into the same two names
+        self._array: msgspec.msgpack.Decoder[Union[EventBatch, MapEventBatch]] = msgspec.msgpack.Decoder(EventBatch)
+        self._map: msgspec.msgpack.Decoder[Union[EventBatch, MapEventBatch]] = msgspec.msgpack.Decoder(MapEventBatch)
+        self._loose_array: msgspec.msgpack.Decoder[Union[_LooseArrayBatch, _LooseMapBatch]] = (
+            msgspec.msgpack.Decoder(_LooseArrayBatch))
+        self._loose_map: msgspec.msgpack.Decoder[Union[_LooseArrayBatch, _LooseMapBatch]] = (
+            msgspec.msgpack.Decoder(_LooseMapBatch))
         self._array_event = msgspec.msgpack.Decoder(ArrayEvent)
         self._map_event = msgspec.msgpack.Decoder(MapEvent)
 

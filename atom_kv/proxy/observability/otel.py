@@ -39,7 +39,7 @@ import os
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
@@ -51,7 +51,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from atom_kv._ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
+    from opentelemetry.sdk.trace import Span as SdkSpan
 
 __all__ = ["INSTALL", "ProxyTracer", "RequestTrace"]
 
@@ -145,9 +145,10 @@ class ProxyTracer:
             if tracestate:
                 carrier["tracestate"] = tracestate
             parent = self._propagator.extract(carrier)
-        root = self._tracer.start_span(
+        # the SDK's tracer (our provider's) starts the SDK's spans, which carry their scope and resource
+        root = cast("SdkSpan", self._tracer.start_span(
             f"POST {path}", context=parent, kind=SpanKind.SERVER, start_time=int(received * 1e9) + offset_ns,
-            attributes={"http.request.method": "POST", "url.path": path, "gen_ai.request.id": request_id})
+            attributes={"http.request.method": "POST", "url.path": path, "gen_ai.request.id": request_id}))
         return RequestTrace(self._processor, root, offset_ns)
 
     def flush(self) -> bool:
@@ -172,6 +173,10 @@ class ProxyTracer:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
+        def settle(error: BaseException | None) -> None:
+            if not done.done():
+                done.set_result(error)
+
         def run() -> None:
             error: BaseException | None = None
             try:
@@ -179,7 +184,7 @@ class ProxyTracer:
             except BaseException as exc:  # reported on the loop, never lost
                 error = exc
             try:
-                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(error))
+                loop.call_soon_threadsafe(settle, error)
             except RuntimeError:  # the loop closed first: nobody is waiting
                 pass
 
@@ -215,7 +220,7 @@ class RequestTrace:
     __slots__ = ("_processor", "root", "_offset_ns", "_spans", "leg_header", "prefill", "decode",
                  "first_token_forwarded", "concurrent_dispatch", "_finished")
 
-    def __init__(self, processor: BatchSpanProcessor, root: "Span", offset_ns: int) -> None:
+    def __init__(self, processor: BatchSpanProcessor, root: "SdkSpan", offset_ns: int) -> None:
         self._processor = processor
         self.root = root
         self._offset_ns = offset_ns

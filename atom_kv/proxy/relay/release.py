@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import msgspec
 import zmq
@@ -110,9 +110,10 @@ class Releaser:
         queued = 0
         for host, port in address.targets():
             try:
-                sent = self._socket(host, port).send(data, zmq.NOBLOCK)  # a Future, resolved at once
-                if sent.exception() is not None:
-                    raise sent.exception()  # type: ignore[misc]
+                # zmq.asyncio's send returns a Future (pyzmq types it as an Awaitable), resolved at once
+                sent = cast("asyncio.Future[Any]", self._socket(host, port).send(data, zmq.NOBLOCK))
+                if (failure := sent.exception()) is not None:
+                    raise failure
             except (zmq.ZMQError, ValueError) as exc:
                 self._metrics.releases.labels("dropped").inc()
                 self.warnings.event("dropped", f"release of transfer {transfer_id} to {host}:{port} dropped: {exc} "

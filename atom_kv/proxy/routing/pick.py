@@ -25,7 +25,7 @@ import asyncio
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.proxy.fleet.registry import ROLE_NAMES, Instance
@@ -77,7 +77,7 @@ class Charge(Pick):
         self.state = ChargeState.HANDED_OVER
         return Charge(self._ledger, self.inst, self.rank, self.tokens)
 
-    def release_when_done(self, task: "asyncio.Future[object]") -> None:
+    def release_when_done(self, task: "asyncio.Future[Any]") -> None:
         """``task`` holds this charge: released when it ends (with a result, an error, or cancelled,
         even before it ran), unless the task released it or handed it over first."""
         task.add_done_callback(self._task_done)

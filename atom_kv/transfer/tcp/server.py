@@ -124,9 +124,9 @@ class TcpReadServer(ServingEndpoint):
 
     def _hello(self, conn: Conn, payload: bytearray) -> bool:
         who = f"{self._label}: reader at {conn.peer}"
-        hello, refusal = self._opening(payload, wire.TcpHello, wire.TCP_PROTOCOL_VERSION, "hello")
-        if hello is None:
-            return self._refuse_hello(conn, *refusal, who=who)
+        hello = self._opening(payload, wire.TcpHello, wire.TCP_PROTOCOL_VERSION, "hello")
+        if isinstance(hello, tuple):  # refused: (event key, one line)
+            return self._refuse_hello(conn, *hello, who=who)
         proof = self._proof(conn, PURPOSE_TCP_READ, hello.nonce, hello.proof)
         if proof is None:
             return self._refuse_hello(conn, "auth", f"tcp: the read server refused this reader: wrong or missing "
