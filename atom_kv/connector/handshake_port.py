@@ -5,6 +5,7 @@ callback per message), the :class:`PortSettings` of the port, and the
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
@@ -43,12 +44,14 @@ class PortHandler(Protocol):
         """Housekeeping between polls (at least every 0.2 s)."""
 
 
-class BasePortHandler:
+class BasePortHandler(ABC):
     """Defaults for the optional parts of :class:`PortHandler`: issue notices are
-    ignored, blocks queries answered "not a kv_producer", no housekeeping."""
+    ignored, blocks queries answered "not a kv_producer", no housekeeping. A subclass
+    gives the required parts (``identity``, ``answer_handshake``, ``on_done``, ``on_release``)."""
 
+    @abstractmethod
     def identity(self) -> tuple[str, int]:
-        raise NotImplementedError
+        """(engine id, TP rank) of the rank this port serves."""
 
     def on_issued(self, msg: Issued) -> None:
         pass

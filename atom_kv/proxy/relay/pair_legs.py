@@ -305,6 +305,18 @@ class PairLegs:
             body["kv_transfer_params"].pop("first_token_ids", None)  # the decode engine computes it again
         payload = _json_encoder.encode(body)
         req.spans.decode_sent(after_prefill=not pending)
+        return await self._send_decode(req, d, payload, prefill=p)
+
+    async def open_local(self, req: PairRequest, d: Pick) -> UpstreamResponse:
+        """A request for the decode engine alone (local prefill), up to its answer's head."""
+        payload = _json_encoder.encode(local_request(req.body, d.inst, d.rank))
+        req.spans.decode_sent(after_prefill=False)
+        return await self._send_decode(req, d, payload)
+
+    async def _send_decode(self, req: PairRequest, d: Pick, payload: bytes,
+                           prefill: Pick | None = None) -> UpstreamResponse:
+        """Send ``payload`` to the decode engine and read its answer's head: an error status raises (charged to
+        ``prefill`` when the decode says its KV could not be read from there), a 200 is returned."""
         try:
             resp = await self.pool.request(d.inst.host, d.inst.http_port,
                                            self._leg_head(req, d.inst, d.rank, len(payload)), payload,
@@ -313,35 +325,14 @@ class PairLegs:
             raise self._transport_error(exc, d, "decode", req) from None
         if resp.status != 200:
             try:
-                if resp.header(_KV_FAILURE).lower() == "prefill":
-                    await self._prefill_side_failure(resp, p, d, req)
+                if prefill is not None and resp.header(_KV_FAILURE).lower() == "prefill":
+                    await self._prefill_side_failure(resp, prefill, d, req)
                 await self._error_status(resp, d, "decode", req)
             except UpstreamError as exc:
                 raise self._transport_error(exc, d, "decode", req) from None
             finally:
                 resp.close()
         req.outcomes.served.add(d.inst.key)  # its stream's end tells the breaker; this request was served
-        req.spans.decode_answered(resp.header(_SERVER_TIMING))
-        return resp
-
-    async def open_local(self, req: PairRequest, d: Pick) -> UpstreamResponse:
-        """A request for the decode engine alone (local prefill), up to its answer's head."""
-        payload = _json_encoder.encode(local_request(req.body, d.inst, d.rank))
-        req.spans.decode_sent(after_prefill=False)
-        try:
-            resp = await self.pool.request(d.inst.host, d.inst.http_port,
-                                           self._leg_head(req, d.inst, d.rank, len(payload)), payload,
-                                           read_timeout=self.settings.decode_timeout)
-        except UpstreamError as exc:
-            raise self._transport_error(exc, d, "decode", req) from None
-        if resp.status != 200:
-            try:
-                await self._error_status(resp, d, "decode", req)
-            except UpstreamError as exc:
-                raise self._transport_error(exc, d, "decode", req) from None
-            finally:
-                resp.close()
-        req.outcomes.served.add(d.inst.key)
         req.spans.decode_answered(resp.header(_SERVER_TIMING))
         return resp
 
