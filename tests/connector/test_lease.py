@@ -66,7 +66,8 @@ def test_happy_path_confirmed_then_producer_frees_once():
     try:
         params = P.prefill("r", 40)
         D.admit("d", 40, params)
-        run_until([P, D], lambda: "d" in D.ready and "r" in P.freed, timeout_s=10)
+        run_until([P, D], lambda: "d" in D.ready and "r" in P.freed and pw.stats().get("done_received", 0) >= 1,
+                  timeout_s=10)
         assert D.failed == {} and P.freed == ["r"]
         assert pw.stats()["done_received"] == 1  # the acked done-reading counted once
         for _ in range(3):
