@@ -197,7 +197,7 @@ def _flat_keys() -> dict[str, tuple[str, str]]:
 FLAT_KEYS: Mapping[str, tuple[str, str]] = types.MappingProxyType(_flat_keys())
 
 
-def example(cls: type[Section]) -> str:
+def _example(cls: type[Section]) -> str:
     """``{"streams": 4}``: the section's first field and its default, as JSON."""
     first = cls.__struct_fields__[0]
     return json.dumps({first: msgspec.to_builtins(getattr(cls(), first))})
@@ -210,7 +210,7 @@ def section_from(key: str, value: Any) -> Section:
     if isinstance(value, cls):
         return value
     if not isinstance(value, Mapping):
-        raise ConfigError(f"`{key}` must be an object of {key} keys like {example(cls)}, got {value!r}")
+        raise ConfigError(f"`{key}` must be an object of {key} keys like {_example(cls)}, got {value!r}")
     for name in value:
         if name not in cls.__struct_fields__:
             hint = difflib.get_close_matches(str(name), cls.__struct_fields__, n=1, cutoff=0.5)
