@@ -1,37 +1,73 @@
-"""The schema of ``--kv-transfer-config '<json>'``, its validation, and the
-constrained field types the rest of the package shares.
+"""The schema of ``--kv-transfer-config '<json>'`` and its validation.
 
 Every bad input becomes one :class:`ConfigError` whose message is a single
 line naming the key and saying what is allowed. Use :func:`parse_kv_transfer_config`
 for JSON text and :meth:`KVTransferConfig.from_dict` for a mapping.
 
-Ranges live in the types (``Annotated[int, msgspec.Meta(ge=..., le=...)]``,
-declared once below); msgspec checks them, and :func:`convert_fields` turns a
-failure into a line naming the key by converting the fields one at a time.
+ATOM's keys and our general ones are flat; each backend's tuning and the
+pre-authentication fair shares are sections (``{"tcp": {"streams": 8}}``,
+atom_kv.config_sections). The flat keys those sections replace
+(``tcp_streams``) are read for one release, each with one deprecation line.
+The constrained types and the field-by-field conversion that names a bad key
+live in atom_kv.config_types and are re-exported here.
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
 import json
 import logging
-import sys
-import types
-from typing import Annotated, Any, Literal, Mapping, Optional, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Mapping, Optional
 
 import msgspec
 
 from atom_kv._netaddr import is_unspecified, parse_port_range
+from atom_kv.config_sections import (
+    FLAT_KEYS,
+    GRANT_MAX_CONNECTIONS,
+    GRANT_TIMEOUT_S,
+    SECTIONS,
+    CmaConfig,
+    GpuIpcConfig,
+    LimitsConfig,
+    MoriioConfig,
+    NixlConfig,
+    StagingConfig,
+    TcpConfig,
+    section_from,
+)
+from atom_kv.config_types import (
+    MAX_PORT,
+    MAX_RANGES_PER_REQUEST,
+    ConfigError,
+    FieldError,
+    NonEmptyStr,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PeerPort,
+    Port,
+    PositiveInt,
+    PositiveSeconds,
+    RangesPerRequest,
+    convert_fields,
+    describe_type,
+    is_port,
+    validate_fields,
+)
 from atom_kv.token_sources import TokenSource, TokenSourceError, inline_warning, read_token_file, resolve_token
 
 __all__ = [
     "AUTH_TOKEN_ENV",
     "MAX_PORT",
     "MAX_RANGES_PER_REQUEST",
+    "CmaConfig",
     "ConfigError",
     "FieldError",
+    "GpuIpcConfig",
     "KVTransferConfig",
+    "LimitsConfig",
+    "MoriioConfig",
+    "NixlConfig",
     "NonEmptyStr",
     "NonNegativeFloat",
     "NonNegativeInt",
@@ -40,48 +76,14 @@ __all__ = [
     "PositiveInt",
     "PositiveSeconds",
     "RangesPerRequest",
+    "StagingConfig",
+    "TcpConfig",
     "convert_fields",
     "describe_type",
     "is_port",
     "parse_kv_transfer_config",
     "validate_fields",
 ]
-
-# --------------------------------------------------------------------------
-# Constrained types: the one place each range is written down. The
-# description is what an error message says is allowed.
-# --------------------------------------------------------------------------
-MAX_PORT = 65535
-_MAX_FLOAT = sys.float_info.max  # an upper bound keeps inf out (nan fails every bound)
-
-#: a port to listen on; 0 lets the OS pick
-Port = Annotated[int, msgspec.Meta(ge=0, le=MAX_PORT, description=f"a TCP port in 0..{MAX_PORT}")]
-#: a port to connect to
-PeerPort = Annotated[int, msgspec.Meta(ge=1, le=MAX_PORT, description=f"a TCP port in 1..{MAX_PORT}")]
-PositiveSeconds = Annotated[float, msgspec.Meta(gt=0, le=_MAX_FLOAT, description="a positive number of seconds")]
-NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0, le=_MAX_FLOAT, description=">= 0")]
-NonNegativeInt = Annotated[int, msgspec.Meta(ge=0, description=">= 0")]
-PositiveInt = Annotated[int, msgspec.Meta(ge=1, description=">= 1")]
-NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1, description="a non-empty string")]
-#: ranges one tcp read request may name (bounds the request frames a read server accepts)
-MAX_RANGES_PER_REQUEST = 1 << 20
-RangesPerRequest = Annotated[
-    int, msgspec.Meta(ge=1, le=MAX_RANGES_PER_REQUEST, description=f"an integer in 1..{MAX_RANGES_PER_REQUEST}")
-]
-
-#: bytes per staging buffer (one piece of a staged tcp request)
-MIN_STAGING_PIECE_BYTES, MAX_STAGING_PIECE_BYTES = 64 << 10, 1 << 30
-StagingPieceBytes = Annotated[int, msgspec.Meta(
-    ge=MIN_STAGING_PIECE_BYTES, le=MAX_STAGING_PIECE_BYTES,
-    description=f"a number of bytes in {MIN_STAGING_PIECE_BYTES}..{MAX_STAGING_PIECE_BYTES}")]
-
-#: how long a gpu_ipc ``wait()`` may query its fences before it blocks
-MAX_WAIT_SPIN_US = 1000.0
-SpinMicroseconds = Annotated[float, msgspec.Meta(
-    ge=0, le=MAX_WAIT_SPIN_US, description=f"a number of microseconds in 0..{MAX_WAIT_SPIN_US:g}")]
-
-#: staging buffers in one ring (one connection's pipeline)
-StagingRingBuffers = Annotated[int, msgspec.Meta(ge=2, le=16, description="an integer in 2..16")]
 
 _POST_BATCH_DEFAULT = -1
 _POST_BATCH_SIZE = f"{_POST_BATCH_DEFAULT} (library default) or >= 1"
@@ -97,162 +99,13 @@ Protocol = Literal["tcp", "rdma"]
 _PROTOCOL_BACKEND: dict[str, "BackendName"] = {"tcp": "tcp", "rdma": "moriio"}
 BackendName = Literal["auto", "tcp", "cma", "moriio", "gpu_ipc", "nixl"]
 LoadFailurePolicy = Literal["fail", "recompute"]
-PollCqMode = Literal["polling", "event"]
-MoriIOTransport = Literal["rdma", "xgmi"]
-NixlPlugins = Annotated[
-    list[NonEmptyStr], msgspec.Meta(min_length=1, description="a non-empty list of NIXL plugin names, e.g. [\"UCX\"]")
-]
-
-
-def is_port(value: Any, *, allow_zero: bool = True) -> bool:
-    """True when ``value`` is an int in 0..65535 (1..65535 without ``allow_zero``)."""
-    try:
-        msgspec.convert(value, Port if allow_zero else PeerPort)
-    except msgspec.ValidationError:
-        return False
-    return True
-
-
-# --------------------------------------------------------------------------
-# Field-by-field conversion: msgspec validates, we name the key.
-# --------------------------------------------------------------------------
-class FieldError(ValueError):
-    """One field of a mapping failed validation; ``key`` names it and the
-    message says what is allowed: "`key` must be <allowed>, got <value>"."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(message)
-        self.key = key
-
-
-def describe_type(tp: Any) -> str:
-    """What values of type ``tp`` look like, in words ("an integer or null")."""
-    origin = get_origin(tp)
-    if origin is Annotated:
-        return describe_type(get_args(tp)[0])
-    if origin in (Union, types.UnionType):
-        args = get_args(tp)
-        words = " or ".join(describe_type(a) for a in args if a is not type(None))
-        return f"{words} or null" if type(None) in args else words
-    if origin is Literal:
-        return "one of " + ", ".join(repr(v) for v in get_args(tp))
-    return _TYPE_WORDS.get(origin or tp, getattr(tp, "__name__", str(tp)))
-
-
-_TYPE_WORDS: dict[Any, str] = {
-    str: "a string",
-    int: "an integer",
-    float: "a number",
-    bool: "true or false",
-    type(None): "null",
-    list: "a list",
-    dict: "an object",
-}
-
-
-def _constraint_words(tp: Any) -> Optional[str]:
-    """The ``Meta(description=...)`` of the first constrained part of ``tp``."""
-    origin = get_origin(tp)
-    if origin is Annotated:
-        for meta in get_args(tp)[1:]:
-            if isinstance(meta, msgspec.Meta) and meta.description:
-                return meta.description
-        return _constraint_words(get_args(tp)[0])
-    if origin in (Union, types.UnionType):
-        return next((w for a in get_args(tp) if (w := _constraint_words(a))), None)
-    return None
-
-
-def _unconstrained(tp: Any) -> Any:
-    """``tp`` with every ``Annotated`` constraint removed (same shape)."""
-    origin = get_origin(tp)
-    if origin is Annotated:
-        return _unconstrained(get_args(tp)[0])
-    if origin in (Union, types.UnionType):
-        return Union[tuple(_unconstrained(a) for a in get_args(tp))]
-    if origin is list:
-        return list[_unconstrained(get_args(tp)[0])]  # type: ignore[misc]
-    return tp
-
-
-class _Field(msgspec.Struct, frozen=True):
-    type: Any
-    bare: Any
-    type_words: str
-    range_words: str
-
-
-@functools.lru_cache(maxsize=None)
-def _fields_of(cls: type) -> dict[str, _Field]:
-    out = {}
-    for f in msgspec.structs.fields(cls):
-        words = describe_type(f.type)
-        out[f.name] = _Field(f.type, _unconstrained(f.type), words, _constraint_words(f.type) or words)
-    return out
-
-
-def convert_fields(data: Mapping[str, Any], cls: type) -> dict[str, Any]:
-    """``data``'s values for the fields of Struct ``cls``, each converted by
-    msgspec to its declared (constrained) type; other keys are left out.
-
-    Raises :class:`FieldError` for the first key whose value has the wrong
-    type ("`key` must be an integer, got '7'") or, when all types are right,
-    the first one out of range ("`key` must be a TCP port in 0..65535, got 70000",
-    showing the value as converted).
-    """
-    out, errors = validate_fields(data, cls)
-    if errors:
-        raise errors[0]
-    return out
-
-
-def validate_fields(data: Mapping[str, Any], cls: type) -> tuple[dict[str, Any], list[FieldError]]:
-    """Each of ``data``'s values for the fields of Struct ``cls`` checked on its
-    own: the converted values of the keys that validate (other keys are left
-    out), and one :class:`FieldError` per key that does not, those of the wrong
-    type first, then those out of range, each group in ``data``'s order (so
-    the first is what :func:`convert_fields` raises)."""
-    fields = _fields_of(cls)
-    out: dict[str, Any] = {}
-    wrong_type: list[FieldError] = []
-    out_of_range: list[FieldError] = []
-    for key, value in data.items():
-        field = fields.get(key)
-        if field is None:
-            continue
-        try:
-            out[key] = msgspec.convert(value, field.type)
-            continue
-        except msgspec.ValidationError:
-            pass
-        try:
-            shown = msgspec.convert(value, field.bare)
-        except msgspec.ValidationError:
-            wrong_type.append(FieldError(key, f"`{key}` must be {field.type_words}, got {value!r}"))
-        else:
-            out_of_range.append(FieldError(key, f"`{key}` must be {field.range_words}, got {shown!r}"))
-    return out, wrong_type + out_of_range
-
-
-# --------------------------------------------------------------------------
-# The config
-# --------------------------------------------------------------------------
-#: challenges a producer rank's handshake port keeps pending in all (atom_kv.connector.handshake.MAX_CHALLENGES)
-_MAX_CHALLENGES = 4096
-
-
-class ConfigError(ValueError):
-    """A ``--kv-transfer-config`` problem, phrased for the operator in one line."""
-
 
 log = logging.getLogger(__name__)
 
-_GRANT_TIMEOUT_S = 3.0
-_GRANT_MAX_CONNECTIONS = 64
 #: gpu_ipc's grant keys, each with the cma key it took its value from before it had its own, and the default
 _GPU_IPC_GRANT_ALIASES = (
-    ("gpu_ipc_grant_timeout_s", "cma_grant_timeout_s", _GRANT_TIMEOUT_S),
-    ("gpu_ipc_grant_max_connections", "cma_grant_max_connections", _GRANT_MAX_CONNECTIONS),
+    ("grant_timeout_s", GRANT_TIMEOUT_S),
+    ("grant_max_connections", GRANT_MAX_CONNECTIONS),
 )
 
 
@@ -261,8 +114,10 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
     The first group of keys is ATOM's, with ATOM main's defaults (its MoRIIO
     and Mooncake connectors', checked at ffdf3bb5d) so an ATOM launch line
-    works unchanged; the second group is ours. Constructing one validates
-    every field (:class:`ConfigError` naming the key).
+    works unchanged; the second group is ours, the third the sections
+    (atom_kv.config_sections: read ``cfg.tcp.streams``). Constructing one
+    validates every field (:class:`ConfigError` naming the key); a section
+    may be given as a mapping (``tcp={"streams": 2}``).
 
     ``kv_role`` has no default: :meth:`from_dict` refuses a config without
     it, except where the caller says what the engine itself defaults to
@@ -313,36 +168,6 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     auth_token_file: Optional[NonEmptyStr] = None
     auth_window_s: PositiveSeconds = 30.0
     auth_replay_entries: PositiveInt = 65536
-    tcp_streams: PositiveInt = 4
-    tcp_server_threads: PositiveInt = 4
-    tcp_max_connections: PositiveInt = 512
-    tcp_max_ranges_per_request: RangesPerRequest = 8192
-    tcp_read_timeout_s: PositiveSeconds = 10.0
-    tcp_hello_timeout_s: PositiveSeconds = 2.0
-    tcp_max_unauthenticated_per_source: PositiveInt = 64
-    tcp_idle_timeout_s: PositiveSeconds = 300.0
-    cma_grant_timeout_s: PositiveSeconds = _GRANT_TIMEOUT_S
-    cma_grant_max_connections: PositiveInt = _GRANT_MAX_CONNECTIONS
-    # None: the default above, or (deprecated) the cma_grant_* value when that was changed
-    gpu_ipc_grant_timeout_s: Optional[PositiveSeconds] = None
-    gpu_ipc_grant_max_connections: Optional[PositiveInt] = None
-    gpu_ipc_wait_spin_us: SpinMicroseconds = 50.0
-    staging_piece_bytes: StagingPieceBytes = 1 << 20
-    staging_pool_pairs: Optional[PositiveInt] = None  # rings; None: tcp_server_threads + tcp_streams
-    staging_ring_buffers: StagingRingBuffers = 4
-    # --- pre-authentication fair shares (docs/security.md) ---
-    handshake_max_connections: PositiveInt = 1024
-    handshake_max_unproven_connections_per_source: PositiveInt = 64
-    handshake_max_challenges_per_source: PositiveInt = 64
-    handshake_reserved_challenges: NonNegativeInt = 1024
-    tcp_reserved_connections: Optional[NonNegativeInt] = None  # None: tcp_max_connections // 8
-    rendezvous_max_waiting_per_source: PositiveInt = 256
-    moriio_backend: MoriIOTransport = "rdma"
-    poll_cq_mode: PollCqMode = "polling"
-    nixl_plugins: NixlPlugins = msgspec.field(default_factory=lambda: ["UCX"])
-    nixl_progress_threads: NonNegativeInt = 0
-    nixl_ucx_tls: Optional[NonEmptyStr] = None
-    nixl_ucx_proto_info: bool = False
     # --- listeners and addresses (the port plan: atom_kv.ports) -------------
     advertise_host: Optional[NonEmptyStr] = None
     bind_host: Optional[NonEmptyStr] = None
@@ -353,8 +178,19 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     moriio_port: Optional[Port] = None
     nixl_ucx_tcp_port_range: Optional[NonEmptyStr] = None
 
+    # --- the sections (atom_kv.config_sections) ----------------------------
+    tcp: TcpConfig = msgspec.field(default_factory=TcpConfig)
+    staging: StagingConfig = msgspec.field(default_factory=StagingConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+    cma: CmaConfig = msgspec.field(default_factory=CmaConfig)
+    gpu_ipc: GpuIpcConfig = msgspec.field(default_factory=GpuIpcConfig)
+    nixl: NixlConfig = msgspec.field(default_factory=NixlConfig)
+    moriio: MoriioConfig = msgspec.field(default_factory=MoriioConfig)
+
     def __post_init__(self) -> None:
-        names = self.__struct_fields__
+        for key in SECTIONS:
+            setattr(self, key, section_from(key, getattr(self, key)))
+        names = [n for n in self.__struct_fields__ if n not in SECTIONS]
         try:
             values = convert_fields({name: getattr(self, name) for name in names}, type(self))
         except FieldError as exc:
@@ -368,7 +204,10 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 raise ConfigError(str(exc)) from None
         if self.post_batch_size == 0:  # the one rule a range cannot say
             raise ConfigError(f"`post_batch_size` must be {_POST_BATCH_SIZE}, got 0")
-        self._check_shares()
+        reserved = self.limits.tcp_reserved_connections
+        if reserved is not None and reserved >= self.tcp.max_connections:
+            raise ConfigError(f"`limits.tcp_reserved_connections` must be below `tcp.max_connections` "
+                              f"({self.tcp.max_connections}), got {reserved}")
         _check_listener_keys(self)
         _resolve_gpu_ipc_grant_keys(self)
         if self.protocol is not None:
@@ -378,15 +217,6 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             elif self.backend != wanted:
                 raise ConfigError(f"`protocol` {self.protocol!r} means `backend` {wanted!r}, but `backend` is "
                                   f"{self.backend!r}; give only one of them")
-
-    def _check_shares(self) -> None:
-        """The pre-authentication reserves must leave room for strangers' connections and challenges."""
-        if self.handshake_reserved_challenges >= _MAX_CHALLENGES:
-            raise ConfigError(f"`handshake_reserved_challenges` must be below {_MAX_CHALLENGES} (the challenges a "
-                              f"producer rank keeps in all), got {self.handshake_reserved_challenges}")
-        if self.tcp_reserved_connections is not None and self.tcp_reserved_connections >= self.tcp_max_connections:
-            raise ConfigError(f"`tcp_reserved_connections` must be below `tcp_max_connections` "
-                              f"({self.tcp_max_connections}), got {self.tcp_reserved_connections}")
 
     # --- helpers -----------------------------------------------------------
     @property
@@ -411,6 +241,9 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         A mapping without ``kv_role`` takes ``default_role`` (only an engine
         whose own default that is passes one), else is refused.
 
+        A deprecated flat key (``tcp_streams``) is moved into its section with
+        one warning line; given there too with another value, it is refused.
+
         The token: ``auth_token`` and ``auth_token_file`` together are refused;
         ``auth_token`` inline logs one warning naming ``auth_token_file``; with
         neither, :data:`AUTH_TOKEN_ENV` is read (atom_kv.token_sources).
@@ -426,18 +259,13 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 "kv-transfer-config: `connectors` configures ATOM's `multi` connector; put atom-kv's keys in one "
                 'entry of it, {"kv_connector": "atom_kv", ...}, and `connectors` under "kv_connector": "multi"'
             )
-        fields = set(cls.__struct_fields__)
-        for key in data:
-            if key not in fields:
-                hint = difflib.get_close_matches(str(key), sorted(fields), n=1, cutoff=0.5)
-                suggestion = f"; did you mean `{hint[0]}`?" if hint else ""
-                raise ConfigError(f"kv-transfer-config: unknown key `{key}`{suggestion}")
+        _check_top_level_keys(data, cls.__struct_fields__)
         if "kv_role" not in data:
             if default_role is None:
                 raise ConfigError(KV_ROLE_REQUIRED)
             data = {**data, "kv_role": default_role}
         try:
-            return cls(**_with_auth_token(data))
+            return cls(**_with_auth_token(_nest_flat_keys(data)))
         except ConfigError as exc:
             raise ConfigError(f"kv-transfer-config: {exc}") from None
 
@@ -448,10 +276,50 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         return msgspec.convert(data, cls)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every key, the sections nested (what :meth:`from_resolved` and :meth:`from_dict` read back)."""
         return msgspec.to_builtins(self)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+
+def _check_top_level_keys(data: Mapping[str, Any], fields: tuple[str, ...]) -> None:
+    """Refuse an unknown top-level key in one line, with the closest key (a section's key written dotted)."""
+    dotted = {old: f"{s}.{f}" for old, (s, f) in FLAT_KEYS.items()}
+    dotted.update({f"{s}.{f}": f"{s}.{f}" for s, f in FLAT_KEYS.values()})
+    for key in data:
+        if key in fields or key in FLAT_KEYS:
+            continue
+        if key in dotted:  # "tcp.streams" as one key
+            section, _, name = str(key).partition(".")
+            raise ConfigError(f"kv-transfer-config: `{key}` is written nested: "
+                              f"{json.dumps({section: {name: data[key]}})}")
+        names = {**{f: f for f in fields}, **dotted}
+        hint = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.5)
+        suggestion = f"; did you mean `{names[hint[0]]}`?" if hint else ""
+        raise ConfigError(f"kv-transfer-config: unknown key `{key}`{suggestion}")
+
+
+def _nest_flat_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with each deprecated flat key moved into its section (one warning line per key); a key given
+    flat and nested with different values is an error naming both."""
+    flat = [k for k in data if k in FLAT_KEYS]
+    if not flat:
+        return data
+    out = {k: v for k, v in data.items() if k not in FLAT_KEYS}
+    for old in flat:
+        section, name = FLAT_KEYS[old]
+        current = out.get(section, {})
+        if not isinstance(current, Mapping):
+            section_from(section, current)  # raises: not an object
+        value = data[old]
+        if name in current and current[name] != value:
+            raise ConfigError(f"`{old}` is {value!r} but `{section}.{name}` is {current[name]!r}; give only "
+                              f"`{section}.{name}` (`{old}` is deprecated)")
+        out[section] = {**current, name: value}
+        log.warning("kv-transfer-config: `%s` is deprecated: write %s", old,
+                    json.dumps({section: {name: value}}, default=repr))
+    return out
 
 
 #: the engines' ``auth_token`` when the config gives neither ``auth_token`` nor ``auth_token_file``
@@ -492,20 +360,20 @@ def _check_listener_keys(cfg: "KVTransferConfig") -> None:
 
 
 def _resolve_gpu_ipc_grant_keys(cfg: "KVTransferConfig") -> None:
-    """Fill the unset ``gpu_ipc_grant_*`` keys: from the ``cma_grant_*`` key that
+    """Fill the unset ``gpu_ipc.grant_*`` keys: from the ``cma.grant_*`` key that
     was changed (the old way to set them: one deprecation line per config,
     when gpu_ipc may run), else from the default."""
     borrowed = []
-    for new, old, default in _GPU_IPC_GRANT_ALIASES:
-        if getattr(cfg, new) is not None:
+    for name, default in _GPU_IPC_GRANT_ALIASES:
+        if getattr(cfg.gpu_ipc, name) is not None:
             continue
-        value = getattr(cfg, old)
+        value = getattr(cfg.cma, name)
         if value != default:
-            borrowed.append((new, old))
-        setattr(cfg, new, value)
+            borrowed.append(name)
+        setattr(cfg.gpu_ipc, name, value)
     if borrowed and cfg.backend in ("auto", "gpu_ipc"):
-        old = ", ".join(f"`{o}` ({getattr(cfg, o)})" for _, o in borrowed)
-        new = ", ".join(f"`{n}`" for n, _ in borrowed)
+        old = ", ".join(f"`cma.{n}` ({getattr(cfg.cma, n)})" for n in borrowed)
+        new = ", ".join(f"`gpu_ipc.{n}`" for n in borrowed)
         log.warning("kv-transfer-config: gpu_ipc's grant endpoint takes %s because %s is unset; the cma keys "
                     "are deprecated for gpu_ipc: set %s", old, new, new)
 
@@ -523,11 +391,23 @@ def _with_extra_config(data: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"kv-transfer-config: `{_EXTRA}` must be an object of atom-kv keys, got {extra!r}")
     merged = {k: v for k, v in data.items() if k != _EXTRA}
     for key, value in extra.items():
+        if key in SECTIONS and isinstance(merged.get(key), dict) and isinstance(value, dict):
+            merged[key] = _merged_section(key, merged[key], value)
+            continue
         if key in merged and merged[key] != value:
             raise ConfigError(f"kv-transfer-config: `{key}` is {merged[key]!r} at the top level but {value!r} in "
                               f"`{_EXTRA}`; give it once")
         merged[key] = value
     return merged
+
+
+def _merged_section(key: str, top: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Section ``key`` given at the top level and in ``kv_connector_extra_config``: their keys together."""
+    for name, value in extra.items():
+        if name in top and top[name] != value:
+            raise ConfigError(f"kv-transfer-config: `{key}.{name}` is {top[name]!r} at the top level but {value!r} "
+                              f"in `{_EXTRA}`; give it once")
+    return {**top, **extra}
 
 
 def parse_kv_transfer_config(text: str | None) -> KVTransferConfig | None:

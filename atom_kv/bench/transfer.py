@@ -77,12 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-kb", default="4,16,64,256,1024", help="comma-separated block sizes in KiB")
     parser.add_argument("--scattered", action="store_true", help="read blocks in a random permutation (no merging)")
     parser.add_argument("--repeat", type=int, default=3, help="measurements per block size (best and median reported)")
-    parser.add_argument("--streams", type=int, default=None, help="tcp_streams for the tcp backend (default: config default)")
+    parser.add_argument("--streams", type=int, default=None, help="tcp.streams for the tcp backend (default: config default)")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per-read timeout")
     parser.add_argument(
         "--kv-transfer-config", default=None, metavar="JSON",
         help="extra --kv-transfer-config keys for both processes, e.g. MORI-IO tuning "
-        "'{\"qp_per_transfer\": 4, \"moriio_backend\": \"xgmi\"}' (kv_role is set by the bench, "
+        "'{\"qp_per_transfer\": 4, \"moriio\": {\"transport\": \"xgmi\"}}' (kv_role is set by the bench, "
         "--backend picks the backend, --streams and --timeout-s override their keys)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")

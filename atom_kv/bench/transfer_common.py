@@ -41,7 +41,8 @@ def bench_config(args: argparse.Namespace) -> dict[str, Any]:
             KVTransferConfig.from_dict(extra)  # raises the one-line "expected a JSON object"
         extra = {k: v for k, v in extra.items() if k != "kv_role"}
     config: dict[str, Any] = {**extra, "transfer_timeout_s": args.timeout_s}
-    if args.streams is not None:
-        config["tcp_streams"] = args.streams
+    tcp = config.get("tcp", {})
+    if args.streams is not None and isinstance(tcp, dict):  # (a tcp that is no object is refused just below)
+        config["tcp"] = {**tcp, "streams": args.streams}
     KVTransferConfig.from_dict({"kv_role": "kv_consumer", **config})  # validate before spawning
     return config

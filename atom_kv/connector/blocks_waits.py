@@ -73,7 +73,7 @@ class WaitingQueries:
         verdict = self._shares.admit(source)
         if verdict.evict == source:
             return QueryRefusal.SOURCE_FULL, (f"{self._shares.held(source)} queries from {source or 'this address'} "
-                                              f"already wait (rendezvous_max_waiting_per_source is {self.per_source})")
+                                              f"already wait (limits.rendezvous_max_waiting_per_source is {self.per_source})")
         if not verdict.ok:
             return QueryRefusal.FULL, (f"{self._shares.capacity} queries wait, none from an address holding more "
                                        f"than {source or 'this one'}")

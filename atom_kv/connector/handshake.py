@@ -366,7 +366,7 @@ class HandshakeServer:
     def _evicted(self, challenge: Challenge, why: str) -> None:
         where = challenge.source or "an unknown address"
         self._refuse("challenges_" + why, f"forgot the oldest pending challenge of {where}: " + (
-            "a newer one came from there and it holds the most, or handshake_max_challenges_per_source"
+            "a newer one came from there and it holds the most, or limits.handshake_max_challenges_per_source"
             if why == "source" else f"{MAX_CHALLENGES} are pending and {where} holds the most"))
 
     def _refuse_quietly(self, reason: str, why: str) -> None:

@@ -111,10 +111,10 @@ class PortLimits:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "PortLimits":
-        return cls(max_connections=cfg.handshake_max_connections,
-                   connections_per_source=cfg.handshake_max_unproven_connections_per_source,
-                   challenges_per_source=cfg.handshake_max_challenges_per_source,
-                   challenges_reserved=cfg.handshake_reserved_challenges,
+        return cls(max_connections=cfg.limits.handshake_max_connections,
+                   connections_per_source=cfg.limits.handshake_max_unproven_connections_per_source,
+                   challenges_per_source=cfg.limits.handshake_max_challenges_per_source,
+                   challenges_reserved=cfg.limits.handshake_reserved_challenges,
                    zmq_handshake_s=cfg.handshake_timeout_s)
 
 
@@ -156,5 +156,5 @@ class ConnectionGuard(ConnectionCaps):
         self.monitor.close(0)
 
 
-_NAMES = CapNames(what="handshake connections", total_key="handshake_max_connections",
-                  per_source_key="handshake_max_unproven_connections_per_source")
+_NAMES = CapNames(what="handshake connections", total_key="limits.handshake_max_connections",
+                  per_source_key="limits.handshake_max_unproven_connections_per_source")

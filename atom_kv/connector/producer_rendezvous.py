@@ -52,7 +52,7 @@ class Rendezvous:
         self._pp_size = pp_size
         self._engine_id = engine_id
         self.queries = WaitingQueries(name, capacity=MAX_DEFERRED_TRANSFERS,
-                                      per_source=config.rendezvous_max_waiting_per_source,
+                                      per_source=config.limits.rendezvous_max_waiting_per_source,
                                       per_transfer=MAX_QUERIES_PER_TRANSFER)
 
     # ------------------------------------------------------------------

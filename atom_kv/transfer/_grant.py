@@ -13,8 +13,8 @@ One connection, one grant::
     endpoint -> CmaGrantReply(ok, pid, regions, proof)
 
 Connections are served concurrently (one selector thread, two handler
-threads); each must send its request within ``cma_grant_timeout_s``
-(``gpu_ipc_grant_timeout_s`` for gpu_ipc's).
+threads); each must send its request within ``cma.grant_timeout_s``
+(``gpu_ipc.grant_timeout_s`` for gpu_ipc's).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class GrantServer(ServingEndpoint):
         self._handles = handles
         self._timeout = timeout_s
         self._spans = spans
-        key = f"{name}_grant_max_connections"
+        key = f"{name}.grant_max_connections"
         limits = ServerLimits(
             max_connections=max_connections, max_frame=HELLO_FRAME_MAX, read_timeout_s=timeout_s,
             idle_timeout_s=timeout_s, threads=GRANT_THREADS,

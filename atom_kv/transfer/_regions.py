@@ -45,7 +45,7 @@ class RegionTable:
     the staging pool (``atom_kv.transfer.staging``). Ids are dense, starting
     at 0. ``staging_pairs`` is the pool's number of rings, ``staging_bytes``
     the size of each buffer and ``staging_buffers`` the buffers of a ring
-    (``staging_pool_pairs``, ``staging_piece_bytes``, ``staging_ring_buffers``)."""
+    (``staging.pool_pairs``, ``staging.piece_bytes``, ``staging.ring_buffers``)."""
 
     def __init__(self, staging_pairs: int = 2, staging_bytes: Optional[int] = None,
                  staging_buffers: Optional[int] = None) -> None:

@@ -21,7 +21,7 @@ The device work sits behind a small *copier* seam, one per memory kind:
   never read blocks still being written.
 
 :class:`StagingPool` owns the buffers: allocated once, bounded, leased as
-*rings* of ``staging_ring_buffers`` buffers of ``staging_piece_bytes``. A
+*rings* of ``staging.ring_buffers`` buffers of ``staging.piece_bytes``. A
 ring carries, per copier, its own *lane*: a stream and one fence event per
 buffer, made once (:class:`DeviceLane`), so one connection's copies never
 queue behind another's and no event is made per piece.
@@ -59,9 +59,9 @@ from atom_kv.transfer.memory import MemoryKind
 __all__ = ["DeviceCopier", "DeviceLane", "HostCopier", "HostLane", "RING_BUFFERS", "STAGE_BYTES", "StagedReceiver",
            "StagingPool", "StagingRing", "copier_for", "recv_staged", "send_staged"]
 
-#: bytes per staging buffer (one piece of a request) without a config (``staging_piece_bytes``)
+#: bytes per staging buffer (one piece of a request) without a config (``staging.piece_bytes``)
 STAGE_BYTES = 1 << 20
-#: buffers per ring without a config (``staging_ring_buffers``)
+#: buffers per ring without a config (``staging.ring_buffers``)
 RING_BUFFERS = 4
 
 
@@ -329,7 +329,7 @@ class _Settling:
 
 class StagingPool:
     """Owns ``rings`` rings (the ``pairs`` attribute, after the key
-    ``staging_pool_pairs``) of ``buffers`` staging buffers of ``nbytes``
+    ``staging.pool_pairs``) of ``buffers`` staging buffers of ``nbytes``
     each, allocated once (pinned when the first staged memory is a GPU's).
     :meth:`lease` hands out one ring, waiting until ``deadline`` for one to
     come back; :meth:`take` / :meth:`give` do the same for a lease that spans

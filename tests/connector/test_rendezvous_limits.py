@@ -59,13 +59,13 @@ class Askers:
 
 def test_waiting_queries_are_capped_per_address():
     port = free_port()
-    P, pw, _ = producer_engine(port, rendezvous_max_waiting_per_source=256)
+    P, pw, _ = producer_engine(port, limits={"rendezvous_max_waiting_per_source": 256})
     askers = Askers(port, ["127.0.0.7"])
     try:
         askers.ask(300, wait_ms=60_000)
         refused = askers.answers(10, want=44)
         assert len(refused) == 44 and all(not a.found for a in refused)
-        assert all("rendezvous_max_waiting_per_source" in a.reason for a in refused), refused[0].reason
+        assert all("limits.rendezvous_max_waiting_per_source" in a.reason for a in refused), refused[0].reason
         assert not askers.answers(0.5, want=1)  # the other 256 wait
     finally:
         askers.close()

@@ -179,7 +179,7 @@ def test_prefill_killed_mid_run_then_restarted(cluster, colocated):
 
 
 @pytest.mark.parametrize("config,key", [
-    ('{"kv_role": "kv_producer", "tcp_streams": 0}', "tcp_streams"),
+    ('{"kv_role": "kv_producer", "tcp": {"streams": 0}}', "tcp.streams"),
     ('{"kv_role": "kv_producer", "abort_timeout": 3}', "abort_timeout"),
     ('{"kv_role": "decoder"}', "kv_role"),
     ('{"handshake_port": 6401}', "kv_role"),  # never guessed: a decode engine must not become a producer

@@ -172,7 +172,7 @@ SIZE = 64 * 1024
 class _TcpTarget:
     def __init__(self) -> None:
         cfg = KVTransferConfig(kv_role="kv_producer", transfer_timeout_s=5, handshake_timeout_s=5, auth_token=TOKEN,
-                               tcp_hello_timeout_s=1.0)
+                               tcp={"hello_timeout_s": 1.0})
         self.backend = TcpBackend(cfg, key="fuzzed")
         self.buf = np.arange(SIZE, dtype=np.uint8)
         self.backend.register_memory(self.buf.ctypes.data, SIZE, align=4096)

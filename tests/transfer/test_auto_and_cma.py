@@ -140,7 +140,7 @@ def test_cma_grant_is_served_in_time_despite_three_silent_connections() -> None:
     from tests.transfer._raw import closed_by_peer
 
     src = np.arange(1 << 14, dtype=np.uint32).view(np.uint8)
-    cfg = _grant_cfg(cma_grant_timeout_s=2.0)
+    cfg = _grant_cfg(cma={"grant_timeout_s": 2.0})
     with _served("cma", cfg, src) as a, create_backend("cma", cfg, key="reader") as b:
         desc = wire.decode(a.export_descriptor(), wire.CmaDescriptor)
         silent = [socket.create_connection((desc.ctl_host, desc.ctl_port), timeout=5) for _ in range(3)]
@@ -179,7 +179,7 @@ def _read_all(b: TransferBackend, peer: str, src: np.ndarray, dst: np.ndarray) -
 def test_auto_falls_back_to_tcp_when_the_grant_endpoint_is_silent(caplog: pytest.LogCaptureFixture) -> None:
     src = np.arange(1 << 14, dtype=np.uint32).view(np.uint8)
     dst = np.zeros_like(src)
-    a, b = _auto_pair(_grant_cfg(cma_grant_timeout_s=0.5), src, dst)
+    a, b = _auto_pair(_grant_cfg(cma={"grant_timeout_s": 0.5}), src, dst)
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog) and never says a word
     try:
         desc = wire.decode(a.export_descriptor(), wire.AutoDescriptor)
@@ -209,13 +209,13 @@ def test_auto_falls_back_to_tcp_when_the_grant_is_refused(monkeypatch) -> None:
 
     src = np.arange(1 << 14, dtype=np.uint32).view(np.uint8)
     dst = np.zeros_like(src)
-    a, b = _auto_pair(_grant_cfg(cma_grant_max_connections=1, cma_grant_timeout_s=5), src, dst)
+    a, b = _auto_pair(_grant_cfg(cma={"grant_max_connections": 1, "grant_timeout_s": 5}), src, dst)
     try:
         blob = a.export_descriptor()
         endpoint = next(be for be in a._inner() if isinstance(be, CmaBackend))._serving()._server
 
         def every_slot_answered(source, peer):
-            why = "1 connections already open (cma_grant_max_connections); try again later"
+            why = "1 connections already open (cma.grant_max_connections); try again later"
             endpoint.events.warn("busy", f"refused a connection from {peer}: {why}")
             return why, False
 

@@ -80,13 +80,13 @@ def test_kv_transfer_config_passthrough_reaches_the_backend(monkeypatch: pytest.
     monkeypatch.setattr(atom_kv.transfer, "create_backend", recording)
     args = _args("--backend", "tcp", "--total-mb", "1", "--block-kb", "64", "--repeat", "1", "--json", "--explore",
                  "--timeout-s", "7", "--kv-transfer-config",
-                 '{"kv_role": "kv_producer", "auth_token": "s3cret", "tcp_streams": 2, "qp_per_transfer": 4}')
-    assert bench.bench_config(args) == {"auth_token": "s3cret", "tcp_streams": 2, "qp_per_transfer": 4,
+                 '{"kv_role": "kv_producer", "auth_token": "s3cret", "tcp": {"streams": 2}, "qp_per_transfer": 4}')
+    assert bench.bench_config(args) == {"auth_token": "s3cret", "tcp": {"streams": 2}, "qp_per_transfer": 4,
                                         "transfer_timeout_s": 7.0}
     assert bench.run(args) == 0
     (name, cfg), = seen
     assert name == "tcp" and cfg.kv_role == "kv_consumer"
-    assert (cfg.auth_token, cfg.tcp_streams, cfg.qp_per_transfer, cfg.transfer_timeout_s) == ("s3cret", 2, 4, 7.0)
+    assert (cfg.auth_token, cfg.tcp.streams, cfg.qp_per_transfer, cfg.transfer_timeout_s) == ("s3cret", 2, 4, 7.0)
     assert json.loads(capsys.readouterr().out.strip())["verified"] is True
 
 
@@ -110,7 +110,7 @@ def test_moriio_backend_with_mori_keys_is_accepted_and_unavailable_here(capsys: 
     if unavailable_reason() is None:
         pytest.skip("MORI-IO is usable on this machine; the unavailable path cannot be exercised")
     args = _args("--backend", "moriio", "--total-mb", "1", "--block-kb", "64",
-                 "--kv-transfer-config", '{"qp_per_transfer": 2, "post_batch_size": 8, "moriio_backend": "rdma"}')
+                 "--kv-transfer-config", '{"qp_per_transfer": 2, "post_batch_size": 8, "moriio": {"transport": "rdma"}}')
     assert bench.run(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "MORI-IO unavailable" in err

@@ -35,7 +35,7 @@ needs_cma = pytest.mark.skipif(CMA_REASON is not None, reason=CMA_REASON or "")
 
 def _cfg(token: str | None = TOKEN, **extra: Any) -> KVTransferConfig:
     return KVTransferConfig(kv_role="kv_consumer", auth_token=token, transfer_timeout_s=3, handshake_timeout_s=3,
-                            cma_grant_timeout_s=3, **extra)
+                            cma={"grant_timeout_s": 3}, **extra)
 
 
 class Side:

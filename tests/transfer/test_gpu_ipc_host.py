@@ -378,7 +378,7 @@ def test_a_read_past_its_deadline_fails_at_once_and_is_settled_by_the_reaper_onc
 def test_wait_without_spin_blocks_on_the_settling_thread() -> None:
     srv = _serve("gpu_ipc-hostseam-recording")
     seam = StuckSeam()
-    be = GpuIpcBackend(_config(gpu_ipc_wait_spin_us=0), key="nospin", _seam=seam)
+    be = GpuIpcBackend(_config(gpu_ipc={"wait_spin_us": 0}), key="nospin", _seam=seam)
     be.max_region_bytes = REGION
     buf = shared_buffer(SIZE)
     try:

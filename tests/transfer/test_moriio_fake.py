@@ -89,7 +89,7 @@ def test_engine_key_config_and_rdma_backend(pair):
 def test_config_keys_reach_rdma_backend_config():
     be = create_backend(
         "moriio",
-        cfg(qp_per_transfer=4, post_batch_size=16, num_worker_threads=2, poll_cq_mode="event",
+        cfg(qp_per_transfer=4, post_batch_size=16, num_worker_threads=2, moriio={"poll_cq_mode": "event"},
             enable_notification=True, max_send_wr=256, max_cqe_num=1024),
         key="cfg",
     )
@@ -106,7 +106,7 @@ def test_config_keys_reach_rdma_backend_config():
 def test_xgmi_transport_needs_no_rdma_device(tmp_path):
     from atom_kv.transfer.moriio import MoriIOBackend
 
-    be = MoriIOBackend(cfg(moriio_backend="xgmi"), key="x", sysfs_dir=str(tmp_path))
+    be = MoriIOBackend(cfg(moriio={"transport": "xgmi"}), key="x", sysfs_dir=str(tmp_path))
     try:
         assert list(be._engine.fake_backends) == [sys.modules["mori.io"].BackendType.XGMI]
     finally:
@@ -205,9 +205,9 @@ def test_add_peer_is_idempotent_and_refreshes_regions(pair):
 def test_bad_descriptors_are_one_line_errors(pair):
     with pytest.raises(TransferError, match="not a MORI-IO peer descriptor"):
         pair.reader.add_peer(b"\x93garbage")
-    other = create_backend("moriio", cfg(moriio_backend="xgmi"), key="xg")
+    other = create_backend("moriio", cfg(moriio={"transport": "xgmi"}), key="xg")
     try:
-        with pytest.raises(TransferError, match="set the same `moriio_backend` on both sides"):
+        with pytest.raises(TransferError, match="set the same `moriio.transport` on both sides"):
             pair.reader.add_peer(other.export_descriptor())
     finally:
         other.close()

@@ -49,7 +49,7 @@ def test_rdma_attrs_defaults_leave_max_keys_to_library():
 
 def test_rdma_attrs_carry_every_key_that_is_set():
     attrs = rdma_config_attrs(
-        cfg(qp_per_transfer=4, post_batch_size=8, num_worker_threads=3, poll_cq_mode="event",
+        cfg(qp_per_transfer=4, post_batch_size=8, num_worker_threads=3, moriio={"poll_cq_mode": "event"},
             enable_notification=True, max_send_wr=512, max_cqe_num=4096, max_msg_sge=2),
         {},
     )
@@ -90,12 +90,12 @@ def test_mori_env_vars_apply_only_to_keys_left_at_default():
     attrs = rdma_config_attrs(cfg(), env)
     assert "qp_per_transfer" not in attrs and "poll_cq_mode" not in attrs
     assert attrs["post_batch_size"] == -1  # empty variable counts as unset
-    attrs = rdma_config_attrs(cfg(qp_per_transfer=2, poll_cq_mode="event"), env)
+    attrs = rdma_config_attrs(cfg(qp_per_transfer=2, moriio={"poll_cq_mode": "event"}), env)
     assert attrs["qp_per_transfer"] == 2 and attrs["poll_cq_mode"] == "EVENT"
 
 
 def test_build_rdma_config_sets_attributes_and_enum():
-    obj, skipped = build_rdma_config(_NewConfig, _Poll, cfg(poll_cq_mode="event", qp_per_transfer=2, max_cqe_num=9), {})
+    obj, skipped = build_rdma_config(_NewConfig, _Poll, cfg(moriio={"poll_cq_mode": "event"}, qp_per_transfer=2, max_cqe_num=9), {})
     assert skipped == []
     assert obj.poll_cq_mode == "event-enum"
     assert obj.qp_per_transfer == 2
@@ -270,7 +270,7 @@ def test_rdma_needs_a_device_but_xgmi_does_not(tmp_path):
     fake = _Module()
     reason = unavailable_reason(lambda name: fake, transport="rdma", sysfs_dir=str(tmp_path / "none"))
     assert reason.startswith("MORI-IO unavailable: no RDMA device found under")
-    assert '"moriio_backend": "xgmi"' in reason
+    assert '"moriio": {"transport": "xgmi"}' in reason
     assert load_mori(lambda name: fake, transport="xgmi", sysfs_dir=str(tmp_path / "none")) is fake
 
 

@@ -86,7 +86,7 @@ def test_missing_nixl_is_one_line_with_the_install_command(monkeypatch):
 @needs_nixl
 def test_ucx_transport_hint_reaches_ucx(monkeypatch):
     monkeypatch.delenv("UCX_TLS", raising=False)  # restored when the test ends
-    server, reader, peer, src, dst, local, remote = _pair(nixl_ucx_tls="tcp")
+    server, reader, peer, src, dst, local, remote = _pair(nixl={"ucx_tls": "tcp"})
     try:
         assert os.environ.get("UCX_TLS") == "tcp"
         h = reader.read(peer, split_pair(local, 0, remote, 0, NBLOCKS * BLOCK), timeout_s=5)
@@ -101,7 +101,7 @@ def test_unknown_plugin_is_refused_in_one_line():
     if nixl_probe.nixl_unavailable_reason():
         pytest.skip(nixl_probe.nixl_unavailable_reason())
     with pytest.raises(BackendUnavailable, match="NO_SUCH_PLUGIN") as info:
-        create_backend("nixl", KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "nixl", "nixl_plugins": ["NO_SUCH_PLUGIN"]}))
+        create_backend("nixl", KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "nixl", "nixl": {"plugins": ["NO_SUCH_PLUGIN"]}}))
     assert "\n" not in str(info.value)
 
 

@@ -1,4 +1,4 @@
-"""``nixl_ucx_proto_info``: the UCX transports a NIXL agent's reads went over, logged once
+"""``nixl.ucx_proto_info``: the UCX transports a NIXL agent's reads went over, logged once
 per agent, from UCX's own protocol report (real NIXL over UCX on this host, in a fresh process:
 UCX reads its environment once per process)."""
 
@@ -49,7 +49,7 @@ import numpy as np
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
 from atom_kv.config import KVTransferConfig
 from atom_kv.transfer import ReadOp, create_backend
-cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "nixl", "nixl_ucx_proto_info": True})
+cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", "backend": "nixl", "nixl": {"ucx_proto_info": True}})
 a, b = create_backend("nixl", cfg, key="served"), create_backend("nixl", cfg, key="reader")
 src = np.arange(1 << 20, dtype=np.uint8)
 dst = np.zeros_like(src)

@@ -98,8 +98,9 @@ def _refused(stats: dict[str, int]) -> int:
 def served():
     made = []
 
-    def make(**config: Any) -> Served:
-        srv = Served(auth_token=TOKEN, tcp_read_timeout_s=60, tcp_hello_timeout_s=60, **config)
+    def make(**tcp: Any) -> Served:
+        """A read server with a token and these ``tcp`` keys."""
+        srv = Served(auth_token=TOKEN, tcp={"read_timeout_s": 60, "hello_timeout_s": 60, **tcp})
         made.append(srv)
         return srv
 
@@ -112,24 +113,24 @@ def test_tcp_a_stranger_on_the_readers_address_slows_only_itself(served):
     srv = served()
     strangers = Strangers(srv.port)
     try:
-        strangers.open("127.0.0.1", 200)  # more than tcp_max_unauthenticated_per_source (64), all idle
+        strangers.open("127.0.0.1", 200)  # more than tcp.max_unauthenticated_per_source (64), all idle
         wait_until(lambda: srv.backend.server.connections <= 64 and srv.stats().get("busy_source", 0) >= 136, 20,
                    interval=0.02, what="the address's oldest connections closed")
         strangers.keep_opening(["127.0.0.1"], per_s=50, limit=2000)
         failures = _legitimate(lambda: _tcp_connect(srv))
         assert failures == [], f"{len(failures)} of {LEGITIMATE} refused: {failures[0]}"
-        srv.read_check(auth_token=TOKEN)  # a real reader (tcp_streams connections) reads, the stranger still at it
+        srv.read_check(auth_token=TOKEN)  # a real reader (tcp.streams connections) reads, the stranger still at it
     finally:
         strangers.close()
 
 
 def test_tcp_64_strangers_leave_legitimate_connects_at_20_of_20(served):
-    srv = served(tcp_max_connections=128)
+    srv = served(max_connections=128)
     sources = [f"127.0.0.{i}" for i in range(2, 66)]
     strangers = Strangers(srv.port)
     try:
         for src in sources:
-            strangers.open(src, 4)  # 256 idle connections: twice tcp_max_connections
+            strangers.open(src, 4)  # 256 idle connections: twice tcp.max_connections
         wait_until(lambda: _refused(srv.stats()) >= 128, 20, interval=0.02, what="the shares enforced")
         assert srv.backend.server.connections <= 128
         strangers.keep_opening(sources, per_s=50, limit=2000)
@@ -141,11 +142,11 @@ def test_tcp_64_strangers_leave_legitimate_connects_at_20_of_20(served):
 
 
 def test_tcp_refusals_name_the_real_cause(served, caplog):
-    srv = served(tcp_max_connections=4)
+    srv = served(max_connections=4)
     held = [tcp_login(srv.host, srv.port, TOKEN)[0] for _ in range(4)]  # every slot authenticated
     try:
         why = _tcp_connect(srv)
-        assert why and "4 connections already open (tcp_max_connections)" in why, why
+        assert why and "4 connections already open (tcp.max_connections)" in why, why
     finally:
         for s in held:
             s.close()
@@ -181,7 +182,7 @@ def _grant(server: GrantServer) -> Optional[str]:
 def test_grants_a_stranger_holding_idle_connections_on_the_readers_address_slows_only_itself(grant_endpoint):
     strangers = Strangers(grant_endpoint.port)
     try:
-        strangers.open("127.0.0.1", 100)  # more than cma_grant_max_connections (64), all idle
+        strangers.open("127.0.0.1", 100)  # more than cma.grant_max_connections (64), all idle
         wait_until(lambda: _refused(grant_endpoint.stats()) >= 36, 20, interval=0.02,
                    what="the stranger's share enforced")
         strangers.keep_opening(["127.0.0.1"], per_s=50, limit=2000)
@@ -197,7 +198,7 @@ def test_grants_64_strangers_leave_legitimate_grants_at_20_of_20(grant_endpoint)
     strangers = Strangers(grant_endpoint.port)
     try:
         for src in sources:
-            strangers.open(src, 2)  # 128 idle connections: twice cma_grant_max_connections
+            strangers.open(src, 2)  # 128 idle connections: twice cma.grant_max_connections
         wait_until(lambda: _refused(grant_endpoint.stats()) >= 64, 20, interval=0.02, what="the shares enforced")
         strangers.keep_opening(sources, per_s=50, limit=2000)
         failures = _legitimate(lambda: _grant(grant_endpoint))

@@ -258,7 +258,7 @@ def test_a_connection_s_receiver_pipelines_from_one_job_to_the_next():
 
 
 def test_staged_tcp_over_a_slow_fake_device_reads_every_byte_across_many_jobs_on_one_connection():
-    cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", "tcp_streams": 1, "staging_piece_bytes": 65536,
+    cfg = KVTransferConfig.from_dict({"kv_role": "kv_consumer", "tcp": {"streams": 1}, "staging": {"piece_bytes": 65536},
                                       "transfer_timeout_s": 30})
     src = np.random.default_rng(6).integers(0, 256, 3 << 20, dtype=np.uint8)
     dst = np.zeros_like(src)

@@ -79,13 +79,13 @@ def _close_all(socks: list[socket.socket]) -> None:
 
 
 def test_many_idle_connections_keep_threads_bounded_and_excess_is_refused(make_served) -> None:
-    srv = make_served(tcp_max_connections=50, tcp_read_timeout_s=60, tcp_hello_timeout_s=60)
+    srv = make_served(tcp={"max_connections": 50, "read_timeout_s": 60, "hello_timeout_s": 60})
     threads_before = thread_count()
     rss_before = rss_bytes()
     socks = [socket.create_connection((srv.host, srv.port), timeout=5) for _ in range(300)]
     try:
         # one address that never authenticated: its newest connections stay, in the strangers' share
-        # (tcp_max_connections less the reserve for readers that authenticated before, 50 // 8)
+        # (tcp.max_connections less the reserve for readers that authenticated before, 50 // 8)
         wait_until(lambda: srv.stats().get("busy_source", 0) == 256, 20, interval=0.02,
                    what="256 oldest connections closed")
         # the count of refusals and of connections held are updated one after the other: both settle
@@ -102,7 +102,7 @@ def test_many_idle_connections_keep_threads_bounded_and_excess_is_refused(make_s
 
 @pytest.mark.parametrize("token", [None, "tok"])
 def test_big_frames_announced_before_auth_allocate_nothing(make_served, token) -> None:
-    srv = make_served(auth_token=token, tcp_read_timeout_s=60)
+    srv = make_served(auth_token=token, tcp={"read_timeout_s": 60})
     rss_before = rss_bytes()
     socks = []
     for _ in range(16):
@@ -120,7 +120,7 @@ def test_big_frames_announced_before_auth_allocate_nothing(make_served, token) -
 
 
 def test_request_frames_after_auth_are_bounded_by_max_ranges(make_served) -> None:
-    srv = make_served(auth_token="tok", tcp_max_ranges_per_request=16)
+    srv = make_served(auth_token="tok", tcp={"max_ranges_per_request": 16})
     s, reply = tcp_login(srv.host, srv.port, "tok")
     with s:
         assert reply.ok and reply.max_ranges == 16
@@ -165,7 +165,7 @@ def _dribble_until_dropped(s: socket.socket, limit_s: float) -> float:
 
 @pytest.mark.parametrize("token", [None, "tok"])
 def test_dribbling_hello_is_dropped_after_the_hello_timeout(make_served, token) -> None:
-    srv = make_served(auth_token=token, tcp_read_timeout_s=60, tcp_hello_timeout_s=0.5)
+    srv = make_served(auth_token=token, tcp={"read_timeout_s": 60, "hello_timeout_s": 0.5})
     s, _ = tcp_open(srv.host, srv.port)
     with s:
         s.sendall(struct.pack("!I", 200))
@@ -176,7 +176,7 @@ def test_dribbling_hello_is_dropped_after_the_hello_timeout(make_served, token) 
 
 
 def test_dribbling_request_is_dropped_after_the_read_timeout(make_served) -> None:
-    srv = make_served(auth_token="tok", tcp_read_timeout_s=0.5, tcp_idle_timeout_s=60)
+    srv = make_served(auth_token="tok", tcp={"read_timeout_s": 0.5, "idle_timeout_s": 60})
     s, reply = tcp_login(srv.host, srv.port, "tok")
     with s:
         assert reply.ok
@@ -188,8 +188,8 @@ def test_dribbling_request_is_dropped_after_the_read_timeout(make_served) -> Non
 
 
 def test_idle_connections_are_closed_and_readers_reconnect(make_served) -> None:
-    srv = make_served(tcp_idle_timeout_s=0.3)
-    with TcpBackend(_cfg(tcp_streams=1), key="reader") as reader:  # one connection: round 2 reuses it
+    srv = make_served(tcp={"idle_timeout_s": 0.3})
+    with TcpBackend(_cfg(tcp={"streams": 1}), key="reader") as reader:  # one connection: round 2 reuses it
         dst = np.zeros(SIZE, dtype=np.uint8)
         reader.register_memory(dst.ctypes.data, SIZE, align=BLOCK)
         peer = reader.add_peer(srv.descriptor)
@@ -226,20 +226,21 @@ def test_decode_failures_are_counted_logged_rate_limited_and_survived(make_serve
 
 
 @pytest.mark.parametrize("key,value,words", [
-    ("tcp_max_ranges_per_request", 0, "an integer in 1..1048576"),
-    ("tcp_max_ranges_per_request", 1 << 21, "an integer in 1..1048576"),
-    ("tcp_max_connections", 0, ">= 1"),
-    ("tcp_server_threads", 0, ">= 1"),
-    ("tcp_read_timeout_s", 0, "a positive number of seconds"),
-    ("tcp_idle_timeout_s", -1, "a positive number of seconds"),
-    ("cma_grant_timeout_s", "soon", "a number"),
-    ("cma_grant_max_connections", 0, ">= 1"),
+    ("tcp.max_ranges_per_request", 0, "an integer in 1..1048576"),
+    ("tcp.max_ranges_per_request", 1 << 21, "an integer in 1..1048576"),
+    ("tcp.max_connections", 0, ">= 1"),
+    ("tcp.server_threads", 0, ">= 1"),
+    ("tcp.read_timeout_s", 0, "a positive number of seconds"),
+    ("tcp.idle_timeout_s", -1, "a positive number of seconds"),
+    ("cma.grant_timeout_s", "soon", "a number"),
+    ("cma.grant_max_connections", 0, ">= 1"),
 ])
 def test_server_keys_are_validated_naming_the_key(key: str, value: object, words: str) -> None:
     from atom_kv.config import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        KVTransferConfig.from_dict({"kv_role": "kv_producer", key: value})
+        section, name = key.split(".")
+        KVTransferConfig.from_dict({"kv_role": "kv_producer", section: {name: value}})
     assert f"`{key}`" in str(err.value) and words in str(err.value) and "\n" not in str(err.value)
 
 
@@ -249,7 +250,7 @@ def _serve_with_few_fds(conn: Any) -> None:
 
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (96, hard))
-    be = TcpBackend(_cfg(tcp_max_connections=10_000, tcp_max_unauthenticated_per_source=10_000), key="few-fds")
+    be = TcpBackend(_cfg(tcp={"max_connections": 10_000, "max_unauthenticated_per_source": 10_000}), key="few-fds")
     buf = np.full(SIZE, 7, dtype=np.uint8)
     be.register_memory(buf.ctypes.data, SIZE, align=BLOCK)
     conn.send(be.export_descriptor())
@@ -304,9 +305,9 @@ def _stranger(srv: Served, source: str = "127.0.0.2") -> socket.socket:
 
 def test_strangers_on_one_host_cannot_hold_every_slot(make_served) -> None:
     """Today's reproduction: idle connections that never authenticate held every
-    tcp_max_connections slot until the read timeout."""
-    srv = make_served(auth_token="tok", tcp_max_connections=20, tcp_max_unauthenticated_per_source=8,
-                      tcp_read_timeout_s=60, tcp_hello_timeout_s=60)
+    tcp.max_connections slot until the read timeout."""
+    srv = make_served(auth_token="tok", tcp={"max_connections": 20, "max_unauthenticated_per_source": 8,
+                                           "read_timeout_s": 60, "hello_timeout_s": 60})
     socks = [_stranger(srv) for _ in range(40)]
     try:
         wait_until(lambda: srv.stats().get("busy_source", 0) == 32, 10, interval=0.02, what="32 strangers refused")
@@ -317,7 +318,7 @@ def test_strangers_on_one_host_cannot_hold_every_slot(make_served) -> None:
 
 
 def test_a_silent_connection_is_dropped_after_the_hello_timeout(make_served) -> None:
-    srv = make_served(auth_token="tok", tcp_read_timeout_s=60, tcp_hello_timeout_s=0.3)
+    srv = make_served(auth_token="tok", tcp={"read_timeout_s": 60, "hello_timeout_s": 0.3})
     s = _stranger(srv)
     with s:
         t0 = time.monotonic()

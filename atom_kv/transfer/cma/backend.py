@@ -70,7 +70,7 @@ class CmaBackend(GrantedBackend):
         self._nthreads = max(1, min(2, os.cpu_count() or 1))
 
     def _grant_keys(self, cfg: "KVTransferConfig") -> tuple[float, int]:
-        return cfg.cma_grant_timeout_s, cfg.cma_grant_max_connections
+        return cfg.cma.grant_timeout_s, cfg.cma.grant_max_connections
 
     # -- serving side ---------------------------------------------------
     def _spans(self) -> list[tuple[int, int, int]]:

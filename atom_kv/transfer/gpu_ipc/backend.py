@@ -26,7 +26,7 @@ node, through CUDA IPC memory handles (HIP IPC on ROCm builds of torch).
   per read once the pool is warm.
 - Completion (:mod:`~atom_kv.transfer.gpu_ipc.completion`): ``done()``
   queries the fences; ``wait()`` queries them for a bounded spin
-  (``gpu_ipc_wait_spin_us``), then blocks while the settling thread waits
+  (``gpu_ipc.wait_spin_us``), then blocks while the settling thread waits
   on them (blocking-sync events: it sleeps). A handle finishes, and
   *settles*, only once the copies are complete on the device, so the
   consumer's next step after it saw the handle finish is ordered after them;
@@ -178,10 +178,10 @@ class GpuIpcBackend(GrantedBackend):
         self._local_spans = Spans.of([], [], [])
         self._pools: dict[int, EventPool] = {}
         self._completions = Completions(self._seam, f"atomkv-gpu_ipc-settle-{self._key}",
-                                        cfg.gpu_ipc_wait_spin_us * 1e-6)
+                                        cfg.gpu_ipc.wait_spin_us * 1e-6)
 
     def _grant_keys(self, cfg: "KVTransferConfig") -> tuple[float, int]:
-        return cfg.gpu_ipc_grant_timeout_s, cfg.gpu_ipc_grant_max_connections
+        return cfg.gpu_ipc.grant_timeout_s, cfg.gpu_ipc.grant_max_connections
 
     def check_memory(self, memory: MemoryKind) -> None:
         check_memory(self.name, self.memory_kinds, memory,

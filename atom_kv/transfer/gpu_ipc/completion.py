@@ -4,7 +4,7 @@
   (timing-disabled, blocking-sync events: a read makes none in steady state).
 - :class:`GpuReadHandle`: a :class:`ReadHandle` whose ``done()`` is a query
   of its fences, and whose ``wait()`` queries them for a bounded spin
-  (``gpu_ipc_wait_spin_us``) and then blocks on the settling thread. A read
+  (``gpu_ipc.wait_spin_us``) and then blocks on the settling thread. A read
   that completes while its caller polls or spins never goes through another
   thread.
 - :class:`Completions`: the reads in flight and the one named thread that

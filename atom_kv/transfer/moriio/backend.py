@@ -100,7 +100,7 @@ class MoriIOBackend(RdmaPeers[_Peer], TransferBackend):
         ports: Optional[RankPorts] = None,
     ) -> None:
         self.config = config if config is not None else KVTransferConfig(kv_role="kv_consumer")
-        self.transport = self.config.moriio_backend
+        self.transport = self.config.moriio.transport
         self.host = host
         self.key = key or f"atom_kv-{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.max_region_bytes = max_region_bytes
@@ -211,7 +211,7 @@ class MoriIOBackend(RdmaPeers[_Peer], TransferBackend):
         if msg.transport != self.transport:
             raise TransferError(
                 f"peer {msg.key} uses MORI-IO transport {msg.transport!r} but this engine uses "
-                f"{self.transport!r}; set the same `moriio_backend` on both sides"
+                f"{self.transport!r}; set the same `moriio.transport` on both sides"
             )
         if len(msg.memories) != len(msg.sizes):
             raise TransferError(f"MORI-IO descriptor of {msg.key} lists {len(msg.memories)} regions but {len(msg.sizes)} sizes")

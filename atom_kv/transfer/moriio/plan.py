@@ -51,18 +51,17 @@ RDMA_ENV_VARS = {
 def rdma_config_attrs(config: KVTransferConfig, environ: Optional[Mapping[str, str]] = None) -> dict[str, Any]:
     """The ``RdmaBackendConfig`` attributes ``config`` sets.
 
-    ``poll_cq_mode`` is given as the ``PollCqMode`` member name ("POLLING" or
-    "EVENT"); ``max_*`` keys appear only when nonzero (0 keeps MORI's
-    default). A key left at its ``KVTransferConfig`` default is omitted when
-    its ``MORI_IO_*`` variable is set in ``environ``, so the operator's
+    ``poll_cq_mode`` (``moriio.poll_cq_mode``) is given as the ``PollCqMode``
+    member name ("POLLING" or "EVENT"); ``max_*`` keys appear only when
+    nonzero (0 keeps MORI's default). A key left at its default is omitted
+    when its ``MORI_IO_*`` variable is set in ``environ``, so the operator's
     environment applies; a key set to anything else wins over the variable.
     """
     env = os.environ if environ is None else environ
-    defaults = _config_defaults()
+    defaults = _rdma_values(KVTransferConfig(kv_role=config.kv_role))
     attrs: dict[str, Any] = {}
-    for name, var in RDMA_ENV_VARS.items():
-        value = getattr(config, name)
-        if env.get(var, "").strip() and value == defaults[name]:
+    for name, value in _rdma_values(config).items():
+        if env.get(RDMA_ENV_VARS[name], "").strip() and value == defaults[name]:
             continue
         attrs[name] = value.upper() if name == "poll_cq_mode" else value
     for name in OPTIONAL_RDMA_ATTRS:
@@ -72,9 +71,11 @@ def rdma_config_attrs(config: KVTransferConfig, environ: Optional[Mapping[str, s
     return attrs
 
 
-def _config_defaults() -> dict[str, Any]:
-    fields = KVTransferConfig.__struct_fields__
-    return dict(zip(fields[len(fields) - len(KVTransferConfig.__struct_defaults__):], KVTransferConfig.__struct_defaults__))
+def _rdma_values(config: KVTransferConfig) -> dict[str, Any]:
+    """The values of :data:`RDMA_ENV_VARS`' attributes in ``config`` (ATOM's keys at the top level, the poll mode
+    in the ``moriio`` section)."""
+    return {name: config.moriio.poll_cq_mode if name == "poll_cq_mode" else getattr(config, name)
+            for name in RDMA_ENV_VARS}
 
 
 def build_rdma_config(

@@ -81,7 +81,7 @@ def rdma_device_problem(
     if not devices:
         return (
             f"no RDMA device found under {sysfs_dir}; the rdma transport needs an RDMA NIC "
-            f'(use "moriio_backend": "xgmi" for two engines on one node), {_FALLBACK}'
+            f'(use "moriio": {{"transport": "xgmi"}} for two engines on one node), {_FALLBACK}'
         )
     wanted = env.get("MORI_RDMA_DEVICES", "").strip()
     if not wanted or wanted.startswith("^"):

@@ -35,7 +35,7 @@ LOCAL_SIDE = "NIXL_INIT_AGENT"
 #: (it wakes at once on an event; this bounds UCX's occasional missed wake-up)
 PROGRESS_POLL_US = 1000
 
-#: plugins whose thread count `nixl_progress_threads` sets (as NIXL's num_threads)
+#: plugins whose thread count `nixl.progress_threads` sets (as NIXL's num_threads)
 THREADED_PLUGINS = frozenset({"UCX", "LIBFABRIC", "OBJ"})
 
 
@@ -51,7 +51,7 @@ class NixlAgent:
     def __init__(self, api: ModuleType, name: str, *, plugins: list[str], progress_threads: int,
                  ucx_tls: Optional[str], loopback_only: bool = False, ucx_tcp_ports: Optional[str] = None) -> None:
         # UCX reads its environment when the agent's UCX context is created, just below
-        _set_ucx_env("UCX_TLS", ucx_tls, "nixl_ucx_tls")
+        _set_ucx_env("UCX_TLS", ucx_tls, "nixl.ucx_tls")
         _set_ucx_env("UCX_TCP_PORT_RANGE", ucx_tcp_ports, "nixl_ucx_tcp_port_range")
         if loopback_only and "UCX_NET_DEVICES" not in os.environ:
             # an engine bound to loopback: UCX's TCP transport would otherwise
@@ -71,7 +71,7 @@ class NixlAgent:
         if missing:
             available = ", ".join(self._agent.get_plugin_list()) or "none"
             self._agent = None
-            raise TransferError(f"NIXL plugin(s) {', '.join(missing)} from `nixl_plugins` could not be created "
+            raise TransferError(f"NIXL plugin(s) {', '.join(missing)} from `nixl.plugins` could not be created "
                                 f"here (plugins found: {available})")
         self.plugins = list(plugins)
         self._regs: list[Any] = []

@@ -110,11 +110,11 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
         nixl = api if api is not None else load_nixl()
         agent_name = f"{self.key}-{uuid.uuid4().hex[:12]}"
         # before UCX is loaded: it reads UCX_PROTO_INFO and UCX_LOG_FILE once per process
-        proto_log = enable_proto_info() if self.config.nixl_ucx_proto_info else None
+        proto_log = enable_proto_info() if self.config.nixl.ucx_proto_info else None
         try:
-            self._agent = NixlAgent(nixl, agent_name, plugins=list(self.config.nixl_plugins),
-                                    progress_threads=self.config.nixl_progress_threads,
-                                    ucx_tls=self.config.nixl_ucx_tls,
+            self._agent = NixlAgent(nixl, agent_name, plugins=list(self.config.nixl.plugins),
+                                    progress_threads=self.config.nixl.progress_threads,
+                                    ucx_tls=self.config.nixl.ucx_tls,
                                     ucx_tcp_ports=_ucx_port_range(self.config, ports),
                                     loopback_only=_is_loopback(bind_host or host))
         except TransferError as exc:
@@ -122,7 +122,7 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
         except Exception as exc:  # the native library refused (no usable transport, ...)
             logger.debug("NIXL agent start failed", exc_info=True)
             raise BackendUnavailable(f"transfer backend 'nixl' is unavailable: the NIXL agent did not start: "
-                                     f"{nixl_error(exc)}{ucx_hint(self.config.nixl_plugins)}") from None
+                                     f"{nixl_error(exc)}{ucx_hint(self.config.nixl.plugins)}") from None
         self._lock = threading.RLock()
         self._closed = False
         self._regions = Regions()
@@ -191,7 +191,7 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
         shared = [p for p in msg.plugins if p in self._agent.plugins]
         if not shared:
             raise TransferError(f"NIXL peer {msg.agent} runs plugins {msg.plugins} and this engine "
-                                f"{self._agent.plugins}; set a common `nixl_plugins` on both sides")
+                                f"{self._agent.plugins}; set a common `nixl.plugins` on both sides")
         regions = Regions.of(msg.addrs, msg.sizes, msg.devices, msg.align)
         with self._lock:
             self._check_open()
@@ -251,7 +251,7 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
         return handle
 
     def _report_transports(self) -> None:
-        """Log UCX's transports once the first read finished well (``nixl_ucx_proto_info``)."""
+        """Log UCX's transports once the first read finished well (``nixl.ucx_proto_info``)."""
         first = self._first_read
         if first is not None and first.done():
             if first.error is None:

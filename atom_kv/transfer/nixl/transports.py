@@ -3,7 +3,7 @@
 UCX chooses a transport per operation (``cma``, ``sysv``/``posix`` shared
 memory, ``tcp``, ``cuda_ipc``, ``cuda_copy``, ``rc``...) when the operation
 first runs, and with ``UCX_PROTO_INFO=y`` prints each choice as a table.
-With ``nixl_ucx_proto_info`` on, the backend has UCX print those tables to
+With ``nixl.ucx_proto_info`` on, the backend has UCX print those tables to
 a file of its own (``UCX_LOG_FILE``, in a private temporary folder), and
 after the agent's first completed read logs one line saying, per
 operation, the transports UCX chose (docs/nixl.md, "UCX transports on one
@@ -98,7 +98,7 @@ class TransportReport:
                 text = f.read()
         except OSError as exc:
             logger.info("nixl %s: UCX printed no protocol report (%s): UCX was loaded in this process before "
-                        "`nixl_ucx_proto_info` could take effect", self._agent, exc.strerror)
+                        "`nixl.ucx_proto_info` could take effect", self._agent, exc.strerror)
             return
         choices, other = parse_proto_tables(text, self._agent)
         for line in other[:MAX_FORWARDED]:

@@ -3,7 +3,7 @@
 The serving side (:class:`~atom_kv.transfer.tcp.server.TcpReadServer`) sends
 straight from registered memory with ``sendmsg``; the reading side
 (:class:`~atom_kv.transfer.tcp.peer.TcpPeer`) receives straight into the
-destination with ``recvmsg_into``, over ``tcp_streams`` parallel connections.
+destination with ``recvmsg_into``, over ``tcp.streams`` parallel connections.
 Works between any two hosts.
 
 GPU memory is *staged* (:mod:`atom_kv.transfer.staging`): the serving side
@@ -80,13 +80,13 @@ class TcpBackend(ServedBackend):
 
     def _setup(self, cfg: "KVTransferConfig") -> None:
         self._settings = TcpServerSettings.from_config(cfg)
-        self._streams = cfg.tcp_streams
+        self._streams = cfg.tcp.streams
         self._connect_timeout = cfg.connect_timeout_s
         self._hello_timeout = cfg.handshake_timeout_s
         self._io_timeout = cfg.transfer_timeout_s
-        pairs = cfg.staging_pool_pairs or cfg.tcp_server_threads + cfg.tcp_streams
-        self._regions = RegionTable(staging_pairs=pairs, staging_bytes=cfg.staging_piece_bytes,
-                                    staging_buffers=cfg.staging_ring_buffers)
+        pairs = cfg.staging.pool_pairs or cfg.tcp.server_threads + cfg.tcp.streams
+        self._regions = RegionTable(staging_pairs=pairs, staging_bytes=cfg.staging.piece_bytes,
+                                    staging_buffers=cfg.staging.ring_buffers)
 
     # -- serving side ---------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-"""The reading half of the tcp backend: ``tcp_streams`` connections to one
+"""The reading half of the tcp backend: ``tcp.streams`` connections to one
 peer's read server, each driven by a named worker thread (:class:`JobWorkers`)
 that takes jobs (batches of ranges) from a shared queue and receives the
 reply straight into destination memory."""

@@ -56,16 +56,16 @@ class TcpServerSettings:
     @classmethod
     def from_config(cls, cfg: "KVTransferConfig") -> "TcpServerSettings":
         return cls(
-            max_connections=cfg.tcp_max_connections,
-            max_ranges=cfg.tcp_max_ranges_per_request,
-            read_timeout_s=cfg.tcp_read_timeout_s,
-            idle_timeout_s=cfg.tcp_idle_timeout_s,
-            threads=cfg.tcp_server_threads,
+            max_connections=cfg.tcp.max_connections,
+            max_ranges=cfg.tcp.max_ranges_per_request,
+            read_timeout_s=cfg.tcp.read_timeout_s,
+            idle_timeout_s=cfg.tcp.idle_timeout_s,
+            threads=cfg.tcp.server_threads,
             send_timeout_s=cfg.transfer_timeout_s,
-            hello_timeout_s=cfg.tcp_hello_timeout_s,
-            max_unauthenticated_per_source=cfg.tcp_max_unauthenticated_per_source,
-            reserved_connections=(cfg.tcp_max_connections // 8 if cfg.tcp_reserved_connections is None
-                                  else cfg.tcp_reserved_connections),
+            hello_timeout_s=cfg.tcp.hello_timeout_s,
+            max_unauthenticated_per_source=cfg.tcp.max_unauthenticated_per_source,
+            reserved_connections=(cfg.tcp.max_connections // 8 if cfg.limits.tcp_reserved_connections is None
+                                  else cfg.limits.tcp_reserved_connections),
         )
 
 
@@ -96,7 +96,7 @@ class TcpReadServer(ServingEndpoint):
             hello_timeout_s=settings.hello_timeout_s,
             max_unauthenticated_per_source=settings.max_unauthenticated_per_source,
             reserved=min(settings.reserved_connections, settings.max_connections - 1),
-            keys=("tcp_max_connections", "tcp_max_unauthenticated_per_source", "tcp_reserved_connections"),
+            keys=("tcp.max_connections", "tcp.max_unauthenticated_per_source", "limits.tcp_reserved_connections"),
         )
         self._serve(log, "tcp", label, bind_host=bind_host, host=host, auth_token=auth_token,
                     limits=limits, handle=self._handle, port=port)
@@ -172,7 +172,7 @@ class TcpReadServer(ServingEndpoint):
         if len(table) > self._settings.max_ranges:
             self._refuse(conn, rid, "malformed", who,
                          f"{len(table)} ranges in one request (limit {self._settings.max_ranges}, "
-                         "tcp_max_ranges_per_request)")
+                         "tcp.max_ranges_per_request)")
             return
         regions, offsets, sizes = table[:, 0], table[:, 1], table[:, 2]
         bad = out_of_bounds(regions, offsets, sizes, self._regions.sizes)
