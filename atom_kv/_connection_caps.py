@@ -122,11 +122,13 @@ class ConnectionCaps:
 
     def proven(self, fd: Optional[int]) -> None:
         """The connection on ``fd`` delivered a message that proved the token: no cap pushes it out."""
-        conn = self._conns.get(fd) if fd is not None else None
+        if fd is None:
+            return
+        conn = self._conns.get(fd)
         if conn is None or conn.state is not _State.UNPROVEN:
             return
         conn.state = _State.PROVEN
-        self._forget_unproven(conn.source, fd)  # type: ignore[arg-type]
+        self._forget_unproven(conn.source, fd)
 
     # ------------------------------------------------------------------ monitor events
     def accepted(self, fd: int) -> Optional[str]:

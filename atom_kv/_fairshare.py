@@ -48,11 +48,13 @@ class ProvenSources:
             self._seen[source] = self._clock() + self.ttl_s
 
     def __contains__(self, source: object) -> bool:
-        until = self._seen.get(source) if isinstance(source, str) else None
+        if not isinstance(source, str):
+            return False
+        until = self._seen.get(source)
         if until is None:
             return False
         if until < self._clock():
-            self._seen.pop(source, None)  # type: ignore[arg-type]
+            self._seen.pop(source, None)
             return False
         return True
 

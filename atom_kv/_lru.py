@@ -59,7 +59,13 @@ class BoundedDict(Generic[K, V]):
         """Make ``key`` the newest entry (least-recently-used order)."""
         self._items.move_to_end(key)
 
-    def pop(self, key: K, default: Union[V, D] = _MISSING) -> Union[V, D]:  # type: ignore[assignment]
+    @overload
+    def pop(self, key: K) -> V: ...
+
+    @overload
+    def pop(self, key: K, default: Union[V, D]) -> Union[V, D]: ...
+
+    def pop(self, key: K, default: object = _MISSING) -> object:
         if default is _MISSING:
             return self._items.pop(key)
         return self._items.pop(key, default)

@@ -37,6 +37,8 @@ def stream_completion(base_url: str, body: dict[str, Any], timeout: float) -> St
     """``POST /v1/completions`` with ``body`` plus ``"stream": true``; raises RuntimeError for an answer other
     than 200 or an error event. ``timeout`` bounds the connect and every read."""
     url = urlsplit(base_url)
+    if url.hostname is None:
+        raise ValueError(f"stream_completion: base_url must be an http://host:port URL, got {base_url!r}")
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     data = json.dumps({**body, "stream": True})
     try:

@@ -31,7 +31,7 @@ import gc
 import json
 import time
 import tracemalloc
-from typing import Any
+from typing import Any, Optional
 
 import msgspec
 
@@ -40,7 +40,8 @@ from atom_kv.proxy.kv_events.index import KvIndex
 from atom_kv.proxy.kv_events.stats import KvEventStats
 from atom_kv.proxy.kv_events.subscriber import FeedSpec, KvEventSubscriber, SubscriberLimits
 from atom_kv.proxy.kv_events.wire import (
-    BlockRemoved, BlockStored, EventBatch, EventDecoder, MapBlockRemoved, MapBlockStored, MapEventBatch, encode_seq,
+    BlockRemoved, BlockStored, EngineHash, EventBatch, EventDecoder, MapBlockRemoved, MapBlockStored, MapEventBatch,
+    encode_seq,
 )
 
 TARGET_BYTES = 160
@@ -75,16 +76,17 @@ class _Stream:
 
     def __init__(self) -> None:
         self.next_hash = HASH_BASE
-        self.chains: list[tuple[int, int]] = []  # (chain id, its last block's hash)
+        self.chains: list[tuple[int, EngineHash]] = []  # (chain id, its last block's hash)
         self.next_chain = 0
 
-    def run(self, blocks: int, continue_chain: bool) -> tuple[list[int], Any, list[int]]:
+    def run(self, blocks: int, continue_chain: bool) -> tuple[list[EngineHash], Optional[EngineHash], list[int]]:
+        parent: Optional[EngineHash]
         if continue_chain and self.chains:
             chain, parent = self.chains.pop(0)
         else:
             chain, parent = self.next_chain, None
             self.next_chain += 1
-        hashes = list(range(self.next_hash, self.next_hash + blocks))
+        hashes: list[EngineHash] = list(range(self.next_hash, self.next_hash + blocks))
         self.next_hash += blocks
         base = (chain * 7919) % 100_000
         tokens = [(base + i * 31) % 150_000 for i in range(blocks * BLOCK)]
@@ -97,7 +99,7 @@ def _messages(args: argparse.Namespace) -> tuple[list[list[bytes]], int]:
     """The throughput stream, encoded; and the blocks it stores."""
     enc = msgspec.msgpack.Encoder()
     stream = _Stream()
-    stored: list[int] = []
+    stored: list[EngineHash] = []
     frames, total = [], 0
     stored_cls, removed_cls, batch_cls = ((MapBlockStored, MapBlockRemoved, MapEventBatch) if args.map
                                           else (BlockStored, BlockRemoved, EventBatch))
@@ -194,7 +196,7 @@ def _lag(args: argparse.Namespace) -> dict[str, Any]:
             "p99_s": stats.lag_quantile(0.99), "mean_s": stats.lag_sum_s / max(1, sum(stats.lag_counts))}
 
 
-def _fill(index: KvIndex, worker: str, chains: list[tuple[int, list[int]]], run: int) -> list[list[int]]:
+def _fill(index: KvIndex, worker: str, chains: list[tuple[int, list[EngineHash]]], run: int) -> list[list[EngineHash]]:
     """Store ``chains`` (first token, blocks) in ``worker``; the engine hashes of each chain."""
     out = []
     for start, hashes in chains:
@@ -220,7 +222,7 @@ def _memory(args: argparse.Namespace, blocks_per_worker: int) -> dict[str, Any]:
     before = tracemalloc.get_traced_memory()[0]
     next_hash = HASH_BASE
     for w in range(args.workers):
-        chains = []
+        chains: list[tuple[int, list[EngineHash]]] = []
         for c in range(chains_per_worker):
             start = w * chains_per_worker + c
             chains.append((start, list(range(next_hash, next_hash + per_chain))))
@@ -230,7 +232,7 @@ def _memory(args: argparse.Namespace, blocks_per_worker: int) -> dict[str, Any]:
         quarter = len(held) // 4
         for hashes in held[:quarter]:
             index.apply(f"w{w}", 0, [BlockRemoved(block_hashes=hashes)])
-        fresh = []
+        fresh: list[tuple[int, list[EngineHash]]] = []
         for c in range(quarter):
             start = 10**6 + w * chains_per_worker + c
             fresh.append((start, list(range(next_hash, next_hash + per_chain))))
@@ -264,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
     others = [_memory(args, n) for n in (args.blocks_per_worker // 4, args.blocks_per_worker * 2)]
     for row in others:
         row.pop("index")
-    result = {
+    result: dict[str, Any] = {
         "throughput": speed, "lag": lag, "memory": memory, "memory_other_sizes": others, "query": query,
         "targets": {
             "bytes_per_entry": {"target": TARGET_BYTES, "value": round(unique["bytes_per_entry"], 1),

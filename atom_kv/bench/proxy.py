@@ -113,6 +113,7 @@ def _baseline_app(prefill: str, decode: str) -> Any:
                         yield chunk
 
         response = await make_response(generate())
+        assert isinstance(response, Response)  # quart's, for a generator (werkzeug's has no timeout)
         response.headers["Content-Type"] = "application/json"  # as the original did, even for streams
         response.timeout = None
         return response
@@ -284,8 +285,9 @@ def _summary(concurrency: int, slices: list[_Slice]) -> dict[str, Any]:
     out = {"concurrency": concurrency, "requests": done, "errors": sum(s.errors for s in slices),
            "req_per_s": round(done / elapsed, 1) if elapsed else 0.0,
            "p50_ms": round(_pct(lat, 0.5) * 1000, 2), "p99_ms": round(_pct(lat, 0.99) * 1000, 2)}
-    if done and all(s.cpu_s is not None for s in slices):
-        out["proxy_cpu_ms_per_req"] = round(sum(s.cpu_s for s in slices) / done * 1000, 3)  # type: ignore[misc]
+    cpu = [s.cpu_s for s in slices if s.cpu_s is not None]
+    if done and len(cpu) == len(slices):  # every slice measured the proxy's CPU
+        out["proxy_cpu_ms_per_req"] = round(sum(cpu) / done * 1000, 3)
     return out
 
 
@@ -498,7 +500,8 @@ def _hit_rates(args: argparse.Namespace, log: Any, with_peer: bool) -> dict[str,
     out: dict[str, Any] = {"prefill_engines": args.prefill_engines, "sessions": args.sessions, "turns": args.turns,
                            "cache_blocks_per_engine": HIT_RATE_CACHE_BLOCKS, "policies": {}}
     try:
-        runs = [("atom-kv " + p, _start_ours, p) for p in HIT_RATE_POLICIES]
+        runs: list[tuple[str, Callable[[Any, list[str], list[str], str, str], Target], str]] = [
+            ("atom-kv " + p, _start_ours, p) for p in HIT_RATE_POLICIES]
         if with_peer:
             runs.append(("vllm-router cache_aware", _start_vllm_router, "cache_aware"))
         for name, starter, policy in runs:

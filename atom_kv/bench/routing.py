@@ -223,7 +223,10 @@ def _targets(cases: dict[float, dict[str, Any]]) -> dict[str, bench_targets.Targ
     else:
         value, why = _lookup(full, "kv_aware", "hit_rate")
         oracle = next((r["oracle_hit_rate"] for r in full["policies"].values() if r["status"] == "ok"), None)
-        oracle_t = (T("hit rate, full caches", f"kv_aware >= 0.9 x oracle: not run ({why})", None) if why else
+        if oracle is None and not why:
+            why = "no policy reported the oracle's hit rate"
+        oracle_t = (T("hit rate, full caches", f"kv_aware >= 0.9 x oracle: not run ({why})", None)
+                    if why or oracle is None else
                     T("hit rate, full caches", f"kv_aware {value:g} >= 0.9 x oracle ({oracle:g})",
                       value >= 0.9 * oracle))
     return {
@@ -347,16 +350,16 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(log_root, ignore_errors=True)
     targets = {} if args.aiperf_only else _targets(cases)
     targets["outside_client"] = outside
-    doc = {"workload": {"conversations": plan.conversations, "turns": plan.turns,
-                        "system_prompts": plan.system_prompts, "system_chars": plan.system_chars,
-                        "user_chars": plan.user_chars, "answer_tokens": plan.answer_tokens,
-                        "concurrency": args.concurrency, "block_size": args.block_size,
-                        "prefill_engines": args.prefill_engines, "decode_engines": args.decode_engines},
-           "between_policies": "new engines and a new proxy for every policy",
-           "local_prefill_max_tokens": local_tokens,
-           "cases": list(cases.values()),
-           "outside_client": outside_doc,
-           "targets": {k: {"name": t.name, "text": t.text, "met": t.met} for k, t in targets.items()}}
+    doc: dict[str, Any] = {"workload": {"conversations": plan.conversations, "turns": plan.turns,
+                                       "system_prompts": plan.system_prompts, "system_chars": plan.system_chars,
+                                       "user_chars": plan.user_chars, "answer_tokens": plan.answer_tokens,
+                                       "concurrency": args.concurrency, "block_size": args.block_size,
+                                       "prefill_engines": args.prefill_engines, "decode_engines": args.decode_engines},
+                          "between_policies": "new engines and a new proxy for every policy",
+                          "local_prefill_max_tokens": local_tokens,
+                          "cases": list(cases.values()),
+                          "outside_client": outside_doc,
+                          "targets": {k: {"name": t.name, "text": t.text, "met": t.met} for k, t in targets.items()}}
     if args.png is not None:
         routing_chart.draw(doc, args.png)
         print(f"chart: {args.png}", file=info)

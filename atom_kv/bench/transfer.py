@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------
 def _socket_pusher(lsock: socket.socket, buf: np.ndarray, stop: threading.Event, timeout_s: float) -> None:
     """Send the whole buffer once per accepted connection (the socket ceiling)."""
-    view = memoryview(buf)
+    view = buf.data
     lsock.settimeout(1.0)
     while not stop.is_set():
         try:
@@ -175,7 +175,7 @@ def memcpy_gbps(dst: np.ndarray, src: np.ndarray) -> float:
 
 
 def socket_gbps(port: int, dst: np.ndarray, timeout_s: float) -> float:
-    view = memoryview(dst)
+    view = dst.data
     n = dst.nbytes
     t = time.perf_counter()
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
@@ -366,7 +366,8 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
     host_ops = None
     if host_pair is not None:  # the same reads between host buffers, for the staged target
         host_ops = build_ops(nblocks, block, chunk, host_pair[0], host_pair[1], args.scattered, seed + block_kb)[0]
-    rates, mem, sock, ceiling, host_rates, raw = [], [], [], [], [], []
+    rates, mem, sock, ceiling, host_rates = [], [], [], [], []
+    raw: list[float] = []  # raw NIXL's GB/s, filled by _raw_once
     verified = True
     error: Optional[str] = None
     raw_loop = None
@@ -446,9 +447,9 @@ def _measure(args: argparse.Namespace, backend: Any, peer: str, src: np.ndarray,
     elif "raw_nixl_gbps" in row and row["raw_nixl_gbps"]:
         _hold_to(row, "raw_nixl_gbps", NIXL_TARGET_RATIO)
     elif args.backend in HOST_TARGETS and rates:
-        base, fraction, from_kb = HOST_TARGETS[args.backend]
-        if block_kb >= from_kb and (base is None or row.get(base)):
-            _hold_to(row, base, fraction)
+        host_base, fraction, from_kb = HOST_TARGETS[args.backend]
+        if block_kb >= from_kb and (host_base is None or row.get(host_base)):
+            _hold_to(row, host_base, fraction)
     if error:
         row["error"] = error
     if rows is not None:

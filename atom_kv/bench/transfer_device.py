@@ -234,7 +234,7 @@ def _sync(cuda: bool) -> None:
 # the serving process
 # --------------------------------------------------------------------------
 def _make_backend(backend: str, cfg: Any, host: bool, key: str, delay_s: Optional[float]) -> Any:
-    from atom_kv.transfer import create_backend
+    from atom_kv.transfer.tcp import TcpBackend
 
     if backend == "gpu_ipc":
         from atom_kv.transfer.gpu_ipc import GpuIpcBackend
@@ -245,7 +245,7 @@ def _make_backend(backend: str, cfg: Any, host: bool, key: str, delay_s: Optiona
 
             seam = HostSeam()
         return GpuIpcBackend(cfg, host="127.0.0.1", key=key, _seam=seam)
-    be = create_backend("tcp", cfg, host="127.0.0.1", key=key)
+    be = TcpBackend(cfg, host="127.0.0.1", key=key)
     if delay_s is not None:  # staged host memory through a fake device
         from atom_kv.testing.fake_copier import FakeDeviceCopier
 
@@ -425,7 +425,7 @@ def _latency_rows(report: Report, reader: Reader, source: Buffer) -> None:
                 totals.append(t)
             submits, completions, totals = submits[2:], completions[2:], totals[2:]
             ok = error is None and _verify(reader, source, local, remote, LATENCY_BLOCK)
-            row = {"case": "latency", "total_kb": total >> 10, "block_kb": LATENCY_BLOCK >> 10,
+            row: dict[str, Any] = {"case": "latency", "total_kb": total >> 10, "block_kb": LATENCY_BLOCK >> 10,
                    "pattern": pattern_name, "submit_p50_us": _us(_pct(submits, 50)),
                    "submit_p99_us": _us(_pct(submits, 99)), "completion_p50_us": _us(_pct(completions, 50)),
                    "completion_p99_us": _us(_pct(completions, 99)), "p50_us": _us(_pct(totals, 50)),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from atom_kv.reference.block_hash import BlockKey
-from atom_kv.reference.kv_events.events import FULL_ATTENTION, MEDIUM_GPU, BlockRemoved, BlockStored, KVCacheEvent
+from atom_kv.reference.kv_events.events import FULL_ATTENTION, MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["BlockManager", "BlockState", "OutOfBlocks"]
 
@@ -60,7 +60,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[int, None] = OrderedDict()  # CACHED blocks, least recently freed first
         self._index: dict[bytes, int] = {}  # digest -> the block holding it (USED or CACHED)
-        self._events: Optional[list[KVCacheEvent]] = [] if record_events and caching else None
+        self._events: Optional[list[KVEvent]] = [] if record_events and caching else None
         self.evicted = 0  # cached blocks given to another allocation
 
     # ------------------------------------------------------------------ counts
@@ -202,7 +202,7 @@ class BlockManager:
             token_ids=tokens, block_size=self.block_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None,
             group_idx=0, kv_cache_spec_kind=FULL_ATTENTION))
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[KVEvent]:
         """The events recorded since the last call (empty without ``record_events``)."""
         if not self._events:
             return []

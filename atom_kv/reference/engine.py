@@ -158,10 +158,11 @@ class EngineCore:
         """Bind the KV event endpoints (when on), build the ranks (blocking: TP>1 waits for every
         rank to load), then start the loop thread."""
         a = self.args
-        if self.publishes_events:
+        events = a.kv_events if self.publishes_events else None
+        if events is not None:
             from atom_kv.reference.kv_events.publisher import KVEventPublisher
 
-            self._publisher = KVEventPublisher(a.kv_events, dp_rank=self.dp_rank, advertise_host=a.host).start()
+            self._publisher = KVEventPublisher(events, dp_rank=self.dp_rank, advertise_host=a.host).start()
         cfg_json = self.kv_config.to_json() if self.kv_config else None
         specs = [
             RankSpec(model=a.model_config(), model_id=a.model_id, num_blocks=a.num_blocks,

@@ -84,7 +84,7 @@ def _sums(cache: Any, blocks: list[int]) -> list[list[list[int]]]:
 
 def read_records(directory: str) -> list[dict[str, Any]]:
     """Every record the ranks of the engines given ``directory`` wrote."""
-    out = []
+    out: list[dict[str, Any]] = []
     for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
         with open(path, encoding="utf-8") as f:
             out.extend(json.loads(line) for line in f if line.strip())

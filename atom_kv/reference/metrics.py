@@ -40,11 +40,11 @@ class _EngineCollector:
             "atom_kv_load_prompt_tokens": ("prompt tokens of the requests given to the DP rank and not yet answered",
                                            lambda s: s["load_prompt_tokens"]),
         }
-        for name, (doc, value) in gauges.items():
-            fam = GaugeMetricFamily(name, doc, labels=["dp_rank"])
+        for name, (doc, read) in gauges.items():
+            gauge = GaugeMetricFamily(name, doc, labels=["dp_rank"])
             for rank, snap in enumerate(snaps):
-                fam.add_metric([str(rank)], float(value(snap)))
-            yield fam
+                gauge.add_metric([str(rank)], float(read(snap)))
+            yield gauge
         for key, doc in (
             ("prompt_tokens", "prompt tokens computed"),
             ("generation_tokens", "tokens generated"),
@@ -53,10 +53,10 @@ class _EngineCollector:
             ("requests_aborted", "requests aborted"),
             ("steps", "engine steps"),
         ):
-            fam = CounterMetricFamily(f"atom_kv_{key}", doc, labels=["dp_rank"])
+            counter = CounterMetricFamily(f"atom_kv_{key}", doc, labels=["dp_rank"])
             for rank, core in enumerate(e.cores):
-                fam.add_metric([str(rank)], float(dict(core.counters).get(key, 0)))
-            yield fam
+                counter.add_metric([str(rank)], float(dict(core.counters).get(key, 0)))
+            yield counter
         yield from _cache_metrics(e)
         per_key: dict[str, GaugeMetricFamily] = {}
         for dp_rank, core in enumerate(e.cores):
@@ -86,8 +86,8 @@ def _cache_metrics(e: "DataParallelEngine") -> Iterator[Metric]:
         for rank, core in enumerate(e.cores):
             fam.add_metric([str(rank)], float(value(core.scheduler.stats)))
         yield fam
-    stats = [(rank, core.event_stats()) for rank, core in enumerate(e.cores)]
-    stats = [(rank, st) for rank, st in stats if st is not None]
+    stats = [(rank, st) for rank, st in ((rank, core.event_stats()) for rank, core in enumerate(e.cores))
+             if st is not None]
     if not stats:
         return
     for key, doc in (

@@ -42,6 +42,7 @@ class Sampler:
         top = allowed.max()
         if not temperature > 0 or not np.isfinite(top):  # greedy (a NaN temperature too), or no finite logit
             return int(_ALLOWED[int(np.argmax(allowed))])
+        rng: Optional[np.random.Generator]
         if seed is not None:
             rng = np.random.default_rng((seed % 2**64, position))
         else:

@@ -353,11 +353,11 @@ class Scheduler:
                         log.exception("request %s: could not release the producer its kv_transfer_params name",
                                       request_id)
                 return True
-        req = self.running.get(request_id) or self.waiting_remote.get(request_id)
-        if req is None:
+        found = self.running.get(request_id) or self.waiting_remote.get(request_id)
+        if found is None:
             return False
         try:
-            self._finish(req, aborted=True)
+            self._finish(found, aborted=True)
         except ConnectorFinishFailed as exc:
             log.error("request %s (aborted): %s", request_id, exc, exc_info=_traceback_of(exc))
         return True

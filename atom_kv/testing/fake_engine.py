@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import logging
 import signal
@@ -28,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Union
+from typing import Any, Callable, Literal, Mapping, Union
 
 import msgspec
 import zmq
@@ -137,7 +138,7 @@ class FakeEngine:
     ) -> None:
         if role not in ("P", "D"):
             raise ValueError(f"role: must be 'P' or 'D', got {role!r}")
-        self.role = role
+        self.role: Literal["P", "D"] = "P" if role == "P" else "D"
         self.engine_id = engine_id or f"fake-{role}-{id(self):x}"
         self.tp_size = tp_size
         self.dp_size = dp_size
@@ -203,9 +204,7 @@ class FakeEngine:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, backlog=4096, shutdown_timeout=0.5)
         await site.start()
-        server = site._server
-        assert server is not None and server.sockets
-        self.port = server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]  # the one site's (host, port)
         return self
 
     async def close(self) -> None:
@@ -216,7 +215,7 @@ class FakeEngine:
     # ------------------------------------------------------------- pings
     def register_fields(self, *, transfer_mode: str = "read", index: str = "0") -> dict[str, Any]:
         return msgspec.to_builtins(RegisterPing(
-            role=self.role, index=index, request_address=self.request_address,  # type: ignore[arg-type]
+            role=self.role, index=index, request_address=self.request_address,
             handshake_port=self.handshake_port, dp_size=self.dp_size, tp_size=self.tp_size,
             transfer_mode=transfer_mode, engine_id=self.engine_id, model=self.model,
         ))
@@ -248,9 +247,9 @@ class FakeEngine:
     # ------------------------------------------------------------- handlers
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1
-        body = {"status": "ok" if self.health_status == 200 else "error",
-                "role": "prefill" if self.role == "P" else "decode", "engine_id": self.engine_id,
-                "tp_size": self.tp_size}
+        body: dict[str, Any] = {"status": "ok" if self.health_status == 200 else "error",
+                                "role": "prefill" if self.role == "P" else "decode", "engine_id": self.engine_id,
+                                "tp_size": self.tp_size}
         if self.kv_features:
             body["kv_features"] = self.kv_features
         return web.Response(body=_enc.encode(body), status=self.health_status, content_type="application/json")
@@ -331,7 +330,7 @@ class FakeEngine:
                 self.prefix_cache.access(_prompt_text(body))
             if self.empty_response:
                 ctype = "text/event-stream" if body.get("stream") else "application/json"
-                resp = web.Response(body=b"", headers={"Content-Type": ctype})
+                resp: web.StreamResponse = web.Response(body=b"", headers={"Content-Type": ctype})
             elif kv.get("do_remote_decode"):
                 resp = self._prefill_response(request, body, chat)
             elif body.get("stream"):
@@ -458,9 +457,9 @@ class FakeEngine:
         tail = b""
         opts = body.get("stream_options")
         if isinstance(opts, dict) and opts.get("include_usage"):
-            usage = {"id": "cmpl-stream", "object": "chat.completion.chunk" if chat else "text_completion",
-                     "created": 0, "model": body.get("model") or self.model, "choices": [],
-                     "usage": self._usage(body, n)}
+            usage: dict[str, Any] = {
+                "id": "cmpl-stream", "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 0, "model": body.get("model") or self.model, "choices": [], "usage": self._usage(body, n)}
             tail = b"data: " + _enc.encode(usage) + b"\n\n"
         await resp.write(tail + b"data: [DONE]\n\n")
         await resp.write_eof()
@@ -559,7 +558,7 @@ async def _serve(args: argparse.Namespace) -> None:
     pinger = None
     if args.discovery:
         token = args.auth_token
-        pings: list[PingSource] = [(lambda e=e: e.register_ping(token=token)) if token else e.register_ping()
+        pings: list[PingSource] = [functools.partial(e.register_ping, token=token) if token else e.register_ping()
                                    for e in engines]
         pinger = FakePinger(args.discovery, pings, args.ping_interval).start()
     prefills = ",".join(e.base_url for e in engines if e.role == "P")

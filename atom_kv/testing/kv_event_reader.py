@@ -75,7 +75,7 @@ class KVEventReader:
 
     def replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
         self.dealer.send_multipart([b"", start.to_bytes(8, "big")])
-        got = []
+        got: list[tuple[int, KVEventBatch]] = []
         while True:
             assert self.dealer.poll(_WAIT_MS), "the replay never ended"
             empty, seq, payload = self.dealer.recv_multipart()

@@ -14,7 +14,7 @@ _LISTEN = "0A"
 
 def _socket_inodes(pid: Optional[int]) -> set[str]:
     where = f"/proc/{pid if pid is not None else 'self'}/fd"
-    inodes = set()
+    inodes: set[str] = set()
     try:
         fds = os.listdir(where)
     except OSError:  # the process is gone

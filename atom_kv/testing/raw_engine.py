@@ -119,7 +119,9 @@ class RawEngine:
         return RawRequest(method, path, headers, body)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._tasks.add(asyncio.current_task())  # type: ignore[arg-type]
+        task = asyncio.current_task()
+        assert task is not None  # the server runs this coroutine as a task
+        self._tasks.add(task)
         self.connections += 1
         by_client = False
         try:

@@ -10,6 +10,7 @@ machine); this module never imports vLLM. The model is the tiny local Llama that
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -177,11 +178,12 @@ class VllmServers:
             self._start_nixl_pair()
         note = _Progress(progress)
         for name in self.engines:
-            wait_until(note.polling(lambda n=name: self._serving(n), f"vLLM {name} to serve /health"), timeout,
+            wait_until(note.polling(functools.partial(self._serving, name), f"vLLM {name} to serve /health"), timeout,
                        interval=2.0, what=f"vLLM {name} /health")
             note.done(f"vLLM {name} serves")
         for name in (*self.proxies, *self.fronts):
-            wait_until(note.polling(lambda n=name: self._proxy_ready(n), f"both engines to register with {name}"), 60,
+            wait_until(note.polling(functools.partial(self._proxy_ready, name), f"both engines to register with {name}"),
+                       60,
                        what=f"both engines registered with {name}")
             note.done(f"proxy {name} has both engines")
 

@@ -211,6 +211,11 @@ def coalesce(dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> tuple[np.nda
     return dst[starts], src[starts], np.add.reduceat(size, starts)
 
 
+def _host_bytes(addr: int, size: int) -> memoryview:
+    """A writable byte view of ``size`` bytes of host memory at ``addr``."""
+    return memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+
+
 def copy_by_address(dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> None:
     """Copy ``size[i]`` bytes from address ``src[i]`` to ``dst[i]`` (host memory)
     with one numpy gather and scatter over rows of the ranges' common unit,
@@ -227,6 +232,6 @@ def copy_by_address(dst: np.ndarray, src: np.ndarray, size: np.ndarray) -> None:
     from atom_kv.transfer._batched_copy import range_rows
 
     counts = size // unit
-    d_rows = np.frombuffer((ctypes.c_char * span_d).from_address(lo_d), dtype=np.uint8).reshape(-1, unit)
-    s_rows = np.frombuffer((ctypes.c_char * span_s).from_address(lo_s), dtype=np.uint8).reshape(-1, unit)
+    d_rows = np.frombuffer(_host_bytes(lo_d, span_d), dtype=np.uint8).reshape(-1, unit)
+    s_rows = np.frombuffer(_host_bytes(lo_s, span_s), dtype=np.uint8).reshape(-1, unit)
     d_rows[range_rows((dst - lo_d) // unit, counts)] = s_rows[range_rows((src - lo_s) // unit, counts)]

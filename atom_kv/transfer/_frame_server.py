@@ -115,6 +115,16 @@ class Conn:
         self._bgot = 0
 
 
+@dataclass(frozen=True)
+class _Io:
+    """What :meth:`FrameServer.start` opens: the listening socket, the selector over it and the
+    connections, and the waker that interrupts the selector."""
+
+    listener: socket.socket
+    selector: selectors.BaseSelector
+    waker: Waker
+
+
 def listen(bind_host: str, port: int = 0) -> socket.socket:
     """A listening TCP socket on ``bind_host`` (IPv4 or IPv6) and ``port`` (0: OS-assigned)."""
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
@@ -150,9 +160,7 @@ class FrameServer:
         #: the port asked for until :meth:`start`, then the one listened on
         self.port: int = port
         self.bind_address: tuple = ()
-        self._lsock: Optional[socket.socket] = None
-        self._waker: Optional[Waker] = None
-        self._sel: Optional[selectors.BaseSelector] = None
+        self._io: Optional[_Io] = None  # made by start()
         self._lock = threading.Lock()
         self._conns: dict[int, Conn] = {}
         per_source = limits.max_unauthenticated_per_source or limits.max_connections
@@ -175,13 +183,11 @@ class FrameServer:
                 raise RuntimeError(f"{self._label}: start() runs once, before close()")
             lsock = listen(self._bind_host, self.port)
             lsock.setblocking(False)
-            self._lsock = lsock
             self.port = lsock.getsockname()[1]
             self.bind_address = lsock.getsockname()
-            self._waker = Waker()
-            self._sel = selectors.DefaultSelector()
-            self._sel.register(lsock, selectors.EVENT_READ, _LISTEN)
-            self._sel.register(self._waker.fileno(), selectors.EVENT_READ, _WAKE)
+            io = self._io = _Io(lsock, selectors.DefaultSelector(), Waker())
+            io.selector.register(lsock, selectors.EVENT_READ, _LISTEN)
+            io.selector.register(io.waker.fileno(), selectors.EVENT_READ, _WAKE)
             self._handlers = [
                 threading.Thread(target=self._handler_loop, name=f"{self._name}-{self.port}-handler-{i}", daemon=True)
                 for i in range(self._limits.threads)
@@ -200,9 +206,15 @@ class FrameServer:
             return len(self._conns)
 
     # -- selector thread ------------------------------------------------
+    def _started(self) -> _Io:
+        """The sockets :meth:`start` opened (the selector thread's methods run only after it)."""
+        if self._io is None:
+            raise RuntimeError(f"{self._label}: the serving loop runs only after start()")
+        return self._io
+
     def _selector_loop(self) -> None:
-        sel, lsock, waker = self._sel, self._lsock, self._waker
-        assert sel is not None and lsock is not None and waker is not None  # start() made them first
+        io = self._started()
+        sel, lsock, waker = io.selector, io.listener, io.waker
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -231,15 +243,16 @@ class FrameServer:
             self._next_check = deadline
 
     def _accept(self) -> None:
+        io = self._started()
         for _ in range(_ACCEPT_BURST):
             try:
-                sock, addr = self._lsock.accept()
+                sock, addr = io.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:  # EMFILE and friends: count, pause accepting (no spinning), keep serving
                 self.events.warn("accept", f"{self._label}: accept failed: {exc}; pausing accepts "
                                            f"for {_ACCEPT_PAUSE_S}s")
-                self._sel.unregister(self._lsock)
+                io.selector.unregister(io.listener)
                 self._accept_resume_at = time.monotonic() + _ACCEPT_PAUSE_S
                 self._next_check = min(self._next_check, self._accept_resume_at)
                 return
@@ -261,7 +274,7 @@ class FrameServer:
                 self._close(conn)
                 continue
             self._arm(conn, time.monotonic() + self._limits.hello_s)
-            self._sel.register(sock, selectors.EVENT_READ, conn)
+            io.selector.register(sock, selectors.EVENT_READ, conn)
 
     def _admit(self, source: str, peer: str) -> tuple[Optional[str], bool]:
         """Make room for a connection from ``source`` (closing what the fair shares say), or say why not;
@@ -361,7 +374,7 @@ class FrameServer:
         payload = conn._buf
         assert payload is not None
         conn._reset_frame()
-        self._sel.unregister(conn.sock)
+        self._started().selector.unregister(conn.sock)
         conn._busy = True
         conn.deadline = float("inf")
         if conn._unproven:  # its hello came: a handler judges it now, it no longer holds a share
@@ -373,6 +386,7 @@ class FrameServer:
     def _take_back_returned(self) -> None:
         with self._lock:
             returned, self._returned = self._returned, []
+        sel = self._started().selector
         now = time.monotonic()
         for conn, keep in returned:
             conn._busy = False
@@ -388,7 +402,7 @@ class FrameServer:
                 continue
             try:
                 conn.sock.setblocking(False)
-                self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+                sel.register(conn.sock, selectors.EVENT_READ, conn)
             except (OSError, ValueError):
                 self._close(conn)
                 continue
@@ -400,7 +414,8 @@ class FrameServer:
             return
         if self._accept_resume_at is not None and now >= self._accept_resume_at:
             self._accept_resume_at = None
-            self._sel.register(self._lsock, selectors.EVENT_READ, _LISTEN)
+            io = self._started()
+            io.selector.register(io.listener, selectors.EVENT_READ, _LISTEN)
         with self._lock:
             waiting = [c for c in self._conns.values() if not c._busy]
         nxt = float("inf")
@@ -429,7 +444,7 @@ class FrameServer:
         elif info:
             log.debug("%s: connection from %s dropped: %s", self._label, conn.peer, info)
         try:
-            self._sel.unregister(conn.sock)
+            self._started().selector.unregister(conn.sock)
         except (KeyError, ValueError, OSError):
             pass
         self._close(conn)
@@ -479,8 +494,8 @@ class FrameServer:
     def _give_back(self, conn: Conn, keep: bool) -> None:
         with self._lock:
             self._returned.append((conn, keep))
-        if self._waker is not None:
-            self._waker.wake()
+        if self._io is not None:
+            self._io.waker.wake()
 
     # -- lifecycle ------------------------------------------------------
     def close(self) -> None:
@@ -490,12 +505,12 @@ class FrameServer:
             if self._closed:
                 return
             self._closed = True
-            thread, waker = self._thread, self._waker
+            thread, io = self._thread, self._io
         self._stop.set()
-        if thread is None:
+        if thread is None or io is None:
             self.events.flush()
             return
-        assert waker is not None  # start() made it with the thread
+        waker = io.waker
         waker.wake()
         with self._lock:
             conns = list(self._conns.values())

@@ -134,16 +134,17 @@ class JobWorkers:
 
     def _next(self, index: int) -> Any:
         """The next job (None: stop); runs ``idle`` first when none is waiting."""
-        if self._idle is not None:
+        idle = self._idle
+        if idle is not None:
             try:
                 return self._jobs.get_nowait()
             except queue.Empty:
-                self._idle_safely(index)
+                self._idle_safely(idle, index)
         return self._jobs.get()
 
-    def _idle_safely(self, index: int) -> None:
+    def _idle_safely(self, idle: Callable[[int], None], index: int) -> None:
         try:
-            self._idle(index)  # type: ignore[misc]
+            idle(index)
         except Exception:  # a bug must not stop the worker; its jobs were reported by idle's own guards
             log.exception("%s: worker %d: unexpected error while idle", self._what, index)
 
@@ -152,7 +153,7 @@ class JobWorkers:
             job = self._next(index)
             if job is None:
                 if self._idle is not None:
-                    self._idle_safely(index)
+                    self._idle_safely(self._idle, index)
                 return
             state = job.state
             if state.handle.done():

@@ -89,6 +89,11 @@ class CompletionThread(abc.ABC, Generic[P]):
         return self._min if progressed else min(delay * 2, self._max)
 
     # -- called by the backend -------------------------------------------------
+    @abc.abstractmethod
+    def add(self, p: P) -> None:
+        """Take ``p``, a read just begun, to be started or polled on this thread (or, after
+        :meth:`close`, finished and settled at once: :meth:`_refuse_when_stopped`)."""
+
     def _refuse_when_stopped(self, p: P) -> bool:
         """Under the condition's lock: a read added after close finishes and settles now
         (nothing of it was started)."""

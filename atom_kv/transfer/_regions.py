@@ -118,20 +118,22 @@ class RegionTable:
         return copier_for(self._memory[region], self._copiers)
 
     def view(self, region: int) -> memoryview:
+        """The host memoryview of ``region``; staged (GPU) memory has none: its callers go through staging."""
         view = self._views[region]
-        assert view is not None, "GPU memory has no host view"
+        if view is None:
+            raise RuntimeError(f"region {region} is GPU memory, which has no host view; it is read through staging")
         return view
 
     def views(self, regions: np.ndarray, offsets: np.ndarray, sizes: np.ndarray) -> list[memoryview]:
         """Memoryviews of ``[offset, offset+size)`` in each region, in order
-        (ranges must already be bounds-checked)."""
+        (ranges must already be bounds-checked, and none staged: see :meth:`any_staged`)."""
         starts = offsets.tolist()
         ends = (offsets + sizes).tolist()
         if len(regions) and bool((regions == regions[0]).all()):
-            mv = self._views[int(regions[0])]
+            mv = self.view(int(regions[0]))
             return [mv[a:b] for a, b in zip(starts, ends)]
-        vl = self._views
-        return [vl[r][a:b] for r, a, b in zip(regions.tolist(), starts, ends)]
+        view = self.view
+        return [view(r)[a:b] for r, a, b in zip(regions.tolist(), starts, ends)]
 
     def spans(self) -> list[tuple[int, int, int]]:
         with self._lock:

@@ -187,7 +187,8 @@ class AutoBackend(TransferBackend):
                 self._drop(name, "export_failed", f"{name} could not export its descriptor: "
                                                   f"{type(exc).__name__}: {' '.join(str(exc).split())}")
         return wire.encode(wire.AutoDescriptor(host_id=self._host_id, tcp=self._tcp.export_descriptor(),
-                                               memory=list(self._labels), **inner))
+                                               memory=list(self._labels), cma=inner.get("cma", b""),
+                                               gpu_ipc=inner.get("gpu_ipc", b""), nixl=inner.get("nixl", b"")))
 
     def add_peer(self, descriptor: bytes) -> str:
         self._life.check_open()

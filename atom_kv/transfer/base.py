@@ -22,7 +22,7 @@ import enum
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Optional, Sequence
+from typing import Iterable, NamedTuple, Optional, Protocol, Sequence
 
 from atom_kv.transfer._errors import (
     BackendClosed,
@@ -96,6 +96,16 @@ class ReadRefusal(NamedTuple):
     text: str
 
 
+class _Signal(Protocol):
+    """What a handle needs of its two events: a ``threading.Event``, or a subclass's own latch."""
+
+    def is_set(self) -> bool: ...
+
+    def set(self) -> None: ...
+
+    def wait(self, timeout: Optional[float] = None) -> bool: ...
+
+
 class ReadHandle:
     """Completion of one ``read()`` call: ``done()``, ``wait(timeout)``, ``error``, ``reason``.
 
@@ -118,8 +128,8 @@ class ReadHandle:
     )
 
     def __init__(self, nbytes: int = 0, num_ranges: int = 0) -> None:
-        self._event = threading.Event()
-        self._settled = threading.Event()
+        self._event: _Signal = threading.Event()
+        self._settled: _Signal = threading.Event()
         self._tracked = False
         self._lock = threading.Lock()
         self.error: Optional[str] = None

@@ -84,6 +84,9 @@ def base(**more) -> dict:
     ({"proxy_ip": "127.0.0.1"},
      "kv_connector_extra_config: `http_port` is required with `proxy_ip` (set it to vLLM's --port, "
      "where the proxy sends requests)"),
+    ({"proxy_ip": "127.0.0.1", "http_port": None},
+     "kv_connector_extra_config: `http_port` is required with `proxy_ip` (set it to vLLM's --port, "
+     "where the proxy sends requests)"),
 ])
 def test_bad_extra_config_is_one_line_naming_the_key(model_dir, extra, message):
     with pytest.raises(ConfigError) as info:

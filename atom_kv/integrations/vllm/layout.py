@@ -147,7 +147,7 @@ def kv_layout(vllm_config: VllmConfig, layer_names: list[str]) -> str:
             f"AtomKVConnector does not know how the {', '.join(unknown)} attention backend orders K and V "
             f"inside a KV block; it serves {_SERVED_BACKENDS}: choose one with --attention-backend"
         )
-    layouts = set(found.values())
+    layouts = {layout for layout in found.values() if layout is not None}  # every one, once none is unknown
     if len(layouts) != 1:
         raise UnsupportedKVCache(
             f"AtomKVConnector needs one KV layout for every layer; this model's layers use attention backends "

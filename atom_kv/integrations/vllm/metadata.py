@@ -48,7 +48,7 @@ class AtomKVConnectorStats(KVConnectorStats):
     """Transfer counters of one interval (worker ranks add up), as atom-kv's ``WorkerHooks.stats()`` names them."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, float] = {}
 
     def aggregate(self, other: KVConnectorStats) -> "AtomKVConnectorStats":
         for key, value in (other.data or {}).items():

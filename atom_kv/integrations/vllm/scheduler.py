@@ -50,6 +50,7 @@ class _SchedulerSide:
         self._closed = False
         self.pinger = None
         if config.proxy_addresses and place.dp_rank == 0:
+            assert config.http_port is not None  # parse_settings refuses proxy_ip without it
             events, replay = announced_kv_events(vllm_config)  # DP rank N's at port + N, as the proxy expects
             self.pinger = engine_hooks.build_registration_pinger(
                 config, role="P" if config.is_producer else "D", index=str(place.dp_rank), http_host=place.host,
@@ -112,7 +113,8 @@ class _SchedulerSide:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, AtomKVWorkerMetadata):
             for rank, out in meta.reports:
-                per_rank[rank] = out if per_rank[rank] is None else _merge(per_rank[rank], out)
+                earlier = per_rank[rank]
+                per_rank[rank] = out if earlier is None else _merge(earlier, out)
         agg = self.aggregator.aggregate(per_rank)
         self.ledger.reported(list(agg.finished_recving) + list(agg.failed_recving))
         self._apply(self.hooks.update_connector_output(agg))

@@ -56,7 +56,7 @@ def parse_settings(vllm_config: VllmConfig) -> tuple[KVTransferConfig, Optional[
         )
     extra["kv_role"] = role
     config = KVTransferConfig.from_dict(extra)
-    if config.proxy_addresses and "http_port" not in extra:
+    if config.proxy_addresses and extra.get("http_port") is None:
         # atom-kv's default (ATOM's server port) says nothing about vLLM's --port
         raise ConfigError("kv_connector_extra_config: `http_port` is required with `proxy_ip` "
                           "(set it to vLLM's --port, where the proxy sends requests)")

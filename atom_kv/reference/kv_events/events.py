@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import msgspec
 
 __all__ = ["MEDIUM_GPU", "FULL_ATTENTION", "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent",
-           "KVEventBatch"]
+           "KVEvent", "KVEventBatch"]
 
 #: vLLM's medium of the engine's own KV cache (on every device: its CPU build says "GPU" too)
 MEDIUM_GPU = "GPU"
@@ -55,9 +55,13 @@ class AllBlocksCleared(KVCacheEvent):
     """The cache holds nothing (the engine started, or its cache was reset)."""
 
 
+#: an event as published and decoded: one of the concrete events (the base alone has no tag peers know)
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
 class KVEventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     """The events of one engine step (one ZeroMQ message), with the DP rank that published them."""
 
     ts: float
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
+    events: list[KVEvent]
     data_parallel_rank: Optional[int] = None

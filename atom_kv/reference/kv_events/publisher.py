@@ -38,7 +38,7 @@ import zmq
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.config import ConfigError
 from atom_kv.reference.kv_events.config import KVEventsConfig, ZmqEndpoint, endpoints
-from atom_kv.reference.kv_events.events import AllBlocksCleared, KVCacheEvent, KVEventBatch
+from atom_kv.reference.kv_events.events import AllBlocksCleared, KVEvent, KVEventBatch
 
 __all__ = ["END_SEQ", "KVEventPublisher", "PublisherStats"]
 
@@ -134,7 +134,7 @@ class KVEventPublisher:
                      f" (replay {self.replay_endpoint})" if self.replay_endpoint else "")
         return self
 
-    def publish(self, events: list[KVCacheEvent]) -> Optional[int]:
+    def publish(self, events: list[KVEvent]) -> Optional[int]:
         """Queue one step's ``events`` as one batch, without waiting. Returns its seq, or None when
         the queue was full (the batch is dropped and counted; its seq is spent) or the publisher closed."""
         if self._closed or not events:

@@ -131,6 +131,7 @@ class CmaBackend(GrantedBackend):
         handle, table = begin_read(what, ops, self._regions.sizes, refusal=refusal)
         if table is None:
             return handle
+        assert peer is not None  # an unknown peer was refused above
         nbytes = handle.nbytes
         bad = out_of_bounds(table[:, 2], table[:, 3], table[:, 4], peer.sizes)
         if bad is not None:

@@ -181,7 +181,10 @@ class GpuIpcBackend(GrantedBackend):
                                         cfg.gpu_ipc.wait_spin_us * 1e-6)
 
     def _grant_keys(self, cfg: "KVTransferConfig") -> tuple[float, int]:
-        return cfg.gpu_ipc.grant_timeout_s, cfg.gpu_ipc.grant_max_connections
+        timeout_s, connections = cfg.gpu_ipc.grant_timeout_s, cfg.gpu_ipc.grant_max_connections
+        # None only until KVTransferConfig.__post_init__ fills them from their cma.grant_* aliases or defaults
+        assert timeout_s is not None and connections is not None
+        return timeout_s, connections
 
     def check_memory(self, memory: MemoryKind) -> None:
         check_memory(self.name, self.memory_kinds, memory,
@@ -323,11 +326,12 @@ class GpuIpcBackend(GrantedBackend):
             handle = completions.handle(0, 0)
             handle._finish(f"gpu_ipc read {rid}: {refusal.text}", refusal.reason)
             return handle
+        assert peer is not None  # an unknown peer was refused above
         plan, bad = plan_read(ops, peer.pair(local))
         if plan is None:
+            assert bad is not None  # plan_read gives a plan or the first range out of bounds
             handle = completions.handle(0, 0)
-            handle._finish(bad.message(f"gpu_ipc read {rid}", peer_id),  # type: ignore[union-attr]
-                           ReadFailure.OUT_OF_BOUNDS)
+            handle._finish(bad.message(f"gpu_ipc read {rid}", peer_id), ReadFailure.OUT_OF_BOUNDS)
             return handle
         handle = completions.handle(plan.nbytes, plan.ranges)
         if not plan.batches:

@@ -93,8 +93,8 @@ class GpuReadHandle(ReadHandle):
 
     def __init__(self, nbytes: int, num_ranges: int, owner: "Completions") -> None:
         # ReadHandle's fields, with latches for its two events (see _Latch)
-        self._event = _Latch(owner.guard)  # type: ignore[assignment]
-        self._settled = _Latch(owner.guard)  # type: ignore[assignment]
+        self._event = _Latch(owner.guard)
+        self._settled = _Latch(owner.guard)
         self._tracked = False
         self._lock = threading.Lock()
         self.error: Optional[str] = None

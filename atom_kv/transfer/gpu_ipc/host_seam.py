@@ -71,7 +71,7 @@ class SharedBuffer:
             raise OSError(err, os.strerror(err))
         raw = (ctypes.c_char * size).from_address(addr)
         weakref.finalize(raw, libc.munmap, addr, size)
-        self.array = np.frombuffer(raw, dtype=np.uint8)
+        self.array = np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)  # the view holds raw alive
 
     def close_fd(self) -> None:
         """Close the memfd (the mapping, and ``array``, stay valid)."""

@@ -132,7 +132,8 @@ def _first_outside(cols: np.ndarray, table: PairTable) -> Optional[OutOfBounds]:
         bad = _outside(regions, offsets, sz, spans)
         if bad.any():
             i = int(bad.argmax())
-            return OutOfBounds(is_local, tuple(int(x) for x in cols[:, i]))  # type: ignore[arg-type]
+            lr, lo, rr, ro, size = (int(x) for x in cols[:, i])
+            return OutOfBounds(is_local, (lr, lo, rr, ro, size))
     return None
 
 

@@ -236,17 +236,21 @@ def _create_agent(api: ModuleType, name: str, plugins: list[str], progress_threa
     bind = getattr(api, "nixlBind", None)
     agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
                                                        backends=[]))
-    try:
-        native_conf = bind.nixlAgentConfig()
-        native_conf.useProgThread = True
-        native_conf.useListenThread = False
-        native_conf.syncMode = bind.NIXL_THREAD_SYNC_NONE
-        native_conf.pthrDelay = PROGRESS_POLL_US
-        native_conf.captureTelemetry = False
-        agent.agent = bind.nixlAgent(name, native_conf)
-    except Exception as exc:
-        logger.warning("nixl: this NIXL version does not let the progress thread sleep (%s); "
-                       "it may keep a core busy", nixl_error(exc))
+    if bind is None:
+        logger.warning("nixl: this NIXL version has no nixlBind, so the progress thread cannot sleep; "
+                       "it may keep a core busy")
+    else:
+        try:
+            native_conf = bind.nixlAgentConfig()
+            native_conf.useProgThread = True
+            native_conf.useListenThread = False
+            native_conf.syncMode = bind.NIXL_THREAD_SYNC_NONE
+            native_conf.pthrDelay = PROGRESS_POLL_US
+            native_conf.captureTelemetry = False
+            agent.agent = bind.nixlAgent(name, native_conf)
+        except Exception as exc:
+            logger.warning("nixl: this NIXL version does not let the progress thread sleep (%s); "
+                           "it may keep a core busy", nixl_error(exc))
     for plugin in plugins:
         if plugin not in agent.get_plugin_list():
             continue

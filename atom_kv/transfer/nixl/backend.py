@@ -278,10 +278,11 @@ class NixlBackend(RdmaPeers[_Peer], TransferBackend):
         pending = Pending(handle, peer.agent, timeout_s, time.monotonic() + timeout_s)
         for t in transfers:
             try:
-                if t.prepped:
+                if t.local_idx is not None and t.remote_idx is not None:
                     launch = functools.partial(self._agent.start_prepped, self._local_dlist(peer.unit, t.local_seg),
                                                t.local_idx, self._peer_dlist(peer, t.remote_seg), t.remote_idx)
                 else:
+                    assert t.local_rows is not None and t.remote_rows is not None  # plan_read fills one of the pairs
                     launch = functools.partial(self._agent.start_rows, t.local_rows, t.local_seg, t.remote_rows,
                                                t.remote_seg, peer.agent)
             except Exception as exc:

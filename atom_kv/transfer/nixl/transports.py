@@ -90,11 +90,12 @@ class TransportReport:
 
     def log(self) -> None:
         """Log the transports UCX chose for this agent's transfers so far (once)."""
-        if self.done:
+        path = self._path
+        if self.done or path is None:  # no path: no report was asked for (done from the start)
             return
         self.done = True
         try:
-            with open(self._path, encoding="utf-8", errors="replace") as f:  # type: ignore[arg-type]
+            with open(path, encoding="utf-8", errors="replace") as f:
                 text = f.read()
         except OSError as exc:
             logger.info("nixl %s: UCX printed no protocol report (%s): UCX was loaded in this process before "

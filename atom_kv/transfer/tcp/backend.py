@@ -139,6 +139,7 @@ class TcpBackend(ServedBackend):
         handle, table = begin_read(f"tcp read {rid}", ops, self._regions.sizes, refusal=refusal)
         if table is None:
             return handle
+        assert peer is not None  # an unknown peer was refused above
         jobs = plan_jobs(table, peer.streams, peer.max_ranges)
         state = ReadState(handle, rid, len(jobs))
         self._life.watch(handle, timeout_s, f"tcp read {rid} from {peer_id}")
