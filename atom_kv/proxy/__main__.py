@@ -57,7 +57,7 @@ from atom_kv.proxy.admission.buckets import parse_rate_limit
 from atom_kv.proxy.app import create_app
 from atom_kv.proxy.fleet.discovery import DiscoveryError
 from atom_kv.proxy.fleet.dns import parse_dns_server, parse_dns_spec
-from atom_kv.proxy.fleet.static import parse_engine_spec
+from atom_kv.proxy.fleet.static import Role, parse_engine_spec
 from atom_kv.proxy.routing.hf_tokenizer import TokenizerError
 from atom_kv.proxy.http.guard import allowed_host_problem
 from atom_kv.proxy.server import listen_socket, serve_until_signalled
@@ -131,7 +131,7 @@ def _engine(role: str):
     return parse
 
 
-def _dns(role: str):
+def _dns(role: Role):
     def parse(text: str):
         try:
             return parse_dns_spec(role, text)

@@ -22,7 +22,7 @@ from atom_kv.proxy.fleet.discovery import DiscoveryError, DiscoveryListener
 from atom_kv.proxy.fleet.dns import DnsDiscovery, SystemResolver, UdpResolver
 from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
 from atom_kv.proxy.fleet.load import LoadReader
-from atom_kv.proxy.fleet.registry import STALE_INTERVALS, Instance, Registration, Registry
+from atom_kv.proxy.fleet.registry import STALE_INTERVALS, Instance, Registration, Registry, Role
 from atom_kv.proxy.fleet.workers import WorkerError, Workers
 from atom_kv.proxy.kv_events import KvEvents, KvEventsConfig
 from atom_kv.proxy.observability.metrics import ProxyMetrics, RequestRecord
@@ -198,10 +198,11 @@ class ProxyState:
 def _not_ready_reason(registry: Registry, counts: dict[str, int]) -> str:
     """Why no pair is usable, one clause per role that has no usable engine."""
     clauses = []
-    for role, name in (("P", "prefill"), ("D", "decode")):
+    roles: tuple[tuple[Role, str], ...] = (("P", "prefill"), ("D", "decode"))
+    for role, name in roles:
         if counts[name] > 0:
             continue
-        known = len(registry.known(role))  # type: ignore[arg-type]
+        known = len(registry.known(role))
         clauses.append(f"no {name} engine known" if known == 0 else
                        f"none of the {known} known {name} engine(s) is usable (/instances has each one's state)")
     return "; ".join(clauses)

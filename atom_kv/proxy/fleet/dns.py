@@ -27,7 +27,7 @@ from typing import Protocol
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.config import is_port
 from atom_kv.proxy.fleet.registry import ROLE_NAMES, Drain, Instance, Origin, Registry
-from atom_kv.proxy.fleet.static import build_engine
+from atom_kv.proxy.fleet.static import Role, build_engine
 
 __all__ = ["DnsDiscovery", "DnsError", "DnsTarget", "SystemResolver", "UdpResolver", "parse_dns_server",
            "parse_dns_spec"]
@@ -47,7 +47,7 @@ class DnsError(Exception):
 class DnsTarget:
     """One ``--prefill-dns``/``--decode-dns`` value: the name whose A records are engines of ``role``."""
 
-    role: str  # "P" or "D"
+    role: Role
     name: str
     port: int  # the engines' HTTP port
     handshake_port: int | None = None
@@ -66,7 +66,7 @@ def _port(text: str, what: str, spec: str) -> int:
     return value
 
 
-def parse_dns_spec(role: str, spec: str) -> DnsTarget:
+def parse_dns_spec(role: Role, spec: str) -> DnsTarget:
     """Parse ``NAME:PORT[,HANDSHAKE_PORT]``; ValueError naming what is wrong."""
     head, _, handshake = spec.partition(",")
     name, sep, port = head.strip().rpartition(":")
@@ -226,7 +226,7 @@ class DnsDiscovery:
         self.registry = registry
         self.resolver = resolver
         self.interval_s = interval_s
-        self._found: dict[tuple[str, str], DnsTarget] = {}  # the engines DNS gave: role, URL -> from which name
+        self._found: dict[tuple[Role, str], DnsTarget] = {}  # the engines DNS gave: role, URL -> from which name
         self._task: asyncio.Task | None = None
         self._warn = RateLimitedLog(logger, "DNS discovery problems", interval_s=log_interval_s)
         self.resolutions = 0  # rounds done (every target resolved or failed once)
@@ -271,7 +271,7 @@ class DnsDiscovery:
             self._apply(target, addresses)
         self.resolutions += 1
         for key in list(self._found):
-            inst = self.registry.get(*key)  # type: ignore[arg-type]
+            inst = self.registry.get(*key)
             if inst is None or inst.origin is not Origin.DNS:
                 del self._found[key]  # removed by the API: found again at the next answer that names it
             elif inst.drain is Drain.DNS and inst.inflight == 0:
@@ -283,7 +283,7 @@ class DnsDiscovery:
         return f"http://{address}:{target.port}"
 
     def _mine(self, target: DnsTarget) -> list[Instance]:
-        found = (self.registry.get(*key) for key, t in self._found.items() if t == target)  # type: ignore[arg-type]
+        found = (self.registry.get(*key) for key, t in self._found.items() if t == target)
         return [i for i in found if i is not None and i.origin is Origin.DNS]
 
     def _apply(self, target: DnsTarget, addresses: set[str]) -> None:
@@ -298,7 +298,7 @@ class DnsDiscovery:
                             target.name)
                 self.registry.set_drain(inst, None)
         for url in sorted(urls):
-            existing = self.registry.get(target.role, url)  # type: ignore[arg-type]
+            existing = self.registry.get(target.role, url)
             if existing is not None:
                 continue  # ours already, or known by flag, API or ping: left to its own source
             engine = build_engine(target.role, url, None if target.handshake_port is None

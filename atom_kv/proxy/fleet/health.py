@@ -86,7 +86,8 @@ class UpstreamHealth:
         for _, key, inst in request.suspects:
             if key not in judged:
                 judged.add(key)
-                self._judge(request, inst)  # type: ignore[arg-type]
+                assert isinstance(inst, Instance)  # RequestOutcomes (breaker.py) holds them as objects
+                self._judge(request, inst)
 
     def _judge(self, request: RequestOutcomes, inst: Instance) -> None:
         verdict = request.verdict(inst.role, inst.key)

@@ -25,17 +25,16 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Callable, Literal
+from typing import Any, Callable
 
 from yarl import URL
 
 from atom_kv._ratelimit import RateLimitedLog
 from atom_kv.proxy.fleet.breaker import CircuitBreaker
-from atom_kv.proxy.fleet.static import StaticEngine
+from atom_kv.proxy.fleet.static import Role, StaticEngine
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["P", "D"]
 ROLE_NAMES = {"P": "prefill", "D": "decode"}
 
 PENDING, UP, DOWN = "pending", "up", "down"
@@ -220,11 +219,11 @@ class Instance:
         """Given by flag: probed, never evicted."""
         return self.reg.source == "static"
 
-    def learn(self, **changes: object) -> None:
+    def learn(self, **changes: Any) -> None:
         """Take what a probe learnt (``/health``, ``/v1/models``): a new registration with ``changes``."""
         if all(getattr(self.reg, key) == value for key, value in changes.items()):
             return  # what the last probe said, again
-        self._take(replace(self.reg, **changes))  # type: ignore[arg-type]
+        self._take(replace(self.reg, **changes))
 
     def register(self, reg: Registration) -> None:
         """A new ping: its registration replaces the old one (the ``kv_features`` known stay when it names none)."""
@@ -468,7 +467,7 @@ class Registry:
         probed, never evicted by the heartbeat."""
         self._withdrawn.pop((engine.role, engine.base_url), None)
         inst = self._new_instance(Registration(
-            role=engine.role, base_url=engine.base_url, host=engine.host,  # type: ignore[arg-type]
+            role=engine.role, base_url=engine.base_url, host=engine.host,
             http_port=engine.http_port, handshake_port=engine.handshake_port, dp_size=engine.dp_size or 1,
             tp_size=engine.tp_size or 1, engine_id=engine.engine_id, notify_port=engine.notify_port, source="static",
             kv_events=engine.events, kv_events_replay=engine.events_replay))

@@ -16,12 +16,25 @@ is logged once, in one line.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 from urllib.parse import urlsplit
 
 from atom_kv.config import is_port
 from atom_kv.proxy.kv_events.endpoints import events_endpoint
 
-__all__ = ["StaticEngine", "build_engine", "parse_engine_spec"]
+__all__ = ["Role", "StaticEngine", "as_role", "build_engine", "parse_engine_spec"]
+
+#: an engine's role in a pair: "P" (prefill) or "D" (decode)
+Role = Literal["P", "D"]
+
+
+def as_role(value: object) -> Role | None:
+    """``value`` as a :data:`Role`, or None when it is not one."""
+    if value == "P":
+        return "P"
+    if value == "D":
+        return "D"
+    return None
 
 _KEYS = ("tp", "dp", "engine_id", "notify_port", "dp_rank_field", "events", "events_replay")
 
@@ -30,7 +43,7 @@ _KEYS = ("tp", "dp", "engine_id", "notify_port", "dp_rank_field", "events", "eve
 class StaticEngine:
     """One engine given by flag: where it serves HTTP and what we know about it up front."""
 
-    role: str  # "P" or "D"
+    role: Role
     url: str  # as given
     base_url: str  # scheme://host:port
     host: str
@@ -71,10 +84,11 @@ def _positive(text: str, what: str, where: str) -> int:
     return value
 
 
-def parse_engine_spec(role: str, spec: str) -> StaticEngine:
+def parse_engine_spec(role_name: str, spec: str) -> StaticEngine:
     """Parse one ``--prefill``/``--decode`` value; raises ValueError naming what is wrong."""
-    if role not in ("P", "D"):
-        raise ValueError(f"role must be 'P' or 'D', got {role!r}")
+    role = as_role(role_name)
+    if role is None:
+        raise ValueError(f"role must be 'P' or 'D', got {role_name!r}")
     where = repr(spec)
     parts = [p.strip() for p in spec.split(",")]
     fields: dict[str, str] = {}
@@ -94,7 +108,7 @@ def parse_engine_spec(role: str, spec: str) -> StaticEngine:
     return build_engine(role, parts[0], handshake, fields, where)
 
 
-def build_engine(role: str, url: str, handshake: str | None, fields: dict[str, str], where: str,
+def build_engine(role: Role, url: str, handshake: str | None, fields: dict[str, str], where: str,
                  names: dict[str, str] | None = None) -> StaticEngine:
     """Check one engine's fields (``fields`` keyed as in a spec: ``tp``, ``dp``, ...; ``names``: what the
     caller calls them, for the errors) as a ``--prefill`` spec is checked; ValueError prefixed with ``where``."""

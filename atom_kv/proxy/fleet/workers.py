@@ -21,12 +21,12 @@ from typing import Any, Mapping
 from urllib.parse import urlsplit
 
 from atom_kv.proxy.fleet.registry import DOWN, PENDING, ROLE_NAMES, Drain, Instance, Origin, Registry
-from atom_kv.proxy.fleet.static import StaticEngine, build_engine
+from atom_kv.proxy.fleet.static import Role, StaticEngine, build_engine
 
 __all__ = ["WorkerError", "WorkerState", "Workers", "describe_worker"]
 
 #: what ``role`` (``worker_type`` in the aliases) may say
-ROLES = {"prefill": "P", "decode": "D", "P": "P", "D": "D"}
+ROLES: dict[str, Role] = {"prefill": "P", "decode": "D", "P": "P", "D": "D"}
 #: POST /workers body fields -> the static spec's keys
 _SPEC_KEYS = {"dp_size": "dp", "tp_size": "tp", "engine_id": "engine_id", "notify_port": "notify_port",
               "dp_rank_field": "dp_rank_field"}
@@ -104,7 +104,7 @@ def _base_url(url: object, where: str) -> str:
     return f"{split.scheme}://{split.netloc}"
 
 
-def _role(value: object, key: str, where: str) -> str:
+def _role(value: object, key: str, where: str) -> Role:
     role = ROLES.get(value) if isinstance(value, str) else None
     if role is None:
         raise WorkerError(400, f"{where}: `{key}` must be prefill or decode (or P, D), got {value!r}")
@@ -130,8 +130,8 @@ class Workers:
     def find(self, url: object, role: object = None, where: str = "") -> builtins.list[Instance]:
         """The engines at ``url`` (both roles, unless ``role`` names one); WorkerError 404 if none."""
         base = _base_url(url, where)
-        roles = ("P", "D") if role is None else (_role(role, "role", where),)
-        found = [i for r in roles if (i := self.registry.get(r, base)) is not None]  # type: ignore[arg-type]
+        roles: tuple[Role, ...] = ("P", "D") if role is None else (_role(role, "role", where),)
+        found = [i for r in roles if (i := self.registry.get(r, base)) is not None]
         if not found:
             raise WorkerError(404, f"{where}: no engine at {base}; GET /workers lists them")
         return found
@@ -168,7 +168,7 @@ class Workers:
 
     def add(self, fields: Mapping[str, Any], where: str) -> dict[str, Any]:
         engine, events = self._engine(fields, where)
-        existing = self.registry.get(engine.role, engine.base_url)  # type: ignore[arg-type]
+        existing = self.registry.get(engine.role, engine.base_url)
         if existing is not None:
             raise WorkerError(409, f"{where}: {ROLE_NAMES[engine.role]} engine {engine.base_url} is already known "
                                    f"(source {existing.origin.value}); DELETE /workers?url=... first to replace it")

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import socket
 from collections import deque
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, cast
 from urllib.parse import unquote_to_bytes
 
 import httptools
@@ -81,7 +81,8 @@ class ServerConnection(asyncio.Protocol):
 
     # ------------------------------------------------------------------ transport events
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # a stream connection's transport: asyncio types connection_made() for every kind of protocol
+        self.transport = cast(asyncio.Transport, transport)
         self.server.connections.add(self)
         peer = transport.get_extra_info("peername")
         local = transport.get_extra_info("sockname")

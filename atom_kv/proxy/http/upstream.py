@@ -55,6 +55,7 @@ import asyncio
 import logging
 import socket
 from collections import deque
+from typing import cast
 
 from atom_kv.proxy.http.upstream_answer import (
     AnswerLimits, BodyConsumer, UpstreamConnectionError, UpstreamConnectTimeout, UpstreamError, UpstreamProtocolError,
@@ -88,7 +89,8 @@ class _Connection(asyncio.Protocol):
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # a stream connection's transport: asyncio types connection_made() for every kind of protocol
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:

@@ -245,7 +245,7 @@ class UpstreamResponse:
     def _body_error(self, what: str) -> str:
         return f"the engine's answer {what}, over --max-upstream-body-bytes ({self._limits.body})"
 
-    def _through_heads(self, data: bytes) -> bytes | bytearray | None:
+    def _through_heads(self, data: bytes | bytearray) -> bytes | bytearray | None:
         """Feed the answer's interim (1xx) heads, each alone; return the final head and what follows it
         once the final head's end is in, None while it is not (``data`` is kept). A head is given to the
         parser whole (see the module doc of :mod:`atom_kv.proxy.http.upstream`), an interim one alone so
@@ -256,7 +256,7 @@ class UpstreamResponse:
         if buf is not None:
             scan = max(len(buf) - 3, 0)
             buf += data
-            data = buf  # type: ignore[assignment]
+            data = buf
         pos = 0
         room = self._limits.head - self._heads_seen
         while True:
@@ -307,13 +307,14 @@ class UpstreamResponse:
             self._keep_alive = False
             return
         try:
+            chunk: bytes | bytearray = data
             if not self._headers_done:
                 rest = self._through_heads(data)
                 if rest is None:
                     return
-                data = rest  # type: ignore[assignment]
-            if data:
-                self._feed(data)
+                chunk = rest
+            if chunk:
+                self._feed(chunk)
         except UpstreamError as exc:
             self._fail(exc)
             return
