@@ -122,7 +122,7 @@ class ConsumerWorker(ConnectorWorker):
 
     def _start_load(self, spec: LoadSpec, now: float, lease_until: Optional[float] = None) -> None:
         rid = spec.request_id
-        if self._closed or self._read_pool is None or self._reads is None:
+        if self._closed or self._read_pool is None or self._reads is None or self._peers is None:
             why = "the connector is closed"
             logger.warning("%s: request %s: cannot load remote KV: %s", self._name, rid, why)
             self._fail_load(rid, why)
@@ -152,6 +152,13 @@ class ConsumerWorker(ConnectorWorker):
                 logger.warning("%s: request %s is already loading; ignoring the duplicate", self._name, rid)
                 return
             self._loads[rid] = st
+        # the handshakes start now, not when a read thread takes the load: the loads of one step
+        # contact all their producers at once, however many loads queue for a read thread
+        try:
+            for remote_rank in sorted(ranks):
+                self._peers.get(spec, remote_rank, first_rank=st.first_rank)
+        except RuntimeError:  # closed concurrently: the reads below fail the load
+            pass
         for ov in overlaps:
             try:
                 self._read_pool.submit(self._run_read, RankRead(self._reads, st, ov, runs, local))

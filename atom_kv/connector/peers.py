@@ -65,6 +65,9 @@ ProducerKey = tuple[str, str, int, int, int, int, int]
 MAX_KNOWN_PRODUCERS = 4096
 #: producer ranks one consumer rank keeps a handshake with (least recently used evicted past it)
 MAX_PEERS = 256
+#: handshakes one consumer rank runs at once (more wait for a thread): a fan-in of many producers
+#: contacted in one step waits for round trips, not for CPU
+HANDSHAKE_THREADS = 8
 
 
 def producer_key(spec: LoadSpec) -> ProducerKey:
@@ -103,7 +106,7 @@ class Peer:
 
 
 class PeerTable:
-    """Owns a consumer rank's handshake pool, at most ``max_peers`` cached
+    """Owns a consumer rank's handshake pool (``handshake_threads``), at most ``max_peers`` cached
     handshakes (one per peer, least recently used evicted), and the
     consecutive-failure count that decides when a peer is dropped."""
 
@@ -120,6 +123,7 @@ class PeerTable:
         thread_prefix: str,
         routes: Optional[RouteView] = None,
         max_peers: int = MAX_PEERS,
+        handshake_threads: int = HANDSHAKE_THREADS,
     ) -> None:
         if max_peers < 1:
             raise ValueError(f"max_peers must be >= 1, got {max_peers}")
@@ -137,7 +141,7 @@ class PeerTable:
             max_peers, on_evict=lambda key, fut: self._evicted.append((key, fut)))
         self._failures: dict[PeerKey, int] = {}
         self._known: BoundedSet[ProducerKey] = BoundedSet(MAX_KNOWN_PRODUCERS)  # a handshake with it succeeded
-        self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix=thread_prefix)
+        self._pool = cf.ThreadPoolExecutor(handshake_threads, thread_name_prefix=thread_prefix)
 
     def rename(self, engine_id: str, name: str) -> None:
         """Handshake as ``engine_id`` from now on (see ``ConnectorWorker.set_engine_id``)."""

@@ -4,6 +4,7 @@ new engine id on the same port replaces the peer cached for the old id. Real eng
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
@@ -75,3 +76,32 @@ def test_a_producer_back_under_a_new_engine_id_replaces_the_old_peer():
         pw1.close()
         if pw2 is not None:
             pw2.close()
+
+
+def test_a_step_contacts_every_producer_at_once_however_many_loads_wait_for_a_read_thread():
+    """Four loads from silent handshake ports hold the four read threads; a fifth load's producer is
+    contacted all the same, before those four give up (the handshakes start with the step)."""
+    P, pw, _ = producer_engine(free_port(), engine_id="P-live")
+    D, dw, dcache = consumer_engine(free_port(), num_worker_threads=4, handshake_timeout_s=5.0)
+    silent = []
+    try:
+        for _ in range(4):  # accepted by the kernel, never answered: each handshake waits its full timeout
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen(16)
+            silent.append(s)
+        for i, s in enumerate(silent):
+            port = s.getsockname()[1]
+            params = P.prefill(f"p-silent{i}", 40)
+            D.admit(f"silent{i}", 40, dict(params, remote_engine_id=f"P-silent{i}", remote_port=port,
+                                         remote_handshake_port=port))
+        params = P.prefill("p-live", 40)
+        D.admit("live", 40, params)
+        run_until([P, D], lambda: any(key[0] == "P-live" for key in dw.peer_handshakes()), timeout_s=30.0)
+        assert not any(rid.startswith("silent") for rid in D.failed), D.failed
+        run_until([P, D], lambda: all(f"silent{i}" in D.failed for i in range(4)), timeout_s=60.0)
+    finally:
+        dw.close()
+        pw.close()
+        for s in silent:
+            s.close()
