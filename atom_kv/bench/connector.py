@@ -9,6 +9,10 @@ consumer's TP ranks run in this process, driven exactly as an engine does.
 Targets, each printed with met or MISSED (exit status 1 on a miss, unless
 ``--explore``): the connector at >= 0.8 x the bare backend's GB/s at every
 prompt length, first contact < 15 ms, < 200 us of CPU per request.
+
+``--peers [N ...]`` runs the fan-in bench instead: one decode rank reading
+from N producer ranks at once (memory per peer, first-contact p50/p99, GB/s
+against one peer; :mod:`atom_kv.bench.connector_peers`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import torch
 import zmq
 
 from atom_kv._cli import OneLineParser
-from atom_kv.bench import targets as bench_targets
+from atom_kv.bench import connector_peers, targets as bench_targets
+from atom_kv.bench.connector_peers import DEFAULT_PEERS
 from atom_kv.bench.targets import Target
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.aggregator import KVOutputAggregator
@@ -53,7 +58,8 @@ TARGET_OVERHEAD_US = 200.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", default="auto", choices=["auto", "tcp", "cma"])
+    parser.add_argument("--backend", default=None, choices=["auto", "tcp", "cma"],
+                        help="default: auto (with --peers: tcp, then cma)")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="TP sizes (same on both sides)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 8192], help="prompt lengths")
     parser.add_argument("--layers", type=int, default=32)
@@ -69,6 +75,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run without an auth_token (by default both sides share a random one, so the "
                              "handshake is the challenge-response of a secured cluster)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    fan_in = parser.add_argument_group("fan-in (--peers)")
+    fan_in.add_argument("--peers", type=int, nargs="*", default=None, metavar="N",
+                        help="run the fan-in bench instead: one decode rank (TP 1) loading one request from each "
+                             "of N producer ranks (TP-1 engines, each with its own handshake port) at once; "
+                             "memory per peer, first-contact p50/p99, GB/s against one peer. "
+                             f"Without values: {' '.join(map(str, DEFAULT_PEERS))}")
+    fan_in.add_argument("--peer-tokens", type=int, default=64,
+                        help="prompt length read from each producer rank (with the default shape: 8 MiB)")
+    fan_in.add_argument("--peer-procs", type=int, default=8,
+                        help="processes hosting the producer ranks (the ranks are spread evenly over them)")
     bench_targets.add_arguments(parser)
 
 
@@ -343,6 +359,12 @@ def _run_tp(args: argparse.Namespace, tp: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.peers is not None:
+        if not args.peers:
+            args.peers = list(DEFAULT_PEERS)
+        return connector_peers.run(args)
+    if args.backend is None:
+        args.backend = "auto"
     results = [_run_tp(args, tp) for tp in args.tp]
     targets = connector_targets(results, args.inflight)
     ok = all(t.met for t in targets)

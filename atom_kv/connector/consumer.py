@@ -38,7 +38,7 @@ import msgspec
 
 from atom_kv.connector.confirm import DoneAckClient
 from atom_kv.connector.layout import HeadOverlap, LayoutError, block_runs, head_overlaps
-from atom_kv.connector.peers import PeerTable, producer_key, producer_port
+from atom_kv.connector.peers import MAX_PEERS, PeerKey, PeerTable, producer_key, producer_port
 from atom_kv.connector.pipeline import check_stage_cover
 from atom_kv.connector.reasons import BlocksFailure, NoBlocks
 from atom_kv.connector.reads import LoadState, RankRead, ReadContext
@@ -64,6 +64,8 @@ class ConsumerWorker(ConnectorWorker):
     its read pool and the confirmation clients."""
 
     role = "kv_consumer"
+    #: producer ranks this rank keeps a handshake with (least recently used evicted past it); set before start()
+    max_peers: int = MAX_PEERS
 
     # what close() may find before _start() ran to the end
     _peers: Optional[PeerTable] = None
@@ -81,7 +83,8 @@ class ConsumerWorker(ConnectorWorker):
         request = HandshakeRequest(engine_id=self.engine_id, tp_rank=rank, tp_size=self.tp_size,
                                    compat=self.compat, backend=self.backend.name, host=self.host)
         self._peers = PeerTable(self._ctx, self.backend, cfg, request, stats=self.stats_, stop=self._stop,
-                                name=self._name, thread_prefix=f"atom-kv-hs-client-tp{rank}", routes=self.routes_)
+                                name=self._name, thread_prefix=f"atom-kv-hs-client-tp{rank}", routes=self.routes_,
+                                max_peers=self.max_peers)
         self._read_pool = cf.ThreadPoolExecutor(max(4, cfg.num_worker_threads),
                                                 thread_name_prefix=f"atom-kv-read-tp{rank}")
         # loads waiting for their prefill (the rendezvous) wait here, never on a read thread: a read
@@ -119,7 +122,7 @@ class ConsumerWorker(ConnectorWorker):
 
     def _start_load(self, spec: LoadSpec, now: float, lease_until: Optional[float] = None) -> None:
         rid = spec.request_id
-        if self._closed or self._read_pool is None or self._reads is None:
+        if self._closed or self._read_pool is None or self._reads is None or self._peers is None:
             why = "the connector is closed"
             logger.warning("%s: request %s: cannot load remote KV: %s", self._name, rid, why)
             self._fail_load(rid, why)
@@ -149,6 +152,13 @@ class ConsumerWorker(ConnectorWorker):
                 logger.warning("%s: request %s is already loading; ignoring the duplicate", self._name, rid)
                 return
             self._loads[rid] = st
+        # the handshakes start now, not when a read thread takes the load: the loads of one step
+        # contact all their producers at once, however many loads queue for a read thread
+        try:
+            for remote_rank in sorted(ranks):
+                self._peers.get(spec, remote_rank, first_rank=st.first_rank)
+        except RuntimeError:  # closed concurrently: the reads below fail the load
+            pass
         for ov in overlaps:
             try:
                 self._read_pool.submit(self._run_read, RankRead(self._reads, st, ov, runs, local))
@@ -312,6 +322,11 @@ class ConsumerWorker(ConnectorWorker):
             return f"internal error while confirming the read: {exc}"
 
     # ------------------------------------------------------------------
+    def peer_handshakes(self) -> dict[PeerKey, float]:
+        """The producer ranks this rank holds a completed handshake with, and when
+        (``time.monotonic()``) each completed; at most :attr:`max_peers`."""
+        return self._peers.ready_times() if self._peers is not None else {}
+
     def num_loading(self) -> int:
         with self._lock:
             return len(self._loads) + len(self._waiting)

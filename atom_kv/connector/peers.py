@@ -16,6 +16,14 @@ rank, stage and DP rank it is, and is refused unless that is what the params
 placed on its port; the load's other ranks handshake only once it was
 accepted, and never when it failed. So a host a client named gets one
 bounded handshake attempt per load, never one on every port of a range.
+
+Peer state is bounded and dropped when the peer leaves. A table holds at most
+``max_peers`` peers (:data:`MAX_PEERS` by default); adding one past that
+evicts the least recently used (from the backend too: its connections and
+reader threads go), and its next use handshakes again. A read still running
+on an evicted peer fails and is retried on a fresh handshake. A handshake
+that finds another engine at a cached peer's address (the producer restarted
+or re-registered under a new id) drops the peer cached for the old id.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from typing import Optional
 import msgspec
 import zmq
 
-from atom_kv._lru import BoundedSet
+from atom_kv._lru import BoundedDict, BoundedSet
 from atom_kv.config import KVTransferConfig
 from atom_kv.connector.handshake import (
     HandshakeError, HandshakeRejected, HandshakeUnreachable, compat_mismatch, handshake_port, request_handshake,
@@ -45,7 +53,7 @@ from atom_kv.transfer import PeerUnreachable, TransferBackend
 from atom_kv.transfer.memory import pair_refusal
 from atom_kv.wire import HandshakeRequest
 
-__all__ = ["Peer", "PeerKey", "PeerTable", "ProducerKey", "producer_key", "producer_port"]
+__all__ = ["MAX_PEERS", "Peer", "PeerKey", "PeerTable", "ProducerKey", "producer_key", "producer_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +63,11 @@ PeerKey = tuple[str, str, int]
 ProducerKey = tuple[str, str, int, int, int, int, int]
 #: producers a rank remembers having completed a handshake with (least recently used forgotten first)
 MAX_KNOWN_PRODUCERS = 4096
+#: producer ranks one consumer rank keeps a handshake with (least recently used evicted past it)
+MAX_PEERS = 256
+#: handshakes one consumer rank runs at once (more wait for a thread): a fan-in of many producers
+#: contacted in one step waits for round trips, not for CPU
+HANDSHAKE_THREADS = 8
 
 
 def producer_key(spec: LoadSpec) -> ProducerKey:
@@ -79,6 +92,7 @@ class Peer:
     peer_id: str  # the transfer backend's id for it
     tp_rank: int
     tensors: list[TensorLayout]
+    ready_at: float = 0.0  # time.monotonic() when its handshake completed
     planners: dict[HeadOverlap, ReadPlanner] = field(default_factory=dict)
 
     def planner(self, local: list[TensorLayout], overlap: HeadOverlap, *, local_heads: int,
@@ -92,8 +106,9 @@ class Peer:
 
 
 class PeerTable:
-    """Owns a consumer rank's handshake pool, one cached handshake per peer,
-    and the consecutive-failure count that decides when a peer is dropped."""
+    """Owns a consumer rank's handshake pool (``handshake_threads``), at most ``max_peers`` cached
+    handshakes (one per peer, least recently used evicted), and the
+    consecutive-failure count that decides when a peer is dropped."""
 
     def __init__(
         self,
@@ -107,7 +122,11 @@ class PeerTable:
         name: str,
         thread_prefix: str,
         routes: Optional[RouteView] = None,
+        max_peers: int = MAX_PEERS,
+        handshake_threads: int = HANDSHAKE_THREADS,
     ) -> None:
+        if max_peers < 1:
+            raise ValueError(f"max_peers must be >= 1, got {max_peers}")
         self._ctx = ctx
         self._routes = routes if routes is not None else RouteView()
         self._backend = backend
@@ -117,10 +136,12 @@ class PeerTable:
         self._stop = stop
         self._name = name
         self._lock = threading.Lock()
-        self._peers: dict[PeerKey, cf.Future] = {}
+        self._evicted: list[tuple[PeerKey, cf.Future]] = []  # evicted under the lock, dropped after it
+        self._peers: BoundedDict[PeerKey, cf.Future] = BoundedDict(
+            max_peers, on_evict=lambda key, fut: self._evicted.append((key, fut)))
         self._failures: dict[PeerKey, int] = {}
         self._known: BoundedSet[ProducerKey] = BoundedSet(MAX_KNOWN_PRODUCERS)  # a handshake with it succeeded
-        self._pool = cf.ThreadPoolExecutor(2, thread_name_prefix=thread_prefix)
+        self._pool = cf.ThreadPoolExecutor(handshake_threads, thread_name_prefix=thread_prefix)
 
     def rename(self, engine_id: str, name: str) -> None:
         """Handshake as ``engine_id`` from now on (see ``ConnectorWorker.set_engine_id``)."""
@@ -140,12 +161,28 @@ class PeerTable:
         Until a handshake with the producer succeeded, another rank's handshake starts only
         once ``first_rank``'s succeeded, and fails when it failed (module docstring)."""
         with self._lock:
-            return self._get_locked(spec, remote_rank, remote_rank if first_rank is None else first_rank)
+            got = self._get_locked(spec, remote_rank, remote_rank if first_rank is None else first_rank)
+            evicted, self._evicted = self._evicted, []
+        for key, fut in evicted:
+            self._drop(key, fut, f"evicted: this rank holds its {self._peers.capacity} most recently used peers")
+        return got
+
+    def __len__(self) -> int:
+        """Peers held now (handshakes done or running)."""
+        with self._lock:
+            return len(self._peers)
+
+    def ready_times(self) -> dict[PeerKey, float]:
+        """When each peer held now completed its handshake (``time.monotonic()``)."""
+        with self._lock:
+            futs = list(self._peers.items())
+        return {key: fut.result().ready_at for key, fut in futs if fut.done() and not _failed(fut)}
 
     def _get_locked(self, spec: LoadSpec, rank: int, first_rank: int) -> tuple[PeerKey, cf.Future]:
         key = (spec.remote_engine_id, spec.remote_host, producer_port(spec, rank))
         fut = self._peers.get(key)
         if fut is not None and not _failed(fut):
+            self._peers.touch(key)
             return key, fut
         producer = producer_key(spec)
         run = partial(self._handshake, key, producer, rank, spec.remote_tp_size, spec.remote_dp_rank,
@@ -214,6 +251,35 @@ class PeerTable:
             except Exception as exc:
                 logger.warning("%s: removing peer %s failed: %s", self._name, peer.peer_id, exc)
 
+    def _drop(self, key: PeerKey, fut: cf.Future, why: str) -> None:
+        """Forget ``key`` (already out of the table) and its backend peer, once its handshake ends."""
+        with self._lock:
+            self._failures.pop(key, None)
+        self._routes.forget(key)
+        self._stats.add(peers_evicted=1)
+        logger.info("%s: peer %s at %s:%d %s", self._name, key[0], key[1], key[2], why)
+        fut.add_done_callback(self._remove_from_backend)  # at once when done, else when its handshake ends
+
+    def _remove_from_backend(self, fut: cf.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return  # no backend peer was added
+        peer = fut.result()
+        try:
+            self._backend.remove_peer(peer.peer_id)
+        except Exception as exc:
+            logger.warning("%s: removing peer %s failed: %s", self._name, peer.peer_id, exc)
+
+    def _replaced(self, key: PeerKey, engine_id: str) -> None:
+        """Engine ``engine_id`` answered at ``key``'s address: peers cached there for other ids are gone."""
+        _, host, port = key
+        with self._lock:
+            stale = [(k, f) for k, f in self._peers.items()
+                     if k[1] == host and k[2] == port and k[0] not in (key[0], engine_id)]
+            for k, _ in stale:
+                del self._peers[k]
+        for k, f in stale:
+            self._drop(k, f, f"dropped: engine {engine_id or key[0]} answers at its address now")
+
     def close(self) -> None:
         """Stop the pool; running handshakes end with the connector's stop event."""
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -263,12 +329,13 @@ class PeerTable:
         elapsed = time.perf_counter() - t0
         with self._lock:
             self._known.add(producer)  # it answered as the rank its port places: its other ranks may be contacted
+        self._replaced(key, reply.engine_id)
         self._stats.add(handshakes=1, handshake_seconds=elapsed)
         self._routes.record(key, peer=reply.engine_id or key[0], peer_dp_rank=reply.dp_rank, peer_rank=remote_rank,
                             memory=reply.memory, backend=backend_for_peer(self._backend, peer_id))
         logger.info("%s: handshake with engine %s rank %d at %s:%d took %.1f ms",
                     self._name, reply.engine_id, reply.tp_rank, host, port, elapsed * 1e3)
-        return Peer(key, peer_id, reply.tp_rank, peer_layouts(reply.regions))
+        return Peer(key, peer_id, reply.tp_rank, peer_layouts(reply.regions), ready_at=time.monotonic())
 
 
 def _failed(fut: cf.Future) -> bool:

@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 _KEYS = (
     "transfers", "bytes", "seconds", "ranges", "retries", "failures",
     "bad_messages", "handshakes", "handshake_seconds", "handshake_failures",
-    "peers_dropped", "done_sent", "done_received", "releases_received", "plan_cpu_seconds",
+    "peers_dropped", "peers_evicted", "done_sent", "done_received", "releases_received", "plan_cpu_seconds",
     "confirmations_skipped",
 )
 
