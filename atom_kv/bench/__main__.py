@@ -17,7 +17,8 @@ from atom_kv._cli import OneLineParser
 from atom_kv.extras import MissingExtraError, require
 
 #: suites that need an optional dependency: suite -> (module, extra)
-NEEDS = {"connector": ("torch", "reference"), "e2e": ("torch", "reference"), "routing": ("torch", "reference")}
+NEEDS = {"chaos": ("torch", "reference"), "connector": ("torch", "reference"), "e2e": ("torch", "reference"),
+         "routing": ("torch", "reference")}
 
 SUITES = {
     "transfer": "raw backend read throughput (tcp, cma) against memcpy and socket ceilings",
@@ -29,6 +30,8 @@ SUITES = {
     "kv-index": "the proxy's KV event index: blocks/s decoded and applied on one core, bytes per entry",
     "routing": "routing policies on a multi-turn workload on reference engines: hit rate against an oracle, "
                "KV bytes moved, TTFT, proxy CPU",
+    "chaos": "a seeded soak across simulated hosts (root): faults that overlap under traffic; no wrong answer, "
+             "no hung request, no leaked block, no traceback",
 }
 
 

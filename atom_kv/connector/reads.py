@@ -202,7 +202,10 @@ class RankRead:
             # engine while the backend may still write them.
             self._await_settled(handle)
         error = f"read from {key[1]}:{key[2]} failed: {err}"
-        logger.info("%s: request %s: attempt %d: %s", self._ctx.name, self._rid, attempt + 1, error)
+        nbytes, ranges = _extent(ops)
+        logger.info("%s: request %s: attempt %d of %d: read of %d bytes in %d ranges from peer %s at %s:%d failed: %s",
+                    self._ctx.name, self._rid, attempt + 1, self._ctx.config.transfer_retries + 1, nbytes, ranges,
+                    key[0] or "?", key[1], key[2], err)
         self._ctx.peers.failed(key, fut, peer)
         raise _AttemptFailed(error)
 
@@ -221,6 +224,13 @@ class RankRead:
                 return
 
     def _record_success(self, ops: Any, seconds: float) -> None:
-        nbytes = int(ops[:, 4].sum()) if isinstance(ops, np.ndarray) else sum(op.size for op in ops)
+        nbytes, _ = _extent(ops)
         self._ctx.stats.transfer(nbytes=nbytes, seconds=seconds, ranges=len(ops), retries=self._retries, ok=True,
                                  request_id=self._rid)
+
+
+def _extent(ops: Any) -> tuple[int, int]:
+    """The bytes and the ranges of a read's ops (a list of ReadOps or an op array)."""
+    if isinstance(ops, np.ndarray):
+        return int(ops[:, 4].sum()), len(ops)
+    return sum(op.size for op in ops), len(ops)

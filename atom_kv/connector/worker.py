@@ -28,6 +28,7 @@ from atom_kv.connector.stats import TransferStats
 from atom_kv.connector.types import KVConnectorOutput
 from atom_kv.ports import RankPorts, rank_ports
 from atom_kv.transfer import TransferBackend, create_backend
+from atom_kv.transfer.fault_injector import with_injected_faults
 from atom_kv.wire import CompatInfo, prepare_decoders
 
 __all__ = ["ConnectorWorker"]
@@ -110,10 +111,11 @@ class ConnectorWorker(WorkerHooks):
         self._first_tokens: dict[str, list[int]] = {}
         self._reached: list[str] = []
         self._waker: Optional[Callable[[], None]] = None
-        self.backend = backend or create_backend(
+        # with_injected_faults: a test-only hook, off unless its environment variable is set
+        self.backend = backend or with_injected_faults(create_backend(
             config.backend, config, host=self.host, bind_host=self.bind_host,
             key=f"{engine_id}-dp{dp_rank}-tp{tp_rank}", ports=self.ports,
-        )
+        ))
         self._ctx = zmq.Context()  # its I/O threads start with its first socket, in start()
         self._started = False
 

@@ -333,7 +333,10 @@ class OpenAIServer:
             return _error(out.error, out.error_status, headers=_with_side(headers, out)), True
         resp = web.StreamResponse(headers={**_timed(headers, req), "Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+        except ConnectionError as exc:  # gone between the last check and the first token
+            raise ClientGone() from exc
 
         async def send(obj: Any) -> None:
             try:

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from atom_kv.testing.cluster import Cluster, EngineSpec
+from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json
 
 GARBAGE = [
@@ -131,6 +132,33 @@ def test_a_client_gone_mid_body_is_logged_in_one_line(engine):
             _send_then_drop(port, data, reset=reset)
     _serves(engine)
     assert engine.engines[0].log_text().count("went away while sending its body") == 4
+
+
+def test_a_client_gone_before_the_stream_starts_is_logged_in_one_line(engine):
+    """Found by the chaos soak (a proxy killed while its decode leg waited for the first token): the client
+    resets the connection before the first token; the stream's head then meets a closing transport. Said
+    in one line, the request aborted, never a traceback nor a 500."""
+    port = engine.ports[0]
+    body = json.dumps({"prompt": "gone before the first token " * 4, "max_tokens": 4, "stream": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    before = engine.engines[0].log_text()
+    n = 4
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s.sendall(head + body)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close() sends a RST
+        s.close()
+
+    def ended() -> bool:
+        log = engine.engines[0].log_text()[len(before):]
+        return log.count("client disconnected") + log.count("failed inside the engine's HTTP handler") >= n
+
+    wait_until(ended, 30, what="the engine to end every request whose client went away")
+    log = engine.engines[0].log_text()[len(before):]
+    assert "Traceback" not in log and "failed inside the engine's HTTP handler" not in log, log[-3000:]
+    _serves(engine)
+    assert http_json("GET", engine.engine_url(0) + "/health")[1]["kv_blocks"]["free"] == 32
 
 
 def test_malformed_http_is_a_400_and_no_traceback(engine):

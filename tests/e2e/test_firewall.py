@@ -1,6 +1,6 @@
 """Firewalls that drop packets, as default-DROP rules do: the proxy and the engine each say what happened.
 
-Two simulated hosts (``tests/e2e/netns.py``): a proxy and a decode reference engine, each on its own address,
+Two simulated hosts (``atom_kv/testing/netns.py``): a proxy and a decode reference engine, each on its own address,
 registration signed with a token. An iptables DROP rule on the engine's host for its HTTP port: within two
 probe intervals of the engine's registration, ``/instances`` shows it pending with the ``down_reason``
 "health probe timed out after N s", the proxy logs one WARNING for it (not one per probe), and the engine
@@ -23,7 +23,7 @@ import pytest
 
 from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json
-from tests.e2e.netns import NIC, Hosts, NsProcess, unavailable_reason
+from atom_kv.testing.netns import NIC, Hosts, NsProcess, unavailable_reason
 
 
 def _unavailable() -> Optional[str]:

@@ -1,6 +1,6 @@
 """Proxy, prefill and decode on three simulated hosts, as an operator runs them.
 
-Each host is a network namespace on a private bridge (``tests/e2e/netns.py``)
+Each host is a network namespace on a private bridge (``atom_kv/testing/netns.py``)
 with one address, and each engine also runs under its own pid, mount and UTS
 namespace, so the connector sees separate hosts (another hostname and pid
 namespace: no ``cma`` between them). Everything listens on the hosts'
@@ -38,7 +38,7 @@ from atom_kv.testing.polling import wait_until
 from atom_kv.testing.web import http_json, scrape_metrics
 from atom_kv.transfer.nixl.probe import nixl_unavailable_reason
 from tests.e2e.helpers import PROMPTS, Result, generate, kv_read_floor
-from tests.e2e.netns import NIC, Hosts, NsProcess, stop_all, unavailable_reason
+from atom_kv.testing.netns import NIC, Hosts, NsProcess, stop_all, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 

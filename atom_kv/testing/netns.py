@@ -126,7 +126,18 @@ class NsProcess(ManagedProcess):
                 raise RuntimeError(f"{self.name}: no process under unshare")
             time.sleep(0.02)
 
+    def freeze(self, frozen: bool) -> None:
+        """SIGSTOP (``frozen``) or SIGCONT every process of this one's group: the process and its
+        children stop answering anything, as on a host that hangs, and go on where they were."""
+        if not self.alive():  # reaped: its group id may belong to somebody else by now
+            return
+        try:
+            os.killpg(self.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
     def stop(self, timeout: float = 8.0, *, signalled: bool = False) -> None:
+        self.freeze(False)  # a frozen process would not see the SIGTERM
         if not signalled:
             self.terminate()
         super().stop(timeout, signalled=True)
@@ -238,6 +249,22 @@ class Hosts:
     def link(self, host: str, up: bool) -> None:
         """Take ``host``'s cable out of the switch (or put it back): its switch port down or up."""
         _ip("-n", self.switch, "link", "set", self.port_of[host], "up" if up else "down")
+
+    def throttle(self, host: str, rate_kbit: Optional[int]) -> None:
+        """Everything ``host`` sends through a token bucket of ``rate_kbit`` (``tc ... tbf``); None lifts it."""
+        if rate_kbit is None:
+            self.run(host, "tc", "qdisc", "del", "dev", NIC, "root")
+        else:
+            burst = max(4, rate_kbit // 64)  # about 16 ms of the rate: a burst, never a window
+            self.run(host, "tc", "qdisc", "replace", "dev", NIC, "root", "tbf", "rate", f"{rate_kbit}kbit",
+                     "burst", f"{burst}kbit", "latency", "300ms")
+
+    def close_port(self, host: str, port: int, closed: bool, *, reject: bool = False) -> None:
+        """An ``iptables`` rule on ``host`` for TCP packets to ``port`` coming in on its interface: dropped
+        (a firewall's silence) or, ``reject``, answered with a reset (a closed port); ``closed=False`` removes it."""
+        action = ["REJECT", "--reject-with", "tcp-reset"] if reject else ["DROP"]
+        self.run(host, "iptables", "-A" if closed else "-D", "INPUT", "-i", NIC, "-p", "tcp", "--dport", str(port),
+                 "-j", *action)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
