@@ -163,6 +163,9 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     transfer_retries: NonNegativeInt = 2
     transfer_retry_backoff_ms: NonNegativeFloat = 50.0
     peer_failure_threshold: PositiveInt = 3
+    # a decode rank's producer peers: handshakes kept (least recently used dropped past it), handshakes at once
+    max_producer_peers: PositiveInt = 256
+    handshake_threads: PositiveInt = 8
     auth_token: Optional[str] = None
     # a file holding auth_token (mode 0600; read at construction when auth_token is unset)
     auth_token_file: Optional[NonEmptyStr] = None

@@ -38,7 +38,7 @@ import msgspec
 
 from atom_kv.connector.confirm import DoneAckClient
 from atom_kv.connector.layout import HeadOverlap, LayoutError, block_runs, head_overlaps
-from atom_kv.connector.peers import MAX_PEERS, PeerKey, PeerTable, producer_key, producer_port
+from atom_kv.connector.peers import PeerKey, PeerTable, producer_key, producer_port
 from atom_kv.connector.pipeline import check_stage_cover
 from atom_kv.connector.reasons import BlocksFailure, NoBlocks
 from atom_kv.connector.reads import LoadState, RankRead, ReadContext
@@ -64,8 +64,6 @@ class ConsumerWorker(ConnectorWorker):
     its read pool and the confirmation clients."""
 
     role = "kv_consumer"
-    #: producer ranks this rank keeps a handshake with (least recently used evicted past it); set before start()
-    max_peers: int = MAX_PEERS
 
     # what close() may find before _start() ran to the end
     _peers: Optional[PeerTable] = None
@@ -84,7 +82,7 @@ class ConsumerWorker(ConnectorWorker):
                                    compat=self.compat, backend=self.backend.name, host=self.host)
         self._peers = PeerTable(self._ctx, self.backend, cfg, request, stats=self.stats_, stop=self._stop,
                                 name=self._name, thread_prefix=f"atom-kv-hs-client-tp{rank}", routes=self.routes_,
-                                max_peers=self.max_peers)
+                                max_peers=cfg.max_producer_peers, handshake_threads=cfg.handshake_threads)
         self._read_pool = cf.ThreadPoolExecutor(max(4, cfg.num_worker_threads),
                                                 thread_name_prefix=f"atom-kv-read-tp{rank}")
         # loads waiting for their prefill (the rendezvous) wait here, never on a read thread: a read
@@ -324,7 +322,7 @@ class ConsumerWorker(ConnectorWorker):
     # ------------------------------------------------------------------
     def peer_handshakes(self) -> dict[PeerKey, float]:
         """The producer ranks this rank holds a completed handshake with, and when
-        (``time.monotonic()``) each completed; at most :attr:`max_peers`."""
+        (``time.monotonic()``) each completed; at most ``max_producer_peers``."""
         return self._peers.ready_times() if self._peers is not None else {}
 
     def num_loading(self) -> int:

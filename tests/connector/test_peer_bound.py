@@ -7,9 +7,7 @@ from __future__ import annotations
 import socket
 import threading
 
-import pytest
 
-from atom_kv.connector.consumer import ConsumerWorker
 from tests.conftest import free_port
 from tests.connector.engines import run_until
 from tests.connector.inproc import NB, consumer_engine, producer_engine
@@ -31,10 +29,9 @@ def _load(P, D, dcache, rid: str) -> None:
     D.finish(rid)
 
 
-def test_peers_past_the_cap_evict_the_least_recently_used(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(ConsumerWorker, "max_peers", 2)
+def test_peers_past_the_cap_evict_the_least_recently_used():
     producers = [producer_engine(free_port(), engine_id=f"P{i}") for i in range(3)]
-    D, dw, dcache = consumer_engine(free_port())
+    D, dw, dcache = consumer_engine(free_port(), max_producer_peers=2)
     try:
         for i, (P, _pw, _) in enumerate(producers):
             _load(P, D, dcache, f"d{i}")
