@@ -229,7 +229,7 @@ class _Run:
         raise TimeoutError(f"{self.n} engines did not all register within {timeout:g} s (last /health: {last})")
 
     async def metric(self, name: str) -> Optional[float]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
             async with s.get(self.url + "/metrics") as r:
                 text = await r.text()
         found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
@@ -460,9 +460,16 @@ async def _measure(args: argparse.Namespace, log: Any, token_file: str) -> list[
     rows = []
     for n in args.sizes:
         print(f"fleet: N={n} ...", file=sys.stderr, flush=True)
-        row = await _plain(args, n, log, token_file)
+        try:
+            row = await _plain(args, n, log, token_file)
+        except Exception as exc:
+            raise RuntimeError(f"N={n}, the run without KV events: {exc!r}") from exc
         if args.kv_events:
-            row["kv"] = await _kv(args, n, log, token_file, row)
+            try:
+                row["kv"] = await _kv(args, n, log, token_file, row)
+            except Exception as exc:
+                raise RuntimeError(f"N={n}, the KV event run: {exc!r}; measured before it: "
+                                   f"{json.dumps(rows + [row])}") from exc
         rows.append(row)
     return rows
 
