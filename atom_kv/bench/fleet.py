@@ -169,6 +169,13 @@ class _Run:
         self.decode_urls: list[str] = []
 
     async def __aenter__(self) -> "_Run":
+        try:
+            return await self._start()
+        except BaseException:
+            await self.__aexit__()  # a failed start leaves no process behind
+            raise
+
+    async def _start(self) -> "_Run":
         a = self.args
         extra = a.sizes[-1] + 16
         profile = ([] if not a.profile else
@@ -457,7 +464,7 @@ def _table(doc: dict[str, Any]) -> str:
 
 
 async def _measure(args: argparse.Namespace, log: Any, token_file: str) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n in args.sizes:
         print(f"fleet: N={n} ...", file=sys.stderr, flush=True)
         try:
