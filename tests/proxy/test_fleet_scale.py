@@ -88,3 +88,40 @@ def test_open_circuits_are_looked_for_only_while_one_is_open(monkeypatch):
     assert live[8].breaker.record_failure(4.0, "c") is False and live[8].breaker.record_failure(4.0, "d")
     r.remove(live[8])  # an instance that leaves with its circuit open is no longer counted
     assert r.closed_circuits("P", r.live("P", 5.0), 5.0) is not None and asked == []
+
+
+def test_a_repeat_ping_from_a_known_engine_only_refreshes_its_timestamp(monkeypatch):
+    import msgspec
+
+    from atom_kv.auth import PURPOSE_REGISTER, sign_fields
+    from atom_kv.proxy.fleet import pings
+    from atom_kv.proxy.fleet.discovery import DiscoveryListener
+    from atom_kv.proxy.fleet.registry import Instance
+    from atom_kv.proxy.observability.metrics import ProxyMetrics
+    from atom_kv.wire import RegisterPing
+
+    parsed, taken = [], []
+    urlsplit, take = pings.urlsplit, Instance._take
+    monkeypatch.setattr(pings, "urlsplit", lambda url: parsed.append(url) or urlsplit(url))
+    monkeypatch.setattr(Instance, "_take", lambda self, reg: taken.append(reg) or take(self, reg))
+    registry = Registry(heartbeat_timeout=15.0, circuit_failures=2, circuit_cooldown_s=10.0, max_instances=8)
+    listener = DiscoveryListener("127.0.0.1", 0, registry, ProxyMetrics(), registration_token="tok")
+
+    def ping(**changes: object) -> bytes:  # signed: a new ts, nonce and mac every time
+        fields = RegisterPing(role="D", index="0", request_address="http://127.0.0.1:9/v1/completions",
+                              handshake_port=1, kv_features=["first_token"], answers=True, **changes)
+        return msgspec.msgpack.encode(sign_fields("tok", PURPOSE_REGISTER, msgspec.to_builtins(fields)))
+
+    for _ in range(20):
+        assert listener.handle(ping()).status == "registered"
+    inst = registry.get("D", "http://127.0.0.1:9")
+    assert len(parsed) == 1 and taken == []  # one URL parsed, the record made once, for 20 pings
+    seen = inst.last_seen
+    listener.handle(ping())
+    assert inst.last_seen >= seen and len(parsed) == 1
+    listener.handle(ping(draining=True))  # a ping that says something new is taken
+    assert inst.draining and len(parsed) == 2 and len(taken) == 1
+    inst.learn(model="learnt")  # a probe changed the record: the next ping is taken again, as before
+    listener.handle(ping(draining=True))
+    assert inst.model is None and len(taken) == 3 and len(parsed) == 2
+    assert len(listener.known_pings) == 2

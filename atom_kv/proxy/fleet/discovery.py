@@ -37,7 +37,7 @@ from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_field
 from atom_kv.proxy.fleet.discovery_guard import ConnectionGuard
 from atom_kv.proxy.fleet.pings import (  # noqa: F401 - re-exported: the names tests and tools import from here
     MAX_PING_BYTES, REQUIRED_TRANSFER_MODE, DiscoveryMessage, MoriioDecodePing, MoriioPrefillPing,
-    UnspecifiedAddress, decode_discovery, decode_discovery_map, decode_raw, to_message, to_registration,
+    KnownPings, UnspecifiedAddress, decode_discovery, decode_discovery_map, decode_raw, to_message, to_registration,
 )
 from atom_kv.proxy.fleet.registry import UP, Registry, RegistryFull, Withdrawn
 from atom_kv.proxy.observability.metrics import ProxyMetrics
@@ -116,6 +116,8 @@ class DiscoveryListener:
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+        # the registrations repeat pings map to (every engine's, and their changes: bounded by the registry's cap)
+        self.known_pings = KnownPings(4 * registry.max_instances + 64)
 
     @property
     def refuses_all(self) -> bool:
@@ -290,7 +292,7 @@ class DiscoveryListener:
                                 f"limits (--max-tp-size {self.max_tp_size}, --max-dp-size {self.max_dp_size})",
                                 "limits")
         try:
-            reg = to_registration(msg)
+            reg = self.known_pings.registration(msg)
         except UnspecifiedAddress as exc:
             return self._refuse(wants, "address", who, str(exc), "address")
         except WireError as exc:

@@ -162,6 +162,9 @@ class Instance:
     #: per DP rank, the engine's own latest load report (None: not read yet, or the engine does not say)
     reported_load: list[ReportedLoad | None] = field(default_factory=list)
     pinned: frozenset[str] = frozenset()  # fields given by flag: never overwritten by what the engine reports
+    # the latest ping's registration as it came, and the record it made (until a probe learns more)
+    _ping: Registration | None = field(default=None, repr=False)
+    _from_ping: Registration | None = field(default=None, repr=False)
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -237,10 +240,17 @@ class Instance:
         self._take(replace(self.reg, **changes))  # type: ignore[arg-type]
 
     def register(self, reg: Registration) -> None:
-        """A new ping: its registration replaces the old one (the ``kv_features`` known stay when it names none)."""
+        """A new ping: its registration replaces the old one (the ``kv_features`` known stay when it names none).
+        A ping that says what the one before it said (the same object from
+        :class:`~atom_kv.proxy.fleet.pings.KnownPings`, or an equal one), while nothing else changed the
+        record since, changes nothing and costs nothing."""
+        if self.reg is self._from_ping and (reg is self._ping or reg == self._ping):
+            return
+        self._ping = reg
         if reg.features is None and self.reg.features is not None:
             reg = replace(reg, features=self.reg.features)
         self._take(reg)
+        self._from_ping = self.reg
 
     def _take(self, reg: Registration) -> None:
         restarted = reg.engine_id != self.reg.engine_id
@@ -463,6 +473,7 @@ class Registry:
             if self.discovered >= self.max_instances:
                 self._make_room(now)
             inst = self._instances[key] = self._new_instance(reg)
+            inst._ping = inst._from_ping = reg
             self.discovered += 1
             self.wakeup.set()
         elif not inst.static:  # a static engine's record is its spec's and its probes'
