@@ -27,8 +27,10 @@ the proxy probes them as usual (``--probe-interval``, its default 2 s; each up e
 Targets, each printed with met or MISSED (exit status 1 on a miss unless ``--explore``): CPU per request
 at the largest N <= 1.2x the smallest N's; RSS per engine <= 20 KB without the KV index; idle CPU at
 N >= 1,000 with the default intervals <= 5% of one core; new engine to first request <= one ping
-interval + one probe interval. ``--json PATH`` writes the figures; ``--png DIR`` one chart per figure
-against N (matplotlib: the ``bench`` extra).
+interval + one probe interval. ``--json PATH`` writes the figures, each size's row as soon as it is
+measured; a size that fails (a start-up or ``/metrics`` read past ``--startup-timeout``, which grows with
+N) is one line on stderr and a row with its ``error``, the other sizes still run, and the exit status is 1.
+``--png DIR`` draws one chart per figure against N (matplotlib: the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import aiohttp
 
@@ -59,6 +61,13 @@ RSS_PER_ENGINE_TARGET = 20 * 1024
 IDLE_CPU_TARGET = 0.05
 IDLE_TARGET_N = 1000
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+STARTUP_BASE_S = 30.0  # --startup-timeout's default: this, plus ...
+STARTUP_PER_ENGINE_S = 0.15  # ... this per engine (a loaded 2-core machine registered 1,000 in about 60 s)
+
+
+def startup_timeout(args: argparse.Namespace, n: int) -> float:
+    """The bound on one size's start-up (and on one /metrics read): ``--startup-timeout``, else scaled with N."""
+    return args.startup_timeout if args.startup_timeout is not None else STARTUP_BASE_S + STARTUP_PER_ENGINE_S * n
 
 
 def _sizes(text: str) -> list[int]:
@@ -90,8 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-rate", type=float, default=1.0, help="KV event batches a second per engine")
     parser.add_argument("--kv-blocks", type=int, default=4, help="blocks stored per batch")
     parser.add_argument("--kv-held", type=int, default=32, help="blocks each engine keeps (older ones removed)")
-    parser.add_argument("--startup-timeout", type=float, default=60.0,
-                        help="seconds for the proxy to start and the fleet to register (default %(default)s)")
+    parser.add_argument("--startup-timeout", type=float, default=None,
+                        help="seconds for the proxy to start and the fleet to register, and for one /metrics read "
+                             f"(default {STARTUP_BASE_S:g} + {STARTUP_PER_ENGINE_S:g} per engine: 180 s at N=1,000)")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="run each proxy under cProfile, its stats written to DIR/proxy-N<n>[-kv].prof")
     parser.add_argument("--json", metavar="PATH", default=None, help="write the figures as JSON to PATH ('-': stdout)")
@@ -160,6 +170,7 @@ class _Run:
         self.log = log
         self.token_file = token_file
         self.kv = kv
+        self.timeout = startup_timeout(args, n)
         self.port = free_port()
         self.discovery_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -193,12 +204,12 @@ class _Run:
             fleet_args += ["--kv-events", "--kv-rate", str(a.kv_rate), "--kv-blocks", str(a.kv_blocks),
                            "--kv-held", str(a.kv_held)]
         self.fleet = await _start("fleet", fleet_args, self.log, pipes=True)
-        line = await self._line(a.startup_timeout)
+        line = await self._line(self.timeout)
         if not line.startswith("ready "):
             raise RuntimeError(f"the fake fleet did not start: {line!r}")
         urls = dict(part.split("=", 1) for part in line.split()[1:])
         self.prefill_urls, self.decode_urls = urls["prefill"].split(","), urls["decode"].split(",")
-        await self._registered(a.startup_timeout)
+        await self._registered(self.timeout)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -236,7 +247,7 @@ class _Run:
         raise TimeoutError(f"{self.n} engines did not all register within {timeout:g} s (last /health: {last})")
 
     async def metric(self, name: str) -> Optional[float]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as s:
             async with s.get(self.url + "/metrics") as r:
                 text = await r.text()
         found = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
@@ -383,7 +394,7 @@ async def _kv(args: argparse.Namespace, n: int, log: Any, token_file: str, plain
     async with _Run(args, n, log, token_file, kv=True) as run:
         assert run.proxy is not None
         want = 0.9 * n * args.kv_held
-        deadline = time.monotonic() + args.kv_held / (args.kv_rate * args.kv_blocks) + args.startup_timeout
+        deadline = time.monotonic() + args.kv_held / (args.kv_rate * args.kv_blocks) + run.timeout
         entries = 0.0
         while time.monotonic() < deadline:  # polled every 0.5 s, bounded: the index fills at the events' rate
             entries = await run.metric("atom_kv_proxy_kv_index_entries") or 0.0
@@ -408,16 +419,32 @@ async def _kv(args: argparse.Namespace, n: int, log: Any, token_file: str, plain
 
 
 # ---------------------------------------------------------------------- figures and targets
+def measured(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of the sizes that were measured (a failed size's row has only ``n`` and ``error``)."""
+    return [r for r in rows if "error" not in r]
+
+
+def kv_row(row: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """A measured row's KV event figures (None: not run, or it failed: then ``row["kv"]["error"]`` says why)."""
+    kv = row.get("kv")
+    return kv if kv and "error" not in kv else None
+
+
 def _derive(rows: list[dict[str, Any]]) -> None:
-    """Each row's RSS per engine: its growth over the smallest N's, per engine added."""
-    base = rows[0]
-    for row in rows:
+    """Each measured row's RSS per engine: its growth over the smallest measured N's, per engine added."""
+    done = measured(rows)
+    if not done:
+        return
+    base = done[0]
+    for row in done:
         extra = row["n"] - base["n"]
         row["rss_per_engine_bytes"] = round((row["rss_bytes"] - base["rss_bytes"]) / extra) if extra else None
 
 
 def fleet_targets(doc: dict[str, Any]) -> list[bench_targets.Target]:
-    rows = doc["sizes"]
+    rows = measured(doc["sizes"])
+    if not rows:
+        return [bench_targets.Target("fleet", "every figure (no size was measured: see each row's error)", None)]
     first, last = rows[0], rows[-1]
     out = []
     if len(rows) > 1:
@@ -451,33 +478,43 @@ def _table(doc: dict[str, Any]) -> str:
             f"{'idle core':>9} {'new s':>6} {'kv entries':>10} {'kv MiB':>7} {'ingest core':>11} {'us/block':>8}")
     lines = [head]
     for r in doc["sizes"]:
-        kv = r.get("kv") or {}
+        if "error" in r:
+            lines.append(f"{r['n']:>5} failed: {r['error']}")
+            continue
+        kv = kv_row(r) or {}
         per = "-" if r["rss_per_engine_bytes"] is None else f"{r['rss_per_engine_bytes'] / 1024:.1f}"
         entries = str(kv.get("entries", "-"))
         index = f"{kv['index_bytes'] / 2**20:.1f}" if kv else "-"
         ingest = f"{kv['ingest_cpu_core_share']:.2%}" if kv else "-"
         per_block = str(kv.get("ingest_us_per_block") if kv else "-")
+        if r.get("kv") and not kv:
+            per_block = f"KV run failed: {r['kv']['error']}"
         lines.append(f"{r['n']:>5} {r['cpu_ms_per_request']:>10.3f} {r['added_p50_ms']:>9.2f} {r['added_p99_ms']:>9.2f} "
                      f"{r['rss_bytes'] / 2**20:>8.1f} {per:>9} {r['idle_cpu_core_share']:>9.2%} "
                      f"{r['new_engine']['max_s']:>6.2f} {entries:>10} {index:>7} {ingest:>11} {per_block:>8}")
     return "\n".join(lines)
 
 
-async def _measure(args: argparse.Namespace, log: Any, token_file: str) -> list[dict[str, Any]]:
+async def _measure(args: argparse.Namespace, log: Any, token_file: str,
+                   done: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
+    """One row per size, each handed to ``done`` (with the rows before it) as soon as it is complete: a size
+    that fails is one line on stderr and a row with its ``error``, and the next size still runs."""
     rows: list[dict[str, Any]] = []
     for n in args.sizes:
         print(f"fleet: N={n} ...", file=sys.stderr, flush=True)
         try:
             row = await _plain(args, n, log, token_file)
         except Exception as exc:
-            raise RuntimeError(f"N={n}, the run without KV events: {exc!r}") from exc
-        if args.kv_events:
+            row = {"n": n, "error": f"the run without KV events: {exc!r}"}
+            print(f"fleet: N={n} failed: {row['error']}", file=sys.stderr, flush=True)
+        if args.kv_events and "error" not in row:
             try:
                 row["kv"] = await _kv(args, n, log, token_file, row)
             except Exception as exc:
-                raise RuntimeError(f"N={n}, the KV event run: {exc!r}; measured before it: "
-                                   f"{json.dumps(rows + [row])}") from exc
+                row["kv"] = {"error": f"the KV event run: {exc!r}"}
+                print(f"fleet: N={n} failed: {row['kv']['error']}", file=sys.stderr, flush=True)
         rows.append(row)
+        done(rows)
     return rows
 
 
@@ -495,24 +532,37 @@ def run(args: argparse.Namespace) -> int:
         token_file = os.path.join(tmp, "token")
         with open(os.open(token_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
             f.write(os.urandom(32).hex() + "\n")
+        to_stdout = args.json == "-"
+
+        def document(rows: list[dict[str, Any]]) -> dict[str, Any]:
+            _derive(rows)
+            doc = {"concurrency": args.concurrency, "requests": args.requests, "tokens": args.tokens,
+                   "ping_interval_s": args.ping_interval, "probe_interval_s": args.probe_interval,
+                   "idle_seconds": args.idle_seconds,
+                   "kv": {"rate": args.kv_rate, "blocks": args.kv_blocks, "held": args.kv_held}
+                   if args.kv_events else None, "sizes": rows}
+            doc["targets"] = [{"text": t.text, "met": t.met} for t in fleet_targets(doc)]
+            return doc
+
+        def done(rows: list[dict[str, Any]]) -> None:  # each size's row on disk as soon as it is measured
+            if args.json and not to_stdout:
+                with open(args.json + ".tmp", "w") as f:
+                    json.dump(document(rows), f, indent=2)
+                os.replace(args.json + ".tmp", args.json)
+
         try:
-            rows = asyncio.run(_measure(args, log, token_file))
+            rows = asyncio.run(_measure(args, log, token_file, done))
         except Exception as exc:
             log.seek(0)
             print(f"fleet bench failed: {exc}\n{log.read()[-4000:]}", file=sys.stderr)
             return 1
-    _derive(rows)
-    doc = {"concurrency": args.concurrency, "requests": args.requests, "tokens": args.tokens,
-           "ping_interval_s": args.ping_interval, "probe_interval_s": args.probe_interval,
-           "idle_seconds": args.idle_seconds,
-           "kv": {"rate": args.kv_rate, "blocks": args.kv_blocks, "held": args.kv_held} if args.kv_events else None,
-           "sizes": rows}
+        failed = [r for r in rows if "error" in r or "error" in (r.get("kv") or {})]
+        if failed:
+            log.seek(0)
+            print(f"fleet: {len(failed)} size(s) failed; the proxy's and the fleet's last log lines:\n"
+                  f"{log.read()[-4000:]}", file=sys.stderr)
+    doc = document(rows)
     targets = fleet_targets(doc)
-    doc["targets"] = [{"text": t.text, "met": t.met} for t in targets]
-    to_stdout = args.json == "-"
-    if args.json and not to_stdout:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
     if to_stdout:
         print(json.dumps(doc, indent=2))
     else:
@@ -525,7 +575,9 @@ def run(args: argparse.Namespace) -> int:
         for path in fleet_chart.draw(doc, args.png):
             print(f"wrote {path}", file=sys.stderr if to_stdout else sys.stdout)
     missed = bench_targets.report(targets, explore=args.explore, json_output=to_stdout)
-    errors = sum(r["errors"] + r["refused_registrations"] for r in rows)
+    if failed:
+        return 1
+    errors = sum(r["errors"] + r["refused_registrations"] for r in measured(rows))
     if errors:
         print(f"fleet: {errors} failed requests or refused registrations", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional
 
+from atom_kv.bench.fleet import kv_row, measured
 from atom_kv.extras import MissingExtraError, require
 
 __all__ = ["FIGURES", "draw", "missing"]
@@ -22,16 +23,16 @@ FIGURES: dict[str, tuple[str, str, list[Series]]] = {
     "fleet_added_latency": ("latency the proxy adds", "ms", [("p50", lambda r: r["added_p50_ms"]),
                                                             ("p99", lambda r: r["added_p99_ms"])]),
     "fleet_rss": ("proxy RSS", "MiB", [("after the requests", lambda r: r["rss_bytes"] / 2**20),
-                                       ("KV run (index held)", lambda r: r["kv"]["rss_bytes"] / 2**20
-                                        if r.get("kv") else None)]),
+                                       ("KV run (index held)", lambda r: kv_row(r)["rss_bytes"] / 2**20
+                                        if kv_row(r) else None)]),
     "fleet_idle_cpu": ("pings, probes and load readings, no requests", "% of one core",
                        [("plain", lambda r: 100 * r["idle_cpu_core_share"]),
-                        ("with KV events", lambda r: 100 * r["kv"]["cpu_core_share"] if r.get("kv") else None)]),
+                        ("with KV events", lambda r: 100 * kv_row(r)["cpu_core_share"] if kv_row(r) else None)]),
     "fleet_new_engine": ("a new engine's first ping to its first request", "s",
                          [("prefill", lambda r: r["new_engine"]["prefill_s"]),
                           ("decode", lambda r: r["new_engine"]["decode_s"])]),
-    "fleet_kv_index": ("KV index memory", "MiB", [("RSS over the plain run", lambda r: r["kv"]["index_bytes"] / 2**20
-                                                   if r.get("kv") else None)]),
+    "fleet_kv_index": ("KV index memory", "MiB", [("RSS over the plain run", lambda r: kv_row(r)["index_bytes"] / 2**20
+                                                   if kv_row(r) else None)]),
 }
 
 
@@ -53,7 +54,7 @@ def draw(doc: dict[str, Any], directory: str, *, dpi: int = 80) -> list[str]:
     import matplotlib.pyplot as plt
 
     os.makedirs(directory, exist_ok=True)
-    rows = doc["sizes"]
+    rows = measured(doc["sizes"])  # a failed size has no figures
     paths = []
     grid, axes = plt.subplots(2, 3, figsize=(13, 7))
     for ax_all, (name, (title, unit, series)) in zip(axes.flat, FIGURES.items()):
