@@ -204,6 +204,7 @@ class Pinger:
         self.interval_s = interval_s
         self.kv = kv
         self._ctx = zmq.Context()
+        self._ctx.set(zmq.MAX_SOCKETS, 65536)  # two per engine (DEALER, PUB): libzmq's default 1,023 is 500 engines
         self._new: list[tuple[Engine, bool, Optional[zmq.Socket]]] = []  # (engine, ping now, its PUB)
         self._lock = threading.Lock()
         self._stop = threading.Event()
