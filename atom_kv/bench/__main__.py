@@ -27,6 +27,8 @@ SUITES = {
     "admission": "admission control under a burst: queued in order, 429 past the queue, waits within the timeout",
     "e2e": "TTFT and tokens/s, P/D versus colocated, with the reference engine",
     "vllm": "TTFT through the proxy and two real vLLM servers (P/D) versus one plain vLLM server",
+    "fleet": "the proxy against 2 to 1,000 fake engines: CPU per request, added latency, RSS, idle CPU on pings "
+             "and probes, a new engine's time to its first request, KV index memory and ingest",
     "kv-index": "the proxy's KV event index: blocks/s decoded and applied on one core, bytes per entry",
     "routing": "routing policies on a multi-turn workload on reference engines: hit rate against an oracle, "
                "KV bytes moved, TTFT, proxy CPU",

@@ -395,3 +395,46 @@ async def test_a_ping_with_too_many_empty_or_long_kv_features_is_refused_and_cou
     assert await _counted(proxy, "atom_kv_proxy_bad_discovery_messages_total", 1)
     (inst,) = proxy.registry.live("D")
     assert inst.features == frozenset()
+
+
+async def test_pings_are_read_and_answered_without_a_zmq_asyncio_call_each(make_proxy, make_engine, monkeypatch):
+    """Each awaited ``zmq.asyncio`` receive, poll or send costs a future and a loop round trip: at 1,000
+    engines that was most of discovery's CPU (``bench fleet``). The listener reads and answers on a plain
+    view of its socket, woken by the loop's reader on its descriptor."""
+    import zmq
+    import zmq.asyncio
+
+    calls: list[str] = []
+    for name in ("poll", "recv_multipart", "send_multipart", "recv", "send"):
+        original = getattr(zmq.asyncio.Socket, name)
+
+        def counting(self, *args, __name=name, __original=original, **kwargs):  # type: ignore[no-untyped-def]
+            if self.socket_type == zmq.ROUTER:
+                calls.append(__name)
+            return __original(self, *args, **kwargs)
+
+        monkeypatch.setattr(zmq.asyncio.Socket, name, counting)
+    proxy = await make_proxy(registration_token="tok")
+    d = await make_engine("D")
+
+    def ping_and_read(n: int) -> list[bytes]:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(proxy.discovery_endpoint)
+        answers = []
+        try:
+            for _ in range(n):
+                sock.send(msgspec.msgpack.encode(sign_fields("tok", PURPOSE_REGISTER,
+                                                             dict(d.register_fields(), answers=True))))
+                if sock.poll(5000):
+                    answers.append(sock.recv())
+        finally:
+            sock.close(0)
+            ctx.term()
+        return answers
+
+    answers = await asyncio.to_thread(ping_and_read, 30)
+    assert len(answers) == 30  # every ping answered ...
+    assert calls == []  # ... with no zmq.asyncio call on the ROUTER for any of them
+    assert [i.base_url for i in proxy.registry.known("D")] == [d.base_url]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from aiohttp import web
@@ -252,3 +253,66 @@ async def test_reader_task_reads_at_its_interval_and_sees_the_load_change():
 async def _until(predicate) -> None:
     while not predicate():
         await asyncio.sleep(0.05)
+
+
+class _CountingServers:
+    """``n`` real HTTP/1.1 keep-alive servers on 127.0.0.1 answering ``GET /health`` with a reference body;
+    counts the connections they accept, all together."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.accepted = 0
+        self.servers: list[asyncio.base_events.Server] = []
+        self.ports: list[int] = []
+        body = _reference_health([(0, 0, 0, 0)])
+        self.answer = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                writer.write(self.answer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> "_CountingServers":
+        for _ in range(self.n):
+            server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+            self.servers.append(server)
+            self.ports.append(server.sockets[0].getsockname()[1])
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for server in self.servers:
+            server.close()
+
+
+async def test_reader_keeps_one_connection_per_engine_in_a_fleet_larger_than_its_concurrency():
+    from atom_kv.proxy.fleet.load import MAX_CONCURRENT_READS
+
+    n = MAX_CONCURRENT_READS + 16
+    async with _CountingServers(n) as engines:
+        registry = Registry(15.0, 3, 10.0, max_instances=2 * n)
+        for port in engines.ports:
+            registry.upsert(Registration(role="D", base_url=f"http://127.0.0.1:{port}", host="127.0.0.1",
+                                         http_port=port, handshake_port=1, dp_size=1, tp_size=1))
+        insts = registry.known("D")
+        for inst in insts:
+            registry.mark_up(inst)
+        reader = LoadReader(registry, ProxyMetrics(), interval_s=1.0, timeout_s=5.0, connect_timeout=5.0,
+                            max_bytes=1 << 20)
+        await reader.start()
+        try:
+            reader._task.cancel()  # the test runs the ticks itself
+            for rounds in (1, 2, 3):
+                reader.tick(time.monotonic() + 10.0 * rounds)  # every engine due
+                reads = [f.task for f in reader._follows.values() if f.task is not None]
+                assert len(reads) == n
+                await asyncio.wait_for(asyncio.gather(*reads), 20)
+                assert all(i.reported_load[0] is not None for i in insts)
+            # each engine's connection was opened once and kept for the next readings (not 1 per reading)
+            assert engines.accepted == n
+        finally:
+            await reader.close()

@@ -301,3 +301,15 @@ def test_frames_of_the_test_publisher_are_vllms():
         finally:
             sub.close(0)
             ctx.term()
+
+
+def test_a_fleet_of_400_publishers_is_followed_past_zeromqs_default_socket_cap(rig, publisher):
+    """Each feed holds three sockets (SUB, its monitor, the replay DEALER): 400 engines are 1,200, past
+    libzmq's default of 1,023 sockets per context. The last engine followed must still be."""
+    pub, r = publisher(), rig()
+    port = free_port()  # nothing listens there: the feeds keep retrying, their sockets stay open
+    for k in range(400):
+        r.sub.follow(FeedSpec(("P", f"http://engine-{k}"), f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{port}", 1))
+    r.follow(pub)
+    pub.publish([run(0, 2)])
+    r.until(lambda: r.held() == 2, "the 401st engine's blocks")

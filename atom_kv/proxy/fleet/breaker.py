@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from typing import Callable, Optional
 
 __all__ = ["CircuitBreaker", "OutcomeWindow", "RequestOutcomes"]
 
@@ -105,6 +106,13 @@ class CircuitBreaker:
         self._open = False
         self._trial_started: float | None = None
         self._streak: OrderedDict[object, None] = OrderedDict()  # requests counted in ``failures`` (bounded)
+        #: told True when the circuit opens and False when it closes (the registry's count of open circuits)
+        self.on_flip: Optional[Callable[[bool], None]] = None
+
+    @property
+    def is_open(self) -> bool:
+        """Open or half-open: not every request may go (``allows`` is True for all of them only when closed)."""
+        return self._open
 
     def state(self, now: float | None = None) -> str:
         if not self._open:
@@ -132,6 +140,8 @@ class CircuitBreaker:
             self.window.clear()  # a fresh start: the failures that opened it are history
         self.window.add(now, ok=1)
         self.failures = 0
+        if self._open and self.on_flip is not None:
+            self.on_flip(False)
         self._open = False
         self._trial_started = None
         self._streak.clear()
@@ -177,6 +187,8 @@ class CircuitBreaker:
 
     def _trip(self, now: float, reason: str) -> bool:
         self.trip_reason = reason
+        if not self._open and self.on_flip is not None:
+            self.on_flip(True)
         self._open = True
         self.opened_at = now
         self._trial_started = None

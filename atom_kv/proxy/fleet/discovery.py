@@ -37,7 +37,7 @@ from atom_kv.auth import PURPOSE_REGISTER, AuthError, ReplayWindow, verify_field
 from atom_kv.proxy.fleet.discovery_guard import ConnectionGuard
 from atom_kv.proxy.fleet.pings import (  # noqa: F401 - re-exported: the names tests and tools import from here
     MAX_PING_BYTES, REQUIRED_TRANSFER_MODE, DiscoveryMessage, MoriioDecodePing, MoriioPrefillPing,
-    UnspecifiedAddress, decode_discovery, decode_discovery_map, decode_raw, to_message, to_registration,
+    KnownPings, UnspecifiedAddress, decode_discovery, decode_discovery_map, decode_raw, to_message, to_registration,
 )
 from atom_kv.proxy.fleet.registry import UP, Registry, RegistryFull, Withdrawn
 from atom_kv.proxy.observability.metrics import ProxyMetrics
@@ -116,6 +116,10 @@ class DiscoveryListener:
         self._sock: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task] = []
+        self._raw: zmq.Socket | None = None  # a plain shadow of ``_sock``, read by ``_drain`` while running
+        self._more: asyncio.Handle | None = None  # the next turn's drain, after a full burst
+        # the registrations repeat pings map to (every engine's, and their changes: bounded by the registry's cap)
+        self.known_pings = KnownPings(4 * registry.max_instances + 64)
 
     @property
     def refuses_all(self) -> bool:
@@ -183,34 +187,56 @@ class DiscoveryListener:
             ctx.term()
 
     async def _run(self) -> None:
+        """Drain the socket whenever its descriptor says so (:meth:`_drain`, from the loop's reader callback),
+        and every ``poll_s`` as well: the summaries of refused pings are flushed then."""
         sock = self._sock
         assert sock is not None
-        timeout_ms = max(1, int(self.poll_s * 1000))
-        while True:
-            try:
-                if await sock.poll(timeout_ms):
-                    for _ in range(_BURST):
-                        try:
-                            frames = await sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        answer = self.handle(frames[-1].bytes, _peer(frames[-1]))
-                        if answer is not None and len(frames) >= 2:
-                            self._answer(sock, frames[0].bytes, answer)
-                    else:
-                        await asyncio.sleep(0)  # a burst: let requests run before the next one
+        loop = asyncio.get_running_loop()
+        # a plain view of the socket: a message read or an answer sent costs no future and no loop round trip
+        self._raw = zmq.Socket.shadow(sock.underlying)
+        fd = self._raw.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._drain)
+        try:
+            while True:
+                self._drain()  # ZeroMQ's descriptor signals edges: a look now and then misses nothing
                 self.warnings.flush()
-            except asyncio.CancelledError:
-                raise
-            except zmq.ZMQError as exc:
-                logger.error("discovery socket error: %s", exc)
                 await asyncio.sleep(self.poll_s)
-            except Exception as exc:  # keep discovery alive whatever one message does; counted, rate-limited
-                self._count("internal", "a discovery message", f"{type(exc).__name__}: {exc}")
-                logger.debug("unexpected error in discovery", exc_info=True)
+        finally:
+            loop.remove_reader(fd)
+            if self._more is not None:
+                self._more.cancel()
+                self._more = None
+            self._raw = None
+
+    def _drain(self) -> None:
+        """Handle the pings queued on the socket, at most ``_BURST`` of them: more wait for the loop's next
+        turn (requests run in between). Never blocks and never raises."""
+        self._more = None
+        raw = self._raw
+        if raw is None:
+            return
+        try:
+            for _ in range(_BURST):
+                if not raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                try:
+                    frames = raw.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                try:
+                    answer = self.handle(frames[-1].bytes, _peer(frames[-1]))
+                except Exception as exc:  # keep discovery alive whatever one message does; counted, rate-limited
+                    self._count("internal", "a discovery message", f"{type(exc).__name__}: {exc}")
+                    logger.debug("unexpected error in discovery", exc_info=True)
+                    continue
+                if answer is not None and len(frames) >= 2:
+                    self._answer(raw, frames[0].bytes, answer)
+            self._more = asyncio.get_running_loop().call_soon(self._drain)  # a burst: the rest on the next turn
+        except zmq.ZMQError as exc:
+            logger.error("discovery socket error: %s", exc)
 
     @staticmethod
-    def _answer(sock: zmq.asyncio.Socket, identity: bytes, answer: RegisterAnswer) -> None:
+    def _answer(sock: zmq.Socket, identity: bytes, answer: RegisterAnswer) -> None:
         try:
             sock.send_multipart([identity, encode(answer)], zmq.NOBLOCK)  # dropped if the peer's queue is full
         except zmq.ZMQError as exc:
@@ -290,7 +316,7 @@ class DiscoveryListener:
                                 f"limits (--max-tp-size {self.max_tp_size}, --max-dp-size {self.max_dp_size})",
                                 "limits")
         try:
-            reg = to_registration(msg)
+            reg = self.known_pings.registration(msg)
         except UnspecifiedAddress as exc:
             return self._refuse(wants, "address", who, str(exc), "address")
         except WireError as exc:

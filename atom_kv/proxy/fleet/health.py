@@ -18,6 +18,7 @@ import msgspec
 
 from atom_kv.logfmt import INSTANCE
 from atom_kv.proxy.fleet.breaker import RequestOutcomes
+from atom_kv.proxy.fleet.load import fleet_pool_limit
 from atom_kv.proxy.fleet.registry import DOWN, PENDING, ROLE_NAMES, Instance, ProbeFailure, Registry
 from atom_kv.proxy.http.upstream import (
     UpstreamConnectionError, UpstreamConnectTimeout, UpstreamError, UpstreamPool, UpstreamTimeout,
@@ -182,6 +183,8 @@ class HealthMonitor:
         for inst in self.registry.evict_expired(now):  # counted by the registry's on_evict owner
             self._next_probe.pop(inst.key, None)
         self.registry.flush_logs()
+        if self._pool is not None:  # a fleet of static engines is probed every interval: one connection each
+            self._pool.limit = fleet_pool_limit(len(self.registry), MAX_CONCURRENT_PROBES)
         for role in ("P", "D"):
             for inst in self.registry.known(role):
                 if not (inst.static or inst.state in (PENDING, DOWN)):

@@ -41,6 +41,14 @@ MAX_CONCURRENT_READS = 32
 RECHECK_INTERVALS = 10  # an engine that reports no load anywhere is asked again after this many intervals
 
 
+def fleet_pool_limit(engines: int, concurrent: int) -> int:
+    """The open-connection cap of a pool that reads every engine once an interval: one kept-alive connection
+    per engine, plus ``concurrent`` in flight. A cap below the fleet's size closes an idle connection for
+    almost every reading, and the next reading of that engine opens a new one (``bench fleet``: most of the
+    idle CPU at 1,000 engines). The fleet is bounded (``--max-instances``), so this is too."""
+    return engines + concurrent
+
+
 class LoadSource(Enum):
     """Where an instance's load is read from."""
 
@@ -109,6 +117,8 @@ class LoadReader:
     def tick(self, now: float) -> None:
         """Start the reads that are due; forget the instances that left."""
         known = {i.key: i for role in ("P", "D") for i in self.registry.known(role)}
+        if self._pool is not None:  # one kept-alive connection per engine, plus the reads in flight
+            self._pool.limit = fleet_pool_limit(len(known), MAX_CONCURRENT_READS)
         for key in [k for k, f in self._follows.items() if known.get(k) is not f.inst]:
             gone = self._follows.pop(key)
             if gone.task is not None:

@@ -26,7 +26,7 @@ from atom_kv.wire import MAX_KV_FEATURES, HelloPing, Name, RegisterPing, UrlText
 
 __all__ = [
     "MAX_PING_BYTES", "DiscoveryMessage", "MoriioDecodePing", "MoriioPrefillPing", "UnspecifiedAddress",
-    "decode_discovery", "decode_discovery_map", "largest_ping_bytes", "to_registration",
+    "decode_discovery", "decode_discovery_map", "largest_ping_bytes", "to_registration", "KnownPings",
 ]
 
 REQUIRED_TRANSFER_MODE = "read"
@@ -187,3 +187,40 @@ def to_registration(msg: RegisterPing | _MoriioPing) -> Registration:
         handshake_port=handshake, dp_size=msg.dp_size, tp_size=msg.tp_size, model=msg.model,
         notify_port=notify, source="moriio",
     )
+
+
+def _ping_key(msg: RegisterPing | _MoriioPing) -> tuple:
+    """What :func:`to_registration` reads of ``msg``: every field but the signature's (``ts``, ``nonce``,
+    ``mac``: new in every signed ping) and ``answers``."""
+    values = [getattr(msg, name) for name in _KEY_FIELDS[type(msg)]]
+    return (type(msg), *(tuple(v) if isinstance(v, list) else v for v in values))
+
+
+_UNREAD = frozenset({"answers", "ts", "nonce", "mac"})
+_KEY_FIELDS = {kind: tuple(f for f in kind.__struct_fields__ if f not in _UNREAD)
+               for kind in (RegisterPing, MoriioPrefillPing, MoriioDecodePing)}
+
+
+class KnownPings:
+    """Owns the registrations made from pings already seen: a repeat ping (the same fields, a new signature)
+    gets the same :class:`Registration` object back, with no URL parsed again, and the registry then only
+    refreshes its instance's timestamp. Holds at most ``limit`` (then starts afresh); only pings that passed
+    the signature and bounds checks reach it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self._known: dict[tuple, Registration] = {}
+
+    def registration(self, msg: RegisterPing | _MoriioPing) -> Registration:
+        """``to_registration(msg)``, from what an earlier ping with the same fields made when there was one."""
+        key = _ping_key(msg)
+        reg = self._known.get(key)
+        if reg is None:
+            reg = to_registration(msg)  # raises WireError: nothing kept
+            if len(self._known) >= self.limit:
+                self._known.clear()
+            self._known[key] = reg
+        return reg
+
+    def __len__(self) -> int:
+        return len(self._known)

@@ -123,6 +123,16 @@ class ReportedLoad:
 
 
 @dataclass
+class _Routable:
+    """One role's live instances as last computed, and until when that list stays right without a change:
+    the moment its least recently heard member would pass the heartbeat timeout."""
+
+    instances: list["Instance"]
+    computed_at: float
+    valid_until: float
+
+
+@dataclass
 class Instance:
     """One engine (rank 0 of a P or D deployment): what it is (its :class:`Registration`), its health and its
     live load (the in-flight legs and their tokens per DP rank, changed only through
@@ -151,6 +161,9 @@ class Instance:
     #: per DP rank, the engine's own latest load report (None: not read yet, or the engine does not say)
     reported_load: list[ReportedLoad | None] = field(default_factory=list)
     pinned: frozenset[str] = frozenset()  # fields given by flag: never overwritten by what the engine reports
+    # the latest ping's registration as it came, and the record it made (until a probe learns more)
+    _ping: Registration | None = field(default=None, repr=False)
+    _from_ping: Registration | None = field(default=None, repr=False)
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -226,10 +239,17 @@ class Instance:
         self._take(replace(self.reg, **changes))
 
     def register(self, reg: Registration) -> None:
-        """A new ping: its registration replaces the old one (the ``kv_features`` known stay when it names none)."""
+        """A new ping: its registration replaces the old one (the ``kv_features`` known stay when it names none).
+        A ping that says what the one before it said (the same object from
+        :class:`~atom_kv.proxy.fleet.pings.KnownPings`, or an equal one), while nothing else changed the
+        record since, changes nothing and costs nothing."""
+        if self.reg is self._from_ping and (reg is self._ping or reg == self._ping):
+            return
+        self._ping = reg
         if reg.features is None and self.reg.features is not None:
             reg = replace(reg, features=self.reg.features)
         self._take(reg)
+        self._from_ping = self.reg
 
     def _take(self, reg: Registration) -> None:
         restarted = reg.engine_id != self.reg.engine_id
@@ -373,6 +393,9 @@ class Registry:
         self._on_added = on_added  # every engine add_static registered
         self._instances: dict[tuple[str, str], Instance] = {}
         self._sorted: dict[str, list[Instance]] | None = None
+        # live() per role, kept between changes: a request's pick costs no scan of the fleet
+        self._routable: dict[str, _Routable] = {}
+        self._open_circuits = {"P": 0, "D": 0}  # instances per role whose breaker is open or half-open
         self._waiters: list[asyncio.Future] = []
         self.wakeup = asyncio.Event()
         self.discovered = 0  # instances that came from pings (the ones max_instances bounds)
@@ -390,6 +413,7 @@ class Registry:
     # ------------------------------------------------------------------ changes
     def _changed(self) -> None:
         self._sorted = None
+        self._routable.clear()
         self._notify()
 
     def _notify(self) -> None:
@@ -399,7 +423,14 @@ class Registry:
                 fut.set_result(None)
 
     def _new_instance(self, reg: Registration) -> Instance:
-        return Instance(reg, breaker=self._breaker())
+        breaker = self._breaker()
+        role = reg.role
+
+        def flipped(opened: bool) -> None:
+            self._open_circuits[role] += 1 if opened else -1
+
+        breaker.on_flip = flipped
+        return Instance(reg, breaker=breaker)
 
     def _breaker(self) -> CircuitBreaker:
         min_requests, ratio, window_s = self._circuit_window
@@ -418,6 +449,9 @@ class Registry:
 
     def _remove(self, inst: Instance) -> None:
         del self._instances[inst.key]
+        inst.breaker.on_flip = None  # no longer counted
+        if inst.breaker.is_open:
+            self._open_circuits[inst.role] -= 1
         if not inst.static:
             self.discovered -= 1
         self._changed()
@@ -438,13 +472,19 @@ class Registry:
             if self.discovered >= self.max_instances:
                 self._make_room(now)
             inst = self._instances[key] = self._new_instance(reg)
+            inst._ping = inst._from_ping = reg
             self.discovered += 1
             self.wakeup.set()
         elif not inst.static:  # a static engine's record is its spec's and its probes'
+            draining = inst.draining
             inst.register(reg)
+            if inst.draining != draining:
+                self._routable.clear()
         elif inst.reg.draining != reg.draining:  # ... but one that pings may say it is leaving
             inst.learn(draining=reg.draining)
             self._changed()
+        if not new and not self.alive(inst, now):
+            self._routable.clear()  # silent past the timeout, heard again: live once more
         inst.last_seen = now
         inst.last_seen_wall = time.time()
         if not new:
@@ -538,6 +578,8 @@ class Registry:
         """A probe reached ``inst``: routable again (static instances also count it as a heartbeat)."""
         now = time.monotonic() if now is None else now
         if inst.static:
+            if not self.alive(inst, now):
+                self._routable.clear()  # silent past the timeout, reached again: live once more
             inst.last_seen = now
             inst.last_seen_wall = time.time()
             inst.expired = False
@@ -589,9 +631,25 @@ class Registry:
         return list(self._by_role()[role])
 
     def live(self, role: Role, now: float | None = None) -> list[Instance]:
-        """Routable instances of ``role`` (live, up and not draining), in a stable (address) order."""
+        """Routable instances of ``role`` (live, up and not draining), in a stable (address) order.
+
+        Kept between calls (a new list each time, the caller's to change): recomputed after a change of
+        any instance's state, membership or draining, and once the least recently heard member could have
+        passed the heartbeat timeout. A request's pick does not scan the fleet."""
         now = time.monotonic() if now is None else now
-        return [i for i in self._by_role()[role] if i.state == UP and not i.draining and self.alive(i, now)]
+        cached = self._routable.get(role)
+        if cached is None or now > cached.valid_until or now < cached.computed_at:
+            found = [i for i in self._by_role()[role] if i.state == UP and not i.draining and self.alive(i, now)]
+            oldest = min((i.last_seen for i in found), default=now)
+            cached = self._routable[role] = _Routable(found, now, oldest + self.heartbeat_timeout)
+        return list(cached.instances)
+
+    def closed_circuits(self, role: Role, candidates: list[Instance], now: float) -> list[Instance]:
+        """Those of ``candidates`` (instances of ``role``) whose breaker lets a request go now: ``candidates``
+        itself while no breaker of the role is open, else each one asked (the half-open ones' trials)."""
+        if not self._open_circuits[role]:
+            return candidates
+        return [i for i in candidates if i.breaker.allows(now)]
 
     def usable(self, role: Role, now: float | None = None) -> list[Instance]:
         """Live, up, and not behind an open circuit: what a request can be sent to now."""

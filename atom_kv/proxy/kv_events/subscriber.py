@@ -42,6 +42,9 @@ __all__ = ["FeedSpec", "FeedState", "KvEventSubscriber", "SubscriberLimits"]
 logger = logging.getLogger(__name__)
 
 _DRAIN = 256  # messages taken from one socket before the others get a turn
+#: the context's socket cap (libzmq's default is 1,023): three per feed (SUB, its monitor, the replay DEALER),
+#: so the default stops a proxy at about 340 engines; feeds are bounded by the registry (--max-instances)
+MAX_SOCKETS = 65536
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,7 @@ class KvEventSubscriber:
         self.limits = limits
         self._decoder = EventDecoder(limits.max_message_bytes)
         self._ctx = zmq.Context()
+        self._ctx.set(zmq.MAX_SOCKETS, MAX_SOCKETS)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)

@@ -110,7 +110,7 @@ class Relay:
         live = self.registry.live(role, now)
         if self.admission.cap:  # --max-concurrent-per-engine: only engines under their cap
             live = self.admission.under_cap(live)
-        healthy = [i for i in live if i.breaker.allows(now)]
+        healthy = self.registry.closed_circuits(role, live, now)
         if not healthy:
             if not live:
                 return None
