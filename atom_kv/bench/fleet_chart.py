@@ -16,6 +16,14 @@ __all__ = ["FIGURES", "draw", "missing"]
 
 Series = tuple[str, Callable[[dict[str, Any]], Optional[float]]]
 
+
+def _kv(key: str, scale: float) -> Callable[[dict[str, Any]], Optional[float]]:
+    """A series of the KV run's ``key`` (times ``scale``): None for a size without a KV run."""
+    def value(row: dict[str, Any]) -> Optional[float]:
+        kv = kv_row(row)
+        return None if kv is None else kv[key] * scale
+    return value
+
 #: file name -> (title, y label, its series: label and value of one size's row)
 FIGURES: dict[str, tuple[str, str, list[Series]]] = {
     "fleet_cpu_per_request": ("proxy CPU per request", "ms of CPU",
@@ -23,16 +31,14 @@ FIGURES: dict[str, tuple[str, str, list[Series]]] = {
     "fleet_added_latency": ("latency the proxy adds", "ms", [("p50", lambda r: r["added_p50_ms"]),
                                                             ("p99", lambda r: r["added_p99_ms"])]),
     "fleet_rss": ("proxy RSS", "MiB", [("after the requests", lambda r: r["rss_bytes"] / 2**20),
-                                       ("KV run (index held)", lambda r: kv_row(r)["rss_bytes"] / 2**20
-                                        if kv_row(r) else None)]),
+                                       ("KV run (index held)", _kv("rss_bytes", 1 / 2**20))]),
     "fleet_idle_cpu": ("pings, probes and load readings, no requests", "% of one core",
                        [("plain", lambda r: 100 * r["idle_cpu_core_share"]),
-                        ("with KV events", lambda r: 100 * kv_row(r)["cpu_core_share"] if kv_row(r) else None)]),
+                        ("with KV events", _kv("cpu_core_share", 100))]),
     "fleet_new_engine": ("a new engine's first ping to its first request", "s",
                          [("prefill", lambda r: r["new_engine"]["prefill_s"]),
                           ("decode", lambda r: r["new_engine"]["decode_s"])]),
-    "fleet_kv_index": ("KV index memory", "MiB", [("RSS over the plain run", lambda r: kv_row(r)["index_bytes"] / 2**20
-                                                   if kv_row(r) else None)]),
+    "fleet_kv_index": ("KV index memory", "MiB", [("RSS over the plain run", _kv("index_bytes", 1 / 2**20))]),
 }
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Optional
+from typing import Optional, cast
 
 import zmq
 import zmq.asyncio
@@ -194,7 +194,7 @@ class DiscoveryListener:
         loop = asyncio.get_running_loop()
         # a plain view of the socket: a message read or an answer sent costs no future and no loop round trip
         self._raw = zmq.Socket.shadow(sock.underlying)
-        fd = self._raw.getsockopt(zmq.FD)
+        fd = cast(int, self._raw.getsockopt(zmq.FD))  # ZMQ_FD is an int option; pyzmq types every option int | bytes
         loop.add_reader(fd, self._drain)
         try:
             while True:
@@ -217,7 +217,7 @@ class DiscoveryListener:
             return
         try:
             for _ in range(_BURST):
-                if not raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not cast(int, raw.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # an int option, as ZMQ_FD
                     return
                 try:
                     frames = raw.recv_multipart(zmq.NOBLOCK, copy=False)

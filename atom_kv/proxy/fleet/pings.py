@@ -197,7 +197,7 @@ def _ping_key(msg: RegisterPing | _MoriioPing) -> tuple:
 
 
 _UNREAD = frozenset({"answers", "ts", "nonce", "mac"})
-_KEY_FIELDS = {kind: tuple(f for f in kind.__struct_fields__ if f not in _UNREAD)
+_KEY_FIELDS: dict[type, tuple[str, ...]] = {kind: tuple(f for f in kind.__struct_fields__ if f not in _UNREAD)
                for kind in (RegisterPing, MoriioPrefillPing, MoriioDecodePing)}
 
 
