@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import httptools
 import msgspec
@@ -46,6 +46,7 @@ import zmq
 
 from atom_kv._cli import OneLineParser
 from atom_kv.auth import PURPOSE_REGISTER, sign_fields
+from atom_kv.proxy.fleet.static import Role, as_role
 from atom_kv.proxy.kv_events.wire import BlockRemoved, BlockStored, EventBatch, encode_seq
 from atom_kv.wire import RegisterPing
 
@@ -69,7 +70,7 @@ def address(k: int) -> str:
 class Engine:
     """One fake engine: its role, address, port, and what it has served."""
 
-    role: str
+    role: Role
     host: str
     engine_id: str
     port: int = 0
@@ -91,7 +92,7 @@ class Engine:
 
     def ping_fields(self, kv_events: bool) -> dict[str, Any]:
         return msgspec.to_builtins(RegisterPing(
-            role=self.role, index="0", request_address=f"{self.url}/v1/completions",  # type: ignore[arg-type]
+            role=self.role, index="0", request_address=f"{self.url}/v1/completions",
             handshake_port=40000, engine_id=self.engine_id, model="fake-model", answers=True,
             kv_events=f"tcp://{self.host}:{self.events_port}" if kv_events else None))
 
@@ -121,7 +122,8 @@ class _Conn(asyncio.Protocol):
         self.size = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # a stream connection's transport: asyncio types connection_made() for every kind of protocol
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -344,7 +346,7 @@ class Fleet:
         """The ``i``-th of ``n`` SSE events of a decode stream."""
         return _EVENT % (i, b'"length"' if i == n - 1 else b"null")
 
-    async def add(self, role: str, *, now: bool = False, watch: bool = False) -> Engine:
+    async def add(self, role: Role, *, now: bool = False, watch: bool = False) -> Engine:
         k = len(self.engines)
         engine = Engine(role, address(k), f"fleet-{role}-{k}", watch_first=watch)
         loop = asyncio.get_running_loop()
@@ -376,8 +378,9 @@ async def _commands(fleet: Fleet, stop: asyncio.Event) -> None:
             if reader.at_eof():
                 stop.set()  # the bench is gone
             continue
-        if line[0] == "add" and len(line) == 2 and line[1] in ("P", "D"):
-            engine = await fleet.add(line[1], now=True, watch=True)
+        role = as_role(line[1]) if line[0] == "add" and len(line) == 2 else None
+        if role is not None:
+            engine = await fleet.add(role, now=True, watch=True)
             print(f"added {engine.role} {engine.url}", flush=True)
         else:
             print(f"error unknown command {' '.join(line)!r} (expected 'add P' or 'add D')", flush=True)
@@ -390,7 +393,8 @@ async def _serve(args: argparse.Namespace) -> None:
     pinger = Pinger(args.discovery, token, args.ping_interval, kv).start()
     fleet = Fleet(pinger)
     try:
-        for role, count in (("P", args.prefills), ("D", args.decodes)):
+        sizes: tuple[tuple[Role, int], ...] = (("P", args.prefills), ("D", args.decodes))
+        for role, count in sizes:
             for _ in range(count):
                 await fleet.add(role)
         urls = {role: ",".join(e.url for e in fleet.engines if e.role == role) for role in ("P", "D")}
