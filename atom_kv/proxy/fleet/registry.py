@@ -165,6 +165,9 @@ class Instance:
     _ping: Registration | None = field(default=None, repr=False)
     _from_ping: Registration | None = field(default=None, repr=False)
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
+    #: told when its DP ranks change in number (its registry's routable lists are rebuilt: a policy keeps
+    #: per-rank structures for as long as the list it was given is the same object)
+    on_reshape: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._fit_loads()
@@ -268,6 +271,8 @@ class Instance:
             self.reported_load = (self.reported_load + [None] * dp)[:dp]
         if len(self.outstanding_tokens) != dp:
             self.outstanding_tokens = (self.outstanding_tokens + [0] * dp)[:dp]
+            if self.on_reshape is not None:
+                self.on_reshape()
         if len(self.outstanding_requests) != dp:
             self.outstanding_requests = (self.outstanding_requests + [0] * dp)[:dp]
 
@@ -430,7 +435,7 @@ class Registry:
             self._open_circuits[role] += 1 if opened else -1
 
         breaker.on_flip = flipped
-        return Instance(reg, breaker=breaker)
+        return Instance(reg, breaker=breaker, on_reshape=self._routable.clear)
 
     def _breaker(self) -> CircuitBreaker:
         min_requests, ratio, window_s = self._circuit_window
@@ -636,13 +641,19 @@ class Registry:
         Kept between calls (a new list each time, the caller's to change): recomputed after a change of
         any instance's state, membership or draining, and once the least recently heard member could have
         passed the heartbeat timeout. A request's pick does not scan the fleet."""
+        return list(self.routable(role, now))
+
+    def routable(self, role: Role, now: float | None = None) -> list[Instance]:
+        """What :meth:`live` returns, as the registry's own list: the same object until it is recomputed
+        (a change of state, membership, draining or a member's DP ranks, or a member that may have timed out),
+        so a policy may keep what it derived from it for as long as it is given that object. Do not change it."""
         now = time.monotonic() if now is None else now
         cached = self._routable.get(role)
         if cached is None or now > cached.valid_until or now < cached.computed_at:
             found = [i for i in self._by_role()[role] if i.state == UP and not i.draining and self.alive(i, now)]
             oldest = min((i.last_seen for i in found), default=now)
             cached = self._routable[role] = _Routable(found, now, oldest + self.heartbeat_timeout)
-        return list(cached.instances)
+        return cached.instances
 
     def closed_circuits(self, role: Role, candidates: list[Instance], now: float) -> list[Instance]:
         """Those of ``candidates`` (instances of ``role``) whose breaker lets a request go now: ``candidates``
