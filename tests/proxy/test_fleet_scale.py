@@ -7,7 +7,9 @@ may look at every instance of a 1,000-engine fleet on every request (``bench fle
 from __future__ import annotations
 
 from atom_kv.proxy.fleet.breaker import CircuitBreaker
-from atom_kv.proxy.fleet.registry import Registration, Registry
+from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
+from atom_kv.proxy.fleet.registry import Instance, Registration, Registry
+from atom_kv.proxy.observability.metrics import ProxyMetrics
 from atom_kv.proxy.routing import policies
 from atom_kv.proxy.routing.base import RouteContext
 from atom_kv.proxy.routing.policies import LeastLoaded, PrefixHash
@@ -198,3 +200,23 @@ def test_a_dp_resize_rebuilds_the_routable_list():
     policy = LeastLoaded()
     ranks = {(i.base_url, rank) for i, rank in (policy.choose(after, CTX) for _ in range(5))}
     assert len(ranks) == 5  # five idle slots, the resized instance's second rank among them
+
+
+def test_the_health_tick_looks_only_at_the_engines_it_must_probe(monkeypatch):
+    r = _fleet()
+    looked = []
+    state = Instance.static
+    monkeypatch.setattr(Instance, "static", property(lambda self: looked.append(self) or state.fget(self)))
+    monitor = HealthMonitor(r, UpstreamHealth(r, ProxyMetrics()), interval_s=2.0, timeout_s=1.0,
+                            connect_timeout=1.0, tick_s=0.5)
+    for k in range(10):
+        monitor.tick(1.0 + k / 10)  # every engine up and pinging: nothing to probe
+    assert len(looked) <= 10 and not monitor._probing  # 10,000 looks before (1,000 engines, 10 ticks)
+    down = r.known("D")[7]
+    r.mark_down(down, "refused", None)
+    assert r.to_probe() == [down]
+    r.mark_up(down, now=2.0)
+    assert r.to_probe() == []
+    r.remove(down)
+    r.upsert(down.reg, now=2.0)
+    assert [i.base_url for i in r.to_probe()] == [down.base_url]  # back, pending

@@ -400,6 +400,7 @@ class Registry:
         self._sorted: dict[str, list[Instance]] | None = None
         # live() per role, kept between changes: a request's pick costs no scan of the fleet
         self._routable: dict[str, _Routable] = {}
+        self._to_probe: dict[tuple[str, str], Instance] = {}  # static, pending or down: see to_probe()
         self._open_circuits = {"P": 0, "D": 0}  # instances per role whose breaker is open or half-open
         self._waiters: list[asyncio.Future] = []
         self.wakeup = asyncio.Event()
@@ -454,6 +455,7 @@ class Registry:
 
     def _remove(self, inst: Instance) -> None:
         del self._instances[inst.key]
+        self._to_probe.pop(inst.key, None)
         inst.breaker.on_flip = None  # no longer counted
         if inst.breaker.is_open:
             self._open_circuits[inst.role] -= 1
@@ -476,7 +478,7 @@ class Registry:
         if inst is None:
             if self.discovered >= self.max_instances:
                 self._make_room(now)
-            inst = self._instances[key] = self._new_instance(reg)
+            inst = self._instances[key] = self._to_probe[key] = self._new_instance(reg)
             inst._ping = inst._from_ping = reg
             self.discovered += 1
             self.wakeup.set()
@@ -520,7 +522,7 @@ class Registry:
         inst.dp_rank_field = engine.dp_rank_field
         inst.spec_dp_size = engine.dp_size
         inst.pinned = frozenset(k for k, v in (("tp_size", engine.tp_size), ("engine_id", engine.engine_id)) if v)
-        self._instances[inst.key] = inst
+        self._instances[inst.key] = self._to_probe[inst.key] = inst
         self._changed()
         self.wakeup.set()
         if self._on_added is not None:
@@ -551,6 +553,7 @@ class Registry:
         if inst.state == DOWN or self._instances.get(inst.key) is not inst:
             return False
         inst.state = DOWN
+        self._to_probe[inst.key] = inst
         inst.clear_reported_load()
         inst.down_reason = reason
         inst.probe_failure = failure
@@ -591,6 +594,8 @@ class Registry:
         if inst.state != UP:
             was = inst.state
             inst.state = UP
+            if not inst.static:
+                self._to_probe.pop(inst.key, None)
             inst.down_reason = ""
             inst.probe_failure = None
             self._changed()
@@ -630,6 +635,11 @@ class Registry:
                 by_role[inst.role].append(inst)
             self._sorted = by_role
         return self._sorted
+
+    def to_probe(self) -> list[Instance]:
+        """The instances a health probe must reach: static ones (they send no pings), and the pending and down
+        ones. Kept as their state changes, so the prober's tick does not look at every up engine."""
+        return list(self._to_probe.values())
 
     def known(self, role: Role) -> list[Instance]:
         """Every instance of ``role`` (any state), in address order."""
