@@ -7,9 +7,15 @@ may look at every instance of a 1,000-engine fleet on every request (``bench fle
 from __future__ import annotations
 
 from atom_kv.proxy.fleet.breaker import CircuitBreaker
-from atom_kv.proxy.fleet.registry import Registration, Registry
+from atom_kv.proxy.fleet.health import HealthMonitor, UpstreamHealth
+from atom_kv.proxy.fleet.registry import Instance, Registration, Registry
+from atom_kv.proxy.observability.metrics import ProxyMetrics
+from atom_kv.proxy.routing import policies
+from atom_kv.proxy.routing.base import RouteContext
+from atom_kv.proxy.routing.policies import LeastLoaded, PrefixHash
 
 FLEET = 500  # instances per role
+CTX = RouteContext(text="", prompt_tokens=10)
 
 
 class CountingRegistry(Registry):
@@ -125,3 +131,92 @@ def test_a_repeat_ping_from_a_known_engine_only_refreshes_its_timestamp(monkeypa
     listener.handle(ping(draining=True))
     assert inst.model is None and len(taken) == 3 and len(parsed) == 2
     assert len(listener.known_pings) == 2
+
+
+class CountingLoads(list):
+    """A DP-rank load list that counts the reads a policy makes of it."""
+
+    reads = 0
+
+    def __getitem__(self, rank):  # type: ignore[no-untyped-def]
+        CountingLoads.reads += 1
+        return super().__getitem__(rank)
+
+
+def test_least_loaded_pick_does_not_read_every_slot():
+    r = _fleet()
+    for inst in r.known("P"):
+        inst.outstanding_tokens = CountingLoads(inst.outstanding_tokens)
+    policy, ledger = LeastLoaded(), []
+    CountingLoads.reads = 0
+    for _ in range(100):  # 100 picks, 32 legs in flight at a time
+        inst, rank = policy.choose(r.routable("P", 1.0), CTX)
+        inst.add_load(rank, 10)
+        ledger.append((inst, rank))
+        if len(ledger) > 32:
+            done, rank_done = ledger.pop(0)
+            done.remove_load(rank_done, 10)
+    # the idle slot each pick starts at, and the busy ones in its way: not 500 reads a pick (50,000 before)
+    assert CountingLoads.reads <= 100 * 34
+
+
+def test_least_loaded_picks_as_a_full_scan_would():
+    r = _fleet(n=50)
+    policy, inst_loads = LeastLoaded(), r.known("P")
+    for k, inst in enumerate(inst_loads):
+        inst.add_load(0, (k * 7919) % 5)  # some idle, most busy, ties among both
+    counter = 0
+    for _ in range(200):
+        cands = r.routable("P", 1.0)
+        slots = [(i, 0) for i in cands]
+        start = counter % len(slots)
+        counter += 1
+        expected = min(slots[start:] + slots[:start], key=lambda s: s[0].outstanding_tokens[0])
+        inst, rank = policy.choose(cands, CTX)
+        assert (inst, rank) == expected
+        inst.add_load(rank, 3)
+
+
+def test_prefix_hash_weighs_every_candidate_once_per_prefix(monkeypatch):
+    r = _fleet()
+    weighed = []
+    mix = policies._mix64
+    monkeypatch.setattr(policies, "_mix64", lambda x: weighed.append(x) or mix(x))
+    policy = PrefixHash(16)
+    prompts = [f"system prompt {k % 5}" for k in range(100)]
+    picks = [policy.choose(r.routable("P", 1.0), RouteContext(text=p, prompt_tokens=4))[0] for p in prompts]
+    assert len(weighed) <= 5 * FLEET  # once per new prefix, not once per pick (50,000 before)
+    full = PrefixHash(16)  # the same picks as weighing every candidate every time
+    assert picks == [full.choose(list(r.live("P", 1.0)), RouteContext(text=p, prompt_tokens=4))[0] for p in prompts]
+
+
+def test_a_dp_resize_rebuilds_the_routable_list():
+    r = _fleet(n=4)
+    before = r.routable("P", 1.0)
+    assert r.routable("P", 1.0) is before
+    before[0].resize_dp(2)
+    after = r.routable("P", 1.0)
+    assert after is not before
+    policy = LeastLoaded()
+    ranks = {(i.base_url, rank) for i, rank in (policy.choose(after, CTX) for _ in range(5))}
+    assert len(ranks) == 5  # five idle slots, the resized instance's second rank among them
+
+
+def test_the_health_tick_looks_only_at_the_engines_it_must_probe(monkeypatch):
+    r = _fleet()
+    looked = []
+    state = Instance.static
+    monkeypatch.setattr(Instance, "static", property(lambda self: looked.append(self) or state.fget(self)))
+    monitor = HealthMonitor(r, UpstreamHealth(r, ProxyMetrics()), interval_s=2.0, timeout_s=1.0,
+                            connect_timeout=1.0, tick_s=0.5)
+    for k in range(10):
+        monitor.tick(1.0 + k / 10)  # every engine up and pinging: nothing to probe
+    assert len(looked) <= 10 and not monitor._probing  # 10,000 looks before (1,000 engines, 10 ticks)
+    down = r.known("D")[7]
+    r.mark_down(down, "refused", None)
+    assert r.to_probe() == [down]
+    r.mark_up(down, now=2.0)
+    assert r.to_probe() == []
+    r.remove(down)
+    r.upsert(down.reg, now=2.0)
+    assert [i.base_url for i in r.to_probe()] == [down.base_url]  # back, pending

@@ -185,15 +185,12 @@ class HealthMonitor:
         self.registry.flush_logs()
         if self._pool is not None:  # a fleet of static engines is probed every interval: one connection each
             self._pool.limit = fleet_pool_limit(len(self.registry), MAX_CONCURRENT_PROBES)
-        for role in ("P", "D"):
-            for inst in self.registry.known(role):
-                if not (inst.static or inst.state in (PENDING, DOWN)):
-                    continue
-                key = inst.key
-                if key in self._probing or now < self._next_probe.get(key, 0.0):
-                    continue
-                self._next_probe[key] = now + self.interval_s
-                self._probing[key] = asyncio.create_task(self._probe_one(inst))
+        for inst in self.registry.to_probe():  # static, pending and down ones, not every up engine
+            key = inst.key
+            if key in self._probing or now < self._next_probe.get(key, 0.0):
+                continue
+            self._next_probe[key] = now + self.interval_s
+            self._probing[key] = asyncio.create_task(self._probe_one(inst))
         if len(self._next_probe) > 2 * len(self.registry) + 64:  # forget instances that left
             known = {i.key for r in ("P", "D") for i in self.registry.known(r)}
             self._next_probe = {k: v for k, v in self._next_probe.items() if k in known}

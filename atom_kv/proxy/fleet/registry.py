@@ -165,6 +165,9 @@ class Instance:
     _ping: Registration | None = field(default=None, repr=False)
     _from_ping: Registration | None = field(default=None, repr=False)
     _urls: dict[str, URL] = field(default_factory=dict, repr=False)
+    #: told when its DP ranks change in number (its registry's routable lists are rebuilt: a policy keeps
+    #: per-rank structures for as long as the list it was given is the same object)
+    on_reshape: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._fit_loads()
@@ -268,6 +271,8 @@ class Instance:
             self.reported_load = (self.reported_load + [None] * dp)[:dp]
         if len(self.outstanding_tokens) != dp:
             self.outstanding_tokens = (self.outstanding_tokens + [0] * dp)[:dp]
+            if self.on_reshape is not None:
+                self.on_reshape()
         if len(self.outstanding_requests) != dp:
             self.outstanding_requests = (self.outstanding_requests + [0] * dp)[:dp]
 
@@ -395,6 +400,7 @@ class Registry:
         self._sorted: dict[str, list[Instance]] | None = None
         # live() per role, kept between changes: a request's pick costs no scan of the fleet
         self._routable: dict[str, _Routable] = {}
+        self._to_probe: dict[tuple[str, str], Instance] = {}  # static, pending or down: see to_probe()
         self._open_circuits = {"P": 0, "D": 0}  # instances per role whose breaker is open or half-open
         self._waiters: list[asyncio.Future] = []
         self.wakeup = asyncio.Event()
@@ -430,7 +436,7 @@ class Registry:
             self._open_circuits[role] += 1 if opened else -1
 
         breaker.on_flip = flipped
-        return Instance(reg, breaker=breaker)
+        return Instance(reg, breaker=breaker, on_reshape=self._routable.clear)
 
     def _breaker(self) -> CircuitBreaker:
         min_requests, ratio, window_s = self._circuit_window
@@ -449,6 +455,7 @@ class Registry:
 
     def _remove(self, inst: Instance) -> None:
         del self._instances[inst.key]
+        self._to_probe.pop(inst.key, None)
         inst.breaker.on_flip = None  # no longer counted
         if inst.breaker.is_open:
             self._open_circuits[inst.role] -= 1
@@ -471,7 +478,7 @@ class Registry:
         if inst is None:
             if self.discovered >= self.max_instances:
                 self._make_room(now)
-            inst = self._instances[key] = self._new_instance(reg)
+            inst = self._instances[key] = self._to_probe[key] = self._new_instance(reg)
             inst._ping = inst._from_ping = reg
             self.discovered += 1
             self.wakeup.set()
@@ -515,7 +522,7 @@ class Registry:
         inst.dp_rank_field = engine.dp_rank_field
         inst.spec_dp_size = engine.dp_size
         inst.pinned = frozenset(k for k, v in (("tp_size", engine.tp_size), ("engine_id", engine.engine_id)) if v)
-        self._instances[inst.key] = inst
+        self._instances[inst.key] = self._to_probe[inst.key] = inst
         self._changed()
         self.wakeup.set()
         if self._on_added is not None:
@@ -546,6 +553,7 @@ class Registry:
         if inst.state == DOWN or self._instances.get(inst.key) is not inst:
             return False
         inst.state = DOWN
+        self._to_probe[inst.key] = inst
         inst.clear_reported_load()
         inst.down_reason = reason
         inst.probe_failure = failure
@@ -586,6 +594,8 @@ class Registry:
         if inst.state != UP:
             was = inst.state
             inst.state = UP
+            if not inst.static:
+                self._to_probe.pop(inst.key, None)
             inst.down_reason = ""
             inst.probe_failure = None
             self._changed()
@@ -626,6 +636,11 @@ class Registry:
             self._sorted = by_role
         return self._sorted
 
+    def to_probe(self) -> list[Instance]:
+        """The instances a health probe must reach: static ones (they send no pings), and the pending and down
+        ones. Kept as their state changes, so the prober's tick does not look at every up engine."""
+        return list(self._to_probe.values())
+
     def known(self, role: Role) -> list[Instance]:
         """Every instance of ``role`` (any state), in address order."""
         return list(self._by_role()[role])
@@ -636,13 +651,19 @@ class Registry:
         Kept between calls (a new list each time, the caller's to change): recomputed after a change of
         any instance's state, membership or draining, and once the least recently heard member could have
         passed the heartbeat timeout. A request's pick does not scan the fleet."""
+        return list(self.routable(role, now))
+
+    def routable(self, role: Role, now: float | None = None) -> list[Instance]:
+        """What :meth:`live` returns, as the registry's own list: the same object until it is recomputed
+        (a change of state, membership, draining or a member's DP ranks, or a member that may have timed out),
+        so a policy may keep what it derived from it for as long as it is given that object. Do not change it."""
         now = time.monotonic() if now is None else now
         cached = self._routable.get(role)
         if cached is None or now > cached.valid_until or now < cached.computed_at:
             found = [i for i in self._by_role()[role] if i.state == UP and not i.draining and self.alive(i, now)]
             oldest = min((i.last_seen for i in found), default=now)
             cached = self._routable[role] = _Routable(found, now, oldest + self.heartbeat_timeout)
-        return list(cached.instances)
+        return cached.instances
 
     def closed_circuits(self, role: Role, candidates: list[Instance], now: float) -> list[Instance]:
         """Those of ``candidates`` (instances of ``role``) whose breaker lets a request go now: ``candidates``

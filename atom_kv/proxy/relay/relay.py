@@ -107,7 +107,7 @@ class Relay:
         """Route one leg of ``role``: the charge its holder releases when the leg ends (None: no instance,
         or none under ``--max-concurrent-per-engine``)."""
         now = time.monotonic()
-        live = self.registry.live(role, now)
+        live = self.registry.routable(role, now)  # the registry's own list: nothing below changes it
         if self.admission.cap:  # --max-concurrent-per-engine: only engines under their cap
             live = self.admission.under_cap(live)
         healthy = self.registry.closed_circuits(role, live, now)

@@ -31,7 +31,9 @@ class Policy(ABC):
 
     @abstractmethod
     def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
-        """``candidates`` is non-empty and in stable address order."""
+        """``candidates`` is non-empty and in stable address order. The same list object given again holds
+        the same instances (the registry's :meth:`~atom_kv.proxy.fleet.registry.Registry.routable` list, or a
+        caller's new list), so a policy may key what it derives from the candidates on the list's identity."""
 
     def charged_tokens(self, inst: Instance, rank: int, ctx: RouteContext, tokens: int) -> int:
         """The tokens of load a leg this policy just chose (``inst``, ``rank`` for ``ctx``) puts on its rank

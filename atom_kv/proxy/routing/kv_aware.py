@@ -22,6 +22,10 @@ keyed per process and could not do this). The winner is recorded as holding the 
 (:meth:`~atom_kv.proxy.kv_events.index.KvIndex.record`, predict-on-route) until its events arrive, so a
 burst of siblings finds it.
 
+A pick scores every candidate rank: a rank the index does not name still competes on its load and its tie
+weight, so which of the unnamed ranks wins cannot be known without looking at each (docs/routing.md, "What a
+pick costs"). The index lookup itself is one walk of the prompt's keys, whatever the fleet's size.
+
 Without the prompt's token ids (no ``--tokenizer``, no engine ``/tokenize`` and a text prompt) the policy
 routes as ``cache_aware`` does and says so once in the log.
 """

@@ -116,19 +116,44 @@ class LeastLoaded(Policy):
     """The (instance, DP rank) with the fewest outstanding prompt tokens.
 
     Ties go to the first in address/rank order after the last pick, so equal
-    loads still spread."""
+    loads still spread. Owns the flat (instance, rank) list of the candidate
+    list it was last given, kept while it is given the same list object
+    (:meth:`~atom_kv.proxy.fleet.registry.Registry.routable`). A pick walks
+    from its starting slot and stops at the first idle one (no load is below 0),
+    so it looks at one slot plus the busy ones in its way, not at the whole pool."""
 
     def __init__(self) -> None:
         self._counter = 0
+        self._for: list[Instance] | None = None
+        self._slots: list[tuple[Instance, int]] = []
+
+    def _slots_of(self, candidates: list[Instance]) -> list[tuple[Instance, int]]:
+        if candidates is not self._for:
+            self._for = candidates
+            self._slots = [(inst, rank) for inst in candidates for rank in range(len(inst.outstanding_tokens))]
+        return self._slots
 
     def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
-        slots = [(inst, rank) for inst in candidates for rank in range(len(inst.outstanding_tokens))]
+        slots = self._slots_of(candidates)
         if not slots:  # only while a dp_size change is being applied
             return candidates[0], 0
-        start = self._counter % len(slots)
+        n = len(slots)
+        start = self._counter % n
         self._counter += 1
-        rotated = slots[start:] + slots[:start]
-        return min(rotated, key=lambda s: s[0].outstanding_tokens[s[1]])
+        best, best_load = slots[start], None
+        for k in range(n):  # the first least loaded slot in order from start, as min() over the rotation
+            slot = slots[(start + k) % n]
+            loads = slot[0].outstanding_tokens
+            if slot[1] >= len(loads):  # its instance lost ranks to a resize this list was not rebuilt for
+                self._for = None
+                self._counter -= 1
+                return self.choose(candidates, ctx)
+            load = loads[slot[1]]
+            if best_load is None or load < best_load:
+                best, best_load = slot, load
+                if load <= 0:
+                    break
+        return best
 
 
 def _mix64(x: int) -> int:
@@ -143,17 +168,32 @@ def _hash64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
 
 
+#: prefixes whose winner :class:`PrefixHash` remembers for its current candidate list
+PREFIX_MEMO = 8192
+
+
 class PrefixHash(Policy):
     """The prompt's first ``prefix_chars`` characters pick the instance by rendezvous
     (highest-random-weight) hashing: stable across proxies, and when an instance
     joins or leaves only the prefixes it wins or held move (no ``hash % n``
-    reshuffle). The DP rank comes from the same hash."""
+    reshuffle). The DP rank comes from the same hash.
+
+    Finding the highest weight looks at every candidate once per prefix: the
+    winner of each prefix is remembered (up to :data:`PREFIX_MEMO` of them) for as
+    long as the policy is given the same candidate list object
+    (:meth:`~atom_kv.proxy.fleet.registry.Registry.routable`), so a prefix seen
+    again costs one lookup. A consistent-hash ring would make a new prefix
+    O(log N) too, but would move prefixes other proxies' picks still send where
+    they are, so the weights stay."""
 
     uses_text = True
 
-    def __init__(self, prefix_chars: int) -> None:
+    def __init__(self, prefix_chars: int, memo: int = PREFIX_MEMO) -> None:
         self.prefix_chars = prefix_chars
+        self.memo = memo
         self._inst_hash: dict[tuple[str, str], int] = {}
+        self._for: list[Instance] | None = None
+        self._winners: dict[int, Instance] = {}
 
     def _weight_seed(self, inst: Instance) -> int:
         h = self._inst_hash.get(inst.key)
@@ -163,11 +203,20 @@ class PrefixHash(Policy):
 
     def choose(self, candidates: list[Instance], ctx: RouteContext) -> tuple[Instance, int]:
         h = _hash64(ctx.text[: self.prefix_chars])
-        inst = max(candidates, key=lambda i: _mix64(h ^ self._weight_seed(i)))
+        if candidates is not self._for:
+            self._for = candidates
+            self._winners = {}
+        inst = self._winners.get(h)
+        if inst is None:
+            inst = max(candidates, key=lambda i: _mix64(h ^ self._weight_seed(i)))
+            if len(self._winners) >= self.memo:
+                del self._winners[next(iter(self._winners))]  # the oldest
+            self._winners[h] = inst
         return inst, (h >> 17) % inst.dp_size
 
     def forget(self, inst: Instance) -> None:
         self._inst_hash.pop(inst.key, None)
+        self._for = None
 
 
 class CacheAware(Policy):
@@ -180,7 +229,12 @@ class CacheAware(Policy):
     the pool is imbalanced (in-flight requests: ``max - min >
     balance_abs_threshold`` and ``max > min * balance_rel_threshold``) the
     least-loaded instance wins. Either way the prompt is recorded in the
-    winner's tree."""
+    winner's tree.
+
+    A pick looks at every candidate: the balance check reads each one's load and
+    the longest match is asked of each one's tree (one tree per instance). That
+    scan is what the policy is; ``prefix_hash`` or ``kv_aware`` route on prefixes
+    without it, or with a bounded part of it."""
 
     uses_text = True
 
