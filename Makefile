@@ -43,7 +43,7 @@ lint: $(STAMP)
 # `make test`: the whole suite, in TEST_WORKERS processes (pytest-xdist; each test file stays in
 # one process, so a file's engines start once). TEST_WORKERS=0 runs it in this process alone.
 TEST_WORKERS ?= 2
-PYTEST_ARGS = -q -p no:cacheprovider $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
+PYTEST_ARGS = -q -p no:cacheprovider --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
 test: $(STAMP)
 	$(BIN)/python scripts/check_lock.py $(LOCK)

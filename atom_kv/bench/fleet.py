@@ -49,6 +49,7 @@ from typing import Any, Callable, Optional
 import aiohttp
 
 from atom_kv.bench import targets as bench_targets
+from atom_kv.bench.fleet_rows import kv_row, measured
 from atom_kv.testing.ports import free_port
 from atom_kv.testing.procfs import process_stat, rss_bytes
 
@@ -419,17 +420,6 @@ async def _kv(args: argparse.Namespace, n: int, log: Any, token_file: str, plain
 
 
 # ---------------------------------------------------------------------- figures and targets
-def measured(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rows of the sizes that were measured (a failed size's row has only ``n`` and ``error``)."""
-    return [r for r in rows if "error" not in r]
-
-
-def kv_row(row: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """A measured row's KV event figures (None: not run, or it failed: then ``row["kv"]["error"]`` says why)."""
-    kv = row.get("kv")
-    return kv if kv and "error" not in kv else None
-
-
 def _derive(rows: list[dict[str, Any]]) -> None:
     """Each measured row's RSS per engine: its growth over the smallest measured N's, per engine added."""
     done = measured(rows)

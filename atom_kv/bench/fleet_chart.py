@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional
 
-from atom_kv.bench.fleet import kv_row, measured
+from atom_kv.bench.fleet_rows import kv_row, measured
 from atom_kv.extras import MissingExtraError, require
 
 __all__ = ["FIGURES", "draw", "missing"]
