@@ -1,6 +1,7 @@
 """Greedy outputs through proxy + prefill + decode equal a colocated engine's, token for token.
 
-One cluster per (prefill TP, decode TP, backend); every cluster serves
+One cluster per (prefill TP, decode TP, backend): every TP mix over tcp, the unequal
+ones over cma, one over nixl. Every cluster serves
 completions and chat, streaming and not, in both modes: through a proxy that
 forwards the prefill's first token (the decode engine continues from it),
 through one started with ``--no-first-token-forwarding`` (sequential legs, the
@@ -24,8 +25,11 @@ from tests.e2e.helpers import PROMPTS, generate, get_json, kv_read_floor
 
 COMBOS = [
     pytest.param((tp_p, tp_d, backend), id=f"P{tp_p}-D{tp_d}-{backend}")
-    for backend in ("tcp", "cma")
-    for tp_p, tp_d in ((1, 1), (2, 2), (2, 1), (1, 2))
+    for backend, mixes in (("tcp", ((1, 1), (2, 2), (2, 1), (1, 2))),
+                           # the TP mixing is the connector's, the same over every backend: cma runs the two
+                           # unequal mixes, where its reads are split and merged across ranks
+                           ("cma", ((2, 1), (1, 2))))
+    for tp_p, tp_d in mixes
 ] + [
     # real NIXL (UCX on loopback), one TP mix: the backend is what differs
     pytest.param((2, 1, "nixl"), id="P2-D1-nixl",
