@@ -10,7 +10,7 @@ import os
 from typing import Any, Callable, Optional
 
 from atom_kv.bench.fleet_rows import kv_row, measured
-from atom_kv.extras import MissingExtraError, require
+from atom_kv.bench.png import missing
 
 __all__ = ["FIGURES", "draw", "missing"]
 
@@ -42,13 +42,6 @@ FIGURES: dict[str, tuple[str, str, list[Series]]] = {
 }
 
 
-def missing() -> Optional[str]:
-    """Why ``--png`` cannot draw here (None: it can)."""
-    try:
-        require("matplotlib", extra="bench", feature="--png")
-    except MissingExtraError as exc:
-        return f"{exc} (or pip install matplotlib)"
-    return None
 
 
 def draw(doc: dict[str, Any], directory: str, *, dpi: int = 80) -> list[str]:

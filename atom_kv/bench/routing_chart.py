@@ -6,20 +6,13 @@ matplotlib is optional (the ``bench`` extra) and imported only here, only when a
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
-from atom_kv.extras import MissingExtraError, require
+from atom_kv.bench.png import missing
 
 __all__ = ["draw", "missing"]
 
 
-def missing() -> Optional[str]:
-    """Why ``--png`` cannot draw here (None: it can)."""
-    try:
-        require("matplotlib", extra="bench", feature="--png")
-    except MissingExtraError as exc:
-        return f"{exc} (or pip install matplotlib)"
-    return None
 
 
 def draw(doc: dict[str, Any], path: str) -> None:
